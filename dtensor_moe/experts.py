@@ -1,0 +1,73 @@
+"""SwiGLU experts stored stacked, in torchtitan's GroupedExperts layout and names.
+
+w1 [E, F, D], w2 [E, D, F], w3 [E, F, D]: state dicts map one-to-one to torchtitan.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def _grouped_mm_supported(x: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16
+    # The CPU kernel exists from torch 2.13 for these dtypes; float64 takes the exact loop below.
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _cpu_grouped_mm_ok()
+
+
+_CPU_GMM: list[bool] = []
+
+
+def _cpu_grouped_mm_ok() -> bool:
+    if not _CPU_GMM:
+        try:
+            a, b = torch.ones(2, 2), torch.ones(1, 2, 2)
+            torch._grouped_mm(a, b, offs=torch.tensor([2], dtype=torch.int32))
+            _CPU_GMM.append(True)
+        except (RuntimeError, NotImplementedError):
+            _CPU_GMM.append(False)
+    return _CPU_GMM[0]
+
+
+def grouped_mm(x_TI: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Tensor, use_kernel: bool) -> torch.Tensor:
+    """Rows of x_TI are grouped by expert (counts_E rows each); row block e is multiplied by w_EIO[e]."""
+    if use_kernel:
+        offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        return torch._grouped_mm(x_TI, w_EIO, offs=offs_E)
+    sizes = counts_E.tolist()
+    outs = [xe @ w_EIO[e] for e, xe in enumerate(torch.split(x_TI, sizes, dim=0))]
+    return torch.cat(outs, dim=0) if outs else x_TI.new_empty(0, w_EIO.shape[-1])
+
+
+def grouped_swiglu(x_TD, counts_E, w1_EFD, w2_EDF, w3_EFD, use_kernel: bool | None = None) -> torch.Tensor:
+    if use_kernel is None:
+        use_kernel = _grouped_mm_supported(x_TD)
+    h_TF = F.silu(grouped_mm(x_TD, w1_EFD.transpose(-2, -1), counts_E, use_kernel))
+    h_TF = h_TF * grouped_mm(x_TD, w3_EFD.transpose(-2, -1), counts_E, use_kernel)
+    return grouped_mm(h_TF, w2_EDF.transpose(-2, -1), counts_E, use_kernel)
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    # Parallelized weights are DTensors; the dispatcher already brought this rank the tokens
+    # of exactly the slice it holds, so the GEMM runs on the local shard.
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """x_TD holds tokens grouped by expert, counts_E[e] of them for expert e."""
+        return grouped_swiglu(x_TD, counts_E, _local(self.w1), _local(self.w2), _local(self.w3))
+
+    def reset_parameters(self, std: float = 0.02):
+        for w in (self.w1, self.w2, self.w3):
+            nn.init.trunc_normal_(w, std=std)

@@ -1,0 +1,132 @@
+"""Parallel degrees and the two folded meshes (dense and expert) over the same ranks.
+
+Dense mesh  (dp_replicate, dp_shard, cp, tp)
+Expert mesh (dp_replicate, edp, ep, etp), with edp * ep * etp == dp_shard * cp * tp.
+ETP is innermost, then EP, so those groups are consecutive ranks and stay inside a node.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+DENSE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_AXES = ("dp_replicate", "edp", "ep", "etp")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class MoEParallelDims:
+    world_size: int
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    def __post_init__(self):
+        w = self.world_size
+        if w < 1:
+            raise ValueError(f"world_size must be >= 1, got {w}")
+        for name in ("dp_replicate", "cp", "tp", "ep", "etp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise ValueError(f"dp_shard must be >= 1 or -1 (the rest of the world), got {self.dp_shard}")
+        fixed = self.dp_replicate * self.cp * self.tp
+        if w % fixed != 0:
+            raise ValueError(
+                f"dp_replicate * cp * tp = {self.dp_replicate}*{self.cp}*{self.tp} = {fixed} must divide "
+                f"world_size {w}; valid values for that product: {divisors(w)}"
+            )
+        dp_shard = w // fixed if self.dp_shard == -1 else self.dp_shard
+        if dp_shard * fixed != w:
+            raise ValueError(
+                f"dp_replicate * dp_shard * cp * tp must equal world_size {w}, got "
+                f"{self.dp_replicate}*{dp_shard}*{self.cp}*{self.tp} = {dp_shard * fixed}; "
+                f"valid dp_shard here: {w // fixed} (or -1)"
+            )
+        object.__setattr__(self, "dp_shard", dp_shard)
+        folded = dp_shard * self.cp * self.tp
+        if folded % (self.ep * self.etp) != 0:
+            pairs = [(e, t) for e in divisors(folded) for t in divisors(folded // e)]
+            raise ValueError(
+                f"ep * etp = {self.ep}*{self.etp} must divide dp_shard * cp * tp = {folded}: the expert mesh "
+                f"(edp, ep, etp) folds over the same ranks as the dense (dp_shard, cp, tp). "
+                f"Valid ep: {divisors(folded)}; valid (ep, etp) pairs: {pairs}"
+            )
+
+    @property
+    def edp(self) -> int:
+        return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
+
+    @property
+    def dense_shape(self) -> tuple[int, ...]:
+        return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    @property
+    def expert_shape(self) -> tuple[int, ...]:
+        return (self.dp_replicate, self.edp, self.ep, self.etp)
+
+    @property
+    def dp(self) -> int:
+        """Ranks that see different tokens (data-parallel, including context-parallel shards)."""
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        return _coords(rank, EXPERT_AXES, self.expert_shape)
+
+    def dense_coords(self, rank: int) -> dict[str, int]:
+        return _coords(rank, DENSE_AXES, self.dense_shape)
+
+    def build_meshes(self, device_type: str = "cuda") -> "MoEMeshes":
+        """Creates the process groups (collective); cached so repeated calls reuse them."""
+        key = (self, device_type)
+        if key not in _MESH_CACHE:
+            _MESH_CACHE[key] = _build(self, device_type)
+        return _MESH_CACHE[key]
+
+
+def _coords(rank: int, axes, shape) -> dict[str, int]:
+    out = {}
+    for name, size in zip(reversed(axes), reversed(shape)):
+        out[name] = rank % size
+        rank //= size
+    return {a: out[a] for a in axes}
+
+
+@dataclass(frozen=True)
+class MoEMeshes:
+    dense: DeviceMesh
+    expert: DeviceMesh
+    dp: DeviceMesh  # (dp_replicate, dp_shard_cp): where dense weights are FSDP-sharded
+
+
+_MESH_CACHE: dict = {}
+
+
+def _build(dims: MoEParallelDims, device_type: str) -> MoEMeshes:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ValueError("torch.distributed must be initialized before building meshes (init_process_group)")
+    if dist.get_world_size() != dims.world_size:
+        raise ValueError(
+            f"MoEParallelDims.world_size ({dims.world_size}) must equal the process group size "
+            f"({dist.get_world_size()})"
+        )
+    ranks = torch.arange(dims.world_size)
+    dense = DeviceMesh(device_type, ranks.view(dims.dense_shape), mesh_dim_names=DENSE_AXES)
+    expert = DeviceMesh(device_type, ranks.view(dims.expert_shape), mesh_dim_names=EXPERT_AXES)
+    if dims.cp == 1:
+        dp = dense["dp_replicate", "dp_shard"]
+    else:
+        # Context-parallel shards see different tokens, so dense weights are sharded over them too.
+        dp_shape = (dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp)
+        dp = DeviceMesh(device_type, ranks.view(dp_shape), mesh_dim_names=("dp_replicate", "dp_shard_cp", "tp"))
+        dp = dp["dp_replicate", "dp_shard_cp"]
+    return MoEMeshes(dense=dense, expert=expert, dp=dp)

@@ -1,0 +1,114 @@
+"""The MoE feed-forward layer: route, group tokens by expert, run experts, combine.
+
+It knows nothing about parallelism. `parallelize_moe` swaps `stats` for a reducer over the
+data-parallel ranks and wraps `experts` with the expert-parallel dispatcher.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MoEConfig
+from .experts import GroupedExperts
+from .router import TopKRouter
+
+
+class LocalStats:
+    """Load-balancing statistics on one process: the batch is all the data there is."""
+
+    num_ranks = 1
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+class FeedForward(nn.Module):
+    """Dense SwiGLU, used for shared experts."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def reset_parameters(self, std: float = 0.02):
+        for lin in (self.w1, self.w2, self.w3):
+            nn.init.trunc_normal_(lin.weight, std=std)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.router = TopKRouter(config)
+        self.experts = GroupedExperts(config.dim, config.hidden_dim, config.num_experts)
+        self.shared_experts = (
+            FeedForward(config.dim, config.hidden_dim * config.num_shared_experts)
+            if config.num_shared_experts > 0
+            else None
+        )
+        # Counts of tokens routed to each expert since the last bias update, over the global batch.
+        self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
+        if config.load_balance == "aux_free_bias":
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts))
+        else:
+            self.expert_bias = None
+        self.stats = LocalStats()
+        self.aux_loss: torch.Tensor | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02):
+        self.router.reset_parameters(std)
+        self.experts.reset_parameters(std)
+        if self.shared_experts is not None:
+            self.shared_experts.reset_parameters(std)
+
+    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        B, L, D = x_BLD.shape
+        x_TD = x_BLD.reshape(-1, D)
+        weights_TK, experts_TK, scores_TE = self.router(x_TD, self.expert_bias)
+        counts_E = torch.bincount(experts_TK.flatten(), minlength=cfg.num_experts)
+        global_counts_E = self.stats.sum(counts_E.to(self.tokens_per_expert.dtype))
+        with torch.no_grad():
+            self.tokens_per_expert += global_counts_E
+        if cfg.load_balance == "aux_loss":
+            self.aux_loss = self._aux_loss(scores_TE, global_counts_E)
+
+        # Stable sort keeps each expert's tokens in token order: deterministic grouping.
+        order_N = torch.argsort(experts_TK.flatten(), stable=True)
+        token_N = order_N // cfg.top_k
+        y_ND = self.experts(x_TD[token_N], counts_E)
+        y_ND = y_ND * weights_TK.flatten()[order_N].unsqueeze(-1)
+        y_TD = torch.zeros_like(x_TD).index_add(0, token_N, y_ND)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+        return y_TD.view(B, L, D)
+
+    def _aux_loss(self, scores_TE: torch.Tensor, global_counts_E: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's batch-level balance loss sum_e f_e * P_e over the *global* batch.
+
+        Each rank returns the global value; its gradient is this rank's share scaled so that the
+        mean over ranks (the data-parallel loss convention) has exactly the global gradient.
+        """
+        cfg = self.config
+        num_tokens = global_counts_E.sum() / cfg.top_k
+        if cfg.score_func == "sigmoid":
+            scores_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
+        f_E = global_counts_E * cfg.num_experts / (cfg.top_k * num_tokens.clamp(min=1))
+        local_sum_E = scores_TE.sum(dim=0)
+        scale = cfg.aux_loss_coeff / num_tokens.clamp(min=1)
+        local = (f_E * local_sum_E).sum() * scale * self.stats.num_ranks
+        global_value = (f_E * self.stats.sum(local_sum_E.detach())).sum() * scale
+        return local + (global_value - local).detach()
+
+    @torch.no_grad()
+    def update_expert_bias(self):
+        """Aux-loss-free balancing: nudge under-loaded experts up, over-loaded down, then reset counts."""
+        if self.expert_bias is not None:
+            tpe = self.tokens_per_expert
+            self.expert_bias += self.config.bias_update_rate * torch.sign(tpe.mean() - tpe)
+        self.tokens_per_expert.zero_()

@@ -1,0 +1,90 @@
+"""Apply the placement plan to every MoE layer of a model, in place."""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from .dispatch import ExpertDispatcher
+from .mesh import MoEMeshes, MoEParallelDims
+from .moe import MoE
+from .plan import WeightPlan, plan_moe
+
+
+class DataParallelStats:
+    """Sums load-balancing statistics over exactly the ranks that see different tokens."""
+
+    def __init__(self, dp_mesh):
+        self.groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim) if dp_mesh.size(i) > 1]
+        self.num_ranks = dp_mesh.size()
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        for g in self.groups:
+            dist.all_reduce(t, group=g)
+        return t
+
+
+def _fsdp_mesh(mesh, dims: MoEParallelDims, shard_axis: str):
+    return mesh["dp_replicate", shard_axis] if dims.dp_replicate > 1 else mesh[shard_axis]
+
+
+def _placement_fn(module: nn.Module, plans: tuple[WeightPlan, ...]):
+    by_param = {module.get_parameter(wp.name): Shard(wp.fsdp_step.dim) for wp in plans}
+    return lambda p: by_param.get(p)
+
+
+def _parallelize_one(moe: MoE, dims: MoEParallelDims, meshes: MoEMeshes, fsdp_kwargs: dict):
+    plans = plan_moe(moe.config, dims)
+    experts_plans = tuple(wp for wp in plans if wp.role == "expert")
+    dense_plans = tuple(wp for wp in plans if wp.role == "dense")
+
+    ep_etp = meshes.expert["ep", "etp"]
+    for wp in experts_plans:
+        name = wp.name.split(".", 1)[1]
+        param = getattr(moe.experts, name)
+        placements = [Shard(wp.step_on("ep").dim), Shard(wp.step_on("etp").dim)]
+        # src_data_rank=None: every rank already holds the same full weight, so slice locally.
+        dt = distribute_tensor(param.data, ep_etp, placements, src_data_rank=None)
+        setattr(moe.experts, name, nn.Parameter(dt, requires_grad=param.requires_grad))
+    if dims.ep * dims.etp > 1:
+        d = ExpertDispatcher(
+            moe.config.num_experts, ep_etp.get_group("ep"), ep_etp.get_group("etp"), dims.ep, dims.etp
+        )
+        moe.experts.register_forward_pre_hook(lambda mod, args: d.dispatch(*args))
+        moe.experts.register_forward_hook(lambda mod, args, out: d.combine(out))
+    fully_shard(
+        moe.experts,
+        mesh=_fsdp_mesh(meshes.expert, dims, "edp"),
+        shard_placement_fn=_placement_fn(moe, experts_plans),
+        **fsdp_kwargs,
+    )
+    dp_axis = meshes.dp.mesh_dim_names[-1]
+    fully_shard(moe, mesh=_fsdp_mesh(meshes.dp, dims, dp_axis), shard_placement_fn=_placement_fn(moe, dense_plans), **fsdp_kwargs)
+    moe.stats = DataParallelStats(meshes.dp)
+
+
+def parallelize_moe(
+    module: nn.Module,
+    dims: MoEParallelDims,
+    *,
+    device_type: str = "cuda",
+    mp_policy=None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard every `MoE` in `module` by its placement plan (EP, ETP, FSDP2 over EDP / HSDP).
+
+    Dense parts outside the MoE layers are left for the caller's own `fully_shard` (on
+    `dims.build_meshes(...).dp`), as in torchtitan's parallelize functions.
+    """
+    moes = [m for m in module.modules() if isinstance(m, MoE)]
+    for m in moes:  # every check before the first collective, so a bad config never hangs a rank
+        plan_moe(m.config, dims)
+    meshes = dims.build_meshes(device_type)
+    fsdp_kwargs = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        fsdp_kwargs["mp_policy"] = mp_policy
+    for m in moes:
+        _parallelize_one(m, dims, meshes, fsdp_kwargs)
+    return module

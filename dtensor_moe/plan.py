@@ -1,0 +1,217 @@
+"""The placement plan: the one place that decides which rank owns which slice of each weight.
+
+Plain data. `parallelize_moe` applies it, the ownership checks and the CLI (`plan`, `explain`)
+read it; nothing else decides placements.
+
+Expert weights shard in this order: EP splits experts (dim 0), ETP splits the expert hidden dim F
+(w1/w3 dim 1, w2 dim 2), then FSDP2 splits the local slice over EDP along a dim chosen so that no
+padding is needed, replicated over dp_replicate (HSDP). Dense weights (router, shared experts) are
+FSDP-sharded over the data-parallel ranks.
+"""
+
+import math
+from dataclasses import dataclass
+
+from .config import MoEConfig
+from .mesh import MoEParallelDims, divisors
+
+
+@dataclass(frozen=True)
+class ShardStep:
+    axis: str  # mesh axis name
+    dim: int  # tensor dim split over that axis, applied to the slice left by earlier steps
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    name: str  # parameter name relative to the MoE module
+    role: str  # "expert" | "dense"
+    global_shape: tuple[int, ...]
+    steps: tuple[ShardStep, ...]  # in application order
+    replicate_axes: tuple[str, ...]  # axes that hold full copies of each slice
+    local_shape: tuple[int, ...]  # on rank 0, which holds the largest slice
+    padded: bool  # FSDP pads the last slices (no even split existed)
+
+    @property
+    def fsdp_step(self) -> ShardStep:
+        return self.steps[-1]
+
+    def step_on(self, axis: str) -> ShardStep | None:
+        return next((s for s in self.steps if s.axis == axis), None)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.global_shape)
+
+    def placements(self) -> dict[str, str]:
+        """Human-readable placement per mesh axis, e.g. {"ep": "Shard(0)", "edp": "Shard(0) of local"}."""
+        out = {a: "Replicate()" for a in self.replicate_axes}
+        for i, s in enumerate(self.steps):
+            out[s.axis] = f"Shard({s.dim})" + (" of local" if i == len(self.steps) - 1 and i > 0 else "")
+        return out
+
+
+def _chunk(start: int, stop: int, parts: int, idx: int) -> tuple[int, int]:
+    """torch.chunk semantics (used by DTensor and FSDP2): ceil-sized chunks, trailing ones short or empty."""
+    size = -(-(stop - start) // parts)
+    lo = min(start + idx * size, stop)
+    return lo, min(lo + size, stop)
+
+
+def fsdp_dim(local_shape: tuple[int, ...], parts: int, prefer: tuple[int, ...]) -> int:
+    """First dim in `prefer` that splits evenly over `parts`; dim 0 (FSDP pads it) if none does."""
+    for d in prefer:
+        if local_shape[d] % parts == 0:
+            return d
+    return 0
+
+
+def _validate(config: MoEConfig, dims: MoEParallelDims):
+    E, F = config.num_experts, config.hidden_dim
+    if E % dims.ep != 0:
+        valid = [d for d in divisors(dims.dp_shard * dims.cp * dims.tp) if E % d == 0]
+        raise ValueError(
+            f"num_experts ({E}) must be divisible by ep ({dims.ep}) so each EP rank owns whole experts; "
+            f"valid ep for this world: {valid}"
+        )
+    if F % dims.etp != 0:
+        valid = [d for d in divisors(dims.dp_shard * dims.cp * dims.tp // dims.ep) if F % d == 0]
+        raise ValueError(
+            f"hidden_dim ({F}) must be divisible by etp ({dims.etp}) so each ETP rank owns an equal F slice; "
+            f"valid etp with ep={dims.ep}: {valid}"
+        )
+    if dims.tp > 1:
+        raise ValueError(
+            f"tp={dims.tp}: tensor parallelism of the MoE input is not supported by parallelize_moe yet; "
+            f"use etp for expert tensor parallelism and tp=1 (fold the ranks into dp_shard)"
+        )
+
+
+def _local_shape(global_shape, steps, sizes) -> tuple[int, ...]:
+    shape = list(global_shape)
+    for s in steps:
+        lo, hi = _chunk(0, shape[s.dim], sizes[s.axis], 0)
+        shape[s.dim] = hi - lo
+    return tuple(shape)
+
+
+def axis_sizes(dims: MoEParallelDims) -> dict[str, int]:
+    return {
+        "dp_replicate": dims.dp_replicate,
+        "dp_shard": dims.dp_shard,
+        "dp_shard_cp": dims.dp_shard * dims.cp,
+        "cp": dims.cp,
+        "tp": dims.tp,
+        "edp": dims.edp,
+        "ep": dims.ep,
+        "etp": dims.etp,
+    }
+
+
+def rank_coords(dims: MoEParallelDims, rank: int) -> dict[str, int]:
+    c = {**dims.dense_coords(rank), **dims.expert_coords(rank)}
+    c["dp_shard_cp"] = c["dp_shard"] * dims.cp + c["cp"]
+    return c
+
+
+def _weight(name, role, shape, steps, replicate, sizes) -> WeightPlan:
+    *pre, last = steps
+    local_before = _local_shape(shape, pre, sizes)
+    return WeightPlan(
+        name=name,
+        role=role,
+        global_shape=tuple(shape),
+        steps=tuple(steps),
+        replicate_axes=replicate,
+        local_shape=_local_shape(shape, steps, sizes),
+        padded=local_before[last.dim] % sizes[last.axis] != 0,
+    )
+
+
+def plan_moe(config: MoEConfig, dims: MoEParallelDims) -> tuple[WeightPlan, ...]:
+    """The placement of every parameter of one `MoE` module (names relative to it)."""
+    _validate(config, dims)
+    sizes = axis_sizes(dims)
+    E, F, D = config.num_experts, config.hidden_dim, config.dim
+    plans = []
+    for name, shape, f_dim in (("experts.w1", (E, F, D), 1), ("experts.w2", (E, D, F), 2), ("experts.w3", (E, F, D), 1)):
+        model_steps = [ShardStep("ep", 0), ShardStep("etp", f_dim)]
+        local = _local_shape(shape, model_steps, sizes)
+        d = fsdp_dim(local, dims.edp, prefer=(0, 3 - f_dim, f_dim))
+        plans.append(_weight(name, "expert", shape, [*model_steps, ShardStep("edp", d)], ("dp_replicate",), sizes))
+    dense = [("router.gate.weight", (E, D))]
+    if config.num_shared_experts:
+        Fs = F * config.num_shared_experts
+        dense += [("shared_experts.w1.weight", (Fs, D)), ("shared_experts.w2.weight", (D, Fs)), ("shared_experts.w3.weight", (Fs, D))]
+    dp_axis = "dp_shard" if dims.cp == 1 else "dp_shard_cp"
+    for name, shape in dense:
+        d = fsdp_dim(shape, sizes[dp_axis], prefer=(0, 1))
+        plans.append(_weight(name, "dense", shape, [ShardStep(dp_axis, d)], ("dp_replicate",), sizes))
+    return tuple(plans)
+
+
+def owned_box(wp: WeightPlan, dims: MoEParallelDims, rank: int) -> tuple[slice, ...]:
+    """The global index box of `wp` that `rank` holds (each step chunks the previous slice)."""
+    coords = rank_coords(dims, rank)
+    sizes = axis_sizes(dims)
+    box = [(0, n) for n in wp.global_shape]
+    for s in wp.steps:
+        box[s.dim] = _chunk(*box[s.dim], sizes[s.axis], coords[s.axis])
+    return tuple(slice(lo, hi) for lo, hi in box)
+
+
+@dataclass(frozen=True)
+class Ownership:
+    name: str
+    numel: int
+    copies: int  # how many ranks hold each element (must be dp_replicate everywhere)
+    max_rank_numel: int
+    min_rank_numel: int
+    shard_factor: int  # product of the shard degrees applied: EP*ETP*EDP for experts
+
+    @property
+    def exact(self) -> bool:
+        """Per-rank elements == numel / shard_factor on every rank."""
+        return self.max_rank_numel == self.min_rank_numel == self.numel // self.shard_factor and (
+            self.numel % self.shard_factor == 0
+        )
+
+
+def ownership(wp: WeightPlan, dims: MoEParallelDims) -> Ownership:
+    """Counts, from the plan alone, how many ranks hold each element of the weight.
+
+    Raises ValueError if any element is held by a number of ranks other than dp_replicate
+    (double sharding or a hole)."""
+    sizes = axis_sizes(dims)
+    vols, total = [], 0
+    # Each element's copy count: sum of box volumes must equal numel * dp_replicate and
+    # boxes within one dp_replicate group must be pairwise disjoint (checked by sorting starts).
+    groups: dict[int, list] = {}
+    for r in range(dims.world_size):
+        box = owned_box(wp, dims, r)
+        vol = math.prod(s.stop - s.start for s in box)
+        vols.append(vol)
+        total += vol
+        groups.setdefault(rank_coords(dims, r)["dp_replicate"], []).append(box)
+    copies, rem = divmod(total, wp.numel)
+    if rem or copies != dims.dp_replicate or not all(_tiles(b, wp.global_shape) for b in groups.values()):
+        raise ValueError(f"{wp.name}: placement plan does not cover each element exactly dp_replicate times")
+    factor = math.prod(sizes[s.axis] for s in wp.steps)
+    return Ownership(wp.name, wp.numel, copies, max(vols), min(vols), factor)
+
+
+def _tiles(boxes, shape) -> bool:
+    """True if the non-empty boxes of one replica tile the tensor exactly (no overlap, no hole).
+
+    Each box is a product of per-dim intervals; they tile iff every dim's distinct intervals
+    partition [0, n) and the distinct boxes are exactly the grid those partitions span."""
+    nonempty = {tuple((s.start, s.stop) for s in b) for b in boxes if all(s.stop > s.start for s in b)}
+    grid = 1
+    for d, n in enumerate(shape):
+        ivals = sorted({b[d] for b in nonempty})
+        if not ivals or ivals[0][0] != 0 or ivals[-1][1] != n:
+            return False
+        if any(a[1] != b[0] for a, b in zip(ivals, ivals[1:])):
+            return False
+        grid *= len(ivals)
+    return grid == len(nonempty)
