@@ -94,7 +94,7 @@ class ExpertDispatcher:
         if self.etp > 1:
             n_self = sum(recv_per_src)
             y = _AllToAll.apply(y, [n_self] * self.etp, peer_sizes, self.etp_group)
-            y = y.view(self.etp, n_self, -1).sum(0)
+            y = y.view(self.etp, n_self, y.shape[-1]).sum(0)
         if self.ep > 1:
             y = _AllToAll.apply(y, send, recv_per_src, self.ep_group)
         return y

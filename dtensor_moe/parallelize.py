@@ -88,3 +88,28 @@ def parallelize_moe(
     for m in moes:
         _parallelize_one(m, dims, meshes, fsdp_kwargs)
     return module
+
+
+def parallelize_model(
+    model: nn.Module,
+    dims: MoEParallelDims,
+    *,
+    device_type: str = "cuda",
+    mp_policy=None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """`parallelize_moe`, then FSDP2/HSDP on each transformer block and the root (embeddings, head).
+
+    Works for any model whose blocks are in `model.layers`; tied embeddings stay in the root group.
+    """
+    parallelize_moe(model, dims, device_type=device_type, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    meshes = dims.build_meshes(device_type)
+    mesh = _fsdp_mesh(meshes.dp, dims, meshes.dp.mesh_dim_names[-1])
+    kwargs = {"mesh": mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's parameters are needed again right after forward (loss head), so keep them gathered.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model

@@ -114,3 +114,14 @@ def check_parity(rank: int, world_size: int, case: Case) -> dict:
         ref.update_expert_bias()
         errs["expert_bias"] = _err(model.expert_bias, ref.expert_bias)
     return errs
+
+
+def parallelize_with_bad_input(rank: int, world_size: int, kind: str):
+    """Every rank must raise the same ValueError before any collective (the harness would time out otherwise)."""
+    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=6, top_k=2)
+    dims = {
+        "world_mismatch": lambda: MoEParallelDims(world_size * 2, ep=2),
+        "experts_not_divisible": lambda: MoEParallelDims(world_size, ep=4),
+        "hidden_not_divisible": lambda: MoEParallelDims(world_size, etp=4),
+    }[kind]()
+    parallelize_moe(MoE(cfg), dims, device_type="cpu")

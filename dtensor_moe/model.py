@@ -1,0 +1,132 @@
+"""A small decoder-only MoE language model. No parallel code: `parallelize_model` shards it."""
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MoEConfig
+from .moe import MoE
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    num_experts: int = 8
+    top_k: int = 2
+    moe_hidden_dim: int = 64
+    num_shared_experts: int = 0
+    score_func: str = "softmax"
+    route_norm: bool = True
+    route_scale: float = 1.0
+    load_balance: str = "none"
+    aux_loss_coeff: float = 1e-3
+    bias_update_rate: float = 1e-3
+    tie_embeddings: bool = False
+    max_seq_len: int = 1024
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown [model] keys {sorted(unknown)}; valid keys: {sorted(known)}")
+        return cls(**d)
+
+    def moe_config(self) -> MoEConfig:
+        return MoEConfig(
+            dim=self.dim,
+            hidden_dim=self.moe_hidden_dim,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            score_func=self.score_func,
+            route_norm=self.route_norm,
+            route_scale=self.route_scale,
+            num_shared_experts=self.num_shared_experts,
+            load_balance=self.load_balance,
+            aux_loss_coeff=self.aux_loss_coeff,
+            bias_update_rate=self.bias_update_rate,
+        )
+
+
+def _rope(x_BHLK: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding on the last dim (K = head dim)."""
+    L, K = x_BHLK.shape[-2], x_BHLK.shape[-1]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, K, 2, device=x_BHLK.device, dtype=torch.float32) / K))
+    angles_LK = torch.outer(torch.arange(L, device=x_BHLK.device, dtype=torch.float32), inv_freq)
+    cos, sin = angles_LK.cos().to(x_BHLK.dtype), angles_LK.sin().to(x_BHLK.dtype)
+    x1, x2 = x_BHLK[..., 0::2], x_BHLK[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.wqkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+
+    def forward(self, x_BLD):
+        B, L, D = x_BLD.shape
+        q, k, v = self.wqkv(x_BLD).view(B, L, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
+        o_BHLK = F.scaled_dot_product_attention(_rope(q), _rope(k), v, is_causal=True)
+        return self.wo(o_BHLK.transpose(1, 2).reshape(B, L, D))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.moe = MoE(cfg.moe_config())
+
+    def forward(self, x_BLD):
+        h_BLD = x_BLD + self.attention(self.attention_norm(x_BLD))
+        return h_BLD + self.moe(self.ffn_norm(h_BLD))
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.normal_(self.tok_embeddings.weight, std=0.02)
+        std_out = 0.02 / (2 * self.config.n_layers) ** 0.5
+        for block in self.layers:
+            nn.init.normal_(block.attention.wqkv.weight, std=0.02)
+            nn.init.normal_(block.attention.wo.weight, std=std_out)
+            block.moe.reset_parameters(std=std_out)
+        if self.output is not None:
+            nn.init.normal_(self.output.weight, std=self.config.dim**-0.5)
+
+    def forward(self, tokens_BL: torch.Tensor) -> torch.Tensor:
+        h_BLD = self.tok_embeddings(tokens_BL)
+        for block in self.layers:
+            h_BLD = block(h_BLD)
+        h_BLD = self.norm(h_BLD)
+        w_VD = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(h_BLD, w_VD)
+
+    def aux_loss(self) -> torch.Tensor | float:
+        """Sum of the MoE layers' load-balancing losses from the last forward (0 when disabled)."""
+        return sum(b.moe.aux_loss for b in self.layers if b.moe.aux_loss is not None) or 0.0
+
+    def update_expert_bias(self):
+        for block in self.layers:
+            block.moe.update_expert_bias()

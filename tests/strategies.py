@@ -1,0 +1,44 @@
+"""Hypothesis strategies shared by the property tests: meshes, shapes and routing skews."""
+
+from hypothesis import strategies as st
+
+from dtensor_moe.mesh import divisors
+
+from .parity import Case
+
+WORLD_SIZES = (1, 2, 4, 6, 8)
+
+
+@st.composite
+def foldings(draw, world_size: int):
+    """(dp_replicate, ep, etp) with edp = world / (dp_replicate * ep * etp): every factorization."""
+    dp_replicate = draw(st.sampled_from(divisors(world_size)))
+    rest = world_size // dp_replicate
+    ep = draw(st.sampled_from(divisors(rest)))
+    etp = draw(st.sampled_from(divisors(rest // ep)))
+    return dp_replicate, ep, etp
+
+
+@st.composite
+def cases(draw, world_size: int):
+    dp_replicate, ep, etp = draw(foldings(world_size))
+    num_experts = ep * draw(st.integers(1, 3))  # includes E == EP and E/EP not divisible by EDP
+    top_k = draw(st.one_of(st.just(num_experts), st.integers(1, num_experts)))
+    batch = draw(st.lists(st.integers(0, 3), min_size=world_size, max_size=world_size))
+    return Case(
+        dp_replicate=dp_replicate,
+        ep=ep,
+        etp=etp,
+        num_experts=num_experts,
+        top_k=top_k,
+        dim=draw(st.sampled_from([4, 6, 8])),
+        hidden_dim=etp * draw(st.integers(1, 3)),
+        batch_per_rank=tuple(batch),
+        seq_len=draw(st.integers(1, 3)),
+        hot_expert=draw(st.one_of(st.none(), st.integers(0, num_experts - 1))),
+        score_func=draw(st.sampled_from(["softmax", "sigmoid"])),
+        route_norm=draw(st.booleans()),
+        num_shared_experts=draw(st.integers(0, 1)),
+        load_balance=draw(st.sampled_from(["none", "aux_loss", "aux_free_bias"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
