@@ -1,7 +1,7 @@
 """`dtensor-moe` command line: train | plan | explain | export | import.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`;
-modules are imported lazily so `dtensor-moe plan` never pays for the training stack.
+only the chosen subcommand's module is imported, so `dtensor-moe plan` never pays for training.
 """
 
 import argparse
@@ -22,21 +22,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="dtensor-moe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
-        p.set_defaults(_module=module)
-        try:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if argv and argv[0] == name:  # only the chosen subcommand's module is imported
             mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            p.set_defaults(_missing=True)
-            continue
-        getattr(mod, f"add_{name}_arguments", mod.add_arguments)(p)
+            (getattr(mod, f"add_{name}_arguments", None) or mod.add_arguments)(p)
     args = parser.parse_args(argv)
-    if getattr(args, "_missing", False):
-        parser.error(f"subcommand {args.command!r} is not available in this build")
-    mod = importlib.import_module(args._module)
-    return getattr(mod, f"run_{args.command}", mod.run)(args) or 0
+    mod = importlib.import_module(SUBCOMMANDS[args.command][0])
+    return (getattr(mod, f"run_{args.command}", None) or mod.run)(args) or 0
 
 
 if __name__ == "__main__":

@@ -83,10 +83,12 @@ class MoE(nn.Module):
         token_N = order_N // cfg.top_k
         y_ND = self.experts(x_TD[token_N], counts_E)
         y_ND = y_ND * weights_TK.flatten()[order_N].unsqueeze(-1)
-        y_TD = torch.zeros_like(x_TD).index_add(0, token_N, y_ND)
+        # Accumulate into a fresh (B, L, D) tensor so the layer returns no view (FSDP2 hooks outputs).
+        y_BLD = torch.zeros_like(x_BLD)
+        y_BLD.view(-1, D).index_add_(0, token_N, y_ND)
         if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
-        return y_TD.view(B, L, D)
+            y_BLD = y_BLD + self.shared_experts(x_BLD)
+        return y_BLD
 
     def _aux_loss(self, scores_TE: torch.Tensor, global_counts_E: torch.Tensor) -> torch.Tensor:
         """DeepSeek's batch-level balance loss sum_e f_e * P_e over the *global* batch.

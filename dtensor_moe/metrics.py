@@ -1,0 +1,70 @@
+"""Run outputs written by rank 0: metrics.jsonl (one line per step), loss.png, summary.json."""
+
+import json
+import os
+import resource
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS of this rank's process
+
+
+class RunWriter:
+    def __init__(self, run_dir: str, total_steps: int, show_progress: bool = True):
+        os.makedirs(run_dir, exist_ok=True)
+        self.run_dir = run_dir
+        self.metrics = open(os.path.join(run_dir, "metrics.jsonl"), "w")
+        self.rows: list[dict] = []
+        self.bar = None
+        if show_progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+
+    def step(self, row: dict):
+        self.rows.append(row)
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+        if self.bar is not None:
+            mem = row["peak_mem_per_rank_gib"]
+            self.bar.set_postfix(
+                loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", mem_gib=f"{min(mem):.2f}-{max(mem):.2f}"
+            )
+            self.bar.update(1)
+
+    def finish(self, summary: dict):
+        if self.bar is not None:
+            self.bar.close()
+        self.metrics.close()
+        plot_loss(self.rows, os.path.join(self.run_dir, "loss.png"))
+        write_json(os.path.join(self.run_dir, "summary.json"), summary)
+
+
+def write_json(path: str, obj):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def plot_loss(rows: list[dict], path: str, reference: list[float] | None = None):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss")
+    if reference is not None:
+        ax.plot([r["step"] for r in rows], reference, "--", label="1-process reference")
+        ax.legend()
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

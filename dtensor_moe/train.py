@@ -1,0 +1,219 @@
+"""`dtensor-moe train`: train the small MoE language model on CPU ranks (gloo) or GPUs (NCCL).
+
+Outside torchrun it starts its local ranks itself through torch.distributed.run; under torchrun
+(also multi-node) it uses the environment as given. `--parity` then trains the same model on one
+process with the same data and fails if any step's loss differs by more than the tolerance.
+"""
+
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+
+from .train_config import Config, load_config
+
+
+def add_arguments(p):
+    p.add_argument("--config", required=True, help="TOML file (see configs/)")
+    p.add_argument("--steps", type=int, help="override training.steps")
+    p.add_argument("--run-dir", help="output directory (default runs/<config name>)")
+    p.add_argument("--nproc", type=int, help="local ranks to start (default parallel.nproc)")
+    p.add_argument("--parity", action="store_true", help="also train on 1 process and compare losses step by step")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    p.add_argument("--resume", nargs="?", const="latest", help="resume from DIR (default: latest in run dir)")
+    p.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep")
+    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.ep=4 training.lr=1e-3")
+
+
+def _resolve(args) -> tuple[Config, str]:
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"training.steps={args.steps}")
+    if args.nproc is not None:
+        overrides.append(f"parallel.nproc={args.nproc}")
+    cfg = load_config(args.config, overrides)
+    run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
+    return cfg, run_dir
+
+
+def _worker_argv(args, run_dir: str) -> list[str]:
+    argv = ["--config", args.config, "--run-dir", run_dir, "--checkpoint-every", str(args.checkpoint_every)]
+    argv += ["--keep-last", str(args.keep_last)]
+    if args.steps is not None:
+        argv += ["--steps", str(args.steps)]
+    if args.nproc is not None:
+        argv += ["--nproc", str(args.nproc)]
+    if args.resume is not None:
+        argv += ["--resume", args.resume]
+    return argv + list(args.overrides)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(args) -> int:
+    cfg, run_dir = _resolve(args)
+    _check(cfg)
+    if "LOCAL_RANK" in os.environ:  # launched by torchrun: this process is one rank
+        if args.parity:
+            raise ValueError("--parity needs the local launcher: run `dtensor-moe train` without torchrun")
+        train_ranks(cfg, run_dir, args)
+        return 0
+    n = cfg.parallel.nproc
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", f"--master-port={_free_port()}"]
+    cmd += ["-m", "dtensor_moe.cli", "train", *_worker_argv(args, run_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    rc = subprocess.call(cmd, env=env)
+    if rc != 0:
+        return rc
+    return parity(cfg, run_dir) if args.parity else 0
+
+
+def _check(cfg: Config):
+    from .mesh import MoEParallelDims
+    from .plan import plan_moe
+
+    p = cfg.parallel
+    if p.device not in ("cpu", "cuda"):
+        raise ValueError(f"parallel.device must be 'cpu' or 'cuda', got {p.device!r}")
+    if cfg.training.dtype not in ("float32", "bf16"):
+        raise ValueError(f"training.dtype must be 'float32' or 'bf16', got {cfg.training.dtype!r}")
+    plan_moe(cfg.model.moe_config(), MoEParallelDims(p.nproc, dp_replicate=p.dp_replicate, ep=p.ep, etp=p.etp))
+
+
+def parity(cfg: Config, run_dir: str) -> int:
+    """Train the same model on one process with the same global batches; compare per-step loss."""
+    ref_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc=1, dp_replicate=1, ep=1, etp=1))
+    ref_dir = os.path.join(run_dir, "reference_1proc")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={_free_port()}"]
+    cmd += ["-m", "dtensor_moe.train", json.dumps(ref_cfg.to_dict()), ref_dir]
+    rc = subprocess.call(cmd)
+    if rc != 0:
+        return rc
+    ours = _losses(run_dir)
+    ref = _losses(ref_dir)
+    deltas = [abs(a - b) for a, b in zip(ours, ref)]
+    tol = cfg.training.parity_tolerance
+    report = {"steps": len(deltas), "max_abs_delta": max(deltas), "tolerance": tol, "per_step_abs_delta": deltas}
+    from .metrics import write_json
+
+    write_json(os.path.join(run_dir, "parity.json"), report)
+    print(f"parity vs 1 process over {len(deltas)} steps: max |dloss| = {max(deltas):.3e} (tolerance {tol:g})")
+    return 0 if max(deltas) <= tol and len(ours) == len(ref) else 1
+
+
+def _losses(run_dir: str) -> list[float]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
+    """The training loop, run by every rank (environment set by torchrun)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from .data import Batches, load_tokens
+    from .mesh import MoEParallelDims
+    from .metrics import RunWriter, peak_memory_bytes
+    from .model import MoETransformer
+    from .optim import build_optimizer, build_scheduler, clip_grad_norm_
+    from .parallelize import parallelize_model
+    from .plan import plan_moe
+
+    # The grad-norm all-reduce over the 3-axis expert mesh is one scalar per axis; not worth a warning per rank.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    p, t = cfg.parallel, cfg.training
+    if p.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if p.device == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dims = MoEParallelDims(world, dp_replicate=p.dp_replicate, ep=p.ep, etp=p.etp)
+
+    torch.manual_seed(t.seed)  # same full weights on every rank before sharding
+    model = MoETransformer(cfg.model).to(device)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if t.dtype == "bf16" else None
+    parallelize_model(model, dims, device_type=device.type, mp_policy=mp)
+    optimizer = build_optimizer(model, t.lr, t.weight_decay)
+    scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
+    batches = Batches(load_tokens(cfg.data.source, t.seed), t.seq_len, t.global_batch, t.seed, rank, world)
+
+    ckpt = _checkpointing(args, run_dir)
+    start = ckpt.resume(model, optimizer, scheduler) if ckpt else 0
+    writer = RunWriter(run_dir, t.steps, show_progress=rank == 0) if rank == 0 else None
+    if writer and start:
+        writer.rows = _restore_rows(run_dir, start)
+    tokens_per_step = t.global_batch * t.seq_len
+    for step in range(start, t.steps):
+        t0 = time.perf_counter()
+        inputs_BL, targets_BL = (b.to(device) for b in batches(step))
+        logits_BLV = model(inputs_BL)
+        ce = F.cross_entropy(logits_BLV.flatten(0, 1).float(), targets_BL.flatten())
+        aux = model.aux_loss()
+        (ce + aux).backward()
+        grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        model.update_expert_bias()
+        stats = torch.stack([ce.detach().float(), torch.as_tensor(aux, device=device).detach().float()])
+        dist.all_reduce(stats)  # ranks' batches are equal-sized: the mean of means is the global mean
+        stats = (stats / world).tolist()
+        dt = time.perf_counter() - t0
+        mem = [None] * world
+        dist.all_gather_object(mem, peak_memory_bytes(device))
+        if writer:
+            writer.step({
+                "step": step + 1, "loss": stats[0], "aux_loss": stats[1], "grad_norm": float(grad_norm),
+                "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                "peak_mem_per_rank_gib": [m / 2**30 for m in mem],
+            })
+        if ckpt:
+            ckpt.maybe_save(step + 1, model, optimizer, scheduler)
+    if writer:
+        rows = writer.rows
+        steady = [r["tokens_per_s"] for r in rows[3:]] or [r["tokens_per_s"] for r in rows]
+        writer.finish({
+            "config": cfg.to_dict(),
+            "mesh": {**asdict(dims), "edp": dims.edp, "dense": dict(zip(("dp_replicate", "dp_shard", "cp", "tp"), dims.dense_shape))},
+            "placement_plan": [asdict(wp) for wp in plan_moe(cfg.model.moe_config(), dims)],
+            "final_loss": rows[-1]["loss"] if rows else None,
+            "median_tokens_per_s": statistics.median(steady) if steady else None,
+            "median_tokens_per_s_per_rank": statistics.median(steady) / world if steady else None,
+            "peak_mem_per_rank_gib": max((r["peak_mem_per_rank_gib"] for r in rows), key=max, default=None),
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        })
+    dist.barrier()  # no rank tears down gloo while a peer still talks to it
+    dist.destroy_process_group()
+
+
+def _checkpointing(args, run_dir):
+    return None
+
+
+def _restore_rows(run_dir, start):
+    return []
+
+
+if __name__ == "__main__":  # the 1-process parity reference: python -m dtensor_moe.train CONFIG_JSON RUN_DIR
+    from .model import ModelConfig
+    from .train_config import DataConfig, ParallelConfig, TrainingConfig
+
+    raw = json.loads(sys.argv[1])
+    ref = Config(ModelConfig(**raw["model"]), ParallelConfig(**raw["parallel"]), TrainingConfig(**raw["training"]),
+                 DataConfig(**raw["data"]))
+    train_ranks(ref, sys.argv[2])
