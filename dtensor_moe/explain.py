@@ -1,0 +1,142 @@
+"""`dtensor-moe explain`: which rank holds which slice of every MoE weight, read from the placement plan.
+
+Text: per weight its placement on each mesh axis, its local shape, and the ranks holding each slice.
+`--png`: the rank grid (rows: dp_replicate x edp, columns: ep x etp, i.e. the expert mesh in rank
+order) once per weight, each rank coloured by the slice it holds; ranks of one colour hold copies.
+"""
+
+import sys
+
+from .config import MoEConfig
+from .mesh import MoEParallelDims
+from .plan import WeightPlan, owned_box, plan_moe, rank_coords
+
+Box = tuple[tuple[int, int], ...]
+
+
+def _box(wp: WeightPlan, dims: MoEParallelDims, rank: int) -> Box:
+    return tuple((s.start, s.stop) for s in owned_box(wp, dims, rank))
+
+
+def slice_holders(wp: WeightPlan, dims: MoEParallelDims) -> dict[Box, list[int]]:
+    """Each distinct slice -> the ranks holding it, in order of first holder."""
+    out: dict[Box, list[int]] = {}
+    for r in range(dims.world_size):
+        out.setdefault(_box(wp, dims, r), []).append(r)
+    return out
+
+
+def rank_grid(wp: WeightPlan, dims: MoEParallelDims) -> tuple[list[list[int]], list[Box]]:
+    """grid[row][col] = index into `boxes` of the slice held by the rank at that cell.
+
+    The expert mesh is row-major over (dp_replicate, edp, ep, etp), so rank = row * ep * etp + col."""
+    boxes = list(slice_holders(wp, dims))
+    index = {b: i for i, b in enumerate(boxes)}
+    cols = dims.ep * dims.etp
+    rows = dims.world_size // cols
+    grid = [[index[_box(wp, dims, row * cols + col)] for col in range(cols)] for row in range(rows)]
+    return grid, boxes
+
+
+def fmt_box(box: Box) -> str:
+    return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in box) + "]"
+
+
+def fmt_ranks(ranks: list[int]) -> str:
+    """0,1,2,3,8 -> '0-3,8'."""
+    runs, start = [], ranks[0]
+    for prev, cur in zip(ranks, ranks[1:] + [None]):
+        if cur != prev + 1:
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ",".join(runs)
+
+
+def describe(config: MoEConfig, dims: MoEParallelDims) -> str:
+    plans = plan_moe(config, dims)
+    lines = [
+        f"world {dims.world_size}: dense mesh dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x "
+        f"cp={dims.cp} x tp={dims.tp}; expert mesh dp_replicate={dims.dp_replicate} x edp={dims.edp} x "
+        f"ep={dims.ep} x etp={dims.etp}",
+        f"MoE: {config.num_experts} experts, dim {config.dim}, hidden {config.hidden_dim}, "
+        f"{config.num_shared_experts} shared expert(s). ETP ranks are consecutive, then EP, then EDP.",
+        "",
+        f"{'rank':>5} | {'dp_replicate':>12} {'edp':>4} {'ep':>4} {'etp':>4} | {'dp_shard':>8} {'cp':>3}",
+    ]
+    for r in range(dims.world_size):
+        c = rank_coords(dims, r)
+        lines.append(f"{r:>5} | {c['dp_replicate']:>12} {c['edp']:>4} {c['ep']:>4} {c['etp']:>4} | {c['dp_shard']:>8} {c['cp']:>3}")
+    for wp in plans:
+        placements = ", ".join(f"{a}={p}" for a, p in wp.placements().items())
+        lines += [
+            "",
+            f"{wp.name} ({wp.role}) global {list(wp.global_shape)} -> local {list(wp.local_shape)} on rank 0"
+            + (" (FSDP pads the last shards)" if wp.padded else ""),
+            f"  placements: {placements}",
+        ]
+        holders = slice_holders(wp, dims)
+        width = max(len(fmt_box(b)) for b in holders)
+        lines.append(f"  {'slice':<{width}}  ranks")
+        lines += [f"  {fmt_box(b):<{width}}  {fmt_ranks(rs)}" for b, rs in holders.items()]
+    return "\n".join(lines)
+
+
+def save_png(config: MoEConfig, dims: MoEParallelDims, path: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plans = plan_moe(config, dims)
+    ncols = min(3, len(plans))
+    nrows = -(-len(plans) // ncols)
+    rows, cols = dims.world_size // (dims.ep * dims.etp), dims.ep * dims.etp
+    fig, axes = plt.subplots(nrows, ncols, figsize=(ncols * max(3.0, 0.9 * cols + 1), nrows * max(2.5, 0.7 * rows + 1.2)), squeeze=False)
+    for ax, wp in zip(axes.flat, plans):
+        grid, boxes = rank_grid(wp, dims)
+        cmap = plt.get_cmap("tab20" if len(boxes) <= 20 else "viridis", len(boxes))
+        ax.imshow(grid, cmap=cmap, vmin=-0.5, vmax=len(boxes) - 0.5, aspect="auto")
+        if rows * cols <= 256:  # labels are unreadable beyond that
+            for i in range(rows):
+                for j in range(cols):
+                    ax.text(j, i, f"r{i * cols + j}\n{fmt_box(boxes[grid[i][j]])}", ha="center", va="center", fontsize=6)
+        ax.set_title(f"{wp.name}\n" + " ".join(f"{a}:{p}" for a, p in wp.placements().items()), fontsize=7)
+        ax.set_xlabel(f"ep x etp = {dims.ep} x {dims.etp}", fontsize=7)
+        ax.set_ylabel(f"dp_replicate x edp = {dims.dp_replicate} x {dims.edp}", fontsize=7)
+        ax.set_xticks(range(cols))
+        ax.set_yticks(range(rows))
+        ax.tick_params(labelsize=6)
+    for ax in list(axes.flat)[len(plans) :]:
+        ax.axis("off")
+    fig.suptitle(f"world {dims.world_size}: colour = slice held (same colour = copies over dp_replicate)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(p):
+    p.add_argument("--world", type=int, required=True, help="number of ranks")
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int, default=1)
+    p.add_argument("--dp-replicate", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--experts", type=int, required=True)
+    p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--hidden-dim", type=int, default=8, help="expert hidden dim F")
+    p.add_argument("--shared-experts", type=int, default=0)
+    p.add_argument("--png", metavar="FILE", help="also draw the rank grid coloured by slice held")
+
+
+def run(args) -> int:
+    try:
+        config = MoEConfig(dim=args.dim, hidden_dim=args.hidden_dim, num_experts=args.experts, top_k=1,
+                           num_shared_experts=args.shared_experts)
+        dims = MoEParallelDims(args.world, dp_replicate=args.dp_replicate, cp=args.cp, ep=args.ep, etp=args.etp)
+        print(describe(config, dims))
+    except ValueError as e:
+        print(f"dtensor-moe explain: {e}", file=sys.stderr)
+        return 2
+    if args.png:
+        save_png(config, dims, args.png)
+        print(f"\nrank grid written to {args.png}")
+    return 0

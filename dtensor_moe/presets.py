@@ -1,0 +1,164 @@
+"""Model shapes the planner needs: published MoE models and the training configs (`configs/*.toml`).
+
+A `ModelSpec` lists the shapes of the weights *outside* the MoE modules (attention, norms, dense
+FFN layers, embeddings) and the `MoEConfig` of the MoE layers; the placement of the MoE weights
+always comes from `dtensor_moe.plan.plan_moe`. Published dims are from each model's released
+config.json (Hugging Face); the multi-token-prediction module of DeepSeek-V3 is left out (671B
+counts the main model only).
+"""
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import MoEConfig
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    vocab_size: int
+    dim: int
+    n_layers: int
+    num_experts: int
+    top_k: int
+    moe_hidden_dim: int
+    num_shared_experts: int
+    attention: tuple[tuple[str, Shape], ...]  # one layer's attention weights, norms included
+    kv_width: int  # K plus V features per token (what ring attention passes around under CP)
+    n_dense_layers: int = 0  # leading layers with a dense FFN instead of an MoE
+    dense_hidden_dim: int = 0
+    tie_embeddings: bool = False
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense_layers
+
+    def moe_config(self) -> MoEConfig:
+        return MoEConfig(
+            dim=self.dim,
+            hidden_dim=self.moe_hidden_dim,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            num_shared_experts=self.num_shared_experts,
+        )
+
+    def layer_weights(self, dense_ffn: bool) -> tuple[tuple[str, Shape], ...]:
+        """Weights of one transformer block outside its MoE module (the block's own FSDP unit)."""
+        D = self.dim
+        norms = (("attention_norm.weight", (D,)), ("ffn_norm.weight", (D,)))
+        ffn = ()
+        if dense_ffn:
+            Fd = self.dense_hidden_dim
+            ffn = (("feed_forward.w1.weight", (Fd, D)), ("feed_forward.w2.weight", (D, Fd)), ("feed_forward.w3.weight", (Fd, D)))
+        return (*norms, *self.attention, *ffn)
+
+    def root_weights(self) -> tuple[tuple[str, Shape], ...]:
+        """Weights of the root FSDP unit: embeddings, final norm, output head."""
+        V, D = self.vocab_size, self.dim
+        out = (("tok_embeddings.weight", (V, D)), ("norm.weight", (D,)))
+        return out if self.tie_embeddings else (*out, ("output.weight", (V, D)))
+
+
+def _gqa(D: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool):
+    q, kv = n_heads * head_dim, n_kv_heads * head_dim
+    w = [("attention.wq.weight", (q, D)), ("attention.wk.weight", (kv, D)), ("attention.wv.weight", (kv, D)), ("attention.wo.weight", (D, q))]
+    if qk_norm:
+        w += [("attention.q_norm.weight", (head_dim,)), ("attention.k_norm.weight", (head_dim,))]
+    return tuple(w), 2 * kv
+
+
+def _mla(D: int, n_heads: int, q_lora: int, kv_lora: int, nope: int, rope: int, v: int):
+    """DeepSeek multi-head latent attention (low-rank Q and joint low-rank KV)."""
+    w = (
+        ("attention.wq_a.weight", (q_lora, D)),
+        ("attention.q_norm.weight", (q_lora,)),
+        ("attention.wq_b.weight", (n_heads * (nope + rope), q_lora)),
+        ("attention.wkv_a.weight", (kv_lora + rope, D)),
+        ("attention.kv_norm.weight", (kv_lora,)),
+        ("attention.wkv_b.weight", (n_heads * (nope + v), kv_lora)),
+        ("attention.wo.weight", (D, n_heads * v)),
+    )
+    return w, n_heads * (nope + rope + v)
+
+
+def _preset(name, *, attention, **kw) -> ModelSpec:
+    weights, kv_width = attention
+    return ModelSpec(name=name, attention=weights, kv_width=kv_width, **kw)
+
+
+PRESETS: dict[str, ModelSpec] = {
+    s.name: s
+    for s in (
+        _preset(
+            "deepseek-v3-671b",
+            vocab_size=129280, dim=7168, n_layers=61, n_dense_layers=3, dense_hidden_dim=18432,
+            num_experts=256, top_k=8, moe_hidden_dim=2048, num_shared_experts=1,
+            attention=_mla(7168, n_heads=128, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128),
+        ),
+        _preset(
+            "qwen3-235b-a22b",
+            vocab_size=151936, dim=4096, n_layers=94, num_experts=128, top_k=8, moe_hidden_dim=1536,
+            num_shared_experts=0, attention=_gqa(4096, n_heads=64, n_kv_heads=4, head_dim=128, qk_norm=True),
+        ),
+        _preset(
+            "qwen3-30b-a3b",
+            vocab_size=151936, dim=2048, n_layers=48, num_experts=128, top_k=8, moe_hidden_dim=768,
+            num_shared_experts=0, attention=_gqa(2048, n_heads=32, n_kv_heads=4, head_dim=128, qk_norm=True),
+        ),
+        _preset(
+            "mixtral-8x7b",
+            vocab_size=32000, dim=4096, n_layers=32, num_experts=8, top_k=2, moe_hidden_dim=14336,
+            num_shared_experts=0, attention=_gqa(4096, n_heads=32, n_kv_heads=8, head_dim=128, qk_norm=False),
+        ),
+    )
+}
+
+
+def spec_from_model_config(cfg, name: str = "config") -> ModelSpec:
+    """The shapes of `dtensor_moe.model.MoETransformer(cfg)` (fused wqkv, every layer an MoE)."""
+    D = cfg.dim
+    return ModelSpec(
+        name=name,
+        vocab_size=cfg.vocab_size,
+        dim=D,
+        n_layers=cfg.n_layers,
+        num_experts=cfg.num_experts,
+        top_k=cfg.top_k,
+        moe_hidden_dim=cfg.moe_hidden_dim,
+        num_shared_experts=cfg.num_shared_experts,
+        attention=(("attention.wqkv.weight", (3 * D, D)), ("attention.wo.weight", (D, D))),
+        kv_width=2 * D,
+        tie_embeddings=cfg.tie_embeddings,
+    )
+
+
+def _config_dirs() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    return [Path.cwd() / "configs", here.parent / "configs", here / "configs"]
+
+
+def load_config(path: Path) -> ModelSpec:
+    from .model import ModelConfig
+
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    if "model" not in data:
+        raise ValueError(f"{path}: a training config needs a [model] table (fields of dtensor_moe.model.ModelConfig)")
+    return spec_from_model_config(ModelConfig.from_dict(data["model"]), name=path.stem)
+
+
+def resolve(model: str) -> ModelSpec:
+    """A preset name, a path to a training config TOML, or the stem of one in a `configs/` folder."""
+    if model in PRESETS:
+        return PRESETS[model]
+    path = Path(model)
+    if path.is_file():
+        return load_config(path)
+    for d in _config_dirs():
+        if (d / f"{model}.toml").is_file():
+            return load_config(d / f"{model}.toml")
+    configs = sorted({p.stem for d in _config_dirs() if d.is_dir() for p in d.glob("*.toml")})
+    raise ValueError(f"unknown model {model!r}; valid: presets {sorted(PRESETS)}, configs {configs}, or a path to a .toml")

@@ -1,0 +1,101 @@
+"""`dtensor-moe explain`: the text and the picture say what the placement plan says."""
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+from dtensor_moe import explain as X
+from dtensor_moe.cli import main
+from dtensor_moe.config import MoEConfig
+from dtensor_moe.mesh import MoEParallelDims
+from dtensor_moe.plan import owned_box, plan_moe
+
+ROOT = Path(__file__).resolve().parents[1]
+README_ARGS = ["explain", "--world", "8", "--ep", "2", "--etp", "2", "--experts", "4", "--dim", "8", "--hidden-dim", "8", "--shared-experts", "1"]
+README_CONFIG = MoEConfig(dim=8, hidden_dim=8, num_experts=4, top_k=1, num_shared_experts=1)
+CASES = [
+    (README_CONFIG, MoEParallelDims(8, ep=2, etp=2)),  # EDP2 x EP2 x ETP2
+    (MoEConfig(dim=6, hidden_dim=4, num_experts=2, top_k=1), MoEParallelDims(8, dp_replicate=2, ep=2)),
+    (MoEConfig(dim=5, hidden_dim=6, num_experts=3, top_k=1, num_shared_experts=2), MoEParallelDims(12, cp=2, ep=3, etp=2)),
+]
+
+
+def _sections(text: str) -> dict[str, dict[int, str]]:
+    """weight name -> {rank: slice} parsed back from the text table."""
+    out, name = {}, None
+    for line in text.splitlines():
+        if m := re.match(r"^(\S+) \((expert|dense)\) global", line):
+            name = m.group(1)
+            out[name] = {}
+        elif name and (m := re.match(r"^  (\[[0-9:, ]+\])\s+([0-9,-]+)$", line)):
+            for part in m.group(2).split(","):
+                lo, _, hi = part.partition("-")
+                for r in range(int(lo), int(hi or lo) + 1):
+                    out[name][r] = m.group(1)
+    return out
+
+
+@pytest.mark.parametrize("config,dims", CASES)
+def test_text_rank_to_slice_agrees_with_owned_box(config, dims):
+    sections = _sections(X.describe(config, dims))
+    plans = plan_moe(config, dims)
+    assert set(sections) == {wp.name for wp in plans}
+    for wp in plans:
+        want = {r: X.fmt_box(tuple((s.start, s.stop) for s in owned_box(wp, dims, r))) for r in range(dims.world_size)}
+        assert sections[wp.name] == want, wp.name
+
+
+@pytest.mark.parametrize("config,dims", CASES)
+def test_grid_colours_are_slices(config, dims):
+    for wp in plan_moe(config, dims):
+        grid, boxes = X.rank_grid(wp, dims)
+        cols = dims.ep * dims.etp
+        assert len(grid) * cols == dims.world_size
+        for i, row in enumerate(grid):
+            for j, idx in enumerate(row):
+                assert boxes[idx] == tuple((s.start, s.stop) for s in owned_box(wp, dims, i * cols + j))
+        # Inside a replica no two ranks share a non-empty slice; replicas repeat the same colours.
+        per_replica = len(grid) // dims.dp_replicate
+        held = [boxes[idx] for row in grid[:per_replica] for idx in row if all(hi > lo for lo, hi in boxes[idx])]
+        assert len(set(held)) == len(held)
+        assert all(grid[i] == grid[i % per_replica] for i in range(len(grid)))
+
+
+def test_png(tmp_path):
+    import matplotlib.image
+
+    path = tmp_path / "grid.png"
+    X.save_png(*CASES[0], str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = matplotlib.image.imread(path)
+    assert img.shape[0] > 200 and img.shape[1] > 400
+    # The cells are coloured: far more than the few greys of axes and text.
+    colours = {tuple(px) for px in img.reshape(-1, img.shape[-1])[::97].round(2).tolist()}
+    assert len(colours) > 8
+
+
+def test_fmt_ranks():
+    assert X.fmt_ranks([0, 1, 2, 3, 8]) == "0-3,8"
+    assert X.fmt_ranks([5]) == "5"
+    assert X.fmt_ranks([1, 3, 4]) == "1,3-4"
+
+
+def test_cli_bad_folding_names_constraint():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert main(["explain", "--world", "8", "--ep", "3", "--experts", "4"]) == 2
+    assert "Valid ep" in err.getvalue()
+
+
+def test_readme_shows_current_output():
+    """docs/plan_explain.md holds the 8-rank EDP2 x EP2 x ETP2 explain output verbatim, and its picture."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(README_ARGS) == 0
+    doc = (ROOT / "docs" / "plan_explain.md").read_text()
+    assert out.getvalue().strip() in doc
+    assert "dtensor-moe " + " ".join(README_ARGS) in doc
+    assert (ROOT / "docs" / "explain_edp2_ep2_etp2.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,276 @@
+"""`dtensor-moe plan`: memory against real sharded runs, node geometry against the meshes, scale."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dtensor_moe import planner as P
+from dtensor_moe.mesh import EXPERT_AXES, MoEParallelDims
+from dtensor_moe.plan import plan_moe, rank_coords
+from dtensor_moe.presets import PRESETS, resolve, spec_from_model_config
+
+from .harness import run_on_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+# Odd vocab (250) and small dims so FSDP pads some shards and some ranks hold less than others.
+TINY = dict(vocab_size=250, dim=24, n_layers=2, n_heads=4, num_experts=4, top_k=2, moe_hidden_dim=20, num_shared_experts=1)
+FP32 = P.Workload(seq_len=8, micro_batch=2, dtype="fp32")
+
+
+def _measure_states(rank, world, model_kwargs, dims_kwargs):
+    """Sharded bytes of params, grads and AdamW state on this rank after one real training step."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    from dtensor_moe.model import ModelConfig, MoETransformer
+    from dtensor_moe.parallelize import parallelize_model
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(**model_kwargs)
+    model = parallelize_model(MoETransformer(cfg), MoEParallelDims(world, **dims_kwargs), device_type="cpu")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank))
+    logits = model(tokens[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()
+
+    def nbytes(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    assert all(p.grad is not None for p in params)
+    return {
+        "params": sum(nbytes(p) for p in params),
+        "grads": sum(nbytes(p.grad) for p in params),
+        "optimizer": sum(nbytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)),
+    }
+
+
+MESHES = [
+    (4, dict(ep=4)),
+    (4, dict(ep=2, etp=2)),
+    (4, dict(dp_replicate=2, ep=2)),
+    (8, dict(ep=2, etp=2)),  # EDP2 x EP2 x ETP2
+    (8, dict(dp_replicate=2, ep=2, etp=2)),
+    (8, dict(ep=4)),  # EDP2 x EP4: one expert per EP rank, so EDP shards D
+    (8, dict(cp=2, ep=2, etp=2)),  # dense weights shard over dp_shard_cp
+]
+
+
+@pytest.mark.parametrize("world,dims_kwargs", MESHES, ids=[f"{w}-{'-'.join(f'{k}{v}' for k, v in d.items())}" for w, d in MESHES])
+def test_state_memory_matches_measured(world, dims_kwargs):
+    from dtensor_moe.model import ModelConfig
+
+    measured = run_on_ranks(world, _measure_states, TINY, dims_kwargs)
+    dims = MoEParallelDims(world, **dims_kwargs)
+    spec = spec_from_model_config(ModelConfig(**TINY))
+    units = P.fsdp_units(spec, dims)
+    tensors = sum(u.count * len(u.plans) for u in units)
+    worst = 0.0
+    for rank, got in enumerate(measured):
+        want = dict(zip(("params", "grads", "optimizer"), P.state_bytes(P.held_numel(units, dims, rank), tensors, FP32)))
+        for k in want:
+            err = abs(want[k] - got[k]) / got[k]
+            worst = max(worst, err)
+            assert err < 0.05, (rank, k, want[k], got[k])
+    # The enumeration path (rank 0's footprint) is the same number as rank 0's owned boxes.
+    fp = P.footprint(units, dims)
+    assert P.state_bytes(fp.held, fp.tensors, FP32) == P.state_bytes(P.held_numel(units, dims, 0), tensors, FP32)
+    print(f"\n{world} ranks {dims_kwargs}: max relative error {worst:.2%}; rank 0 bytes {measured[0]}")
+
+
+def test_spec_matches_model_parameters():
+    import torch
+
+    from dtensor_moe.model import ModelConfig, MoETransformer
+
+    for kw in (TINY, {**TINY, "tie_embeddings": True, "num_shared_experts": 0}):
+        cfg = ModelConfig(**kw)
+        with torch.device("meta"):
+            model = MoETransformer(cfg)
+        units = P.fsdp_units(spec_from_model_config(cfg), MoEParallelDims(1))
+        assert P.held_numel(units, MoEParallelDims(1), 0) == sum(p.numel() for p in model.parameters())
+        assert sum(u.count * len(u.plans) for u in units) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("name,total", [("deepseek-v3-671b", 671e9), ("qwen3-235b-a22b", 235e9), ("qwen3-30b-a3b", 30.5e9), ("mixtral-8x7b", 46.7e9)])
+def test_preset_parameter_counts(name, total):
+    dims = MoEParallelDims(1)
+    n = P.held_numel(P.fsdp_units(PRESETS[name], dims), dims, 0)
+    assert abs(n - total) / total < 0.005, n
+
+
+def _brute_group(dims, axis, rank=0):
+    """Ranks sharing every expert-mesh coordinate but `axis` with `rank`, straight from rank_coords."""
+    axes = EXPERT_AXES if axis in EXPERT_AXES else ("dp_replicate", "dp_shard", "cp")
+    me = rank_coords(dims, rank)
+    return [r for r in range(dims.world_size) if all(rank_coords(dims, r)[a] == me[a] for a in axes if a != axis)]
+
+
+@pytest.mark.parametrize("G", [4, 8, 6])
+def test_node_fractions_match_rank_placement(G):
+    for kw in (dict(ep=8), dict(ep=4, etp=2), dict(dp_replicate=2, ep=2, etp=4), dict(cp=2, ep=4), dict(dp_replicate=4, ep=2)):
+        for world in (64, 48):
+            try:
+                d = MoEParallelDims(world, **kw)
+            except ValueError:
+                continue
+            geo = P.mesh_geometry(d)
+            for axis in ("ep", "etp", "edp", "dp_replicate", "cp", "dp_shard"):
+                group = _brute_group(d, axis)
+                size, stride = geo[axis]
+                assert group == [j * stride for j in range(size)], (kw, axis)
+                nodes = [r // G for r in group]
+                on_node = nodes.count(nodes[0])
+                want_pair = (on_node - 1) / (size - 1) if size > 1 else 0.0
+                assert P.pairwise_intra_fraction(size, stride, G) == pytest.approx(want_pair)
+                hops = sum(nodes[i] != nodes[(i + 1) % size] for i in range(size))
+                assert P.ring_inter_fraction(size, stride, G) == pytest.approx(hops / size if size > 1 else 0.0)
+
+
+def test_footprint_key_covers_what_the_plan_reads():
+    """Foldings that share a footprint key get the same footprint from a fresh plan (the memo is sound)."""
+    spec = resolve("qwen3-30b-a3b")
+    seen = {}
+    for dims in P.foldings(256, spec, P.Workload(seq_len=64)):
+        fp = P.footprint(P.fsdp_units(spec, dims), dims)
+        assert seen.setdefault(P.footprint_key(dims), fp) == fp, dims
+    assert len(seen) > 20
+
+
+def test_plan_ranks_fitting_candidates_and_explains():
+    spec, work = resolve("mixtral-8x7b"), P.Workload(seq_len=4096)
+    hw = P.Hardware(gpus=64, gpus_per_node=8, gpu_mem_gib=80)
+    cands = P.plan(spec, work, hw)
+    fits = [c for c in cands if c.fits]
+    assert fits and len(fits) < len(cands)
+    assert all(c.memory.total <= 80 * P.GiB for c in fits)
+    keys = [c.time_per_token for c in fits]
+    assert keys == sorted(keys)
+    for c in cands:  # every candidate is a folding plan_moe accepts
+        plan_moe(spec.moe_config(), c.dims)
+        assert c.dims.tp == 1 and c.dims.edp * c.dims.ep * c.dims.etp == c.dims.dp_shard * c.dims.cp
+    best = fits[0]
+    # Within one node every byte stays intra-node.
+    if best.dims.ep * best.dims.etp <= 8:
+        assert best.comm["ep_all_to_all"].inter == 0
+    text = P.explain_choice(spec, best, fits[1], hw)
+    assert f"ep={best.dims.ep}, etp={best.dims.etp}, edp={best.dims.edp}" in text
+    # More memory per GPU never removes a fitting candidate.
+    more = P.plan(spec, work, P.Hardware(gpus=64, gpus_per_node=8, gpu_mem_gib=141))
+    assert sum(c.fits for c in more) >= len(fits)
+
+
+def test_comm_model_limits():
+    """A single rank sends nothing; EP traffic grows with top_k; ETP inside a node is intra-only."""
+    spec = resolve("qwen3-30b-a3b")
+    work = P.Workload(seq_len=1024)
+    one = P.evaluate(spec, MoEParallelDims(1), work, P.Hardware(1, 8, 80))
+    assert one.intra == one.inter == 0
+    c = P.evaluate(spec, MoEParallelDims(64, ep=8, etp=2), work, P.Hardware(64, 8, 80))
+    assert c.comm["etp_gather_scatter"].inter == 0 and c.comm["etp_gather_scatter"].intra > 0
+    assert c.comm["ep_all_to_all"].inter > 0  # EP groups have stride 2, so 8 of them span 2 nodes
+
+
+def test_bad_inputs_name_the_constraint():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        P.Workload(dtype="fp8")
+    with pytest.raises(ValueError, match="deepseek-v3-671b"):
+        resolve("no-such-model")
+    with pytest.raises(ValueError, match="multiple of gpus_per_node"):
+        P.Hardware(gpus=12, gpus_per_node=8)
+
+
+def test_config_toml(tmp_path):
+    path = tmp_path / "tiny.toml"
+    path.write_text("[model]\n" + "\n".join(f"{k} = {v}" for k, v in TINY.items()) + "\n[train]\nsteps = 3\n")
+    spec = resolve(str(path))
+    assert spec.vocab_size == 250 and spec.num_shared_experts == 1 and spec.name == "tiny"
+    path.write_text("[model]\nbogus = 1\n")
+    with pytest.raises(ValueError, match="unknown \\[model\\] keys"):
+        resolve(str(path))
+
+
+def _fake_pg_main(rank: int):
+    """Runs in a fresh process: the fake process group at 16,384 ranks, meshes, plan and ownership."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dtensor_moe.plan import ownership
+
+    world = 16384
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    spec, work = resolve("deepseek-v3-671b"), P.Workload()
+    hw = P.Hardware(world, 8, 141)
+    best = next(c for c in P.plan(spec, work, hw) if c.fits).dims
+    report = {}
+    for dims in (best, MoEParallelDims(world, dp_replicate=4, cp=2, ep=64, etp=4)):
+        t0 = time.perf_counter()
+        meshes = dims.build_meshes("cpu")
+        t_mesh = time.perf_counter() - t0
+        assert tuple(meshes.expert.shape) == dims.expert_shape and tuple(meshes.dense.shape) == dims.dense_shape
+        assert tuple(meshes.expert.get_coordinate()) == tuple(dims.expert_coords(rank).values())
+        geo = P.mesh_geometry(dims)
+        for axis in ("dp_replicate", "edp", "ep", "etp"):  # the planner's groups are the real process groups
+            size, stride = geo[axis]
+            base = rank - dims.expert_coords(rank)[axis] * stride
+            assert dist.get_process_group_ranks(meshes.expert.get_group(axis)) == [base + j * stride for j in range(size)]
+        t0 = time.perf_counter()
+        if dims == best:  # every element of every MoE weight held dp_replicate times: O(world) per weight
+            for wp in plan_moe(spec.moe_config(), dims):
+                assert ownership(wp, dims).copies == dims.dp_replicate
+        t_own = time.perf_counter() - t0
+        c = P.evaluate(spec, dims, work, hw)
+        report[str(dims.expert_shape)] = {"mesh_s": t_mesh, "ownership_s": t_own, "mem_gib": c.memory.total / P.GiB}
+    dist.destroy_process_group()
+    print(json.dumps(report))
+
+
+def test_fake_process_group_16k():
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.test_planner import _fake_pg_main; _fake_pg_main(12345)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(report) == 2
+    print("\nfake PG, 16384 ranks:", report)
+
+
+def test_plan_cli_16k_is_fast():
+    cmd = [sys.executable, "-m", "dtensor_moe.cli", "plan", "--model", "deepseek-v3-671b", "--gpus", "16384",
+           "--gpus-per-node", "8", "--gpu-mem", "141"]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - t0
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    header = next(i for i, l in enumerate(lines) if "edp" in l and "etp" in l and " ep " in l)
+    rows = [l for l in lines[header + 1 :] if l.strip()[:1].isdigit()]
+    assert len(rows) == 10 and rows[0].split()[0] == "1"
+    assert "Top choice: ep=" in out.stdout
+    planned = float(out.stdout.split("planned in ")[1].split(" s")[0])
+    print(f"\nplan CLI at 16384 GPUs: {wall:.2f} s wall (planning itself {planned:.2f} s)")
+    assert wall < 10
+
+
+def test_plan_json():
+    from dtensor_moe.cli import main
+
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "64", "--gpu-mem", "80", "--json", "--top", "3"]) == 0
+    data = json.loads(buf.getvalue())
+    assert data["enumerated"] >= data["fitting"] > 0 and len(data["candidates"]) == 3
+    c = data["candidates"][0]
+    assert c["fits"] and c["edp"] * c["ep"] * c["etp"] == c["dp_shard"] * c["cp"]
+    assert math.isclose(c["memory_bytes"]["total"], sum(v for k, v in c["memory_bytes"].items() if k != "total"))
