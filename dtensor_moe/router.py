@@ -1,6 +1,7 @@
 """Top-k token router: a bias-free gate, softmax or sigmoid scores, optional aux-free bias."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig
@@ -15,9 +16,10 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
         """Returns (weights_TK in x's dtype, experts_TK, scores_TE in at least float32)."""
         cfg = self.config
-        logits_TE = self.gate(x_TD)
-        # Routing decisions are sensitive to rounding: score in >= float32 even for bf16 activations.
-        logits_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
+        # Routing decisions are sensitive to rounding: the gate runs in >= float32 even for bf16
+        # activations, so a bf16 model routes like its float32 upcast (and like every other mesh).
+        dtype = torch.promote_types(x_TD.dtype, torch.float32)
+        logits_TE = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
         if cfg.score_func == "softmax":
             scores_TE = torch.softmax(logits_TE, dim=-1)
         else:
