@@ -14,31 +14,34 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class RunWriter:
-    def __init__(self, run_dir: str, total_steps: int, show_progress: bool = True):
+    def __init__(self, run_dir: str, total_steps: int, resumed_at: int = 0):
+        """A resumed run keeps the rows of steps <= resumed_at from the earlier metrics.jsonl."""
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
-        self.metrics = open(os.path.join(run_dir, "metrics.jsonl"), "w")
+        path = os.path.join(run_dir, "metrics.jsonl")
         self.rows: list[dict] = []
-        self.bar = None
-        if show_progress:
-            from tqdm import tqdm
+        if resumed_at and os.path.exists(path):
+            with open(path) as f:
+                self.rows = [r for r in map(json.loads, f) if r["step"] <= resumed_at]
+        self.metrics = open(path, "w")
+        for row in self.rows:
+            self.metrics.write(json.dumps(row) + "\n")
+        from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+        self.bar = tqdm(total=total_steps, initial=resumed_at, desc="train", unit="step", dynamic_ncols=True)
 
     def step(self, row: dict):
         self.rows.append(row)
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
-        if self.bar is not None:
-            mem = row["peak_mem_per_rank_gib"]
-            self.bar.set_postfix(
-                loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", mem_gib=f"{min(mem):.2f}-{max(mem):.2f}"
-            )
-            self.bar.update(1)
+        mem = row["peak_mem_per_rank_gib"]
+        self.bar.set_postfix(
+            loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", mem_gib=f"{min(mem):.2f}-{max(mem):.2f}"
+        )
+        self.bar.update(1)
 
     def finish(self, summary: dict):
-        if self.bar is not None:
-            self.bar.close()
+        self.bar.close()
         self.metrics.close()
         plot_loss(self.rows, os.path.join(self.run_dir, "loss.png"))
         write_json(os.path.join(self.run_dir, "summary.json"), summary)

@@ -151,11 +151,9 @@ def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
     batches = Batches(load_tokens(cfg.data.source, t.seed), t.seq_len, t.global_batch, t.seed, rank, world)
 
-    ckpt = _checkpointing(args, run_dir)
+    ckpt = _checkpointing(args, run_dir, t.steps)
     start = ckpt.resume(model, optimizer, scheduler) if ckpt else 0
-    writer = RunWriter(run_dir, t.steps, show_progress=rank == 0) if rank == 0 else None
-    if writer and start:
-        writer.rows = _restore_rows(run_dir, start)
+    writer = RunWriter(run_dir, t.steps, resumed_at=start) if rank == 0 else None
     tokens_per_step = t.global_batch * t.seq_len
     for step in range(start, t.steps):
         t0 = time.perf_counter()
@@ -201,12 +199,34 @@ def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
     dist.destroy_process_group()
 
 
-def _checkpointing(args, run_dir):
-    return None
+class _Checkpointing:
+    """--checkpoint-every / --resume: DCP checkpoints under RUN_DIR/checkpoints (see checkpoint.py)."""
+
+    def __init__(self, root: str, every: int, keep_last: int, resume_from: str | None, total_steps: int):
+        self.root, self.every, self.keep_last, self.total = root, every, keep_last, total_steps
+        self.resume_from = root if resume_from == "latest" else resume_from
+
+    def resume(self, model, optimizer, scheduler) -> int:
+        if self.resume_from is None:
+            return 0
+        from .checkpoint import load
+
+        extra = load(self.resume_from, model, optimizer)
+        scheduler.load_state_dict(extra["lr_scheduler"])
+        return int(extra["step"])
+
+    def maybe_save(self, step: int, model, optimizer, scheduler):
+        if self.every and (step % self.every == 0 or step == self.total):
+            from .checkpoint import save
+
+            save(self.root, step, model, optimizer, extra={"lr_scheduler": scheduler.state_dict()}, keep_last=self.keep_last)
 
 
-def _restore_rows(run_dir, start):
-    return []
+def _checkpointing(args, run_dir: str, total_steps: int) -> _Checkpointing | None:
+    if args is None or (not args.checkpoint_every and args.resume is None):
+        return None
+    root = os.path.join(run_dir, "checkpoints")
+    return _Checkpointing(root, args.checkpoint_every, args.keep_last, args.resume, total_steps)
 
 
 if __name__ == "__main__":  # the 1-process parity reference: python -m dtensor_moe.train CONFIG_JSON RUN_DIR
