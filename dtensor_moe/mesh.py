@@ -7,9 +7,6 @@ ETP is innermost, then EP, so those groups are consecutive ranks and stay inside
 
 from dataclasses import dataclass
 
-import torch
-from torch.distributed.device_mesh import DeviceMesh
-
 DENSE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_AXES = ("dp_replicate", "edp", "ep", "etp")
 
@@ -101,16 +98,19 @@ def _coords(rank: int, axes, shape) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class MoEMeshes:
-    dense: DeviceMesh
-    expert: DeviceMesh
-    dp: DeviceMesh  # (dp_replicate, dp_shard_cp): where dense weights are FSDP-sharded
+    dense: "DeviceMesh"
+    expert: "DeviceMesh"
+    dp: "DeviceMesh"  # (dp_replicate, dp_shard_cp): where dense weights are FSDP-sharded
 
 
 _MESH_CACHE: dict = {}
 
 
 def _build(dims: MoEParallelDims, device_type: str) -> MoEMeshes:
+    # torch is imported here so the degrees and the plan stay usable without it (fast CLI start).
+    import torch
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
 
     if not dist.is_initialized():
         raise ValueError("torch.distributed must be initialized before building meshes (init_process_group)")
