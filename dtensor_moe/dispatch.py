@@ -8,6 +8,8 @@ are reduce-scattered back. The EP all-to-all is therefore never repeated per ETP
 import torch
 import torch.distributed as dist
 
+from .moe import gather_rows, inverse_permutation
+
 
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single with uneven splits; its gradient is the reverse all-to-all."""
@@ -64,33 +66,28 @@ class ExpertDispatcher:
 
     def dispatch(self, x_ND: torch.Tensor, counts_E: torch.Tensor):
         ep, etp = self.ep, self.etp
-        # One host sync for all split sizes: uneven all-to-all needs them on the host.
-        C = _gather_counts(counts_E.to(torch.int64), ep, etp, self.ep_group, self.etp_group)
-        C_host = C.cpu()
-        send = counts_E.view(ep, -1).sum(1).tolist()
+        counts_E = counts_E.to(torch.int64)
+        C = _gather_counts(counts_E, ep, etp, self.ep_group, self.etp_group)
+        # One host sync, one copy, for all split sizes: uneven all-to-all needs them on the host.
+        host = torch.cat([counts_E.view(ep, -1).sum(1), C.flatten()]).cpu()
+        send = host[:ep].tolist()
+        C_host = host[ep:].view(C.shape)
         recv_per_src = C_host[self.etp_rank].sum(1).tolist()  # what this rank's EP peers sent it
         x = _AllToAll.apply(x_ND, recv_per_src, send, self.ep_group) if ep > 1 else x_ND
         peer_sizes = C_host.sum((1, 2)).tolist()  # tokens each ETP peer received
         if etp > 1:
             x = _AllToAll.apply(x.repeat(etp, 1), peer_sizes, [sum(recv_per_src)] * etp, self.etp_group)
-        # Buffer order is (etp peer, ep source, local expert); the GEMM wants local expert first.
-        sizes = C_host.flatten()
-        starts = torch.cumsum(sizes, 0) - sizes
-        sizes_t = sizes.view(C_host.shape).permute(2, 0, 1).flatten()
-        starts_t = starts.view(C_host.shape).permute(2, 0, 1).flatten()
-        total = int(sizes.sum())
-        run_start = torch.cumsum(sizes_t, 0) - sizes_t
-        idx = torch.repeat_interleave(starts_t - run_start, sizes_t) + torch.arange(total)
-        idx = idx.to(x.device)
-        self._state = (idx, send, recv_per_src, peer_sizes)
-        x_local = _ScaleGrad.apply(x[idx], float(ep * etp))
+        idx = _expert_major_index(C, int(C_host.sum()))
+        inv = inverse_permutation(idx)
+        self._state = (idx, inv, send, recv_per_src, peer_sizes)
+        x_local = _ScaleGrad.apply(gather_rows(x, idx, inv), float(ep * etp))
         return x_local, C.sum((0, 1))
 
     def combine(self, y_local: torch.Tensor) -> torch.Tensor:
-        idx, send, recv_per_src, peer_sizes = self._state
+        idx, inv, send, recv_per_src, peer_sizes = self._state
         self._state = None
         y_local = _ScaleGrad.apply(y_local, 1.0 / (self.ep * self.etp))
-        y = torch.empty_like(y_local).index_copy(0, idx, y_local)
+        y = gather_rows(y_local, inv, idx)
         if self.etp > 1:
             n_self = sum(recv_per_src)
             y = _AllToAll.apply(y, [n_self] * self.etp, peer_sizes, self.etp_group)
@@ -98,3 +95,15 @@ class ExpertDispatcher:
         if self.ep > 1:
             y = _AllToAll.apply(y, send, recv_per_src, self.ep_group)
         return y
+
+
+def _expert_major_index(C: torch.Tensor, total: int) -> torch.Tensor:
+    """Row of the received buffer, ordered (etp peer, ep source, local expert), that each row of
+    the expert-major order reads. Built on the device from the counts: no host round trip."""
+    sizes = C.flatten()
+    starts = torch.cumsum(sizes, 0) - sizes
+    sizes_t = sizes.view(C.shape).permute(2, 0, 1).flatten()
+    starts_t = starts.view(C.shape).permute(2, 0, 1).flatten()
+    run_start = torch.cumsum(sizes_t, 0) - sizes_t
+    offset = torch.repeat_interleave(starts_t - run_start, sizes_t, output_size=total)
+    return offset + torch.arange(total, device=C.device)

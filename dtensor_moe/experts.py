@@ -32,22 +32,25 @@ def _cpu_grouped_mm_ok() -> bool:
     return _CPU_GMM[0]
 
 
-def grouped_mm(x_TI: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Tensor, use_kernel: bool) -> torch.Tensor:
-    """Rows of x_TI are grouped by expert (counts_E rows each); row block e is multiplied by w_EIO[e]."""
-    if use_kernel:
-        offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
-        return torch._grouped_mm(x_TI, w_EIO, offs=offs_E)
-    sizes = counts_E.tolist()
-    outs = [xe @ w_EIO[e] for e, xe in enumerate(torch.split(x_TI, sizes, dim=0))]
+def grouped_mm(x_TI: torch.Tensor, w_EIO: torch.Tensor, groups) -> torch.Tensor:
+    """Rows of x_TI are grouped by expert; row block e is multiplied by w_EIO[e].
+
+    `groups` is the kernel's int32 end offsets (a device tensor), or the per-expert row counts as
+    a host list for the exact loop."""
+    if isinstance(groups, torch.Tensor):
+        return torch._grouped_mm(x_TI, w_EIO, offs=groups)
+    outs = [xe @ w_EIO[e] for e, xe in enumerate(torch.split(x_TI, groups, dim=0))]
     return torch.cat(outs, dim=0) if outs else x_TI.new_empty(0, w_EIO.shape[-1])
 
 
 def grouped_swiglu(x_TD, counts_E, w1_EFD, w2_EDF, w3_EFD, use_kernel: bool | None = None) -> torch.Tensor:
     if use_kernel is None:
         use_kernel = _grouped_mm_supported(x_TD)
-    h_TF = F.silu(grouped_mm(x_TD, w1_EFD.transpose(-2, -1), counts_E, use_kernel))
-    h_TF = h_TF * grouped_mm(x_TD, w3_EFD.transpose(-2, -1), counts_E, use_kernel)
-    return grouped_mm(h_TF, w2_EDF.transpose(-2, -1), counts_E, use_kernel)
+    # Offsets once for the three GEMMs; the loop needs host counts (its only sync).
+    groups = torch.cumsum(counts_E, dim=0, dtype=torch.int32) if use_kernel else counts_E.tolist()
+    h_TF = F.silu(grouped_mm(x_TD, w1_EFD.transpose(-2, -1), groups))
+    h_TF = h_TF * grouped_mm(x_TD, w3_EFD.transpose(-2, -1), groups)
+    return grouped_mm(h_TF, w2_EDF.transpose(-2, -1), groups)
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:

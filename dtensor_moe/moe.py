@@ -13,6 +13,38 @@ from .experts import GroupedExperts
 from .router import TopKRouter
 
 
+class _GatherRows(torch.autograd.Function):
+    """out = x[idx]; `inv` maps each row of x to the rows of out that read it, `fan_out` per row.
+
+    Advanced indexing would backpropagate through a sort-based scatter-add (index_put_ with
+    accumulate); here idx is a permutation, or each row is read exactly `fan_out` times (the
+    top-k copies of a token), so the gradient is another gather plus a sum over the copies:
+    deterministic and without atomics.
+    """
+
+    @staticmethod
+    def forward(ctx, x, idx, inv, fan_out):
+        ctx.save_for_backward(inv)
+        ctx.fan_out = fan_out
+        return x.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inv,) = ctx.saved_tensors
+        g = grad.index_select(0, inv)
+        if ctx.fan_out > 1:
+            g = g.view(-1, ctx.fan_out, g.shape[-1]).sum(1)
+        return g, None, None, None
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor, fan_out: int = 1) -> torch.Tensor:
+    return _GatherRows.apply(x, idx, inv, fan_out)
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
 class LocalStats:
     """Load-balancing statistics on one process: the batch is all the data there is."""
 
@@ -71,21 +103,25 @@ class MoE(nn.Module):
         B, L, D = x_BLD.shape
         x_TD = x_BLD.reshape(-1, D)
         weights_TK, experts_TK, scores_TE = self.router(x_TD, self.expert_bias)
-        counts_E = torch.bincount(experts_TK.flatten(), minlength=cfg.num_experts)
+        # Stable sort keeps each expert's tokens in token order: deterministic grouping. Counting
+        # on the sorted ids needs no host sync (CUDA bincount reads the max back to size its output).
+        sorted_N, order_N = torch.sort(experts_TK.flatten(), stable=True)
+        bounds = torch.arange(cfg.num_experts + 1, device=sorted_N.device, dtype=sorted_N.dtype)
+        counts_E = torch.searchsorted(sorted_N, bounds).diff()
         global_counts_E = self.stats.sum(counts_E.to(self.tokens_per_expert.dtype))
         with torch.no_grad():
             self.tokens_per_expert += global_counts_E
         if cfg.load_balance == "aux_loss":
             self.aux_loss = self._aux_loss(scores_TE, global_counts_E)
 
-        # Stable sort keeps each expert's tokens in token order: deterministic grouping.
-        order_N = torch.argsort(experts_TK.flatten(), stable=True)
-        token_N = order_N // cfg.top_k
-        y_ND = self.experts(x_TD[token_N], counts_E)
-        y_ND = y_ND * weights_TK.flatten()[order_N].unsqueeze(-1)
-        # Accumulate into a fresh (B, L, D) tensor so the layer returns no view (FSDP2 hooks outputs).
-        y_BLD = torch.zeros_like(x_BLD)
-        y_BLD.view(-1, D).index_add_(0, token_N, y_ND)
+        K = cfg.top_k
+        rank_N = inverse_permutation(order_N)  # where each (token, k) pair sits in expert order
+        y_ND = self.experts(gather_rows(x_TD, order_N // K, rank_N, fan_out=K), counts_E)
+        # Back to (token, k) order, then the weighted sum over k as one batched matmul: no
+        # scatter-add and no atomics, forward or backward. The clone (1/K of the gathered bytes)
+        # returns a tensor, not a view of the matmul output, to FSDP2's output hooks.
+        y_TKD = gather_rows(y_ND, rank_N, order_N).view(-1, K, D)
+        y_BLD = torch.bmm(weights_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).view(B, L, D).clone()
         if self.shared_experts is not None:
             y_BLD = y_BLD + self.shared_experts(x_BLD)
         return y_BLD

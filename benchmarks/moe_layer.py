@@ -1,0 +1,364 @@
+"""Routed-experts benchmark: our dispatch + grouped GEMM + combine, side by side with torchtitan's.
+
+    torchrun --nproc-per-node 2 benchmarks/moe_layer.py --titan-log titan.log --out moe_layer.json
+    torchrun --nproc-per-node 2 benchmarks/moe_layer.py --device cpu --shapes tiny --out x.json  # smoke
+
+Every layer is `dtensor_moe.MoE` parallelized by `parallelize_moe` on the EP=2, ETP=2 or EDP=2 mesh
+(and unparallelized on one GPU), with the router bypassed and fed exactly the uniform random routing
+of `titan_anchor.py` (same seed, same draws): same tokens per rank, K and E. FLOPs are counted as the
+baseline does, 18*D*F*T*K per rank. Two timings per layer:
+  layer: FSDP in its gradient-accumulation steady state (parameters stay gathered, no gradient
+         reduction) -- dispatch + grouped GEMM + combine only, like the baseline, which has no FSDP;
+  step:  FSDP's default training step (all-gather in forward and backward, gradient reduce-scatter).
+In the same run: the ceilings (dense bf16 matmul, the grouped SwiGLU alone at each per-rank shape,
+equal-split all_to_all at each dispatch size), a numerics check of the benchmarked path against an
+fp32 reference, and one profiled step per layer (where the time goes). Baseline numbers come from
+`titan_anchor.py` lines in --titan-log (run_gpu.sh runs it on the same machine first).
+"""
+
+import argparse
+import copy
+import json
+import re
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from dtensor_moe import MoE, MoEConfig, MoEParallelDims, grouped_swiglu, parallelize_moe
+
+SHAPES = {  # name: (D, F, E, K, tokens per rank)
+    "deepseek": (7168, 2048, 256, 8, 8192),
+    "qwen": (2048, 768, 128, 8, 16384),
+    "mixtral": (4096, 14336, 8, 2, 8192),
+    "e64": (4096, 1536, 64, 6, 16384),
+    "tiny": (64, 32, 8, 2, 64),
+}
+MESHES = {"ep2": dict(ep=2), "etp2": dict(etp=2), "edp2": {}, "local": None}  # local: one GPU, no parallelism
+TARGET_RATIO = {"deepseek": 1.3, "qwen": 1.3, "mixtral": 1.0, "e64": 1.0}
+TARGET_PEAK_FRACTION = {"deepseek": 0.5}
+NUMERICS_TOL = 3e-2  # max |bf16 path - fp32 reference| / max |reference|
+TITAN_LINE = re.compile(
+    r"titan0\.3\.0 EP=(\d+) D=(\d+) F=(\d+) E=(\d+) K=(\d+) T/rank=(\d+): fwd\+bwd ([\d.]+) ms, (\d+) TFLOP/s"
+)
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def host_timed_ms(step, dev, iters, warmup, barrier=True):
+    """Median wall time of `step`, measured exactly as titan_anchor.py does (sync, barrier, clock)."""
+    for _ in range(warmup):
+        step()
+    ts = []
+    for _ in range(iters):
+        sync(dev)
+        if barrier:
+            dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        sync(dev)
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[len(ts) // 2] * 1e3
+
+
+def baseline_inputs(rank, T, D, E, K, dev, dtype):
+    """titan_anchor.py's inputs: same seed, same draws in the same order, so the same routing."""
+    torch.manual_seed(rank)
+    x = torch.randn(1, T, D, device=dev, dtype=dtype, requires_grad=True)
+    logits = torch.randn(T, E, device=dev)
+    scores_TK, experts_TK = torch.softmax(logits, -1).topk(K, -1)
+    return x, scores_TK.to(dtype), experts_TK
+
+
+def bypass_router(moe: MoE, weights_TK, experts_TK):
+    moe.router.forward = lambda x_TD, expert_bias=None: (weights_TK, experts_TK, None)
+
+
+def build_layer(cfg, mesh, world, dev, dtype, **parallel_kwargs):
+    with torch.device(dev):  # initialized on the device: the E256 layer is 11G parameters
+        moe = MoE(cfg)
+    moe.to(dtype)
+    if MESHES[mesh] is not None:
+        parallelize_moe(moe, MoEParallelDims(world, **MESHES[mesh]), device_type=dev.type, **parallel_kwargs)
+    return moe
+
+
+def _rel_err(a, b) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def check_numerics(cfg, mesh, rank, world, T, dev, dtype) -> dict:
+    """The benchmarked path (dtype, parallelized) against an fp32 single-process reference over
+    the global batch; loss = mean over ranks, as in tests/parity.py."""
+    n = world if MESHES[mesh] is not None else 1
+    torch.manual_seed(1234)  # same reference weights and global batch on every rank
+    with torch.device(dev):
+        ref = MoE(cfg)
+        x = torch.randn(n * T, cfg.dim)
+        scores_TK, experts_TK = torch.softmax(torch.randn(n * T, cfg.num_experts), -1).topk(cfg.top_k, -1)
+        grad_out = torch.randn(n * T, cfg.dim)
+    model = copy.deepcopy(ref).to(dtype)
+    if MESHES[mesh] is not None:
+        parallelize_moe(model, MoEParallelDims(world, **MESHES[mesh]), device_type=dev.type)
+    bypass_router(ref, scores_TK, experts_TK)
+    x_ref = x.clone().requires_grad_(True)
+    y_ref = ref(x_ref.view(1, -1, cfg.dim)).view(-1, cfg.dim)
+    ((y_ref * grad_out).sum() / n).backward()
+
+    lo, hi = (rank * T, (rank + 1) * T) if n > 1 else (0, T)
+    bypass_router(model, scores_TK[lo:hi].to(dtype), experts_TK[lo:hi])
+    x_r = x[lo:hi].to(dtype).requires_grad_(True)
+    y = model(x_r.view(1, T, cfg.dim)).view(T, cfg.dim)
+    (y.float() * grad_out[lo:hi]).sum().backward()
+    errs = {"out": _rel_err(y, y_ref[lo:hi]), "grad:x": _rel_err(x_r.grad, x_ref.grad[lo:hi] * n)}
+    for name in ("w1", "w2", "w3"):
+        g = getattr(model.experts, name).grad
+        g = g.full_tensor() if hasattr(g, "full_tensor") else g
+        errs[f"grad:{name}"] = _rel_err(g, getattr(ref.experts, name).grad)
+    return errs
+
+
+def numerics_config(cfg: MoEConfig) -> MoEConfig:
+    """Same E, K and routing pattern, smaller D/F so the fp32 reference fits beside the layer."""
+    return MoEConfig(dim=min(cfg.dim, 1024), hidden_dim=min(cfg.hidden_dim, 512), num_experts=cfg.num_experts,
+                     top_k=cfg.top_k, load_balance="none")
+
+
+def profile_step(step, dev, top: int = 12):
+    """Device time by kernel (CPU time on CPU) for one step: where the time goes."""
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        sync(dev)
+    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    avgs = [e for e in prof.key_averages() if getattr(e, key) > 0]
+    total_us = sum(getattr(e, key) for e in avgs)
+    rows = sorted(avgs, key=lambda e: -getattr(e, key))
+    a2a_us = sum(getattr(e, key) for e in avgs if _is_all_to_all_kernel(e.key))
+    return {
+        "total_ms": total_us / 1e3,
+        "all_to_all_ms": a2a_us / 1e3,
+        "top": [{"name": e.key[:90], "ms": getattr(e, key) / 1e3, "count": e.count} for e in rows[:top]],
+    }
+
+
+def _is_all_to_all_kernel(name: str) -> bool:
+    return "nccl" in name.lower() and ("SendRecv" in name or "AllToAll" in name)
+
+
+def a2a_bytes_to_peer(mesh, experts_TK, E, D, itemsize) -> int:
+    """Bytes one large all-to-all of this layer sends to the peer rank (there are 4 per step)."""
+    if mesh == "ep2":  # routed copies whose expert lives on the other rank
+        rank = dist.get_rank()
+        remote = ((experts_TK >= E // 2) if rank == 0 else (experts_TK < E // 2)).sum().item()
+        return int(remote) * D * itemsize
+    if mesh == "etp2":  # every routed copy goes to the ETP peer too
+        return experts_TK.numel() * D * itemsize
+    return 0
+
+
+def all_to_all_gbps(bytes_to_peer: int, dev, iters: int) -> float:
+    """Equal-split all_to_all_single of a buffer sending `bytes_to_peer` to the peer (2 ranks)."""
+    n = 2 * bytes_to_peer // 2  # bf16 elements: half of the 2*bytes buffer stays, half goes
+    inp = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(inp)
+    ms = host_timed_ms(lambda: dist.all_to_all_single(out, inp), dev, iters, 3)
+    return bytes_to_peer / (ms / 1e3) / 1e9
+
+
+def dense_peak_tflops(dev, iters) -> float:
+    n = 8192 if dev.type == "cuda" else 256
+    a, b = (torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    ms = host_timed_ms(lambda: a @ b, dev, iters, 5, barrier=False)
+    return 2 * n**3 / (ms / 1e3) / 1e12
+
+
+def grouped_swiglu_tflops(D, F, E_local, N, dev, iters) -> float:
+    """Forward + backward of the three grouped GEMMs (+ SiLU) alone, balanced groups."""
+    x = torch.randn(N, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    ws = [torch.randn(s, device=dev, dtype=torch.bfloat16).mul_(0.02).requires_grad_(True)
+          for s in ((E_local, F, D), (E_local, D, F), (E_local, F, D))]
+    counts = torch.full((E_local,), N // E_local, device=dev)
+    counts[-1] += N - int(counts.sum())
+
+    def step():
+        grouped_swiglu(x, counts, *ws).float().sum().backward()
+
+    ms = host_timed_ms(step, dev, iters, 3, barrier=False)
+    return 6 * N * D * F * 3 / (ms / 1e3) / 1e12
+
+
+_GEMM_CEILINGS: dict = {}
+
+
+def gemm_ceiling(name, mesh, dev, iters) -> float:
+    """The grouped SwiGLU alone at this layer's per-rank GEMM shape (ETP: twice the rows, half of F)."""
+    D, F, E, K, T = SHAPES[name]
+    key = {"ep2": (D, F, E // 2, T * K), "etp2": (D, F // 2, E, 2 * T * K)}.get(mesh, (D, F, E, T * K))
+    if key not in _GEMM_CEILINGS:
+        _GEMM_CEILINGS[key] = grouped_swiglu_tflops(*key, dev, iters)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return _GEMM_CEILINGS[key]
+
+
+def set_accumulation_mode(moe: MoE):
+    """FSDP steady state of gradient accumulation: parameters stay gathered, no gradient reduction."""
+    moe.set_reshard_after_forward(False)
+    moe.set_reshard_after_backward(False)
+    moe.set_requires_gradient_sync(False)
+
+
+def bench_layer(name, mesh, args, dev, world, rank, dtype, peak) -> dict | None:
+    D, F, E, K, T = SHAPES[name]
+    local = MESHES[mesh] is None
+    if local and rank != 0:
+        return None
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K, load_balance="none")
+    numerics = check_numerics(numerics_config(cfg), mesh, rank, world, min(T, 2048), dev, dtype)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    moe = build_layer(cfg, mesh, world, dev, dtype)
+    x, weights_TK, experts_TK = baseline_inputs(rank, T, D, E, K, dev, dtype)
+    bypass_router(moe, weights_TK, experts_TK)
+
+    def step():
+        moe(x).float().sum().backward()
+
+    flops = 18 * D * F * T * K
+    out = {"shape": name, "mesh": mesh, "D": D, "F": F, "E": E, "K": K, "T": T, "numerics": numerics}
+    if not local:
+        out["step_ms"] = host_timed_ms(step, dev, args.iters, args.warmup)
+        set_accumulation_mode(moe)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    out["ms"] = host_timed_ms(step, dev, args.iters, args.warmup, barrier=not local)
+    out["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    out["tflops"] = flops / (out["ms"] / 1e3) / 1e12
+    out["pct_dense_peak"] = 100 * out["tflops"] / peak
+    out["profile"] = profile_step(step, dev)
+    nbytes = a2a_bytes_to_peer(mesh, experts_TK, E, D, x.element_size())
+    if nbytes:
+        a2a_ms = out["profile"]["all_to_all_ms"]
+        out["a2a_gbps_in_step"] = 4 * nbytes / (a2a_ms / 1e3) / 1e9 if a2a_ms > 0 else None
+        out["a2a_ceiling_gbps"] = all_to_all_gbps(nbytes, dev, args.iters)
+    del moe, x
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def read_titan(path) -> dict:
+    """(EP, D, F, E, K, T) -> (ms, TFLOP/s) from titan_anchor.py output lines."""
+    if not path:
+        return {}
+    found = {}
+    with open(path) as f:
+        for m in TITAN_LINE.finditer(f.read()):
+            found[tuple(int(v) for v in m.groups()[:6])] = (float(m.group(7)), float(m.group(8)))
+    return found
+
+
+def attach_baseline(row, titan):
+    ep = 1 if row["mesh"] == "local" else 2
+    base = titan.get((ep, row["D"], row["F"], row["E"], row["K"], row["T"]))
+    row["titan_ms"], row["titan_tflops"] = base if base else (None, None)
+    row["ratio"] = row["tflops"] / base[1] if base else None
+
+
+def targets(rows) -> list[dict]:
+    """The issue's bars, judged on the EP=2 layer (the baseline's own setting)."""
+    out = []
+    for r in rows:
+        if r["mesh"] != "ep2":
+            continue
+        if r["shape"] in TARGET_RATIO and r["ratio"] is not None:
+            want = TARGET_RATIO[r["shape"]]
+            out.append({"what": f"{r['shape']} ep2 / titan", "want": want, "got": r["ratio"], "ok": r["ratio"] >= want})
+        if r["shape"] in TARGET_PEAK_FRACTION:
+            want = 100 * TARGET_PEAK_FRACTION[r["shape"]]
+            out.append({"what": f"{r['shape']} ep2 % dense peak", "want": want, "got": r["pct_dense_peak"],
+                        "ok": r["pct_dense_peak"] >= want})
+    out.append({"what": "numerics max rel err", "want": NUMERICS_TOL,
+                "got": max(max(r["numerics"].values()) for r in rows),
+                "ok": all(max(r["numerics"].values()) <= NUMERICS_TOL for r in rows)})
+    return out
+
+
+def fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def print_table(res):
+    print(f"\ntorch {res['torch']} on {res['device']}; dense bf16 peak {res['dense_peak_tflops']:.0f} TFLOP/s")
+    head = ("shape", "mesh", "ms", "TFLOP/s", "%peak", "titan", "ratio", "step ms", "a2a GB/s", "a2a ceil",
+            "gemm ceil", "num err", "GiB")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in res["rows"]:
+        cells = (r["shape"], r["mesh"], fmt(r["ms"], ".2f"), fmt(r["tflops"], ".0f"), fmt(r["pct_dense_peak"], ".0f"),
+                 fmt(r["titan_tflops"], ".0f"), fmt(r["ratio"], ".2f"), fmt(r.get("step_ms"), ".2f"),
+                 fmt(r.get("a2a_gbps_in_step"), ".0f"), fmt(r.get("a2a_ceiling_gbps"), ".0f"),
+                 fmt(r["gemm_ceiling_tflops"], ".0f"), fmt(max(r["numerics"].values()), ".1e"),
+                 fmt(r["peak_mem_gib"], ".1f"))
+        print("| " + " | ".join(cells) + " |")
+    for t in res["targets"]:
+        print(f"target {t['what']}: want {t['want']:.3g}, got {t['got']:.3g} -> {'PASS' if t['ok'] else 'MISS'}")
+    for r in res["rows"]:
+        p = r["profile"]
+        print(f"\nprofile {r['shape']} {r['mesh']}: {p['total_ms']:.2f} ms of kernels, all-to-all {p['all_to_all_ms']:.2f} ms")
+        for k in p["top"]:
+            print(f"  {k['ms']:8.2f} ms  x{k['count']:<4d} {k['name']}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--shapes", nargs="+", default=["deepseek", "qwen", "mixtral", "e64"], choices=list(SHAPES))
+    ap.add_argument("--meshes", nargs="+", default=list(MESHES), choices=list(MESHES))
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--titan-log", default=None, help="titan_anchor.py output for the baseline columns")
+    ap.add_argument("--out", required=True, help="JSON results (written by rank 0)")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda needs a GPU; use --device cpu (gloo) for a smoke test")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != 2 and any(MESHES[m] is not None for m in args.meshes):
+        raise ValueError(f"meshes {args.meshes} fold over exactly 2 ranks, got world size {world}; "
+                         f"run with --nproc-per-node 2 (or --meshes local on 1 rank)")
+    dev = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dtype = torch.bfloat16
+    peak = dense_peak_tflops(dev, args.iters)
+    rows = []
+    for name in args.shapes:
+        D, F, E, K, T = SHAPES[name]
+        for mesh in args.meshes:
+            row = bench_layer(name, mesh, args, dev, world, rank, dtype, peak)
+            if row is not None:
+                row["gemm_ceiling_tflops"] = gemm_ceiling(name, mesh, dev, args.iters)
+                rows.append(row)
+        dist.barrier()
+    if rank == 0:
+        titan = read_titan(args.titan_log)
+        for r in rows:
+            attach_baseline(r, titan)
+        res = {"torch": torch.__version__, "world": world, "dtype": str(dtype),
+               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+               "dense_peak_tflops": peak, "rows": rows}
+        res["targets"] = targets(rows)
+        print_table(res)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The GPU benchmarks run end to end on 2 gloo CPU ranks with tiny shapes and write sound JSON.
+
+Nothing is timed here: this checks the scripts (meshes, numerics check, baseline parsing, byte
+accounting) so a GPU run is not spent discovering a bug."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(script: str, *args: str, nproc: int = 2):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(ROOT / "benchmarks" / script), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_moe_layer_smoke(tmp_path):
+    titan = tmp_path / "titan.log"
+    # A baseline line in titan_anchor.py's format: the ratio column must be computed from it.
+    titan.write_text("titan0.3.0 EP=2 D=64 F=32 E=8 K=2 T/rank=64: fwd+bwd 1.00 ms, 7 TFLOP/s/GPU, 1 tok/s/GPU\n")
+    out = tmp_path / "moe_layer.json"
+    torchrun("moe_layer.py", "--device", "cpu", "--shapes", "tiny", "--iters", "1", "--warmup", "0",
+             "--titan-log", str(titan), "--out", str(out))
+    res = json.loads(out.read_text())
+    rows = {r["mesh"]: r for r in res["rows"]}
+    assert set(rows) == {"ep2", "etp2", "edp2", "local"}
+    for mesh, r in rows.items():
+        assert r["ms"] > 0 and r["tflops"] > 0 and r["profile"]["top"], mesh
+        assert max(r["numerics"].values()) < 3e-2, (mesh, r["numerics"])
+        assert set(r["numerics"]) == {"out", "grad:x", "grad:w1", "grad:w2", "grad:w3"}
+    for mesh in ("ep2", "etp2", "edp2"):
+        assert rows[mesh]["ratio"] == rows[mesh]["tflops"] / 7 and rows[mesh]["step_ms"] > 0
+    assert rows["local"]["ratio"] is None  # no EP=1 baseline line given
+    assert rows["ep2"]["a2a_ceiling_gbps"] > 0 and "a2a_ceiling_gbps" not in rows["edp2"]
+    assert any(t["what"] == "numerics max rel err" and t["ok"] for t in res["targets"])
+
+
+def test_memory_smoke(tmp_path):
+    out = tmp_path / "memory.json"
+    torchrun("memory.py", "--device", "cpu", "--shape", "64", "32", "8", "2", "--tokens", "16", "--out", str(out))
+    res = json.loads(out.read_text())
+    lay = res["layouts"]
+    assert set(lay) == {"ep_only", "edp_only"} and "target" not in res  # 2 ranks, ep=2: no EP+EDP layout
+    assert lay["ep_only"]["dims"]["ep"] == 2 and lay["edp_only"]["dims"]["edp"] == 2
+    D, F, E = 64, 32, 8
+    per_rank = (3 * E * F * D + E * D) // 2  # experts and router, each halved over 2 ranks
+    for r in lay.values():
+        assert r["param_bytes"] == 4 * per_rank, r
+        assert r["grad_bytes"] == r["param_bytes"]
+        assert r["optim_bytes"] >= 2 * r["param_bytes"]  # AdamW: exp_avg and exp_avg_sq (+ step)
