@@ -1,0 +1,69 @@
+"""A DeepSeek-V3 debug model shrunk for CPU ranks (torchtitan's own debug flavor needs a GPU).
+
+Same architecture as torchtitan's `deepseek_v3` "debugmodel" (MLA attention, one dense layer then
+MoE layers with shared experts, softmax top-k routing, YaRN RoPE), built with torchtitan's own
+`build_mla_moe_layers`; only the sizes are smaller, and attention is plain causal SDPA because
+FlexAttention has no CPU backward (documents packed into one sequence attend across boundaries).
+"""
+
+from functools import partial
+
+from torch import nn
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, build_mla_moe_layers
+
+_LINEAR = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
+_EXPERTS = {name: partial(nn.init.trunc_normal_, std=0.02) for name in ("w1_EFD", "w2_EDF", "w3_EFD")}
+_NORM = {"weight": nn.init.ones_}
+
+
+def deepseek_v3_tiny(vocab_size: int, max_seq_len: int = 256) -> DeepSeekV3Model.Config:
+    dim, rope_dim = 64, 8
+    layers = build_mla_moe_layers(
+        n_layers=3,
+        n_dense_layers=1,
+        dim=dim,
+        n_heads=4,
+        q_lora_rank=0,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=16,
+        mscale=0.70,
+        dense_hidden_dim=128,
+        moe_hidden_dim=32,
+        num_experts=8,
+        num_shared_experts=1,
+        router_top_k=2,
+        router_score_func="softmax",
+        attn_backend="flex",
+        moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        linear_init=_LINEAR,
+        norm_init=_NORM,
+        depth_init=lambda layer_id: _LINEAR,
+        depth_experts_init=lambda layer_id: _EXPERTS,
+        rope=ComplexRoPE.Config(
+            dim=rope_dim,
+            max_seq_len=max_seq_len,
+            theta=10000.0,
+            scaling="yarn",
+            rope_factor=40.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            original_seq_len=max_seq_len,
+        ),
+    )
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return DeepSeekV3Model.Config(
+        vocab_size=vocab_size,
+        dim=dim,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab_size, embedding_dim=dim, param_init={"weight": partial(nn.init.normal_, std=1.0)}
+        ),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=_LINEAR),
+        layers=layers,
+    )

@@ -1,0 +1,146 @@
+"""Our parallelize function for torchtitan's MoE decoders (DeepSeek-V3, Qwen3 MoE).
+
+In place of torchtitan's own expert sharding, every torchtitan `MoE` gets dtensor_moe's placement
+plan: expert weights become DTensors on our expert mesh (EP splits experts, ETP splits F), the
+`ExpertDispatcher` moves tokens around torchtitan's grouped-GEMM experts, and FSDP2 shards the
+experts over EDP and the router/shared experts over the data-parallel ranks, each with the plan's
+shard dim. The dense rest gets torchtitan's own FSDP2/HSDP. Parameters keep torchtitan's names, so
+its checkpointer and Hugging Face state-dict adapters see the usual keys.
+"""
+
+from dataclasses import replace
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from torchtitan.config import TORCH_DTYPE_MAP
+from torchtitan.distributed.fsdp import apply_fsdp_to_decoder, get_fsdp_reshard_after_forward_policy
+from torchtitan.models.common.moe import MoE
+from torchtitan.models.deepseek_v3.mtp import apply_fsdp_to_mtp_decoder
+from torchtitan.tools.utils import device_type
+
+from dtensor_moe.config import MoEConfig
+from dtensor_moe.dispatch import ExpertDispatcher, _ScaleGrad
+from dtensor_moe.mesh import MoEMeshes, MoEParallelDims
+from dtensor_moe.parallelize import _fsdp_mesh, _placement_fn
+from dtensor_moe.plan import WeightPlan, plan_moe
+
+from .trainer import ExpertMeshParallelDims
+
+# Plan names (dtensor_moe's MoE) -> torchtitan's names, relative to the MoE module.
+_EXPERTS = "routed_experts.inner_experts"
+_TITAN_NAMES = {"experts.w1": f"{_EXPERTS}.w1_EFD", "experts.w2": f"{_EXPERTS}.w2_EDF", "experts.w3": f"{_EXPERTS}.w3_EFD"}
+
+
+def moe_config(moe: MoE) -> MoEConfig:
+    """The MoEConfig the plan needs, read off a torchtitan MoE module (works on the meta device)."""
+    experts, router = moe.routed_experts.inner_experts, moe.router
+    E, F, D = experts.w1_EFD.shape
+    shared = 0
+    if moe.shared_experts is not None:
+        Fs = moe.shared_experts.w1.weight.shape[0]
+        if Fs % F:
+            raise ValueError(f"shared experts' hidden dim ({Fs}) must be a multiple of the routed experts' ({F})")
+        shared = Fs // F
+    return MoEConfig(
+        dim=D,
+        hidden_dim=F,
+        num_experts=E,
+        top_k=router.top_k,
+        score_func=router.score_func,
+        route_norm=router.route_norm,
+        route_scale=router.route_scale,
+        num_shared_experts=shared,
+    )
+
+
+def titan_plan(moe: MoE, dims: MoEParallelDims) -> tuple[WeightPlan, ...]:
+    """plan_moe for a torchtitan MoE, under torchtitan's parameter names."""
+    plans = tuple(replace(wp, name=_TITAN_NAMES.get(wp.name, wp.name)) for wp in plan_moe(moe_config(moe), dims))
+    unplanned = {n for n, _ in moe.named_parameters()} - {wp.name for wp in plans}
+    if unplanned:
+        raise ValueError(f"MoE parameters {sorted(unplanned)} have no placement in dtensor_moe's plan")
+    return plans
+
+
+def _parallelize_moe(moe: MoE, plans, dims: MoEParallelDims, meshes: MoEMeshes, fsdp_kwargs: dict):
+    experts = moe.routed_experts.inner_experts
+    ep_etp = meshes.expert["ep", "etp"]
+    for wp in plans:
+        if wp.role == "expert":
+            attr = wp.name.rsplit(".", 1)[1]
+            param = getattr(experts, attr)
+            placements = [Shard(wp.step_on("ep").dim), Shard(wp.step_on("etp").dim)]
+            # Every rank holds the same full (or meta) weight, so each slices locally.
+            dt = distribute_tensor(param.data, ep_etp, placements, src_data_rank=None)
+            setattr(experts, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
+    if dims.ep * dims.etp > 1:
+        d = ExpertDispatcher(experts.num_experts, ep_etp.get_group("ep"), ep_etp.get_group("etp"), dims.ep, dims.etp)
+        # torchtitan's loss is a global sum (its FSDP reductions sum, divide factor 1), so the
+        # dispatcher's mean-convention division of expert weight gradients by EP*ETP is undone
+        # around the experts; input gradients stay exact either way.
+        scale = float(dims.ep * dims.etp)
+
+        def dispatch(module, args):
+            x, counts = d.dispatch(*args)
+            return _ScaleGrad.apply(x, 1.0 / scale), counts
+
+        experts.register_forward_pre_hook(dispatch)
+        experts.register_forward_hook(lambda module, args, out: d.combine(_ScaleGrad.apply(out, scale)))
+    expert_plans = tuple(wp for wp in plans if wp.role == "expert")
+    dense_plans = tuple(wp for wp in plans if wp.role == "dense")
+    fully_shard(experts, mesh=_fsdp_mesh(meshes.expert, dims, "edp"), shard_placement_fn=_placement_fn(moe, expert_plans), **fsdp_kwargs)
+    dp_axis = meshes.dp.mesh_dim_names[-1]
+    fully_shard(moe, mesh=_fsdp_mesh(meshes.dp, dims, dp_axis), shard_placement_fn=_placement_fn(moe, dense_plans), **fsdp_kwargs)
+
+
+def _blocks(model) -> list[nn.Module]:
+    return [*model.layers.values(), *(getattr(model, "mtp_layers", None) or [])]
+
+
+def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
+    """torchtitan `ModelSpec.parallelize_fn`: our expert sharding, then AC and torchtitan's dense FSDP2."""
+    if not isinstance(parallel_dims, ExpertMeshParallelDims):
+        raise ValueError(
+            "parallelize_titan needs dtensor_moe.titan's Trainer (it carries the expert degrees): "
+            "use `--module dtensor_moe.titan --config <one of its config functions>`"
+        )
+    if compile_config.enable and "model" in compile_config.components:
+        raise ValueError("compile.enable with 'model' in compile.components is not supported by dtensor_moe.titan yet")
+    dims = parallel_dims.moe
+    moes = [b.moe for b in _blocks(model) if getattr(b, "moe_enabled", False)]
+    plans = [titan_plan(m, dims) for m in moes]  # every check before the first collective
+    meshes = dims.build_meshes(device_type)
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
+        reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
+        cast_forward_inputs=False,
+    )
+    reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward, pp_enabled=False)
+    for moe, moe_plans in zip(moes, plans):
+        _parallelize_moe(moe, moe_plans, dims, meshes, {"mp_policy": mp_policy, "reshard_after_forward": reshard})
+
+    if ac_config is not None:
+        ac_config.build(dump_folder=dump_folder).apply(model)
+    apply_fsdp = apply_fsdp_to_mtp_decoder if hasattr(model, "mtp_layers") else apply_fsdp_to_decoder
+    apply_fsdp(
+        model,
+        _fsdp_mesh(meshes.dp, dims, meshes.dp.mesh_dim_names[-1]),
+        param_dtype=mp_policy.param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
+        pp_enabled=False,
+        cpu_offload=training.enable_cpu_offload,
+        reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
+        enable_symm_mem=parallelism.enable_fsdp_symm_mem,
+    )
+    if device_type == "cpu":
+        sum_reductions(model)
+    return model
+
+
+def sum_reductions(model: nn.Module) -> nn.Module:
+    """Gloo has no PREMUL_SUM, which FSDP2 uses for torchtitan's divide factor 1: reduce with SUM."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    return model
