@@ -58,8 +58,11 @@ class ExpertDispatcher:
     around the experts (and undone for the input gradient), so FSDP's own reduction stays default.
     """
 
-    def __init__(self, num_experts: int, ep_group, etp_group, ep: int, etp: int):
+    def __init__(self, num_experts: int, ep_group, etp_group, ep: int, etp: int, grad_divisor: float | None = None):
+        """grad_divisor defaults to EP*ETP (mean-loss convention); a trainer whose loss is already a
+        global sum and whose FSDP reductions sum (torchtitan) passes 1."""
         self.num_experts, self.ep, self.etp = num_experts, ep, etp
+        self.grad_divisor = float(ep * etp) if grad_divisor is None else float(grad_divisor)
         self.ep_group, self.etp_group = ep_group, etp_group
         self.etp_rank = dist.get_rank(etp_group) if etp > 1 else 0
         self._state = None
@@ -80,13 +83,13 @@ class ExpertDispatcher:
         idx = _expert_major_index(C, int(C_host.sum()))
         inv = inverse_permutation(idx)
         self._state = (idx, inv, send, recv_per_src, peer_sizes)
-        x_local = _ScaleGrad.apply(gather_rows(x, idx, inv), float(ep * etp))
+        x_local = _ScaleGrad.apply(gather_rows(x, idx, inv), self.grad_divisor)
         return x_local, C.sum((0, 1))
 
     def combine(self, y_local: torch.Tensor) -> torch.Tensor:
         idx, inv, send, recv_per_src, peer_sizes = self._state
         self._state = None
-        y_local = _ScaleGrad.apply(y_local, 1.0 / (self.ep * self.etp))
+        y_local = _ScaleGrad.apply(y_local, 1.0 / self.grad_divisor)
         y = gather_rows(y_local, inv, idx)
         if self.etp > 1:
             n_self = sum(recv_per_src)

@@ -6,6 +6,10 @@ ETP is innermost, then EP, so those groups are consecutive ranks and stay inside
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 DENSE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 EXPERT_AXES = ("dp_replicate", "edp", "ep", "etp")

@@ -35,34 +35,49 @@ def _placement_fn(module: nn.Module, plans: tuple[WeightPlan, ...]):
     return lambda p: by_param.get(p)
 
 
-def _parallelize_one(moe: MoE, dims: MoEParallelDims, meshes: MoEMeshes, fsdp_kwargs: dict):
-    plans = plan_moe(moe.config, dims)
+def shard_moe_layer(
+    moe: nn.Module,
+    plans: tuple[WeightPlan, ...],
+    dims: MoEParallelDims,
+    meshes: MoEMeshes,
+    fsdp_kwargs: dict,
+    grad_divisor: float | None = None,
+):
+    """Apply `plans` (names relative to `moe`) to one MoE layer of any model family.
+
+    Expert weights become DTensors on the (ep, etp) submesh, the dispatcher wraps the module that
+    owns them, and FSDP2 shards them over EDP (HSDP over dp_replicate) and the dense weights over
+    the data-parallel ranks, each along the plan's dim. `grad_divisor`: see ExpertDispatcher.
+    """
     experts_plans = tuple(wp for wp in plans if wp.role == "expert")
     dense_plans = tuple(wp for wp in plans if wp.role == "dense")
-
+    owner_name = experts_plans[0].name.rsplit(".", 1)[0]
+    experts = moe.get_submodule(owner_name)
     ep_etp = meshes.expert["ep", "etp"]
     for wp in experts_plans:
-        name = wp.name.split(".", 1)[1]
-        param = getattr(moe.experts, name)
+        attr = wp.name.rsplit(".", 1)[1]
+        param = getattr(experts, attr)
         placements = [Shard(wp.step_on("ep").dim), Shard(wp.step_on("etp").dim)]
-        # src_data_rank=None: every rank already holds the same full weight, so slice locally.
+        # src_data_rank=None: every rank already holds the same full (or meta) weight, so slice locally.
         dt = distribute_tensor(param.data, ep_etp, placements, src_data_rank=None)
-        setattr(moe.experts, name, nn.Parameter(dt, requires_grad=param.requires_grad))
+        setattr(experts, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
     if dims.ep * dims.etp > 1:
-        d = ExpertDispatcher(
-            moe.config.num_experts, ep_etp.get_group("ep"), ep_etp.get_group("etp"), dims.ep, dims.etp
-        )
-        moe.experts.register_forward_pre_hook(lambda mod, args: d.dispatch(*args))
-        moe.experts.register_forward_hook(lambda mod, args, out: d.combine(out))
+        E = experts_plans[0].global_shape[0]
+        d = ExpertDispatcher(E, ep_etp.get_group("ep"), ep_etp.get_group("etp"), dims.ep, dims.etp, grad_divisor)
+        experts.register_forward_pre_hook(lambda mod, args: d.dispatch(*args))
+        experts.register_forward_hook(lambda mod, args, out: d.combine(out))
     fully_shard(
-        moe.experts,
+        experts,
         mesh=_fsdp_mesh(meshes.expert, dims, "edp"),
         shard_placement_fn=_placement_fn(moe, experts_plans),
         **fsdp_kwargs,
     )
-    dp_axis = meshes.dp.mesh_dim_names[-1]
-    fully_shard(moe, mesh=_fsdp_mesh(meshes.dp, dims, dp_axis), shard_placement_fn=_placement_fn(moe, dense_plans), **fsdp_kwargs)
-    moe.stats = DataParallelStats(meshes.dp)
+    fully_shard(moe, mesh=dp_fsdp_mesh(meshes, dims), shard_placement_fn=_placement_fn(moe, dense_plans), **fsdp_kwargs)
+
+
+def dp_fsdp_mesh(meshes: MoEMeshes, dims: MoEParallelDims):
+    """The mesh dense weights are FSDP-sharded on: data-parallel ranks, HSDP over dp_replicate."""
+    return _fsdp_mesh(meshes.dp, dims, meshes.dp.mesh_dim_names[-1])
 
 
 def parallelize_moe(
@@ -86,7 +101,8 @@ def parallelize_moe(
     if mp_policy is not None:
         fsdp_kwargs["mp_policy"] = mp_policy
     for m in moes:
-        _parallelize_one(m, dims, meshes, fsdp_kwargs)
+        shard_moe_layer(m, plan_moe(m.config, dims), dims, meshes, fsdp_kwargs)
+        m.stats = DataParallelStats(meshes.dp)
     return module
 
 
@@ -103,9 +119,7 @@ def parallelize_model(
     Works for any model whose blocks are in `model.layers`; tied embeddings stay in the root group.
     """
     parallelize_moe(model, dims, device_type=device_type, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    meshes = dims.build_meshes(device_type)
-    mesh = _fsdp_mesh(meshes.dp, dims, meshes.dp.mesh_dim_names[-1])
-    kwargs = {"mesh": mesh}
+    kwargs = {"mesh": dp_fsdp_mesh(dims.build_meshes(device_type), dims)}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for block in model.layers:

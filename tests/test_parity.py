@@ -5,7 +5,6 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from .harness import run_on_ranks
 from .parity import Case, check_parity

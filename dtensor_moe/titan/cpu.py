@@ -11,7 +11,6 @@ import os
 import sys
 import types
 
-import torch
 
 
 def _no_op(*args, **kwargs):

@@ -11,8 +11,7 @@ its checkpointer and Hugging Face state-dict adapters see the usual keys.
 from dataclasses import replace
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder, get_fsdp_reshard_after_forward_policy
 from torchtitan.models.common.moe import MoE
@@ -20,9 +19,8 @@ from torchtitan.models.deepseek_v3.mtp import apply_fsdp_to_mtp_decoder
 from torchtitan.tools.utils import device_type
 
 from dtensor_moe.config import MoEConfig
-from dtensor_moe.dispatch import ExpertDispatcher, _ScaleGrad
-from dtensor_moe.mesh import MoEMeshes, MoEParallelDims
-from dtensor_moe.parallelize import _fsdp_mesh, _placement_fn
+from dtensor_moe.mesh import MoEParallelDims
+from dtensor_moe.parallelize import dp_fsdp_mesh, shard_moe_layer
 from dtensor_moe.plan import WeightPlan, plan_moe
 
 from .trainer import ExpertMeshParallelDims
@@ -63,37 +61,6 @@ def titan_plan(moe: MoE, dims: MoEParallelDims) -> tuple[WeightPlan, ...]:
     return plans
 
 
-def _parallelize_moe(moe: MoE, plans, dims: MoEParallelDims, meshes: MoEMeshes, fsdp_kwargs: dict):
-    experts = moe.routed_experts.inner_experts
-    ep_etp = meshes.expert["ep", "etp"]
-    for wp in plans:
-        if wp.role == "expert":
-            attr = wp.name.rsplit(".", 1)[1]
-            param = getattr(experts, attr)
-            placements = [Shard(wp.step_on("ep").dim), Shard(wp.step_on("etp").dim)]
-            # Every rank holds the same full (or meta) weight, so each slices locally.
-            dt = distribute_tensor(param.data, ep_etp, placements, src_data_rank=None)
-            setattr(experts, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
-    if dims.ep * dims.etp > 1:
-        d = ExpertDispatcher(experts.num_experts, ep_etp.get_group("ep"), ep_etp.get_group("etp"), dims.ep, dims.etp)
-        # torchtitan's loss is a global sum (its FSDP reductions sum, divide factor 1), so the
-        # dispatcher's mean-convention division of expert weight gradients by EP*ETP is undone
-        # around the experts; input gradients stay exact either way.
-        scale = float(dims.ep * dims.etp)
-
-        def dispatch(module, args):
-            x, counts = d.dispatch(*args)
-            return _ScaleGrad.apply(x, 1.0 / scale), counts
-
-        experts.register_forward_pre_hook(dispatch)
-        experts.register_forward_hook(lambda module, args, out: d.combine(_ScaleGrad.apply(out, scale)))
-    expert_plans = tuple(wp for wp in plans if wp.role == "expert")
-    dense_plans = tuple(wp for wp in plans if wp.role == "dense")
-    fully_shard(experts, mesh=_fsdp_mesh(meshes.expert, dims, "edp"), shard_placement_fn=_placement_fn(moe, expert_plans), **fsdp_kwargs)
-    dp_axis = meshes.dp.mesh_dim_names[-1]
-    fully_shard(moe, mesh=_fsdp_mesh(meshes.dp, dims, dp_axis), shard_placement_fn=_placement_fn(moe, dense_plans), **fsdp_kwargs)
-
-
 def _blocks(model) -> list[nn.Module]:
     return [*model.layers.values(), *(getattr(model, "mtp_layers", None) or [])]
 
@@ -118,14 +85,17 @@ def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_co
     )
     reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward, pp_enabled=False)
     for moe, moe_plans in zip(moes, plans):
-        _parallelize_moe(moe, moe_plans, dims, meshes, {"mp_policy": mp_policy, "reshard_after_forward": reshard})
+        # torchtitan's loss is a global sum and its FSDP reductions sum (divide factor 1): expert
+        # weight gradients must stay sums too, so no EP*ETP division in the dispatcher.
+        fsdp_kwargs = {"mp_policy": mp_policy, "reshard_after_forward": reshard}
+        shard_moe_layer(moe, moe_plans, dims, meshes, fsdp_kwargs, grad_divisor=1.0)
 
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     apply_fsdp = apply_fsdp_to_mtp_decoder if hasattr(model, "mtp_layers") else apply_fsdp_to_decoder
     apply_fsdp(
         model,
-        _fsdp_mesh(meshes.dp, dims, meshes.dp.mesh_dim_names[-1]),
+        dp_fsdp_mesh(meshes, dims),
         param_dtype=mp_policy.param_dtype,
         reduce_dtype=mp_policy.reduce_dtype,
         pp_enabled=False,
