@@ -94,14 +94,14 @@ def parallelize_moe(
     `dims.build_meshes(...).dp`), as in torchtitan's parallelize functions.
     """
     moes = [m for m in module.modules() if isinstance(m, MoE)]
-    for m in moes:  # every check before the first collective, so a bad config never hangs a rank
-        plan_moe(m.config, dims)
+    # Every check runs before the first collective, so a bad config never hangs a rank.
+    plans = [plan_moe(m.config, dims) for m in moes]
     meshes = dims.build_meshes(device_type)
     fsdp_kwargs = {"reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         fsdp_kwargs["mp_policy"] = mp_policy
-    for m in moes:
-        shard_moe_layer(m, plan_moe(m.config, dims), dims, meshes, fsdp_kwargs)
+    for m, moe_plans in zip(moes, plans):
+        shard_moe_layer(m, moe_plans, dims, meshes, fsdp_kwargs)
         m.stats = DataParallelStats(meshes.dp)
     return module
 
