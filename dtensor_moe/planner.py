@@ -494,3 +494,14 @@ def run(args) -> int:
         print()
         print(explain_choice(spec, fitting[0], fitting[1] if len(fitting) > 1 else None, hw))
     return 0
+
+
+def predicted_state_bytes(model_cfg, dims: MoEParallelDims, rank: int, optimizer: str = "adamw") -> dict[str, int]:
+    """Params, grads and optimizer-state bytes the planner predicts for `rank` of a training run of
+    `dtensor_moe.model.ModelConfig` (sharded state is fp32 whatever the compute dtype)."""
+    from .presets import spec_from_model_config
+
+    units = fsdp_units(spec_from_model_config(model_cfg), dims)
+    tensors = sum(u.count * len(u.plans) for u in units)
+    work = Workload(dtype="fp32", optimizer=optimizer)
+    return dict(zip(("params", "grads", "optimizer"), state_bytes(held_numel(units, dims, rank), tensors, work)))

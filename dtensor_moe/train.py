@@ -155,6 +155,7 @@ def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
     start = ckpt.resume(model, optimizer, scheduler) if ckpt else 0
     writer = RunWriter(run_dir, t.steps, resumed_at=start) if rank == 0 else None
     tokens_per_step = t.global_batch * t.seq_len
+    state = None
     for step in range(start, t.steps):
         t0 = time.perf_counter()
         inputs_BL, targets_BL = (b.to(device) for b in batches(step))
@@ -164,6 +165,8 @@ def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
         (ce + aux).backward()
         grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
         optimizer.step()
+        if step == t.steps - 1:
+            state = _local_state_bytes(model, optimizer)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         model.update_expert_bias()
@@ -181,7 +184,11 @@ def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
             })
         if ckpt:
             ckpt.maybe_save(step + 1, model, optimizer, scheduler)
+    states = [None] * world
+    dist.all_gather_object(states, state)
     if writer:
+        from .planner import predicted_state_bytes
+
         rows = writer.rows
         steady = [r["tokens_per_s"] for r in rows[3:]] or [r["tokens_per_s"] for r in rows]
         writer.finish({
@@ -192,11 +199,32 @@ def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
             "median_tokens_per_s": statistics.median(steady) if steady else None,
             "median_tokens_per_s_per_rank": statistics.median(steady) / world if steady else None,
             "peak_mem_per_rank_gib": max((r["peak_mem_per_rank_gib"] for r in rows), key=max, default=None),
+            # Measured local bytes after the last step vs the planner's prediction (dtensor-moe plan).
+            "state_bytes_per_rank": states,
+            "planner_state_bytes_per_rank": [predicted_state_bytes(cfg.model, dims, r) for r in range(world)],
             "torch": torch.__version__,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         })
     dist.barrier()  # no rank tears down gloo while a peer still talks to it
     dist.destroy_process_group()
+
+
+def _local_state_bytes(model, optimizer) -> dict[str, int]:
+    """Bytes of this rank's shards of parameters, gradients and optimizer state."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    opt = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    return {
+        "params": sum(nbytes(p) for p in params),
+        "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": opt,
+    }
 
 
 class _Checkpointing:
