@@ -45,11 +45,11 @@ def _worker_argv(args, run_dir: str) -> list[str]:
     argv += ["--keep-last", str(args.keep_last)]
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]
-    if args.nproc is not None:
-        argv += ["--nproc", str(args.nproc)]
     if args.resume is not None:
         argv += ["--resume", args.resume]
-    return argv + list(args.overrides)
+    # --nproc travels as an override: torchrun would take "--nproc" for its own --nproc-per-node.
+    nproc = [] if args.nproc is None else [f"parallel.nproc={args.nproc}"]
+    return argv + list(args.overrides) + nproc
 
 
 def _free_port() -> int:
