@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU benchmark on the 2-GPU machine, results under $OUT:
-#   bash benchmarks/run_gpu.sh            (TITAN_EP1=0 skips the 1-GPU torchtitan runs)
+#   bash benchmarks/run_gpu.sh
+# TITAN_EP1=1 adds the 1-GPU torchtitan runs (~30 s each; the "local" rows' baseline); MOE_LAYER_ARGS replaces moe_layer.py's
+# extra arguments (default: stop starting new layers after 240 s, so the whole run fits in 10 minutes).
 # Needs the carried wheels in .whl/ (torchtitan 0.3.0 and its small deps) for the baseline.
 set -euo pipefail
 OUT=${OUT:-/tmp/bench_out}
@@ -13,11 +15,11 @@ run() { python3 -m torch.distributed.run --standalone --nproc-per-node "$@"; }
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } 2>&1 | tee "$LOG"
 SHAPES=("7168 2048 256 8 8192" "2048 768 128 8 16384" "4096 14336 8 2 8192" "4096 1536 64 6 16384")
 for s in "${SHAPES[@]}"; do
-  run 2 benchmarks/titan_anchor.py $s 20 2>&1 | tee -a "$OUT/titan.log" | grep titan0 || echo "titan EP=2 failed: $s" | tee -a "$LOG"
-  if [ "${TITAN_EP1:-1}" = 1 ]; then
-    run 1 benchmarks/titan_anchor.py $s 20 2>&1 | tee -a "$OUT/titan.log" | grep titan0 || echo "titan EP=1 failed: $s" | tee -a "$LOG"
+  OMP_NUM_THREADS=8 run 2 benchmarks/titan_anchor.py $s 20 2>&1 | tee -a "$OUT/titan.log" | grep titan0 || echo "titan EP=2 failed: $s" | tee -a "$LOG"
+  if [ "${TITAN_EP1:-0}" = 1 ]; then
+    OMP_NUM_THREADS=8 run 1 benchmarks/titan_anchor.py $s 20 2>&1 | tee -a "$OUT/titan.log" | grep titan0 || echo "titan EP=1 failed: $s" | tee -a "$LOG"
   fi
 done
-run 2 benchmarks/moe_layer.py --titan-log "$OUT/titan.log" --out "$OUT/moe_layer.json" ${MOE_LAYER_ARGS:-} 2>&1 | tee -a "$LOG"
+run 2 benchmarks/moe_layer.py --titan-log "$OUT/titan.log" --out "$OUT/moe_layer.json" ${MOE_LAYER_ARGS:---budget-s 240} 2>&1 | tee -a "$LOG"
+# EP-only vs EDP-only peaks; the EP+EDP byte target needs 4 ranks and runs on CPU (see RESULTS.md).
 run 2 benchmarks/memory.py --out "$OUT/memory_gpu2.json" 2>&1 | tee -a "$LOG"
-OMP_NUM_THREADS=8 run 4 benchmarks/memory.py --device cpu --tokens 512 --out "$OUT/memory_cpu4.json" 2>&1 | tee -a "$LOG"

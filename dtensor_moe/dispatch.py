@@ -83,13 +83,16 @@ class ExpertDispatcher:
         idx = _expert_major_index(C, int(C_host.sum()))
         inv = inverse_permutation(idx)
         self._state = (idx, inv, send, recv_per_src, peer_sizes)
-        x_local = _ScaleGrad.apply(gather_rows(x, idx, inv), self.grad_divisor)
+        x_local = gather_rows(x, idx, inv)
+        if self.grad_divisor != 1:  # each scale is a full pass over the routed tokens in backward
+            x_local = _ScaleGrad.apply(x_local, self.grad_divisor)
         return x_local, C.sum((0, 1))
 
     def combine(self, y_local: torch.Tensor) -> torch.Tensor:
         idx, inv, send, recv_per_src, peer_sizes = self._state
         self._state = None
-        y_local = _ScaleGrad.apply(y_local, 1.0 / self.grad_divisor)
+        if self.grad_divisor != 1:
+            y_local = _ScaleGrad.apply(y_local, 1.0 / self.grad_divisor)
         y = gather_rows(y_local, inv, idx)
         if self.etp > 1:
             n_self = sum(recv_per_src)
