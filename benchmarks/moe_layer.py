@@ -163,6 +163,11 @@ def a2a_bytes_to_peer(mesh, experts_TK, E, D, itemsize) -> int:
 
 def all_to_all_gbps(bytes_to_peer: int, dev, iters: int) -> float:
     """Equal-split all_to_all_single of a buffer sending `bytes_to_peer` to the peer (2 ranks)."""
+    # Routing differs per rank, so each rank's count differs: agree on one size first, or NCCL
+    # waits forever on mismatched collectives (this hung the first two GPU runs).
+    agreed = torch.tensor([bytes_to_peer], device=dev, dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    bytes_to_peer = int(agreed.item())
     n = 2 * bytes_to_peer // 2  # bf16 elements: half of the 2*bytes buffer stays, half goes
     inp = torch.randn(n, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(inp)
@@ -256,7 +261,7 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak) -> dict | None:
         progress(rank, name, mesh, "profile")
         out["profile"] = profile_step(step, dev)
     nbytes = a2a_bytes_to_peer(mesh, experts_TK, E, D, x.element_size())
-    if nbytes:
+    if mesh in ("ep2", "etp2"):  # decided by the mesh, never by per-rank data: both ranks must enter
         a2a_ms = out["profile"]["all_to_all_ms"] if "profile" in out else 0
         out["a2a_gbps_in_step"] = 4 * nbytes / (a2a_ms / 1e3) / 1e9 if a2a_ms > 0 else None
         out["a2a_ceiling_gbps"] = all_to_all_gbps(nbytes, dev, args.iters)
