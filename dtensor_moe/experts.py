@@ -3,33 +3,34 @@
 w1 [E, F, D], w2 [E, D, F], w3 [E, F, D]: state dicts map one-to-one to torchtitan.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-def _grouped_mm_supported(x: torch.Tensor) -> bool:
+def _grouped_mm_supported(x_TD: torch.Tensor, w1_EFD: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if x.is_cuda:
-        return x.dtype == torch.bfloat16
+    # The kernels (CUDA and CPU) need 16-byte aligned row strides for every operand layout used.
+    if any(n * x_TD.element_size() % 16 for n in w1_EFD.shape[-2:]):
+        return False
+    if x_TD.is_cuda:
+        return x_TD.dtype == torch.bfloat16
     # The CPU kernel exists from torch 2.13 for these dtypes; float64 takes the exact loop below.
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _cpu_grouped_mm_ok()
+    return x_TD.device.type == "cpu" and x_TD.dtype in (torch.float32, torch.bfloat16) and _cpu_grouped_mm_ok()
 
 
-_CPU_GMM: list[bool] = []
-
-
+@functools.cache
 def _cpu_grouped_mm_ok() -> bool:
-    if not _CPU_GMM:
-        try:
-            a, b = torch.ones(2, 2), torch.ones(1, 2, 2)
-            torch._grouped_mm(a, b, offs=torch.tensor([2], dtype=torch.int32))
-            _CPU_GMM.append(True)
-        except (RuntimeError, NotImplementedError):
-            _CPU_GMM.append(False)
-    return _CPU_GMM[0]
+    """Probed once: whether this torch build has the CPU grouped-GEMM kernel."""
+    try:
+        torch._grouped_mm(torch.ones(4, 4), torch.ones(1, 4, 4), offs=torch.tensor([4], dtype=torch.int32))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def grouped_mm(x_TI: torch.Tensor, w_EIO: torch.Tensor, groups) -> torch.Tensor:
@@ -45,7 +46,7 @@ def grouped_mm(x_TI: torch.Tensor, w_EIO: torch.Tensor, groups) -> torch.Tensor:
 
 def grouped_swiglu(x_TD, counts_E, w1_EFD, w2_EDF, w3_EFD, use_kernel: bool | None = None) -> torch.Tensor:
     if use_kernel is None:
-        use_kernel = _grouped_mm_supported(x_TD)
+        use_kernel = _grouped_mm_supported(x_TD, w1_EFD)
     # Offsets once for the three GEMMs; the loop needs host counts (its only sync).
     groups = torch.cumsum(counts_E, dim=0, dtype=torch.int32) if use_kernel else counts_E.tolist()
     h_TF = F.silu(grouped_mm(x_TD, w1_EFD.transpose(-2, -1), groups))

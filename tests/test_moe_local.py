@@ -80,3 +80,16 @@ def test_grouped_mm_kernel_matches_loop(dtype):
     g_loop = torch.autograd.grad(y_loop.float().square().sum(), [x, *ws])
     for a, b in zip(g_kernel, g_loop):
         torch.testing.assert_close(a.float(), b.float(), rtol=tol["rtol"] * 10, atol=tol["atol"] * 10)
+
+
+@pytest.mark.parametrize("dim,hidden", [(8, 8), (6, 6)])  # 16-byte aligned rows: grouped-GEMM kernel; not: loop
+def test_float32_moe_matches_naive_on_kernel_and_fallback(dim, hidden):
+    from dtensor_moe.experts import _grouped_mm_supported
+
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(dim=dim, hidden_dim=hidden, num_experts=4, top_k=2))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(3, 5, dim)
+    assert _grouped_mm_supported(x.view(-1, dim), moe.experts.w1) == (dim == 8)
+    torch.testing.assert_close(moe(x), naive_moe(moe, x), rtol=1e-5, atol=1e-5)
