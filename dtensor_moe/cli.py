@@ -17,6 +17,10 @@ SUBCOMMANDS = {
 }
 
 
+def _is_override(arg: str) -> bool:
+    return not arg.startswith("-") and "=" in arg
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="dtensor-moe", description=__doc__.splitlines()[0])
@@ -26,7 +30,12 @@ def main(argv=None) -> int:
         if argv and argv[0] == name:  # only the chosen subcommand's module is imported
             mod = importlib.import_module(module)
             (getattr(mod, f"add_{name}_arguments", None) or mod.add_arguments)(p)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse takes only one run of positionals: `k=v` overrides after later options land here.
+    if extra and isinstance(getattr(args, "overrides", None), list) and all(_is_override(e) for e in extra):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     mod = importlib.import_module(SUBCOMMANDS[args.command][0])
     return (getattr(mod, f"run_{args.command}", None) or mod.run)(args) or 0
 
