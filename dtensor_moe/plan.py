@@ -184,8 +184,8 @@ def ownership(wp: WeightPlan, dims: MoEParallelDims) -> Ownership:
     (double sharding or a hole)."""
     sizes = axis_sizes(dims)
     vols, total = [], 0
-    # Each element's copy count: sum of box volumes must equal numel * dp_replicate and
-    # boxes within one dp_replicate group must be pairwise disjoint (checked by sorting starts).
+    # Each element is held dp_replicate times iff the boxes of every replica tile the tensor and
+    # the volumes of all ranks' boxes add up to numel * dp_replicate (no rank duplicates another).
     groups: dict[int, list] = {}
     for r in range(dims.world_size):
         box = owned_box(wp, dims, r)
