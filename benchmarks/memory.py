@@ -19,9 +19,9 @@ import json
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.tensor import DTensor
 
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
+from dtensor_moe.metrics import local_state_bytes
 from dtensor_moe.optim import build_optimizer
 
 TARGET_SLACK = 1.05
@@ -36,11 +36,6 @@ def layouts(world: int, ep: int) -> dict:
         out["ep_edp"] = dict(ep=ep)
     out["edp_only"] = {}
     return out
-
-
-def _local_bytes(t) -> int:
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return t.numel() * t.element_size()
 
 
 def measure(cfg, layout: dict, world, T, dev) -> dict:
@@ -60,11 +55,12 @@ def measure(cfg, layout: dict, world, T, dev) -> dict:
         base = torch.cuda.memory_allocated(dev)
     moe(x).float().square().mean().backward()
     opt.step()
+    state = local_state_bytes(moe, opt)
     out = {
         "dims": {"dp_replicate": dims.dp_replicate, "edp": dims.edp, "ep": dims.ep, "etp": dims.etp},
-        "param_bytes": sum(_local_bytes(p) for p in moe.parameters()),
-        "grad_bytes": sum(_local_bytes(p.grad) for p in moe.parameters() if p.grad is not None),
-        "optim_bytes": sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v)),
+        "param_bytes": state["params"],
+        "grad_bytes": state["grads"],
+        "optim_bytes": state["optimizer"],
     }
     out["total_bytes"] = out["param_bytes"] + out["grad_bytes"] + out["optim_bytes"]
     if dev.type == "cuda":

@@ -11,6 +11,7 @@ measured local bytes of rank 0.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -39,7 +40,12 @@ def main() -> int:
                "--steps", str(args.steps), "--run-dir", run_dir, "--parity", *overrides, *args.overrides]
         if args.tolerance is not None:
             cmd.append(f"training.parity_tolerance={args.tolerance}")
+        shutil.rmtree(run_dir, ignore_errors=True)  # never report an earlier run's files as this one's
         rc = subprocess.call(cmd, stdout=subprocess.DEVNULL)
+        if not os.path.exists(os.path.join(run_dir, "parity.json")):
+            print(f"{name}: training failed (rc={rc}); see the output above")
+            rows.append({"mesh": name, "rc": rc or 1})
+            continue
         with open(os.path.join(run_dir, "summary.json")) as f:
             s = json.load(f)
         with open(os.path.join(run_dir, "parity.json")) as f:
@@ -53,6 +59,9 @@ def main() -> int:
         })
     print(f"{'mesh':<14} {'tok/s/rank':>10} {'peak GiB':>9} {'max|dloss|':>11} {'state MiB meas':>15} {'planner':>8} rc")
     for r in rows:
+        if "final_loss" not in r:
+            print(f"{r['mesh']:<14} {'failed':>10} {'':>9} {'':>11} {'':>15} {'':>8} {r['rc']}")
+            continue
         meas = sum(r["state_bytes_rank0"].values()) / 2**20
         pred = sum(r["planner_state_bytes_rank0"].values()) / 2**20
         print(f"{r['mesh']:<14} {r['tokens_per_s_per_rank']:>10.0f} {r['peak_mem_gib_max']:>9.2f} "

@@ -168,7 +168,7 @@ def all_to_all_gbps(bytes_to_peer: int, dev, iters: int) -> float:
     agreed = torch.tensor([bytes_to_peer], device=dev, dtype=torch.int64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     bytes_to_peer = int(agreed.item())
-    n = 2 * bytes_to_peer // 2  # bf16 elements: half of the 2*bytes buffer stays, half goes
+    n = bytes_to_peer  # bf16 elements = 2*bytes_to_peer bytes: half stays, half goes to the peer
     inp = torch.randn(n, device=dev, dtype=torch.bfloat16)
     out = torch.empty_like(inp)
     ms = host_timed_ms(lambda: dist.all_to_all_single(out, inp), dev, iters, 3)

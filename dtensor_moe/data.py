@@ -15,10 +15,6 @@ def encode(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).long()
 
 
-def decode(tokens) -> str:
-    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
-
-
 def corpus_tokens() -> torch.Tensor:
     text = resources.files("dtensor_moe.corpus").joinpath("kjv_genesis_judges.txt").read_text(encoding="utf-8")
     return encode(text)

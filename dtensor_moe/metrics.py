@@ -7,6 +7,22 @@ import resource
 import torch
 
 
+def local_state_bytes(module, optimizer) -> dict[str, int]:
+    """Bytes of this rank's shards of parameters, gradients and optimizer state."""
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(t):
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = list(module.parameters())
+    return {
+        "params": sum(nbytes(p) for p in params),
+        "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)),
+    }
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -54,17 +70,14 @@ def write_json(path: str, obj):
     os.replace(tmp, path)
 
 
-def plot_loss(rows: list[dict], path: str, reference: list[float] | None = None):
+def plot_loss(rows: list[dict], path: str):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="loss")
-    if reference is not None:
-        ax.plot([r["step"] for r in rows], reference, "--", label="1-process reference")
-        ax.legend()
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/byte)")
     ax.grid(alpha=0.3)

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 from .mesh import DENSE_AXES, EXPERT_AXES, MoEParallelDims, divisors
-from .plan import ShardStep, WeightPlan, owned_box, plan_moe
+from .plan import ShardStep, WeightPlan, axis_sizes, owned_box, plan_moe
 from .presets import ModelSpec, resolve
 
 GiB = 2**30
@@ -94,7 +94,7 @@ def _fsdp_plan(name: str, shape: tuple[int, ...], dims: MoEParallelDims, axis: s
     """What `fully_shard` in parallelize_model does to a weight outside the MoE: Shard(0) over `axis`."""
     wp = WeightPlan(name, "dense", shape, (ShardStep(axis, 0),), ("dp_replicate",), shape, False)
     local = tuple(s.stop - s.start for s in owned_box(wp, dims, 0))
-    return replace(wp, local_shape=local, padded=shape[0] % _axis_size(dims, axis) != 0)
+    return replace(wp, local_shape=local, padded=shape[0] % axis_sizes(dims)[axis] != 0)
 
 
 @lru_cache(maxsize=4096)
@@ -123,10 +123,6 @@ def held_numel(units, dims: MoEParallelDims, rank: int) -> int:
     return sum(u.count * math.prod(s.stop - s.start for s in owned_box(wp, dims, rank)) for u in units for wp in u.plans)
 
 
-def _axis_size(dims: MoEParallelDims, axis: str) -> int:
-    return dims.dp_shard * dims.cp if axis == "dp_shard_cp" else getattr(dims, axis)
-
-
 @dataclass(frozen=True)
 class Footprint:
     """Rank 0's share of every FSDP unit (rank 0 holds the largest slices): all the planner needs."""
@@ -146,7 +142,7 @@ def footprint(units, dims: MoEParallelDims) -> Footprint:
     gathered = {}
     for u in units:
         # FSDP all-gathers every shard padded to rank 0's (the largest) size.
-        gathered[u.name] = sum(math.prod(wp.local_shape) * _axis_size(dims, wp.fsdp_step.axis) for wp in u.plans)
+        gathered[u.name] = sum(math.prod(wp.local_shape) * axis_sizes(dims)[wp.fsdp_step.axis] for wp in u.plans)
         for wp in u.plans:
             key = (wp.fsdp_step.axis, u.gathers_per_step)
             sharded[key] = sharded.get(key, 0) + u.count * math.prod(wp.local_shape)

@@ -62,8 +62,9 @@ def _free_port() -> int:
 
 def run(args) -> int:
     cfg, run_dir = _resolve(args)
-    _check(cfg)
-    if "LOCAL_RANK" in os.environ:  # launched by torchrun: this process is one rank
+    under_torchrun = "LOCAL_RANK" in os.environ
+    _check(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun else cfg.parallel.nproc)
+    if under_torchrun:  # this process is one rank
         if args.parity:
             raise ValueError("--parity needs the local launcher: run `dtensor-moe train` without torchrun")
         train_ranks(cfg, run_dir, args)
@@ -78,7 +79,8 @@ def run(args) -> int:
     return parity(cfg, run_dir) if args.parity else 0
 
 
-def _check(cfg: Config):
+def _check(cfg: Config, world: int):
+    """Every config error, raised before any process group or collective exists."""
     from .mesh import MoEParallelDims
     from .plan import plan_moe
 
@@ -87,7 +89,12 @@ def _check(cfg: Config):
         raise ValueError(f"parallel.device must be 'cpu' or 'cuda', got {p.device!r}")
     if cfg.training.dtype not in ("float32", "bf16"):
         raise ValueError(f"training.dtype must be 'float32' or 'bf16', got {cfg.training.dtype!r}")
-    plan_moe(cfg.model.moe_config(), MoEParallelDims(p.nproc, dp_replicate=p.dp_replicate, ep=p.ep, etp=p.etp))
+    plan_moe(cfg.model.moe_config(), MoEParallelDims(world, dp_replicate=p.dp_replicate, ep=p.ep, etp=p.etp))
+    if cfg.training.global_batch % world:
+        raise ValueError(
+            f"training.global_batch ({cfg.training.global_batch}) must be divisible by the data-parallel size "
+            f"({world}); e.g. {[world * k for k in (1, 2, 4)]}"
+        )
 
 
 def parity(cfg: Config, run_dir: str) -> int:
@@ -101,6 +108,9 @@ def parity(cfg: Config, run_dir: str) -> int:
         return rc
     ours = _losses(run_dir)
     ref = _losses(ref_dir)
+    if not ours or len(ours) != len(ref):
+        print(f"parity: {len(ours)} steps here vs {len(ref)} in the 1-process run; nothing to compare")
+        return 1
     deltas = [abs(a - b) for a, b in zip(ours, ref)]
     tol = cfg.training.parity_tolerance
     report = {"steps": len(deltas), "max_abs_delta": max(deltas), "tolerance": tol, "per_step_abs_delta": deltas}
@@ -108,7 +118,7 @@ def parity(cfg: Config, run_dir: str) -> int:
 
     write_json(os.path.join(run_dir, "parity.json"), report)
     print(f"parity vs 1 process over {len(deltas)} steps: max |dloss| = {max(deltas):.3e} (tolerance {tol:g})")
-    return 0 if max(deltas) <= tol and len(ours) == len(ref) else 1
+    return 0 if max(deltas) <= tol else 1
 
 
 def _losses(run_dir: str) -> list[float]:
@@ -125,7 +135,7 @@ def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
 
     from .data import Batches, load_tokens
     from .mesh import MoEParallelDims
-    from .metrics import RunWriter, peak_memory_bytes
+    from .metrics import RunWriter, local_state_bytes, peak_memory_bytes
     from .model import MoETransformer
     from .optim import build_optimizer, build_scheduler, clip_grad_norm_
     from .parallelize import parallelize_model
@@ -166,7 +176,7 @@ def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
         grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
         optimizer.step()
         if step == t.steps - 1:
-            state = _local_state_bytes(model, optimizer)
+            state = local_state_bytes(model, optimizer)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         model.update_expert_bias()
@@ -207,24 +217,6 @@ def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
         })
     dist.barrier()  # no rank tears down gloo while a peer still talks to it
     dist.destroy_process_group()
-
-
-def _local_state_bytes(model, optimizer) -> dict[str, int]:
-    """Bytes of this rank's shards of parameters, gradients and optimizer state."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    def nbytes(t):
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.numel() * t.element_size()
-
-    params = list(model.parameters())
-    opt = sum(nbytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))
-    return {
-        "params": sum(nbytes(p) for p in params),
-        "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": opt,
-    }
 
 
 class _Checkpointing:

@@ -6,6 +6,7 @@ Frobenius error) and checks the CUDA grouped GEMM against the exact per-expert l
 """
 
 import copy
+import sys
 
 import torch
 import torch.distributed as dist
@@ -66,7 +67,8 @@ def main():
             print(k, {n: f"{e:.2e}" for n, e in v.items()} if isinstance(v, dict) else f"{v:.2e}")
         print("PASS" if ok else "FAIL", f"(bf16 tolerance {BF16_TOL} relative Frobenius)")
     dist.destroy_process_group()
+    return 0 if rank != 0 or ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

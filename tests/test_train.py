@@ -43,7 +43,17 @@ def test_config_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
         from dtensor_moe.train import _check
 
-        _check(load_config("configs/tiny_cpu.toml", overrides))
+        cfg = load_config("configs/tiny_cpu.toml", overrides)
+        _check(cfg, cfg.parallel.nproc)
+
+
+def test_global_batch_checked_against_the_real_world_size_before_launch():
+    from dtensor_moe.train import _check
+
+    cfg = load_config("configs/tiny_cpu_ep_only.toml", ["parallel.ep=16", "model.num_experts=16", "training.global_batch=32"])
+    _check(cfg, 32)  # under torchrun on 32 ranks: ep=16 is valid although parallel.nproc says 8
+    with pytest.raises(ValueError, match=r"global_batch \(16\) must be divisible by the data-parallel size \(32\)"):
+        _check(load_config("configs/tiny_cpu_ep_only.toml", ["parallel.ep=16", "model.num_experts=16", "training.global_batch=16"]), 32)
 
 
 def test_global_batch_must_split_over_data_ranks():
