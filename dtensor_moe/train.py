@@ -180,17 +180,19 @@ def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         model.update_expert_bias()
-        stats = torch.stack([ce.detach().float(), torch.as_tensor(aux, device=device).detach().float()])
-        dist.all_reduce(stats)  # ranks' batches are equal-sized: the mean of means is the global mean
-        stats = (stats / world).tolist()
+        # One small all-gather per step for loss, aux loss and each rank's peak memory (float64
+        # holds byte counts exactly). Ranks' batches are equal-sized: the mean of means is the global mean.
+        local = torch.tensor([ce.item(), float(aux), peak_memory_bytes(device)], dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local)
+        per_rank = torch.stack(gathered).cpu()
         dt = time.perf_counter() - t0
-        mem = [None] * world
-        dist.all_gather_object(mem, peak_memory_bytes(device))
         if writer:
             writer.step({
-                "step": step + 1, "loss": stats[0], "aux_loss": stats[1], "grad_norm": float(grad_norm),
-                "lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
-                "peak_mem_per_rank_gib": [m / 2**30 for m in mem],
+                "step": step + 1, "loss": per_rank[:, 0].mean().item(), "aux_loss": per_rank[:, 1].mean().item(),
+                "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+                "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
+                "peak_mem_per_rank_gib": (per_rank[:, 2] / 2**30).tolist(),
             })
         if ckpt:
             ckpt.maybe_save(step + 1, model, optimizer, scheduler)
