@@ -118,13 +118,13 @@ class MoE(nn.Module):
         rank_N = inverse_permutation(order_N)  # where each (token, k) pair sits in expert order
         y_ND = self.experts(gather_rows(x_TD, order_N // K, rank_N, fan_out=K), counts_E)
         # Back to (token, k) order, then the weighted sum over k as one batched matmul: no
-        # scatter-add and no atomics, forward or backward. The clone (1/K of the gathered bytes)
-        # returns a tensor, not a view of the matmul output, to FSDP2's output hooks.
+        # scatter-add and no atomics, forward or backward.
         y_TKD = gather_rows(y_ND, rank_N, order_N).view(-1, K, D)
-        y_BLD = torch.bmm(weights_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).view(B, L, D).clone()
+        y_BLD = torch.bmm(weights_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).view(B, L, D)
         if self.shared_experts is not None:
-            y_BLD = y_BLD + self.shared_experts(x_BLD)
-        return y_BLD
+            return y_BLD + self.shared_experts(x_BLD)
+        # FSDP2 hooks the layer's output: hand it a tensor, not a view of the matmul output.
+        return y_BLD.clone()
 
     def _aux_loss(self, scores_TE: torch.Tensor, global_counts_E: torch.Tensor) -> torch.Tensor:
         """DeepSeek's batch-level balance loss sum_e f_e * P_e over the *global* batch.
