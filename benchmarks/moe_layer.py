@@ -7,9 +7,11 @@ Every layer is `dtensor_moe.MoE` parallelized by `parallelize_moe` on the EP=2, 
 (and unparallelized on one GPU), with the router bypassed and fed exactly the uniform random routing
 of `titan_anchor.py` (same seed, same draws): same tokens per rank, K and E. FLOPs are counted as the
 baseline does, 18*D*F*T*K per rank. Two timings per layer:
-  layer: FSDP in its gradient-accumulation steady state (parameters stay gathered, no gradient
-         reduction) -- dispatch + grouped GEMM + combine only, like the baseline, which has no FSDP;
-  step:  FSDP's default training step (all-gather in forward and backward, gradient reduce-scatter).
+  layer: gradient-accumulation steady state (FSDP parameters stay gathered, no gradient reduction,
+         gradients add into .grad) -- dispatch + grouped GEMM + combine, like the baseline, which
+         has no FSDP and also accumulates into .grad;
+  step:  one-microbatch training step: fresh gradients, and where experts are FSDP-sharded (EDP)
+         FSDP's all-gather in forward and backward and gradient reduce-scatter.
 In the same run: the ceilings (dense bf16 matmul, the grouped SwiGLU alone at each per-rank shape,
 equal-split all_to_all at each dispatch size), a numerics check of the benchmarked path against an
 fp32 reference, and one profiled step per layer (where the time goes). Baseline numbers come from
@@ -24,6 +26,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, grouped_swiglu, parallelize_moe
@@ -128,26 +131,44 @@ def numerics_config(cfg: MoEConfig) -> MoEConfig:
                      top_k=cfg.top_k, load_balance="none")
 
 
-def profile_step(step, dev, top: int = 12):
-    """Device time by kernel (CPU time on CPU) for one step: where the time goes."""
+KERNEL_KINDS = (("all-to-all", ("nccl",)), ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "gemv")),
+                ("gather", ("gather", "index")))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
+
+
+def profile_step(step, dev, barrier: bool, top: int = 16):
+    """Kernel time for one step (CPU op time on CPU), by kind and by kernel: where the time goes.
+    Device kernels only, so nothing is counted twice; kernel time above the step's wall time is
+    time the all-to-all ran concurrently with compute."""
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    sync(dev)
+    if barrier:  # not for a 1-GPU layer: the other rank is not in this function
+        dist.barrier()
     with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         step()
         sync(dev)
-    key = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-    avgs = [e for e in prof.key_averages() if getattr(e, key) > 0]
-    total_us = sum(getattr(e, key) for e in avgs)
-    rows = sorted(avgs, key=lambda e: -getattr(e, key))
-    a2a_us = sum(getattr(e, key) for e in avgs if _is_all_to_all_kernel(e.key))
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    if dev.type == "cuda":
+        rows = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
+                if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    else:
+        rows = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    rows.sort(key=lambda r: -r[1])
+    by_kind: dict = {}
+    for name, us, _ in rows:
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0) + us / 1e3
     return {
-        "total_ms": total_us / 1e3,
-        "all_to_all_ms": a2a_us / 1e3,
-        "top": [{"name": e.key[:90], "ms": getattr(e, key) / 1e3, "count": e.count} for e in rows[:top]],
+        "wall_ms": wall_ms,
+        "total_ms": sum(us for _, us, _ in rows) / 1e3,
+        "all_to_all_ms": by_kind.get("all-to-all", 0.0),
+        "by_kind_ms": by_kind,
+        "top": [{"name": name[:90], "ms": us / 1e3, "count": n} for name, us, n in rows[:top]],
     }
-
-
-def _is_all_to_all_kernel(name: str) -> bool:
-    return "nccl" in name.lower() and ("SendRecv" in name or "AllToAll" in name)
 
 
 def a2a_bytes_to_peer(mesh, experts_TK, E, D, itemsize) -> int:
@@ -249,7 +270,11 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak) -> dict | None:
     out = {"shape": name, "mesh": mesh, "D": D, "F": F, "E": E, "K": K, "T": T, "numerics": numerics}
     progress(rank, name, mesh, "timing")
     if not local:
-        out["step_ms"] = host_timed_ms(step, dev, max(3, args.iters // 4), 1)
+        def train_step():  # one microbatch of a training step: fresh gradients, FSDP's reductions
+            step()
+            moe.zero_grad(set_to_none=True)
+
+        out["step_ms"] = host_timed_ms(train_step, dev, max(3, args.iters // 4), 1)
         set_accumulation_mode(moe)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -259,7 +284,7 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak) -> dict | None:
     out["pct_dense_peak"] = 100 * out["tflops"] / peak
     if mesh in args.profile_meshes:
         progress(rank, name, mesh, "profile")
-        out["profile"] = profile_step(step, dev)
+        out["profile"] = profile_step(step, dev, barrier=not local)
     nbytes = a2a_bytes_to_peer(mesh, experts_TK, E, D, x.element_size())
     if mesh in ("ep2", "etp2"):  # decided by the mesh, never by per-rank data: both ranks must enter
         a2a_ms = out["profile"]["all_to_all_ms"] if "profile" in out else 0
@@ -334,7 +359,8 @@ def print_table(res):
         if "profile" not in r:
             continue
         p = r["profile"]
-        print(f"\nprofile {r['shape']} {r['mesh']}: {p['total_ms']:.2f} ms of kernels, all-to-all {p['all_to_all_ms']:.2f} ms")
+        kinds = ", ".join(f"{k} {v:.2f}" for k, v in sorted(p["by_kind_ms"].items(), key=lambda kv: -kv[1]))
+        print(f"\nprofile {r['shape']} {r['mesh']}: step {p['wall_ms']:.2f} ms wall, {p['total_ms']:.2f} ms of kernels ({kinds})")
         for k in p["top"]:
             print(f"  {k['ms']:8.2f} ms  x{k['count']:<4d} {k['name']}")
 

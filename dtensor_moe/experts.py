@@ -33,31 +33,90 @@ def _cpu_grouped_mm_ok() -> bool:
         return False
 
 
-def grouped_mm(x_TI: torch.Tensor, w_EIO: torch.Tensor, groups) -> torch.Tensor:
-    """Rows of x_TI are grouped by expert; row block e is multiplied by w_EIO[e].
+def grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, groups) -> torch.Tensor:
+    """Rows of x_NI are grouped by expert; row block e is multiplied by w_EIO[e].
 
     `groups` is the kernel's int32 end offsets (a device tensor), or the per-expert row counts as
     a host list for the exact loop."""
     if isinstance(groups, torch.Tensor):
-        return torch._grouped_mm(x_TI, w_EIO, offs=groups)
-    outs = [xe @ w_EIO[e] for e, xe in enumerate(torch.split(x_TI, groups, dim=0))]
-    return torch.cat(outs, dim=0) if outs else x_TI.new_empty(0, w_EIO.shape[-1])
+        return torch._grouped_mm(x_NI, w_EIO, offs=groups)
+    outs = [xe @ w_EIO[e] for e, xe in enumerate(torch.split(x_NI, groups, dim=0))]
+    return torch.cat(outs, dim=0) if outs else x_NI.new_empty(0, w_EIO.shape[-1])
 
 
-def grouped_swiglu(x_TD, counts_E, w1_EFD, w2_EDF, w3_EFD, use_kernel: bool | None = None) -> torch.Tensor:
+def grouped_weight_grad(g_NO: torch.Tensor, x_NI: torch.Tensor, groups) -> torch.Tensor:
+    """[E, O, I]: g_e^T x_e per expert over its row block (the weight gradient of grouped_mm)."""
+    if isinstance(groups, torch.Tensor):
+        return torch._grouped_mm(g_NO.t(), x_NI, offs=groups)
+    pairs = zip(torch.split(g_NO, groups, dim=0), torch.split(x_NI, groups, dim=0))
+    return torch.stack([ge.t() @ xe for ge, xe in pairs])
+
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """y = (silu(x W1^T) * (x W3^T)) W2^T per expert, with a hand-ordered backward.
+
+    The input gradient is computed first and handed to `on_input_grad` before the weight-gradient
+    GEMMs run: the expert-parallel dispatcher starts its all-to-all there, so the transfer overlaps
+    a third of the backward's GEMMs. `weight_grad_scale` multiplies only the weight gradients, on
+    the smaller operand of each GEMM (F-sized activations rather than D-sized tokens when F < D).
+    """
+
+    @staticmethod
+    def forward(ctx, x_ND, groups, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale, on_input_grad):
+        a_NF = grouped_mm(x_ND, w1_EFD.transpose(-2, -1), groups)
+        b_NF = grouped_mm(x_ND, w3_EFD.transpose(-2, -1), groups)
+        y_ND = grouped_mm(F.silu(a_NF) * b_NF, w2_EDF.transpose(-2, -1), groups)
+        ctx.save_for_backward(x_ND, a_NF, b_NF, w1_EFD, w2_EDF, w3_EFD)
+        ctx.groups, ctx.scale, ctx.on_input_grad = groups, weight_grad_scale, on_input_grad
+        return y_ND
+
+    @staticmethod
+    def backward(ctx, dy_ND):
+        x_ND, a_NF, b_NF, w1_EFD, w2_EDF, w3_EFD = ctx.saved_tensors
+        groups, scale = ctx.groups, ctx.scale
+        dy_ND = dy_ND.contiguous()
+        dh_NF = grouped_mm(dy_ND, w2_EDF, groups)
+        silu_a = F.silu(a_NF)
+        da_NF = torch.ops.aten.silu_backward(dh_NF * b_NF, a_NF)
+        db_NF = dh_NF * silu_a
+        dx_ND = grouped_mm(da_NF, w1_EFD, groups)
+        dx_ND += grouped_mm(db_NF, w3_EFD, groups)
+        if ctx.on_input_grad is not None:
+            ctx.on_input_grad(dx_ND)
+        h_NF = silu_a.mul_(b_NF)
+        if scale != 1:  # on whichever operand of each weight-gradient GEMM is smaller
+            F_, D = h_NF.shape[-1], x_ND.shape[-1]
+            if 2 * F_ <= D:
+                da_NF.mul_(scale)  # dx above is already queued, so in place is safe
+                db_NF.mul_(scale)
+            else:
+                x_ND = x_ND * scale
+            if F_ <= D:
+                h_NF.mul_(scale)
+            else:
+                dy_ND = dy_ND * scale
+        dw2 = grouped_weight_grad(dy_ND, h_NF, groups)
+        dw1 = grouped_weight_grad(da_NF, x_ND, groups)
+        dw3 = grouped_weight_grad(db_NF, x_ND, groups)
+        return dx_ND, None, dw1, dw2, dw3, None, None
+
+
+def grouped_swiglu(
+    x_TD, counts_E, w1_EFD, w2_EDF, w3_EFD, use_kernel: bool | None = None, weight_grad_scale: float = 1.0,
+    on_input_grad=None,
+) -> torch.Tensor:
     if use_kernel is None:
         use_kernel = _grouped_mm_supported(x_TD, w1_EFD)
-    # Offsets once for the three GEMMs; the loop needs host counts (its only sync).
+    # Offsets once for all six GEMMs; the loop needs host counts (its only sync).
     groups = torch.cumsum(counts_E, dim=0, dtype=torch.int32) if use_kernel else counts_E.tolist()
-    h_TF = F.silu(grouped_mm(x_TD, w1_EFD.transpose(-2, -1), groups))
-    h_TF = h_TF * grouped_mm(x_TD, w3_EFD.transpose(-2, -1), groups)
-    return grouped_mm(h_TF, w2_EDF.transpose(-2, -1), groups)
+    return _GroupedSwiGLU.apply(x_TD, groups, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale, on_input_grad)
 
 
-def _local(w: torch.Tensor) -> torch.Tensor:
+def _local(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Parallelized weights are DTensors; the dispatcher already brought this rank the tokens
-    # of exactly the slice it holds, so the GEMM runs on the local shard.
-    return w.to_local() if isinstance(w, DTensor) else w
+    # of exactly the slice it holds, so the GEMM runs on the local shard. Weights FSDP does not
+    # manage (no expert data-parallel axis) get mixed precision's compute dtype here instead.
+    return (w.to_local() if isinstance(w, DTensor) else w).to(dtype)
 
 
 class GroupedExperts(nn.Module):
@@ -68,9 +127,13 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
-    def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """x_TD holds tokens grouped by expert, counts_E[e] of them for expert e."""
-        return grouped_swiglu(x_TD, counts_E, _local(self.w1), _local(self.w2), _local(self.w3))
+    def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor, weight_grad_scale: float = 1.0,
+                on_input_grad=None) -> torch.Tensor:
+        """x_TD holds tokens grouped by expert, counts_E[e] of them for expert e. `weight_grad_scale`
+        and `on_input_grad` are for the expert-parallel dispatcher (see _GroupedSwiGLU)."""
+        w1, w2, w3 = (_local(w, x_TD.dtype) for w in (self.w1, self.w2, self.w3))
+        return grouped_swiglu(x_TD, counts_E, w1, w2, w3,
+                              weight_grad_scale=weight_grad_scale, on_input_grad=on_input_grad)
 
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w1, self.w2, self.w3):

@@ -7,6 +7,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from .dispatch import ExpertDispatcher
+from .experts import GroupedExperts
 from .mesh import MoEMeshes, MoEParallelDims
 from .moe import MoE
 from .plan import WeightPlan, plan_moe
@@ -61,18 +62,24 @@ def shard_moe_layer(
         # src_data_rank=None: every rank already holds the same full (or meta) weight, so slice locally.
         dt = distribute_tensor(param.data, ep_etp, placements, src_data_rank=None)
         setattr(experts, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
+    ours = isinstance(experts, GroupedExperts)  # takes the grad scale and overlap hook, casts itself
     if dims.ep * dims.etp > 1:
         E = experts_plans[0].global_shape[0]
         d = ExpertDispatcher(E, ep_etp.get_group("ep"), ep_etp.get_group("etp"), dims.ep, dims.etp, grad_divisor)
-        experts.register_forward_pre_hook(lambda mod, args: d.dispatch(*args))
-        experts.register_forward_hook(lambda mod, args, out: d.combine(out))
-    fully_shard(
-        experts,
-        mesh=_fsdp_mesh(meshes.expert, dims, "edp"),
-        shard_placement_fn=_placement_fn(moe, experts_plans),
-        **fsdp_kwargs,
-    )
-    fully_shard(moe, mesh=dp_fsdp_mesh(meshes, dims), shard_placement_fn=_placement_fn(moe, dense_plans), **fsdp_kwargs)
+        experts.register_forward_pre_hook(lambda mod, args: d.dispatch(*args, hooked_experts=ours))
+        experts.register_forward_hook(lambda mod, args, out: d.combine(out, hooked_experts=ours))
+    # With no expert data-parallel axis every expert slice has one owner: FSDP on a 1-rank mesh
+    # would only copy the weights in and out around each use (~60 ms per step at DeepSeek scale).
+    ignored = set(experts.parameters()) if ours and dims.edp * dims.dp_replicate == 1 else None
+    if ignored is None:
+        fully_shard(
+            experts,
+            mesh=_fsdp_mesh(meshes.expert, dims, "edp"),
+            shard_placement_fn=_placement_fn(moe, experts_plans),
+            **fsdp_kwargs,
+        )
+    fully_shard(moe, mesh=dp_fsdp_mesh(meshes, dims), shard_placement_fn=_placement_fn(moe, dense_plans),
+                ignored_params=ignored, **fsdp_kwargs)
 
 
 def dp_fsdp_mesh(meshes: MoEMeshes, dims: MoEParallelDims):

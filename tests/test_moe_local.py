@@ -93,3 +93,27 @@ def test_float32_moe_matches_naive_on_kernel_and_fallback(dim, hidden):
     x = torch.randn(3, 5, dim)
     assert _grouped_mm_supported(x.view(-1, dim), moe.experts.w1) == (dim == 8)
     torch.testing.assert_close(moe(x), naive_moe(moe, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim,hidden", [(16, 4), (8, 16)])  # both sides of the scale's F-vs-D choice
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_weight_grad_scale_and_input_grad_hook(dim, hidden, use_kernel):
+    """The dispatcher's contract: only weight gradients are scaled, and the hook sees exactly the
+    input gradient autograd returns, before the weight gradients exist."""
+    dtype = torch.float32 if use_kernel else torch.float64
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 7, 4])
+    x = torch.randn(16, dim, dtype=dtype, requires_grad=True)
+    ws = [torch.randn(s, dtype=dtype, requires_grad=True) for s in ((4, hidden, dim), (4, dim, hidden), (4, hidden, dim))]
+    g = torch.randn(16, dim, dtype=dtype)
+    ref = torch.autograd.grad(grouped_swiglu(x, counts, *ws, use_kernel=use_kernel), [x, *ws], g)
+    seen = []
+    y = grouped_swiglu(x, counts, *ws, use_kernel=use_kernel, weight_grad_scale=0.25,
+                       on_input_grad=lambda dx: seen.append(dx.clone()))
+    got = torch.autograd.grad(y, [x, *ws], g)
+    tol = dict(rtol=1e-5, atol=1e-5) if use_kernel else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got[0], ref[0], **tol)
+    for a, b in zip(got[1:], ref[1:]):
+        torch.testing.assert_close(a, 0.25 * b, **tol)
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], got[0], rtol=0, atol=0)
