@@ -155,7 +155,8 @@ def profile_step(step, dev, barrier: bool, top: int = 16):
         wall_ms = (time.perf_counter() - t0) * 1e3
     if dev.type == "cuda":
         rows = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
-                if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+                if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
+                and not e.key.startswith("nccl:")]  # NCCL's range markers repeat its kernels' time
     else:
         rows = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages() if e.self_cpu_time_total > 0]
     rows.sort(key=lambda r: -r[1])

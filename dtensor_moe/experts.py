@@ -56,34 +56,36 @@ class _GroupedSwiGLU(torch.autograd.Function):
     """y = (silu(x W1^T) * (x W3^T)) W2^T per expert, with a hand-ordered backward.
 
     The input gradient is computed first and handed to `on_input_grad` before the weight-gradient
-    GEMMs run: the expert-parallel dispatcher starts its all-to-all there, so the transfer overlaps
-    a third of the backward's GEMMs. `weight_grad_scale` multiplies only the weight gradients, on
-    the smaller operand of each GEMM (F-sized activations rather than D-sized tokens when F < D).
+    GEMMs are queued: the expert-parallel dispatcher starts its all-to-all there, so the transfer
+    may run beside them (on 2xH200 it mostly waits for SMs the GEMMs hold; benchmarks/RESULTS.md).
+    `weight_grad_scale` multiplies only the weight gradients, on the smaller operand of each GEMM
+    (F-sized activations rather than D-sized tokens when F < D).
     """
 
     @staticmethod
     def forward(ctx, x_ND, groups, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale, on_input_grad):
         a_NF = grouped_mm(x_ND, w1_EFD.transpose(-2, -1), groups)
         b_NF = grouped_mm(x_ND, w3_EFD.transpose(-2, -1), groups)
-        y_ND = grouped_mm(F.silu(a_NF) * b_NF, w2_EDF.transpose(-2, -1), groups)
-        ctx.save_for_backward(x_ND, a_NF, b_NF, w1_EFD, w2_EDF, w3_EFD)
+        silu_a_NF = F.silu(a_NF)
+        h_NF = silu_a_NF * b_NF
+        y_ND = grouped_mm(h_NF, w2_EDF.transpose(-2, -1), groups)
+        # What autograd would keep; recomputing silu(a) and h instead costs two F-wide passes.
+        ctx.save_for_backward(x_ND, a_NF, b_NF, silu_a_NF, h_NF, w1_EFD, w2_EDF, w3_EFD)
         ctx.groups, ctx.scale, ctx.on_input_grad = groups, weight_grad_scale, on_input_grad
         return y_ND
 
     @staticmethod
     def backward(ctx, dy_ND):
-        x_ND, a_NF, b_NF, w1_EFD, w2_EDF, w3_EFD = ctx.saved_tensors
+        x_ND, a_NF, b_NF, silu_a_NF, h_NF, w1_EFD, w2_EDF, w3_EFD = ctx.saved_tensors
         groups, scale = ctx.groups, ctx.scale
         dy_ND = dy_ND.contiguous()
         dh_NF = grouped_mm(dy_ND, w2_EDF, groups)
-        silu_a = F.silu(a_NF)
         da_NF = torch.ops.aten.silu_backward(dh_NF * b_NF, a_NF)
-        db_NF = dh_NF * silu_a
+        db_NF = dh_NF * silu_a_NF
         dx_ND = grouped_mm(da_NF, w1_EFD, groups)
         dx_ND += grouped_mm(db_NF, w3_EFD, groups)
         if ctx.on_input_grad is not None:
             ctx.on_input_grad(dx_ND)
-        h_NF = silu_a.mul_(b_NF)
         if scale != 1:  # on whichever operand of each weight-gradient GEMM is smaller
             F_, D = h_NF.shape[-1], x_ND.shape[-1]
             if 2 * F_ <= D:
@@ -92,7 +94,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             else:
                 x_ND = x_ND * scale
             if F_ <= D:
-                h_NF.mul_(scale)
+                h_NF = h_NF * scale
             else:
                 dy_ND = dy_ND * scale
         dw2 = grouped_weight_grad(dy_ND, h_NF, groups)

@@ -108,7 +108,7 @@ def check_parity(rank: int, world_size: int, case: Case) -> dict:
     for name, p in model.named_parameters():
         assert type(p).__name__ == "DTensor", name
         errs[f"grad:{name}"] = _err(p.grad.full_tensor(), ref.get_parameter(name).grad)
-    errs["tokens_per_expert"] = _err(model.tokens_per_expert, ref.tokens_per_expert)
+    errs["tokens_per_expert"] = _err(model.global_tokens_per_expert(), ref.tokens_per_expert)
     if cfg.load_balance == "aux_free_bias":
         model.update_expert_bias()
         ref.update_expert_bias()
