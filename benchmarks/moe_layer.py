@@ -20,6 +20,7 @@ fp32 reference, and one profiled step per layer (where the time goes). Baseline 
 
 import argparse
 import copy
+import gc
 import json
 import re
 import time
@@ -291,7 +292,8 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak) -> dict | None:
         a2a_ms = out["profile"]["all_to_all_ms"] if "profile" in out else 0
         out["a2a_gbps_in_step"] = 4 * nbytes / (a2a_ms / 1e3) / 1e9 if a2a_ms > 0 else None
         out["a2a_ceiling_gbps"] = all_to_all_gbps(nbytes, dev, args.iters)
-    del moe, x
+    del moe, x, step
+    gc.collect()  # FSDP's hooks keep the module in reference cycles: free its gathered weights now
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return out
