@@ -1,0 +1,46 @@
+"""Which expert weights FSDP manages, and mixed precision on the ones it does not."""
+
+import pytest
+import torch
+
+from tests.harness import run_on_ranks
+
+TOL = 3e-2  # bf16 compute against a float32 reference
+
+
+def _mixed_precision_layer(rank: int, world_size: int, ep: int) -> dict:
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+    from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=2)
+    ref = MoE(cfg)
+    model = MoE(cfg)
+    model.load_state_dict(ref.state_dict())
+    parallelize_moe(model, MoEParallelDims(world_size, ep=ep), device_type="cpu",
+                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    x = torch.randn(world_size, 6, cfg.dim)
+    y_ref = ref(x)
+    y = model(x[rank : rank + 1])
+    y.float().square().sum().backward()  # per-rank loss; gradients follow mean over ranks
+    y_ref.square().sum().div(world_size).backward()
+    w1 = model.experts.w1
+    return {
+        "experts_fsdp": isinstance(model.experts, FSDPModule),
+        "moe_fsdp": isinstance(model, FSDPModule),
+        "out_err": ((y.float() - y_ref[rank]).abs().max() / y_ref.abs().max()).item(),
+        "param_dtype": str(w1.dtype),
+        "grad_dtype": str(w1.grad.dtype),
+        "grad_err": ((w1.grad.full_tensor() - ref.experts.w1.grad).abs().max() / ref.experts.w1.grad.abs().max()).item(),
+    }
+
+
+@pytest.mark.parametrize("ep,experts_fsdp", [(2, False), (1, True)])
+def test_experts_in_fsdp_only_with_an_expert_data_parallel_axis(ep, experts_fsdp):
+    """EP=2 on 2 ranks leaves no EDP axis: experts stay plain DTensors (FSDP on a 1-rank mesh would
+    only copy them), yet bf16 mixed precision still applies to them. EDP=2 keeps them in FSDP."""
+    for r in run_on_ranks(2, _mixed_precision_layer, ep):
+        assert r["experts_fsdp"] is experts_fsdp and r["moe_fsdp"]
+        assert r["param_dtype"] == r["grad_dtype"] == "torch.float32"
+        assert r["out_err"] < TOL and r["grad_err"] < TOL, r
