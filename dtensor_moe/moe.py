@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import combine_kernel
 from .config import MoEConfig
 from .experts import GroupedExperts
 from .router import TopKRouter
@@ -143,9 +144,12 @@ class MoE(nn.Module):
         K = cfg.top_k
         rank_N = inverse_permutation(order_N)  # where each (token, k) pair sits in expert order
         y_ND = self.experts(gather_rows(x_TD, order_N // K, rank_N, fan_out=K), counts_E)
-        # Back to (token, k) order, then the weighted sum over k: no scatter-add, no atomics.
-        y_TKD = gather_rows(y_ND, rank_N, order_N).view(-1, K, D)
-        y_BLD = _WeightedSum.apply(weights_TK.to(y_TKD.dtype), y_TKD, (B, L, D))
+        # Back to (token, k) order and the weighted sum over k: no scatter-add, no atomics.
+        if y_ND.is_cuda and combine_kernel.available():
+            y_BLD = combine_kernel.gather_weighted_sum(y_ND, rank_N.view(-1, K), weights_TK, (B, L, D))
+        else:
+            y_TKD = gather_rows(y_ND, rank_N, order_N).view(-1, K, D)
+            y_BLD = _WeightedSum.apply(weights_TK.to(y_TKD.dtype), y_TKD, (B, L, D))
         if self.shared_experts is not None:
             return y_BLD + self.shared_experts(x_BLD)
         return y_BLD
