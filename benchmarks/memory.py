@@ -14,14 +14,13 @@ is ep_only and is skipped).
 """
 
 import argparse
-import json
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
-from dtensor_moe.metrics import local_state_bytes
+from dtensor_moe.metrics import local_state_bytes, write_json
 from dtensor_moe.optim import build_optimizer
 
 TARGET_SLACK = 1.05
@@ -122,8 +121,7 @@ def main():
             t = res["target"]
             print(f"target ep_edp total <= ep_only / edp * {TARGET_SLACK}: ratio {t['ratio_to_ep_only_over_edp']:.4f} "
                   f"-> {'PASS' if t['ok'] else 'MISS'}")
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(args.out, res)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -15,6 +15,8 @@ import shutil
 import subprocess
 import sys
 
+from dtensor_moe.metrics import write_json
+
 MESHES = {  # name -> overrides (world size from --nproc)
     "EDP2xEP2xETP2": ["parallel.ep=2", "parallel.etp=2", "parallel.dp_replicate=1"],
     "EP8": ["parallel.ep=8", "parallel.etp=1", "parallel.dp_replicate=1"],
@@ -66,8 +68,7 @@ def main() -> int:
         pred = sum(r["planner_state_bytes_rank0"].values()) / 2**20
         print(f"{r['mesh']:<14} {r['tokens_per_s_per_rank']:>10.0f} {r['peak_mem_gib_max']:>9.2f} "
               f"{r['parity_max_abs_dloss']:>11.2e} {meas:>15.2f} {pred:>8.2f} {r['rc']}")
-    with open(args.out, "w") as f:
-        json.dump(rows, f, indent=2)
+    write_json(args.out, rows)
     return max(r["rc"] for r in rows)
 
 

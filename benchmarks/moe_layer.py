@@ -21,7 +21,6 @@ fp32 reference, and one profiled step per layer (where the time goes). Baseline 
 import argparse
 import copy
 import gc
-import json
 import re
 import time
 
@@ -31,6 +30,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, grouped_swiglu, parallelize_moe
+from dtensor_moe.metrics import write_json
 
 SHAPES = {  # name: (D, F, E, K, tokens per rank)
     "deepseek": (7168, 2048, 256, 8, 8192),
@@ -415,15 +415,13 @@ def main():
             dist.barrier()
             if rank == 0 and row is not None:  # partial results survive a time limit
                 progress(rank, "| " + " | ".join(row_cells(row)) + " |")
-                with open(args.out, "w") as f:
-                    json.dump(res, f, indent=1)
+                write_json(args.out, res)
     if rank == 0:
         res["targets"] = targets(res["rows"])
         print_table(res)
         if res["skipped"]:
             print(f"skipped (--budget-s {args.budget_s}): {', '.join(res['skipped'])}")
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(args.out, res)
     dist.barrier()
     dist.destroy_process_group()
 
