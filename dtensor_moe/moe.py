@@ -45,10 +45,8 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor, fan_out: 
 class _WeightedSum(torch.autograd.Function):
     """y_TD = sum_k w_TK[:, k] * y_TKD[:, k]: the top-k combine, deterministic and atomic-free.
 
-    Batched matmuls, except the input gradient's (T,K,1)x(T,1,D) outer product when K rows are not
-    16-byte aligned: cuBLAS then takes an align-2 wmma kernel (3.3 ms at K=2, 5.1 ms at K=6 on an
-    H200) where a broadcast multiply takes 0.2-1 ms; aligned (K=8), its kernel beats the broadcast.
-    The routing-weight gradient is computed only when the router is trained."""
+    The torch path; CUDA runs combine_kernel when Triton imports. The routing-weight gradient is
+    computed only when the router is trained."""
 
     @staticmethod
     def forward(ctx, w_TK, y_TKD, out_shape):
@@ -61,11 +59,7 @@ class _WeightedSum(torch.autograd.Function):
         w_TK, y_TKD = ctx.saved_tensors
         dy_T1D = dy.reshape(y_TKD.shape[0], 1, y_TKD.shape[-1])
         dw_TK = torch.bmm(y_TKD, dy_T1D.transpose(1, 2)).squeeze(-1) if ctx.needs_input_grad[0] else None
-        aligned = w_TK.shape[-1] * w_TK.element_size() % 16 == 0
-        # As autograd's bmm backward lays it out (a transposed view): with a contiguous (T,K,1)
-        # cuBLAS ran a MAGMA-style kernel 1.8x slower at K=8.
-        dy_TKD = torch.bmm(w_TK.unsqueeze(1).transpose(1, 2), dy_T1D) if aligned else w_TK.unsqueeze(-1) * dy_T1D
-        return dw_TK, dy_TKD, None
+        return dw_TK, w_TK.unsqueeze(-1) * dy_T1D, None
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
