@@ -58,6 +58,7 @@ class _Exchange:
         self.idx = _expert_major_index(C, int(C_host.sum()))
         self.inv = inverse_permutation(self.idx)
         self.local_counts_E = C.sum((0, 1))
+        self.local_counts_host = C_host.sum((0, 1)).tolist()  # for the experts' per-expert GEMMs
         self.pending = None  # (input grad, its reverse exchange in flight), see launch_input_grad
 
     def to_experts(self, x_ND):
@@ -141,11 +142,11 @@ class ExpertDispatcher:
 
     def dispatch(self, x_ND: torch.Tensor, counts_E: torch.Tensor, hooked_experts: bool = False) -> tuple:
         """The experts' forward arguments: tokens grouped by local expert, their counts, and for
-        `hooked_experts` the weight-gradient scale and the input-gradient hook."""
+        `hooked_experts` the weight-gradient scale, the input-gradient hook and the counts on the host."""
         self._ex = ex = _Exchange(self, counts_E.to(torch.int64))
         x_local = _Dispatch.apply(x_ND, ex)
         if hooked_experts:
-            return x_local, ex.local_counts_E, 1.0 / self.grad_divisor, ex.launch_input_grad
+            return x_local, ex.local_counts_E, 1.0 / self.grad_divisor, ex.launch_input_grad, ex.local_counts_host
         if self.grad_divisor != 1:  # each scale is a full pass over the routed tokens in backward
             x_local = _ScaleGrad.apply(x_local, self.grad_divisor)
         return x_local, ex.local_counts_E

@@ -52,6 +52,35 @@ def grouped_weight_grad(g_NO: torch.Tensor, x_NI: torch.Tensor, groups) -> torch
     return torch.stack([ge.t() @ xe for ge, xe in pairs])
 
 
+# A cuBLAS call per expert accumulates into the gradient only when each call outlasts its launch
+# (~10 us from Python, ~6 GFLOP on an H200); below that the launches, not the GEMMs, set the time.
+MIN_MACS_PER_EXPERT_GEMM = 2**32
+
+
+def accumulate_weight_grad(out_EOI, g_NO, x_NI, host_counts, alpha):
+    """out_EOI[e] += alpha * g_e^T x_e, the sum done by the GEMM (beta = 1): no separate pass that
+    reads and rewrites the whole gradient, as autograd's accumulation does."""
+    for o_OI, g_nO, x_nI in zip(out_EOI.unbind(0), g_NO.split(host_counts), x_NI.split(host_counts)):
+        o_OI.addmm_(g_nO.t(), x_nI, alpha=alpha)
+
+
+def _existing_grads(params, ws):
+    """Each weight's gradient to add into in place (the local shard of the parameter's .grad), or
+    None where autograd must accumulate: no gradient yet (it then keeps the GEMM result as is, no
+    copy), another dtype or layout, or a double-backward graph."""
+    if params is None or torch.is_grad_enabled():
+        return None
+    grads = []
+    for p, w in zip(params, ws):
+        g = p.grad
+        if isinstance(g, DTensor):
+            g = g.to_local() if g.placements == p.placements else None
+        if g is None or g.dtype != w.dtype or g.shape != w.shape or not g.is_contiguous():
+            return None
+        grads.append(g)
+    return grads
+
+
 class _GroupedSwiGLU(torch.autograd.Function):
     """y = (silu(x W1^T) * (x W3^T)) W2^T per expert, with a hand-ordered backward.
 
@@ -59,11 +88,13 @@ class _GroupedSwiGLU(torch.autograd.Function):
     GEMMs are queued: the expert-parallel dispatcher starts its all-to-all there, so the transfer
     may run beside them (on 2xH200 it mostly waits for SMs the GEMMs hold; benchmarks/RESULTS.md).
     `weight_grad_scale` multiplies only the weight gradients, on the smaller operand of each GEMM
-    (F-sized activations rather than D-sized tokens when F < D).
+    (F-sized activations rather than D-sized tokens when F < D). When `params` already hold
+    gradients (gradient accumulation) and the per-expert row counts are known on the host, the
+    weight gradients are added into them by the GEMMs themselves and autograd gets None.
     """
 
     @staticmethod
-    def forward(ctx, x_ND, groups, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale, on_input_grad):
+    def forward(ctx, x_ND, groups, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale, on_input_grad, host_counts, params):
         a_NF = grouped_mm(x_ND, w1_EFD.transpose(-2, -1), groups)
         b_NF = grouped_mm(x_ND, w3_EFD.transpose(-2, -1), groups)
         silu_a_NF = F.silu(a_NF)
@@ -72,6 +103,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         # What autograd would keep; recomputing silu(a) and h instead costs two F-wide passes.
         ctx.save_for_backward(x_ND, a_NF, b_NF, silu_a_NF, h_NF, w1_EFD, w2_EDF, w3_EFD)
         ctx.groups, ctx.scale, ctx.on_input_grad = groups, weight_grad_scale, on_input_grad
+        ctx.host_counts, ctx.params = host_counts, params
         return y_ND
 
     @staticmethod
@@ -86,6 +118,11 @@ class _GroupedSwiGLU(torch.autograd.Function):
         dx_ND += grouped_mm(db_NF, w3_EFD, groups)
         if ctx.on_input_grad is not None:
             ctx.on_input_grad(dx_ND)
+        grads = _existing_grads(ctx.params, (w1_EFD, w2_EDF, w3_EFD)) if ctx.host_counts is not None else None
+        if grads is not None:
+            for out, g, x in zip(grads, (da_NF, dy_ND, db_NF), (x_ND, h_NF, x_ND)):
+                accumulate_weight_grad(out, g, x, ctx.host_counts, scale)
+            return dx_ND, None, None, None, None, None, None, None, None
         if scale != 1:  # on whichever operand of each weight-gradient GEMM is smaller
             F_, D = h_NF.shape[-1], x_ND.shape[-1]
             if 2 * F_ <= D:
@@ -100,18 +137,28 @@ class _GroupedSwiGLU(torch.autograd.Function):
         dw2 = grouped_weight_grad(dy_ND, h_NF, groups)
         dw1 = grouped_weight_grad(da_NF, x_ND, groups)
         dw3 = grouped_weight_grad(db_NF, x_ND, groups)
-        return dx_ND, None, dw1, dw2, dw3, None, None
+        return dx_ND, None, dw1, dw2, dw3, None, None, None, None
 
 
 def grouped_swiglu(
     x_TD, counts_E, w1_EFD, w2_EDF, w3_EFD, use_kernel: bool | None = None, weight_grad_scale: float = 1.0,
-    on_input_grad=None,
+    on_input_grad=None, host_counts: list[int] | None = None, grad_params=None,
 ) -> torch.Tensor:
+    """`host_counts`: counts_E as a host list, when the caller has it without a sync (the
+    dispatcher does). `grad_params`: the parameters w1, w2, w3 are read from, whose existing
+    gradients the backward may add into (see _GroupedSwiGLU)."""
     if use_kernel is None:
         use_kernel = _grouped_mm_supported(x_TD, w1_EFD)
     # Offsets once for all six GEMMs; the loop needs host counts (its only sync).
-    groups = torch.cumsum(counts_E, dim=0, dtype=torch.int32) if use_kernel else counts_E.tolist()
-    return _GroupedSwiGLU.apply(x_TD, groups, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale, on_input_grad)
+    if use_kernel:
+        groups = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+        E, F_, D = w1_EFD.shape
+        if host_counts is not None and x_TD.shape[0] * F_ * D < MIN_MACS_PER_EXPERT_GEMM * max(E, 1):
+            host_counts = None
+    else:
+        groups = host_counts = counts_E.tolist() if host_counts is None else host_counts
+    return _GroupedSwiGLU.apply(x_TD, groups, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale, on_input_grad,
+                                host_counts, grad_params)
 
 
 def _local(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -130,12 +177,13 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
     def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor, weight_grad_scale: float = 1.0,
-                on_input_grad=None) -> torch.Tensor:
-        """x_TD holds tokens grouped by expert, counts_E[e] of them for expert e. `weight_grad_scale`
-        and `on_input_grad` are for the expert-parallel dispatcher (see _GroupedSwiGLU)."""
-        w1, w2, w3 = (_local(w, x_TD.dtype) for w in (self.w1, self.w2, self.w3))
-        return grouped_swiglu(x_TD, counts_E, w1, w2, w3,
-                              weight_grad_scale=weight_grad_scale, on_input_grad=on_input_grad)
+                on_input_grad=None, host_counts: list[int] | None = None) -> torch.Tensor:
+        """x_TD holds tokens grouped by expert, counts_E[e] of them for expert e. The other
+        arguments come from the expert-parallel dispatcher (see _GroupedSwiGLU)."""
+        params = (self.w1, self.w2, self.w3)
+        w1, w2, w3 = (_local(w, x_TD.dtype) for w in params)
+        return grouped_swiglu(x_TD, counts_E, w1, w2, w3, weight_grad_scale=weight_grad_scale,
+                              on_input_grad=on_input_grad, host_counts=host_counts, grad_params=params)
 
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w1, self.w2, self.w3):

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
-from dtensor_moe import combine_kernel
+from dtensor_moe import combine_kernel, experts
 from dtensor_moe.experts import grouped_swiglu
 from dtensor_moe.moe import _WeightedSum, gather_rows, inverse_permutation
 
@@ -31,6 +31,27 @@ def check_grouped_mm(device):
     x = torch.randn(int(counts.sum()), D, device=device, generator=g).bfloat16()
     ws = [torch.randn(s, device=device, generator=g).bfloat16() * 0.05 for s in ((E, F, D), (E, D, F), (E, F, D))]
     return rel(grouped_swiglu(x, counts, *ws, use_kernel=True), grouped_swiglu(x, counts, *ws, use_kernel=False))
+
+
+def check_gemm_accumulation(device):
+    """Two microbatches, weight gradients added into .grad by the per-expert GEMMs (the threshold
+    lowered so this small case takes that path) against autograd's accumulation of the same."""
+    g = torch.Generator(device=device).manual_seed(1)
+    E, F, D = 8, 512, 256
+    counts = torch.tensor([0, 37, 5, 128, 1, 0, 77, 300], device=device)
+    x = torch.randn(int(counts.sum()), D, device=device, generator=g).bfloat16()
+    dys = [torch.randn(x.shape, device=device, generator=g).bfloat16() for _ in range(2)]
+    grads = []
+    for min_macs in (experts.MIN_MACS_PER_EXPERT_GEMM, 0):
+        experts.MIN_MACS_PER_EXPERT_GEMM, saved = min_macs, experts.MIN_MACS_PER_EXPERT_GEMM
+        ws = [(torch.randn(s, device=device, generator=g.manual_seed(2)) * 0.05).bfloat16().requires_grad_(True)
+              for s in ((E, F, D), (E, D, F), (E, F, D))]
+        for dy in dys:
+            grouped_swiglu(x, counts, *ws, weight_grad_scale=0.5, host_counts=counts.tolist(),
+                           grad_params=ws).backward(dy)
+        experts.MIN_MACS_PER_EXPERT_GEMM = saved
+        grads.append([w.grad for w in ws])
+    return max(rel(a, b) for a, b in zip(grads[1], grads[0]))
 
 
 def check_combine_kernel(device):
@@ -59,6 +80,7 @@ def main():
     if cuda:
         torch.cuda.set_device(device)
     results = {"grouped_mm_vs_loop_rel_err": check_grouped_mm(device),
+               "gemm_accumulation_vs_autograd_rel_err": check_gemm_accumulation(device),
                "combine_kernel_vs_torch_rel_err": check_combine_kernel(device)}
     cfg = MoEConfig(dim=512, hidden_dim=1024, num_experts=8, top_k=2, num_shared_experts=1, load_balance="aux_loss")
     T = 1024

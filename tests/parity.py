@@ -8,10 +8,20 @@ ownership of every weight slice against the reference.
 
 import copy
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 
-from dtensor_moe import MoE, MoEConfig, MoEParallelDims, owned_box, ownership, parallelize_moe, plan_moe
+from dtensor_moe import (
+    MoE,
+    MoEConfig,
+    MoEParallelDims,
+    owned_box,
+    ownership,
+    parallelize_moe,
+    plan_moe,
+)
+from dtensor_moe import experts as experts_mod
 
 
 @dataclass(frozen=True)
@@ -32,6 +42,7 @@ class Case:
     load_balance: str = "none"
     seed: int = 0
     dtype: str = "float64"
+    microbatches: int = 1  # > 1: the same slice again, gradients accumulating (FSDP syncs on the last)
 
 
 def build(case: Case, world_size: int):
@@ -96,19 +107,26 @@ def check_parity(rank: int, world_size: int, case: Case) -> dict:
         errs[f"own:{wp.name}"] = _err(local, want)
         ownership(wp, dims)
     x_r = x[lo:hi].clone().requires_grad_(True)
-    y_r = model(x_r)
-    loss_r = (y_r * grad_out[lo:hi]).sum()
-    if cfg.load_balance == "aux_loss":
-        loss_r = loss_r + model.aux_loss
-        errs["aux_loss"] = _err(model.aux_loss.detach(), ref.aux_loss.detach())
-    loss_r.backward()
+    counted = mock.patch.object(experts_mod, "accumulate_weight_grad", wraps=experts_mod.accumulate_weight_grad)
+    with counted as fused:
+        for mb in range(case.microbatches):
+            model.set_requires_gradient_sync(mb == case.microbatches - 1)
+            y_r = model(x_r)
+            loss_r = (y_r * grad_out[lo:hi]).sum()
+            if cfg.load_balance == "aux_loss":
+                loss_r = loss_r + model.aux_loss
+                errs["aux_loss"] = _err(model.aux_loss.detach(), ref.aux_loss.detach())
+            loss_r.backward()
 
     errs["out"] = _err(y_r.detach(), y_ref[lo:hi].detach())
-    errs["grad:x"] = _err(x_r.grad, x_ref.grad[lo:hi] * R)
+    n = case.microbatches
+    # From the second microbatch on, every expert weight gradient is summed by the GEMMs themselves.
+    errs["accumulated_outside_gemm"] = float(n > 1 and fused.call_count != 3 * (n - 1))
+    errs["grad:x"] = _err(x_r.grad, x_ref.grad[lo:hi] * R * n)
     for name, p in model.named_parameters():
         assert type(p).__name__ == "DTensor", name
-        errs[f"grad:{name}"] = _err(p.grad.full_tensor(), ref.get_parameter(name).grad)
-    errs["tokens_per_expert"] = _err(model.global_tokens_per_expert(), ref.tokens_per_expert)
+        errs[f"grad:{name}"] = _err(p.grad.full_tensor(), ref.get_parameter(name).grad * n)
+    errs["tokens_per_expert"] = _err(model.global_tokens_per_expert(), ref.tokens_per_expert * n)
     if cfg.load_balance == "aux_free_bias":
         model.update_expert_bias()
         ref.update_expert_bias()

@@ -41,4 +41,5 @@ def cases(draw, world_size: int):
         num_shared_experts=draw(st.integers(0, 1)),
         load_balance=draw(st.sampled_from(["none", "aux_loss", "aux_free_bias"])),
         seed=draw(st.integers(0, 2**16)),
+        microbatches=draw(st.integers(1, 2)),
     )

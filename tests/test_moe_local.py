@@ -1,5 +1,7 @@
 """The unparallelized MoE (the reference every parallel test trusts) against a naive per-token loop."""
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,3 +119,31 @@ def test_weight_grad_scale_and_input_grad_hook(dim, hidden, use_kernel):
         torch.testing.assert_close(a, 0.25 * b, **tol)
     assert len(seen) == 1
     torch.testing.assert_close(seen[0], got[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("use_kernel,min_macs,fused", [(False, None, True), (True, 0, True), (True, None, False)])
+def test_weight_grads_accumulate_in_the_gemm(use_kernel, min_macs, fused, monkeypatch):
+    """Gradient accumulation: with host counts and existing .grad, the per-expert GEMMs add the
+    scaled weight gradients into .grad themselves; otherwise (no grad yet, or GEMMs too small to
+    outlast their launch) autograd accumulates. Either way .grad is the sum over microbatches."""
+    from dtensor_moe import experts as experts_mod
+
+    if min_macs is not None:
+        monkeypatch.setattr(experts_mod, "MIN_MACS_PER_EXPERT_GEMM", min_macs)
+    dtype = torch.float32 if use_kernel else torch.float64
+    torch.manual_seed(0)
+    counts = torch.tensor([5, 0, 7, 4])
+    x = torch.randn(16, 8, dtype=dtype, requires_grad=True)
+    ws = [torch.randn(s, dtype=dtype, requires_grad=True) for s in ((4, 16, 8), (4, 8, 16), (4, 16, 8))]
+    gs = [torch.randn(16, 8, dtype=dtype) for _ in range(2)]
+    refs = [torch.autograd.grad(grouped_swiglu(x, counts, *ws, use_kernel=use_kernel), [x, *ws], g) for g in gs]
+    spy = mock.patch.object(experts_mod, "accumulate_weight_grad", wraps=experts_mod.accumulate_weight_grad)
+    with spy as accumulate:
+        for g in gs:
+            grouped_swiglu(x, counts, *ws, use_kernel=use_kernel, weight_grad_scale=0.25,
+                           host_counts=counts.tolist(), grad_params=ws).backward(g)
+    assert accumulate.call_count == (3 if fused else 0)  # the second microbatch's three weights
+    tol = dict(rtol=1e-5, atol=1e-5) if use_kernel else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, refs[0][0] + refs[1][0], **tol)
+    for i, w in enumerate(ws):
+        torch.testing.assert_close(w.grad, 0.25 * (refs[0][i + 1] + refs[1][i + 1]), **tol)

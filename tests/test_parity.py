@@ -36,6 +36,9 @@ NAMED = {
     "all_ranks_empty_but_one": (4, Case(1, 4, 1, 4, 2, 8, 6, (0, 0, 3, 0))),
     "world6_ep3_etp2": (6, Case(1, 3, 2, 6, 2, 8, 6, (1, 2, 0, 1, 2, 1))),
     "single_process": (1, Case(1, 1, 1, 4, 2, 8, 6, (3,), load_balance="aux_loss")),
+    # Second microbatch: expert weight gradients are added into .grad by the GEMMs themselves.
+    "ep4_accumulate": (4, Case(1, 4, 1, 8, 2, 8, 6, (2, 1, 0, 3), microbatches=2)),
+    "edp2_ep2_etp2_accumulate": (8, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3, 1, 2, 1, 1), microbatches=3)),
 }
 
 
