@@ -1,0 +1,85 @@
+"""Can the expert-parallel all-to-all run beside the weight-gradient GEMMs, and does an SM carveout help?
+
+    torchrun --nproc-per-node 2 benchmarks/overlap_probe.py --out overlap.json
+
+At the DeepSeek E256 EP=2 backward shape (65,536 routed rows, D 7168, F 2048, 128 local experts):
+the input-gradient all-to-all is launched async, then the three weight-gradient GEMMs run, either
+as the grouped kernel or as per-expert addmm_ into .grad (gradient accumulation). Prints the median
+ms of each alone and of both together, for several `torch._C._set_sm_carveout_experimental` values
+(SMs the GEMMs leave free for NCCL), and writes JSON. `overlap` = (alone sum - together) / a2a alone.
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from moe_layer import host_timed_ms
+
+from dtensor_moe.experts import accumulate_weight_grad, grouped_weight_grad
+from dtensor_moe.metrics import write_json
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", type=int, nargs=4, default=[7168, 2048, 128, 65536], metavar=("D", "F", "E", "N"))
+    ap.add_argument("--carveouts", type=int, nargs="*", default=[0, 8, 16, 32])
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    D, F, E, N = args.shape
+    counts = [N // E] * E
+    counts[-1] += N - sum(counts)
+    offs = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
+    x_ND = torch.randn(N, D, device=dev, dtype=torch.bfloat16)
+    g_NF = torch.randn(N, F, device=dev, dtype=torch.bfloat16)
+    dx_ND, out_ND = torch.empty_like(x_ND), torch.empty_like(x_ND)
+    grads = [torch.zeros(E, F, D, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+
+    def wgrad_grouped():
+        for _ in range(3):
+            grouped_weight_grad(g_NF, x_ND, offs)
+
+    def wgrad_addmm():
+        for out in grads:
+            accumulate_weight_grad(out, g_NF, x_ND, counts, 1.0)
+
+    def a2a():
+        return dist.all_to_all_single(out_ND, dx_ND, async_op=True)
+
+    def together(wgrad):
+        def run():
+            work = a2a()
+            wgrad()
+            work.wait()
+        return run
+
+    carve = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    rows = []
+    a2a_ms = host_timed_ms(lambda: a2a().wait(), dev, args.iters, 2)
+    for c in args.carveouts:
+        if c and carve is None:
+            continue
+        if carve is not None:
+            carve(c or None)
+        for name, wgrad in (("grouped", wgrad_grouped), ("addmm_accumulate", wgrad_addmm)):
+            alone = host_timed_ms(wgrad, dev, args.iters, 2)
+            both = host_timed_ms(together(wgrad), dev, args.iters, 2)
+            rows.append({"carveout": c, "wgrad": name, "a2a_ms": a2a_ms, "wgrad_ms": alone, "together_ms": both,
+                         "overlap": (a2a_ms + alone - both) / a2a_ms})
+    if carve is not None:
+        carve(None)
+    if rank == 0:
+        print(f"D={D} F={F} E={E} N={N}; all-to-all alone {a2a_ms:.2f} ms ({N * D * 2 / 2 / a2a_ms / 1e6:.0f} GB/s to the peer)")
+        print("| carveout | wgrad | wgrad ms | together ms | overlap |\n|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['carveout']} | {r['wgrad']} | {r['wgrad_ms']:.2f} | {r['together_ms']:.2f} | {r['overlap']:.2f} |")
+        write_json(args.out, {"torch": torch.__version__, "shape": args.shape, "rows": rows})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
