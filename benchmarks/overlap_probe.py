@@ -4,12 +4,14 @@
 
 At the DeepSeek E256 EP=2 backward shape (65,536 routed rows, D 7168, F 2048, 128 local experts):
 the input-gradient all-to-all is launched async, then the three weight-gradient GEMMs run, either
-as the grouped kernel or as per-expert addmm_ into .grad (gradient accumulation). Prints the median
+as the grouped kernel or as per-expert addmm_ into .grad (gradient accumulation; in both output
+orientations, and with cuBLASLt preferred). Prints the median
 ms of each alone and of both together, for several `torch._C._set_sm_carveout_experimental` values
 (SMs the GEMMs leave free for NCCL), and writes JSON. `overlap` = (alone sum - together) / a2a alone.
 """
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -22,7 +24,7 @@ from dtensor_moe.metrics import write_json
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", type=int, nargs=4, default=[7168, 2048, 128, 65536], metavar=("D", "F", "E", "N"))
-    ap.add_argument("--carveouts", type=int, nargs="*", default=[0, 8, 16, 32])
+    ap.add_argument("--carveouts", type=int, nargs="*", default=[0, 16])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -38,14 +40,24 @@ def main():
     g_NF = torch.randn(N, F, device=dev, dtype=torch.bfloat16)
     dx_ND, out_ND = torch.empty_like(x_ND), torch.empty_like(x_ND)
     grads = [torch.zeros(E, F, D, device=dev, dtype=torch.bfloat16) for _ in range(3)]
+    grads_T = [g.view(E, D, F) for g in grads]
 
     def wgrad_grouped():
         for _ in range(3):
             grouped_weight_grad(g_NF, x_ND, offs)
 
-    def wgrad_addmm():
+    def wgrad_addmm():  # w1/w3's orientation: [E, F, D] outputs
         for out in grads:
             accumulate_weight_grad(out, g_NF, x_ND, counts, 1.0)
+
+    def wgrad_addmm_T():  # w2's orientation: [E, D, F] outputs
+        for out in grads_T:
+            accumulate_weight_grad(out, x_ND, g_NF, counts, 1.0)
+
+    def wgrad_addmm_lt():
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        wgrad_addmm()
+        torch.backends.cuda.preferred_blas_library("default")
 
     def a2a():
         return dist.all_to_all_single(out_ND, dx_ND, async_op=True)
@@ -65,7 +77,8 @@ def main():
             continue
         if carve is not None:
             carve(c or None)
-        for name, wgrad in (("grouped", wgrad_grouped), ("addmm_accumulate", wgrad_addmm)):
+        for name, wgrad in (("grouped", wgrad_grouped), ("addmm_EFD", wgrad_addmm), ("addmm_EDF", wgrad_addmm_T),
+                            ("addmm_EFD_cublaslt", wgrad_addmm_lt)):
             alone = host_timed_ms(wgrad, dev, args.iters, 2)
             both = host_timed_ms(together(wgrad), dev, args.iters, 2)
             rows.append({"carveout": c, "wgrad": name, "a2a_ms": a2a_ms, "wgrad_ms": alone, "together_ms": both,
@@ -73,11 +86,13 @@ def main():
     if carve is not None:
         carve(None)
     if rank == 0:
+        print(f"NCCL_P2P_USE_CUDA_MEMCPY={os.environ.get('NCCL_P2P_USE_CUDA_MEMCPY')}", end=" ")
         print(f"D={D} F={F} E={E} N={N}; all-to-all alone {a2a_ms:.2f} ms ({N * D * 2 / 2 / a2a_ms / 1e6:.0f} GB/s to the peer)")
         print("| carveout | wgrad | wgrad ms | together ms | overlap |\n|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['carveout']} | {r['wgrad']} | {r['wgrad_ms']:.2f} | {r['together_ms']:.2f} | {r['overlap']:.2f} |")
-        write_json(args.out, {"torch": torch.__version__, "shape": args.shape, "rows": rows})
+        write_json(args.out, {"torch": torch.__version__, "shape": args.shape, "rows": rows,
+                              "NCCL_P2P_USE_CUDA_MEMCPY": os.environ.get("NCCL_P2P_USE_CUDA_MEMCPY")})
     dist.destroy_process_group()
 
 

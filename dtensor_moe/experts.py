@@ -52,6 +52,21 @@ def grouped_weight_grad(g_NO: torch.Tensor, x_NI: torch.Tensor, groups) -> torch
     return torch.stack([ge.t() @ xe for ge, xe in pairs])
 
 
+def _local(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Parallelized weights are DTensors; the dispatcher already brought this rank the tokens
+    # of exactly the slice it holds, so the GEMM runs on the local shard. Weights FSDP does not
+    # manage (no expert data-parallel axis) get mixed precision's compute dtype here instead.
+    return (w.to_local() if isinstance(w, DTensor) else w).to(dtype)
+
+
+def _like_param(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A local weight gradient as the gradient of parameter p (its dtype; a DTensor like p)."""
+    g = g.to(p.dtype)
+    if isinstance(p, DTensor):
+        return DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return g
+
+
 # A cuBLAS call per expert accumulates into the gradient only when each call outlasts its launch
 # (~10 us from Python, ~6 GFLOP on an H200); below that the launches, not the GEMMs, set the time.
 MIN_MACS_PER_EXPERT_GEMM = 2**32
@@ -68,7 +83,7 @@ def _existing_grads(params, ws):
     """Each weight's gradient to add into in place (the local shard of the parameter's .grad), or
     None where autograd must accumulate: no gradient yet (it then keeps the GEMM result as is, no
     copy), another dtype or layout, or a double-backward graph."""
-    if params is None or torch.is_grad_enabled():
+    if torch.is_grad_enabled():
         return None
     grads = []
     for p, w in zip(params, ws):
@@ -88,13 +103,16 @@ class _GroupedSwiGLU(torch.autograd.Function):
     GEMMs are queued: the expert-parallel dispatcher starts its all-to-all there, so the transfer
     may run beside them (on 2xH200 it mostly waits for SMs the GEMMs hold; benchmarks/RESULTS.md).
     `weight_grad_scale` multiplies only the weight gradients, on the smaller operand of each GEMM
-    (F-sized activations rather than D-sized tokens when F < D). When `params` already hold
+    (F-sized activations rather than D-sized tokens when F < D). When the weights already hold
     gradients (gradient accumulation) and the per-expert row counts are known on the host, the
     weight gradients are added into them by the GEMMs themselves and autograd gets None.
     """
 
     @staticmethod
-    def forward(ctx, x_ND, groups, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale, on_input_grad, host_counts, params):
+    def forward(ctx, x_ND, groups, w1, w2, w3, weight_grad_scale, on_input_grad, host_counts):
+        # The parameters themselves are the inputs (not their to_local() views): this backward owns
+        # their gradients, and a view's backward may turn a skipped gradient into zeros to add.
+        w1_EFD, w2_EDF, w3_EFD = (_local(w, x_ND.dtype) for w in (w1, w2, w3))
         a_NF = grouped_mm(x_ND, w1_EFD.transpose(-2, -1), groups)
         b_NF = grouped_mm(x_ND, w3_EFD.transpose(-2, -1), groups)
         silu_a_NF = F.silu(a_NF)
@@ -103,7 +121,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         # What autograd would keep; recomputing silu(a) and h instead costs two F-wide passes.
         ctx.save_for_backward(x_ND, a_NF, b_NF, silu_a_NF, h_NF, w1_EFD, w2_EDF, w3_EFD)
         ctx.groups, ctx.scale, ctx.on_input_grad = groups, weight_grad_scale, on_input_grad
-        ctx.host_counts, ctx.params = host_counts, params
+        ctx.host_counts, ctx.params = host_counts, (w1, w2, w3)
         return y_ND
 
     @staticmethod
@@ -122,7 +140,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         if grads is not None:
             for out, g, x in zip(grads, (da_NF, dy_ND, db_NF), (x_ND, h_NF, x_ND)):
                 accumulate_weight_grad(out, g, x, ctx.host_counts, scale)
-            return dx_ND, None, None, None, None, None, None, None, None
+            return dx_ND, None, None, None, None, None, None, None
         if scale != 1:  # on whichever operand of each weight-gradient GEMM is smaller
             F_, D = h_NF.shape[-1], x_ND.shape[-1]
             if 2 * F_ <= D:
@@ -137,35 +155,29 @@ class _GroupedSwiGLU(torch.autograd.Function):
         dw2 = grouped_weight_grad(dy_ND, h_NF, groups)
         dw1 = grouped_weight_grad(da_NF, x_ND, groups)
         dw3 = grouped_weight_grad(db_NF, x_ND, groups)
-        return dx_ND, None, dw1, dw2, dw3, None, None, None, None
+        dws = (_like_param(dw, p) for dw, p in zip((dw1, dw2, dw3), ctx.params))
+        return dx_ND, None, *dws, None, None, None
 
 
 def grouped_swiglu(
     x_TD, counts_E, w1_EFD, w2_EDF, w3_EFD, use_kernel: bool | None = None, weight_grad_scale: float = 1.0,
-    on_input_grad=None, host_counts: list[int] | None = None, grad_params=None,
+    on_input_grad=None, host_counts: list[int] | None = None,
 ) -> torch.Tensor:
-    """`host_counts`: counts_E as a host list, when the caller has it without a sync (the
-    dispatcher does). `grad_params`: the parameters w1, w2, w3 are read from, whose existing
-    gradients the backward may add into (see _GroupedSwiGLU)."""
+    """The weights may be DTensors: the GEMMs run on their local shards, in x_TD's dtype.
+    `host_counts`: counts_E as a host list, when the caller has it without a sync (the dispatcher
+    does); it lets the backward add weight gradients into existing ones (see _GroupedSwiGLU)."""
+    w1_local = w1_EFD.to_local() if isinstance(w1_EFD, DTensor) else w1_EFD
     if use_kernel is None:
-        use_kernel = _grouped_mm_supported(x_TD, w1_EFD)
+        use_kernel = _grouped_mm_supported(x_TD, w1_local)
     # Offsets once for all six GEMMs; the loop needs host counts (its only sync).
     if use_kernel:
         groups = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
-        E, F_, D = w1_EFD.shape
+        E, F_, D = w1_local.shape
         if host_counts is not None and x_TD.shape[0] * F_ * D < MIN_MACS_PER_EXPERT_GEMM * max(E, 1):
             host_counts = None
     else:
         groups = host_counts = counts_E.tolist() if host_counts is None else host_counts
-    return _GroupedSwiGLU.apply(x_TD, groups, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale, on_input_grad,
-                                host_counts, grad_params)
-
-
-def _local(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # Parallelized weights are DTensors; the dispatcher already brought this rank the tokens
-    # of exactly the slice it holds, so the GEMM runs on the local shard. Weights FSDP does not
-    # manage (no expert data-parallel axis) get mixed precision's compute dtype here instead.
-    return (w.to_local() if isinstance(w, DTensor) else w).to(dtype)
+    return _GroupedSwiGLU.apply(x_TD, groups, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale, on_input_grad, host_counts)
 
 
 class GroupedExperts(nn.Module):
@@ -180,10 +192,8 @@ class GroupedExperts(nn.Module):
                 on_input_grad=None, host_counts: list[int] | None = None) -> torch.Tensor:
         """x_TD holds tokens grouped by expert, counts_E[e] of them for expert e. The other
         arguments come from the expert-parallel dispatcher (see _GroupedSwiGLU)."""
-        params = (self.w1, self.w2, self.w3)
-        w1, w2, w3 = (_local(w, x_TD.dtype) for w in params)
-        return grouped_swiglu(x_TD, counts_E, w1, w2, w3, weight_grad_scale=weight_grad_scale,
-                              on_input_grad=on_input_grad, host_counts=host_counts, grad_params=params)
+        return grouped_swiglu(x_TD, counts_E, self.w1, self.w2, self.w3, weight_grad_scale=weight_grad_scale,
+                              on_input_grad=on_input_grad, host_counts=host_counts)
 
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w1, self.w2, self.w3):

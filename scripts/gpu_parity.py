@@ -47,8 +47,7 @@ def check_gemm_accumulation(device):
         ws = [(torch.randn(s, device=device, generator=g.manual_seed(2)) * 0.05).bfloat16().requires_grad_(True)
               for s in ((E, F, D), (E, D, F), (E, F, D))]
         for dy in dys:
-            grouped_swiglu(x, counts, *ws, weight_grad_scale=0.5, host_counts=counts.tolist(),
-                           grad_params=ws).backward(dy)
+            grouped_swiglu(x, counts, *ws, weight_grad_scale=0.5, host_counts=counts.tolist()).backward(dy)
         experts.MIN_MACS_PER_EXPERT_GEMM = saved
         grads.append([w.grad for w in ws])
     return max(rel(a, b) for a, b in zip(grads[1], grads[0]))
