@@ -54,6 +54,15 @@ def main():
         for out in grads_T:
             accumulate_weight_grad(out, x_ND, g_NF, counts, 1.0)
 
+    def wgrad_addmm_split(parts, dim):
+        def run():  # the same sums as wgrad_addmm, in `parts` column (dim -1) or row (dim -2) blocks
+            for out in grads:
+                xs = x_ND.chunk(parts, -1) if dim == -1 else [x_ND] * parts
+                gs = g_NF.chunk(parts, -1) if dim == -2 else [g_NF] * parts
+                for o, g, x in zip(out.chunk(parts, dim), gs, xs):
+                    accumulate_weight_grad(o, g, x, counts, 1.0)
+        return run
+
     def wgrad_addmm_lt():
         torch.backends.cuda.preferred_blas_library("cublaslt")
         wgrad_addmm()
@@ -78,7 +87,8 @@ def main():
         if carve is not None:
             carve(c or None)
         for name, wgrad in (("grouped", wgrad_grouped), ("addmm_EFD", wgrad_addmm), ("addmm_EDF", wgrad_addmm_T),
-                            ("addmm_EFD_cublaslt", wgrad_addmm_lt)):
+                            ("addmm_EFD_cublaslt", wgrad_addmm_lt), ("addmm_EFD_D/2", wgrad_addmm_split(2, -1)),
+                            ("addmm_EFD_D/4", wgrad_addmm_split(4, -1)), ("addmm_EFD_F/2", wgrad_addmm_split(2, -2))):
             alone = host_timed_ms(wgrad, dev, args.iters, 2)
             both = host_timed_ms(together(wgrad), dev, args.iters, 2)
             rows.append({"carveout": c, "wgrad": name, "a2a_ms": a2a_ms, "wgrad_ms": alone, "together_ms": both,

@@ -79,11 +79,12 @@ def accumulate_weight_grad(out_EOI, g_NO, x_NI, host_counts, alpha):
         o_OI.addmm_(g_nO.t(), x_nI, alpha=alpha)
 
 
-def _existing_grads(params, ws):
+def _existing_grads(ctx, params, ws):
     """Each weight's gradient to add into in place (the local shard of the parameter's .grad), or
     None where autograd must accumulate: no gradient yet (it then keeps the GEMM result as is, no
-    copy), another dtype or layout, or a double-backward graph."""
-    if torch.is_grad_enabled():
+    copy), another dtype or layout, a double-backward graph, or autograd.grad (it returns the
+    gradients and must leave .grad alone)."""
+    if torch.is_grad_enabled() or not _backward_accumulates(ctx):
         return None
     grads = []
     for p, w in zip(params, ws):
@@ -94,6 +95,16 @@ def _existing_grads(params, ws):
             return None
         grads.append(g)
     return grads
+
+
+def _backward_accumulates(ctx) -> bool:
+    """Whether this is .backward() into the weights' .grad. Under autograd.grad the engine refuses
+    the question for leaves (RuntimeError); a torch without the query gets autograd's path."""
+    try:
+        return all(node is not None and torch._C._will_engine_execute_node(node)
+                   for node, _ in ctx.next_functions[2:5])
+    except (RuntimeError, AttributeError):
+        return False
 
 
 class _GroupedSwiGLU(torch.autograd.Function):
@@ -136,7 +147,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         dx_ND += grouped_mm(db_NF, w3_EFD, groups)
         if ctx.on_input_grad is not None:
             ctx.on_input_grad(dx_ND)
-        grads = _existing_grads(ctx.params, (w1_EFD, w2_EDF, w3_EFD)) if ctx.host_counts is not None else None
+        grads = _existing_grads(ctx, ctx.params, (w1_EFD, w2_EDF, w3_EFD)) if ctx.host_counts is not None else None
         if grads is not None:
             for out, g, x in zip(grads, (da_NF, dy_ND, db_NF), (x_ND, h_NF, x_ND)):
                 accumulate_weight_grad(out, g, x, ctx.host_counts, scale)

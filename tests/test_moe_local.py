@@ -142,8 +142,14 @@ def test_weight_grads_accumulate_in_the_gemm(use_kernel, min_macs, fused, monkey
         for g in gs:
             grouped_swiglu(x, counts, *ws, use_kernel=use_kernel, weight_grad_scale=0.25,
                            host_counts=counts.tolist()).backward(g)
+        # autograd.grad returns the gradients and leaves .grad alone, even where .grad exists
+        held = [w.grad.clone() for w in ws]
+        y = grouped_swiglu(x, counts, *ws, use_kernel=use_kernel, weight_grad_scale=0.25, host_counts=counts.tolist())
+        got = torch.autograd.grad(y, ws, gs[0])
     assert accumulate.call_count == (3 if fused else 0)  # the second microbatch's three weights
     tol = dict(rtol=1e-5, atol=1e-5) if use_kernel else dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x.grad, refs[0][0] + refs[1][0], **tol)
     for i, w in enumerate(ws):
         torch.testing.assert_close(w.grad, 0.25 * (refs[0][i + 1] + refs[1][i + 1]), **tol)
+        torch.testing.assert_close(w.grad, held[i], rtol=0, atol=0)
+        torch.testing.assert_close(got[i], 0.25 * refs[0][i + 1], **tol)
