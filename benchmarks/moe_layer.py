@@ -173,15 +173,17 @@ def profile_step(step, dev, barrier: bool, top: int = 16):
     }
 
 
-def a2a_bytes_to_peer(mesh, experts_TK, E, D, itemsize) -> int:
-    """Bytes one large all-to-all of this layer sends to the peer rank (there are 4 per step)."""
-    if mesh == "ep2":  # routed copies whose expert lives on the other rank
+def a2a_bytes_to_peer(mesh, experts_TK, E, D, itemsize) -> tuple[int, int]:
+    """Bytes this rank sends its peer in the dispatch all-to-all (each token once per rank that
+    holds one of its experts) and in the combine all-to-all (one row per (token, expert)); each
+    happens twice per step, forward and backward."""
+    if mesh == "ep2":
         rank = dist.get_rank()
-        remote = ((experts_TK >= E // 2) if rank == 0 else (experts_TK < E // 2)).sum().item()
-        return int(remote) * D * itemsize
-    if mesh == "etp2":  # every routed copy goes to the ETP peer too
-        return experts_TK.numel() * D * itemsize
-    return 0
+        remote_TK = (experts_TK >= E // 2) if rank == 0 else (experts_TK < E // 2)
+        return int(remote_TK.any(1).sum()) * D * itemsize, int(remote_TK.sum()) * D * itemsize
+    if mesh == "etp2":  # every token, and every routed copy, goes to the ETP peer too
+        return experts_TK.shape[0] * D * itemsize, experts_TK.numel() * D * itemsize
+    return 0, 0
 
 
 def all_to_all_gbps(bytes_to_peer: int, dev, iters: int) -> float:
@@ -287,11 +289,11 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak) -> dict | None:
     if mesh in args.profile_meshes:
         progress(rank, name, mesh, "profile")
         out["profile"] = profile_step(step, dev, barrier=not local)
-    nbytes = a2a_bytes_to_peer(mesh, experts_TK, E, D, x.element_size())
+    dispatch_bytes, combine_bytes = a2a_bytes_to_peer(mesh, experts_TK, E, D, x.element_size())
     if mesh in ("ep2", "etp2"):  # decided by the mesh, never by per-rank data: both ranks must enter
         a2a_ms = out["profile"]["all_to_all_ms"] if "profile" in out else 0
-        out["a2a_gbps_in_step"] = 4 * nbytes / (a2a_ms / 1e3) / 1e9 if a2a_ms > 0 else None
-        out["a2a_ceiling_gbps"] = all_to_all_gbps(nbytes, dev, args.iters)
+        out["a2a_gbps_in_step"] = 2 * (dispatch_bytes + combine_bytes) / (a2a_ms / 1e3) / 1e9 if a2a_ms > 0 else None
+        out["a2a_ceiling_gbps"] = all_to_all_gbps(combine_bytes, dev, args.iters)
     del moe, x, step
     gc.collect()  # FSDP's hooks keep the module in reference cycles: free its gathered weights now
     if dev.type == "cuda":

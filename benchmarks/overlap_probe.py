@@ -63,6 +63,17 @@ def main():
                     accumulate_weight_grad(o, g, x, counts, 1.0)
         return run
 
+    gT_FN, xT_DN = g_NF.t().contiguous(), x_ND.t().contiguous()
+
+    def wgrad_addmm_layout(g_cols: bool, x_cols: bool):
+        """Same sums with the operands stored transposed (feature-major), so cuBLAS sees other op flags."""
+        g_NF_, x_ND_ = (gT_FN.t() if g_cols else g_NF), (xT_DN.t() if x_cols else x_ND)
+
+        def run():
+            for out in grads:
+                accumulate_weight_grad(out, g_NF_, x_ND_, counts, 1.0)
+        return run
+
     def wgrad_addmm_lt():
         torch.backends.cuda.preferred_blas_library("cublaslt")
         wgrad_addmm()
@@ -88,7 +99,10 @@ def main():
             carve(c or None)
         for name, wgrad in (("grouped", wgrad_grouped), ("addmm_EFD", wgrad_addmm), ("addmm_EDF", wgrad_addmm_T),
                             ("addmm_EFD_cublaslt", wgrad_addmm_lt), ("addmm_EFD_D/2", wgrad_addmm_split(2, -1)),
-                            ("addmm_EFD_D/4", wgrad_addmm_split(4, -1)), ("addmm_EFD_F/2", wgrad_addmm_split(2, -2))):
+                            ("addmm_EFD_D/4", wgrad_addmm_split(4, -1)), ("addmm_EFD_F/2", wgrad_addmm_split(2, -2)),
+                            ("addmm_EFD_gT", wgrad_addmm_layout(True, False)),
+                            ("addmm_EFD_xT", wgrad_addmm_layout(False, True)),
+                            ("addmm_EFD_gT_xT", wgrad_addmm_layout(True, True))):
             alone = host_timed_ms(wgrad, dev, args.iters, 2)
             both = host_timed_ms(together(wgrad), dev, args.iters, 2)
             rows.append({"carveout": c, "wgrad": name, "a2a_ms": a2a_ms, "wgrad_ms": alone, "together_ms": both,

@@ -24,9 +24,10 @@ def _kernels():
         mask = offs < D
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for k in range(K):
-            n = tl.load(idx_ptr + t * K + k).to(tl.int64)
+            n = tl.load(idx_ptr + t * K + k).to(tl.int64)  # < 0: an empty slot (gather_sum)
             w = tl.load(w_ptr + t * K + k).to(tl.float32)
-            acc += w * tl.load(y_ptr + n * D + offs, mask=mask, other=0.0).to(tl.float32)
+            filled = mask & (tl.full([BLOCK_D], n, tl.int64) >= 0)
+            acc += w * tl.load(y_ptr + n * D + offs, mask=filled, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -82,6 +83,17 @@ class _GatherWeightedSum(torch.autograd.Function):
 def gather_weighted_sum(y_ND, idx_TK, w_TK, out_shape) -> torch.Tensor:
     """idx_TK: the row of y_ND holding token t's k-th expert output (every row exactly once)."""
     return _GatherWeightedSum.apply(y_ND.contiguous(), idx_TK.contiguous(), w_TK.contiguous(), out_shape)
+
+
+def gather_sum(y_ND: torch.Tensor, idx_RK: torch.Tensor) -> torch.Tensor:
+    """out[r] = sum_k y_ND[idx_RK[r, k]] over the slots with idx >= 0, accumulated in fp32 (no autograd)."""
+    (R, K), D = idx_RK.shape, y_ND.shape[1]
+    out = y_ND.new_empty(R, D)
+    if R:
+        triton, fwd, _ = _kernels()
+        ones = torch.ones(R, K, device=y_ND.device, dtype=torch.float32)
+        fwd[(R, triton.cdiv(D, BLOCK_D))](y_ND.contiguous(), idx_RK.contiguous(), ones, out, D, K, BLOCK_D=BLOCK_D)
+    return out
 
 
 @functools.cache

@@ -11,6 +11,7 @@ backward is the other's forward (`_Exchange.to_experts` / `from_experts`).
 import torch
 import torch.distributed as dist
 
+from . import combine_kernel
 from .moe import inverse_permutation
 
 
@@ -32,59 +33,152 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _gather_counts(counts_E, ep, etp, ep_group, etp_group) -> torch.Tensor:
-    """[etp, ep, E_local]: tokens each (ETP peer, EP source) sends to each local expert."""
-    recv = torch.empty_like(counts_E)
-    dist.all_to_all_single(recv, counts_E, group=ep_group)
+def _gather_counts(counts_RE, ep, etp, ep_group, etp_group) -> torch.Tensor:
+    """[etp, ep, E_local + 1]: what each (ETP peer, EP source) sends to each local expert, and
+    (last column) how many token rows it sends: counts_RE is this rank's [ep, E_local + 1]."""
+    recv = torch.empty_like(counts_RE)
+    dist.all_to_all_single(recv, counts_RE, group=ep_group)
     if etp == 1:
         return recv.view(1, ep, -1)
     parts = [torch.empty_like(recv) for _ in range(etp)]
     dist.all_gather(parts, recv, group=etp_group)
-    return torch.stack(parts).view(etp, ep, -1)
+    return torch.stack(parts)
+
+
+def _gather_sum(y_ND: torch.Tensor, idx_RK: torch.Tensor) -> torch.Tensor:
+    """out[r] = sum of the rows y_ND[idx_RK[r, k]], k with idx >= 0: the gradient of a gather
+    that read each row up to K times, deterministic and without atomics (fp32 sums)."""
+    if idx_RK.shape[1] == 1:  # every row was read exactly once
+        return y_ND.index_select(0, idx_RK[:, 0])
+    if y_ND.is_cuda and combine_kernel.available():
+        return combine_kernel.gather_sum(y_ND, idx_RK)
+    y_pad = torch.cat([y_ND, y_ND.new_zeros(1, y_ND.shape[1])])
+    rows = y_pad.index_select(0, torch.where(idx_RK < 0, y_ND.shape[0], idx_RK).flatten())
+    acc = torch.promote_types(y_ND.dtype, torch.float32)
+    return rows.view(*idx_RK.shape, y_ND.shape[1]).sum(1, dtype=acc).to(y_ND.dtype)
+
+
+def _readers(idx_M: torch.Tensor, num_rows: int, fan: int) -> torch.Tensor:
+    """[num_rows, fan]: the positions m with idx_M[m] == r for each row r, -1 where fewer."""
+    order = torch.argsort(idx_M, stable=True)
+    rows = idx_M.index_select(0, order)
+    first = torch.searchsorted(rows, torch.arange(num_rows, device=idx_M.device, dtype=idx_M.dtype))
+    slot = torch.arange(idx_M.numel(), device=idx_M.device) - first.index_select(0, rows)
+    table = torch.full((num_rows, fan), -1, device=idx_M.device, dtype=idx_M.dtype)
+    table[rows, slot] = order
+    return table
+
+
+class _Rows:
+    """One direction's sizes: rows this rank sends to each EP peer, receives from each EP source,
+    and each ETP peer holds after the EP step."""
+
+    def __init__(self, send, recv, peer):
+        self.send, self.recv, self.peer = send, recv, peer
 
 
 class _Exchange:
-    """One step's token movement between this rank's tokens and its expert slice (no autograd)."""
+    """One step's token movement between this rank's tokens and its expert slice (no autograd).
 
-    def __init__(self, d: "ExpertDispatcher", counts_E: torch.Tensor):
+    Tokens travel once per destination rank (`copies` given: a token routed to several experts
+    of one rank is sent once and copied there), expert outputs return once per (token, expert)
+    for the weighted combine. Without `copies` (rows already one per (token, expert), as
+    torchtitan's experts get them) both directions move the same rows.
+    """
+
+    def __init__(self, d: "ExpertDispatcher", counts_E: torch.Tensor, copies=None, num_tokens: int = 0):
         ep, etp = d.ep, d.etp
-        C = _gather_counts(counts_E, ep, etp, d.ep_group, d.etp_group)
+        self.d = d
+        pairs_R = counts_E.view(ep, -1).sum(1)
+        if copies is not None:
+            rank_N = torch.repeat_interleave(torch.arange(ep, device=counts_E.device), pairs_R,
+                                             output_size=copies.token_N.numel())
+            cell_N = rank_N * num_tokens + copies.token_N  # (destination rank, token), rank-major
+            need = torch.zeros(ep * num_tokens, dtype=torch.bool, device=counts_E.device)
+            need[cell_N] = True
+            slot = torch.cumsum(need, 0) - 1  # row of each needed (rank, token) in the send buffer
+            rows_R = need.view(ep, num_tokens).sum(1)
+        else:
+            rows_R = pairs_R
+        C = _gather_counts(torch.cat([counts_E.view(ep, -1), rows_R[:, None]], 1), ep, etp, d.ep_group, d.etp_group)
         # One host sync, one copy, for all split sizes: uneven all-to-all needs them on the host.
-        host = torch.cat([counts_E.view(ep, -1).sum(1), C.flatten()]).cpu()
-        self.d, self.send = d, host[:ep].tolist()
-        C_host = host[ep:].view(C.shape)
-        self.recv = C_host[d.etp_rank].sum(1).tolist()  # what this rank's EP peers sent it
-        self.peer_sizes = C_host.sum((1, 2)).tolist()  # tokens each ETP peer received
-        self.idx = _expert_major_index(C, int(C_host.sum()))
-        self.inv = inverse_permutation(self.idx)
+        host = torch.cat([pairs_R, rows_R, C.flatten()]).cpu()
+        C_host = host[2 * ep:].view(C.shape)
+        mine = C_host[d.etp_rank]  # [ep, E_local + 1]: what this rank's EP peers send it
+        self.pairs = _Rows(host[:ep].tolist(), mine[:, :-1].sum(1).tolist(), C_host[..., :-1].sum((1, 2)).tolist())
+        self.rows = _Rows(host[ep:2 * ep].tolist(), mine[:, -1].tolist(), C_host[..., -1].sum(1).tolist())
+        C = C[..., :-1]
         self.local_counts_E = C.sum((0, 1))
-        self.local_counts_host = C_host.sum((0, 1)).tolist()  # for the experts' per-expert GEMMs
+        self.local_counts_host = C_host[..., :-1].sum((0, 1)).tolist()  # for the experts' per-expert GEMMs
+        self.idx = _expert_major_index(C, int(C_host[..., :-1].sum()))  # pair order -> expert-major
+        self.inv = inverse_permutation(self.idx)[:, None]
+        self.copies = copies
+        if copies is not None:
+            self.send_token = torch.argsort((~need).to(torch.uint8), stable=True)[: sum(self.rows.send)] % num_tokens
+            self.token_rows = torch.where(need, slot, -1).view(ep, num_tokens).t()  # [T, ep] for the gradient
+            self.row_idx = self._pair_rows(slot.index_select(0, cell_N) - (torch.cumsum(rows_R, 0) - rows_R)[rank_N])
+            fan = min(copies.row_TK.shape[1], C.shape[-1])
+            self.row_readers = _readers(self.row_idx, sum(self.rows.peer), fan)
+        else:
+            self.row_idx, self.row_readers = self.idx, self.inv
         self.pending = None  # (input grad, its reverse exchange in flight), see launch_input_grad
 
-    def to_experts(self, x_ND):
-        d = self.d
-        if d.ep > 1:
-            x_ND, _ = _all_to_all(x_ND, self.recv, self.send, d.ep_group)
+    def _pair_rows(self, block_row_N):
+        """Expert-major list of the received token rows each local (token, expert) pair reads:
+        every pair's row within the block its source sent travels with it and is offset here."""
+        d, rows, pairs = self.d, self.rows, self.pairs
+        block_row = _all_to_all(block_row_N, pairs.recv, pairs.send, d.ep_group)[0] if d.ep > 1 else block_row_N
+        src_start = torch.tensor([sum(rows.recv[:s]) for s in range(d.ep)], device=block_row.device)
+        src = torch.repeat_interleave(torch.arange(d.ep, device=block_row.device),
+                                      torch.tensor(pairs.recv, device=block_row.device), output_size=block_row.numel())
+        row = block_row + src_start.index_select(0, src) + sum(rows.peer[: d.etp_rank])
         if d.etp > 1:
-            x_ND, _ = _all_to_all(x_ND.repeat(d.etp, 1), self.peer_sizes, [sum(self.recv)] * d.etp, d.etp_group)
-        return x_ND.index_select(0, self.idx)
+            row = _all_to_all(row.repeat(d.etp), pairs.peer, [sum(pairs.recv)] * d.etp, d.etp_group)[0]
+        return row.index_select(0, self.idx)
 
-    def from_experts(self, y_ND, async_op=False):
-        """Returns (result, work): wait on `work` (None when nothing is in flight) before using it."""
+    def _forward(self, x, sizes: _Rows, index):
+        """Sender rows -> this rank's expert-major rows."""
         d = self.d
-        y_ND = y_ND.index_select(0, self.inv)
-        if d.etp > 1:
-            n_self = sum(self.recv)
-            y_ND, _ = _all_to_all(y_ND, [n_self] * d.etp, self.peer_sizes, d.etp_group)
-            y_ND = y_ND.view(d.etp, n_self, y_ND.shape[-1]).sum(0)
         if d.ep > 1:
-            return _all_to_all(y_ND, self.send, self.recv, d.ep_group, async_op=async_op)
-        return y_ND, None
+            x, _ = _all_to_all(x, sizes.recv, sizes.send, d.ep_group)
+        if d.etp > 1:
+            x, _ = _all_to_all(x.repeat(d.etp, 1), sizes.peer, [sum(sizes.recv)] * d.etp, d.etp_group)
+        return x.index_select(0, index)
+
+    def _reverse(self, y, sizes: _Rows, readers, async_op=False):
+        """Expert-major rows -> the sender's rows (summed over the pairs that read each); returns
+        (result, work): wait on `work` (None when nothing is in flight) before using it."""
+        d = self.d
+        y = _gather_sum(y, readers)
+        if d.etp > 1:
+            n_self = sum(sizes.recv)
+            y, _ = _all_to_all(y, [n_self] * d.etp, sizes.peer, d.etp_group)
+            y = y.view(d.etp, n_self, y.shape[-1]).sum(0)
+        if d.ep > 1:
+            return _all_to_all(y, sizes.send, sizes.recv, d.ep_group, async_op=async_op)
+        return y, None
+
+    def to_experts(self, x):
+        """Dispatch: tokens (or, without copies, ready-made pair rows) -> expert-major pairs."""
+        if self.copies is not None:
+            x = x.index_select(0, self.send_token)
+        return self._forward(x, self.rows, self.row_idx)
+
+    def _to_tokens(self, dx_rows):
+        return dx_rows if self.copies is None else _gather_sum(dx_rows, self.token_rows)
+
+    def from_experts(self, y_local):
+        """Combine's data movement: expert outputs back to the sender, one row per pair."""
+        return self._reverse(y_local, self.pairs, self.inv)[0]
+
+    def pairs_to_experts(self, dy):
+        """The combine's backward: gradients of the pair rows -> expert-major."""
+        return self._forward(dy, self.pairs, self.idx)
 
     def launch_input_grad(self, dx_local):
         """Called by the experts' backward as soon as their input gradient exists: its trip back to
         the token owners then runs while the weight-gradient GEMMs compute."""
-        self.pending = (dx_local, *self.from_experts(dx_local, async_op=True))
+        self.pending = (dx_local, *self._reverse(dx_local, self.rows, self.row_readers, async_op=True))
 
     def input_grad(self, dx_local):
         launched, out, work = self.pending or (None, None, None)
@@ -92,17 +186,17 @@ class _Exchange:
         if launched is None or launched.data_ptr() != dx_local.data_ptr():
             if work is not None:  # never reached by GroupedExperts; keeps any other caller correct
                 work.wait()
-            out, work = self.from_experts(dx_local, async_op=True)
+            out, work = self._reverse(dx_local, self.rows, self.row_readers, async_op=True)
         if work is not None:
             work.wait()
-        return out
+        return self._to_tokens(out)
 
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, ex: _Exchange):
+    def forward(ctx, x, ex: _Exchange):
         ctx.ex = ex
-        return ex.to_experts(x_ND)
+        return ex.to_experts(x)
 
     @staticmethod
     def backward(ctx, dx_local):
@@ -113,12 +207,11 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_local, ex: _Exchange):
         ctx.ex = ex
-        out, _ = ex.from_experts(y_local)
-        return out
+        return ex.from_experts(y_local)
 
     @staticmethod
     def backward(ctx, dy):
-        return ctx.ex.to_experts(dy), None
+        return ctx.ex.pairs_to_experts(dy), None
 
 
 class ExpertDispatcher:
@@ -140,13 +233,15 @@ class ExpertDispatcher:
         self.etp_rank = dist.get_rank(etp_group) if etp > 1 else 0
         self._ex = None
 
-    def dispatch(self, x_ND: torch.Tensor, counts_E: torch.Tensor, hooked_experts: bool = False) -> tuple:
+    def dispatch(self, x: torch.Tensor, counts_E: torch.Tensor, copies=None, hooked_experts: bool = False) -> tuple:
         """The experts' forward arguments: tokens grouped by local expert, their counts, and for
-        `hooked_experts` the weight-gradient scale, the input-gradient hook and the counts on the host."""
-        self._ex = ex = _Exchange(self, counts_E.to(torch.int64))
-        x_local = _Dispatch.apply(x_ND, ex)
+        `hooked_experts` no copies (done here), the weight-gradient scale, the input-gradient hook
+        and the counts on the host. x holds one row per (token, expert) pair in expert order, or
+        with `copies` (moe.TokenCopies) the tokens themselves, which then travel once per rank."""
+        self._ex = ex = _Exchange(self, counts_E.to(torch.int64), copies, x.shape[0])
+        x_local = _Dispatch.apply(x, ex)
         if hooked_experts:
-            return x_local, ex.local_counts_E, 1.0 / self.grad_divisor, ex.launch_input_grad, ex.local_counts_host
+            return x_local, ex.local_counts_E, None, 1.0 / self.grad_divisor, ex.launch_input_grad, ex.local_counts_host
         if self.grad_divisor != 1:  # each scale is a full pass over the routed tokens in backward
             x_local = _ScaleGrad.apply(x_local, self.grad_divisor)
         return x_local, ex.local_counts_E

@@ -199,11 +199,13 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
-    def forward(self, x_TD: torch.Tensor, counts_E: torch.Tensor, weight_grad_scale: float = 1.0,
+    def forward(self, x: torch.Tensor, counts_E: torch.Tensor, copies=None, weight_grad_scale: float = 1.0,
                 on_input_grad=None, host_counts: list[int] | None = None) -> torch.Tensor:
-        """x_TD holds tokens grouped by expert, counts_E[e] of them for expert e. The other
-        arguments come from the expert-parallel dispatcher (see _GroupedSwiGLU)."""
-        return grouped_swiglu(x_TD, counts_E, self.w1, self.w2, self.w3, weight_grad_scale=weight_grad_scale,
+        """Rows grouped by expert, counts_E[e] of them for expert e: x itself, or with `copies`
+        (moe.TokenCopies) x's tokens copied into that order. The other arguments come from the
+        expert-parallel dispatcher (see _GroupedSwiGLU)."""
+        x_ND = x if copies is None else copies.expand(x)
+        return grouped_swiglu(x_ND, counts_E, self.w1, self.w2, self.w3, weight_grad_scale=weight_grad_scale,
                               on_input_grad=on_input_grad, host_counts=host_counts)
 
     def reset_parameters(self, std: float = 0.02):
