@@ -53,19 +53,24 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def host_timed_ms(step, dev, iters, warmup, barrier=True):
-    """Median wall time of `step`, measured exactly as titan_anchor.py does (sync, barrier, clock)."""
+def host_timed_ms(step, dev, iters, warmup, barrier=True, host_ms: list | None = None):
+    """Median wall time of `step`, measured exactly as titan_anchor.py does (sync, barrier, clock).
+    `host_ms` receives the median time until step() returned, before the final sync: when it is
+    close to the wall time, the host (Python, launches, syncs inside the step) sets the pace."""
     for _ in range(warmup):
         step()
-    ts = []
+    ts, hs = [], []
     for _ in range(iters):
         sync(dev)
         if barrier:
             dist.barrier()
         t0 = time.perf_counter()
         step()
+        hs.append(time.perf_counter() - t0)
         sync(dev)
         ts.append(time.perf_counter() - t0)
+    if host_ms is not None:
+        host_ms.append(sorted(hs)[len(hs) // 2] * 1e3)
     return sorted(ts)[len(ts) // 2] * 1e3
 
 
@@ -141,7 +146,7 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other")
 
 
-def profile_step(step, dev, barrier: bool, top: int = 16):
+def profile_step(step, dev, barrier: bool, top: int = 16, trace: str | None = None):
     """Kernel time for one step (CPU op time on CPU), by kind and by kernel: where the time goes.
     Device kernels only, so nothing is counted twice; kernel time above the step's wall time is
     time the all-to-all ran concurrently with compute."""
@@ -154,6 +159,8 @@ def profile_step(step, dev, barrier: bool, top: int = 16):
         step()
         sync(dev)
         wall_ms = (time.perf_counter() - t0) * 1e3
+    if trace:
+        prof.export_chrome_trace(trace)
     if dev.type == "cuda":
         rows = [(e.key, e.self_device_time_total, e.count) for e in prof.key_averages()
                 if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
@@ -282,13 +289,16 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak) -> dict | None:
         set_accumulation_mode(moe)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    out["ms"] = host_timed_ms(step, dev, args.iters, args.warmup, barrier=not local)
+    host_ms = []
+    out["ms"] = host_timed_ms(step, dev, args.iters, args.warmup, barrier=not local, host_ms=host_ms)
+    out["host_ms"] = host_ms[0]
     out["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     out["tflops"] = flops / (out["ms"] / 1e3) / 1e12
     out["pct_dense_peak"] = 100 * out["tflops"] / peak
     if mesh in args.profile_meshes:
         progress(rank, name, mesh, "profile")
-        out["profile"] = profile_step(step, dev, barrier=not local)
+        trace = f"{args.trace_dir}/{name}_{mesh}_rank{rank}.json" if args.trace_dir and rank == 0 else None
+        out["profile"] = profile_step(step, dev, barrier=not local, trace=trace)
     dispatch_bytes, combine_bytes = a2a_bytes_to_peer(mesh, experts_TK, E, D, x.element_size())
     if mesh in ("ep2", "etp2"):  # decided by the mesh, never by per-rank data: both ranks must enter
         a2a_ms = out["profile"]["all_to_all_ms"] if "profile" in out else 0
@@ -343,13 +353,13 @@ def fmt(v, spec):
 
 
 def row_cells(r) -> tuple:
-    return (r["shape"], r["mesh"], fmt(r["ms"], ".2f"), fmt(r["tflops"], ".0f"), fmt(r["pct_dense_peak"], ".0f"),
+    return (r["shape"], r["mesh"], fmt(r["ms"], ".2f"), fmt(r["host_ms"], ".2f"), fmt(r["tflops"], ".0f"), fmt(r["pct_dense_peak"], ".0f"),
             fmt(r.get("titan_tflops"), ".0f"), fmt(r.get("ratio"), ".2f"), fmt(r.get("step_ms"), ".2f"),
             fmt(r.get("a2a_gbps_in_step"), ".0f"), fmt(r.get("a2a_ceiling_gbps"), ".0f"),
             fmt(r["gemm_ceiling_tflops"], ".0f"), fmt(max(r["numerics"].values()), ".1e"), fmt(r["peak_mem_gib"], ".1f"))
 
 
-HEAD = ("shape", "mesh", "ms", "TFLOP/s", "%peak", "titan", "ratio", "step ms", "a2a GB/s", "a2a ceil",
+HEAD = ("shape", "mesh", "ms", "host ms", "TFLOP/s", "%peak", "titan", "ratio", "step ms", "a2a GB/s", "a2a ceil",
         "gemm ceil", "num err", "GiB")
 
 
@@ -379,6 +389,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile-meshes", nargs="*", default=["ep2", "local"], choices=list(MESHES),
                     help="meshes whose step is profiled (kernel table in the log and JSON)")
+    ap.add_argument("--trace-dir", default=None, help="write each profiled step's Chrome trace (rank 0) here")
     ap.add_argument("--budget-s", type=float, default=0, help="skip the remaining layers after this many seconds")
     ap.add_argument("--titan-log", default=None, help="titan_anchor.py output for the baseline columns")
     ap.add_argument("--out", required=True, help="JSON results (written by rank 0)")
