@@ -58,17 +58,6 @@ def _gather_sum(y_ND: torch.Tensor, idx_RK: torch.Tensor) -> torch.Tensor:
     return rows.view(*idx_RK.shape, y_ND.shape[1]).sum(1, dtype=acc).to(y_ND.dtype)
 
 
-def _readers(idx_M: torch.Tensor, num_rows: int, fan: int) -> torch.Tensor:
-    """[num_rows, fan]: the positions m with idx_M[m] == r for each row r, -1 where fewer."""
-    order = torch.argsort(idx_M, stable=True)
-    rows = idx_M.index_select(0, order)
-    first = torch.searchsorted(rows, torch.arange(num_rows, device=idx_M.device, dtype=idx_M.dtype))
-    slot = torch.arange(idx_M.numel(), device=idx_M.device) - first.index_select(0, rows)
-    table = torch.full((num_rows, fan), -1, device=idx_M.device, dtype=idx_M.dtype)
-    table[rows, slot] = order
-    return table
-
-
 class _Rows:
     """One direction's sizes: rows this rank sends to each EP peer, receives from each EP source,
     and each ETP peer holds after the EP step."""
@@ -92,7 +81,7 @@ class _Exchange:
         pairs_R = counts_E.view(ep, -1).sum(1)
         if copies is not None:
             rank_N = torch.repeat_interleave(torch.arange(ep, device=counts_E.device), pairs_R,
-                                             output_size=copies.token_N.numel())
+                                             output_size=copies.pair_N.numel())
             cell_N = rank_N * num_tokens + copies.token_N  # (destination rank, token), rank-major
             need = torch.zeros(ep * num_tokens, dtype=torch.bool, device=counts_E.device)
             need[cell_N] = True
@@ -107,34 +96,44 @@ class _Exchange:
         mine = C_host[d.etp_rank]  # [ep, E_local + 1]: what this rank's EP peers send it
         self.pairs = _Rows(host[:ep].tolist(), mine[:, :-1].sum(1).tolist(), C_host[..., :-1].sum((1, 2)).tolist())
         self.rows = _Rows(host[ep:2 * ep].tolist(), mine[:, -1].tolist(), C_host[..., -1].sum(1).tolist())
-        C = C[..., :-1]
+        C_dev, C = C, C[..., :-1]
         self.local_counts_E = C.sum((0, 1))
         self.local_counts_host = C_host[..., :-1].sum((0, 1)).tolist()  # for the experts' per-expert GEMMs
         self.idx = _expert_major_index(C, int(C_host[..., :-1].sum()))  # pair order -> expert-major
         self.inv = inverse_permutation(self.idx)[:, None]
         self.copies = copies
         if copies is not None:
-            self.send_token = torch.argsort((~need).to(torch.uint8), stable=True)[: sum(self.rows.send)] % num_tokens
+            n_send, K = sum(self.rows.send), copies.row_TK.shape[1]
+            # Non-needed cells land in a dummy slot past the end: a scatter, no sort.
+            token = torch.arange(num_tokens, device=need.device).repeat(ep)
+            self.send_token = token.new_empty(n_send + 1).scatter_(0, torch.where(need, slot, n_send), token)[:n_send]
             self.token_rows = torch.where(need, slot, -1).view(ep, num_tokens).t()  # [T, ep] for the gradient
-            self.row_idx = self._pair_rows(slot.index_select(0, cell_N) - (torch.cumsum(rows_R, 0) - rows_R)[rank_N])
-            fan = min(copies.row_TK.shape[1], C.shape[-1])
-            self.row_readers = _readers(self.row_idx, sum(self.rows.peer), fan)
+            row_start_R = torch.cumsum(rows_R, 0) - rows_R
+            # Each pair carries (its row within the block sent to its rank, its top-k slot), packed.
+            block_row_k = (slot.index_select(0, cell_N) - row_start_R.index_select(0, rank_N)) * K + copies.pair_N % K
+            row_k = self._pair_rows(block_row_k, C_dev, K)
+            self.row_idx = row_k // K
+            # Who reads each received row: its (row, slot) cell holds the expert-major position.
+            cells = torch.full((sum(self.rows.peer) * K,), -1, device=need.device, dtype=row_k.dtype)
+            self.row_readers = cells.scatter_(0, row_k, torch.arange(row_k.numel(), device=need.device)).view(-1, K)
         else:
             self.row_idx, self.row_readers = self.idx, self.inv
         self.pending = None  # (input grad, its reverse exchange in flight), see launch_input_grad
 
-    def _pair_rows(self, block_row_N):
-        """Expert-major list of the received token rows each local (token, expert) pair reads:
-        every pair's row within the block its source sent travels with it and is offset here."""
+    def _pair_rows(self, block_row_k_N, C_dev, K):
+        """Expert-major (row, top-k slot) * K packed, per local (token, expert) pair: the received
+        token row it reads. Each pair's row within its source's block travels with it and is
+        offset here by where that block (and this ETP rank's share) sits in the gathered rows."""
         d, rows, pairs = self.d, self.rows, self.pairs
-        block_row = _all_to_all(block_row_N, pairs.recv, pairs.send, d.ep_group)[0] if d.ep > 1 else block_row_N
-        src_start = torch.tensor([sum(rows.recv[:s]) for s in range(d.ep)], device=block_row.device)
-        src = torch.repeat_interleave(torch.arange(d.ep, device=block_row.device),
-                                      torch.tensor(pairs.recv, device=block_row.device), output_size=block_row.numel())
-        row = block_row + src_start.index_select(0, src) + sum(rows.peer[: d.etp_rank])
+        packed = _all_to_all(block_row_k_N, pairs.recv, pairs.send, d.ep_group)[0] if d.ep > 1 else block_row_k_N
+        mine = C_dev[d.etp_rank]  # [ep, E_local + 1] on the device
+        src_rows = mine[:, -1]
+        start = torch.repeat_interleave(torch.cumsum(src_rows, 0) - src_rows, mine[:, :-1].sum(1),
+                                        output_size=packed.numel())
+        packed = packed + (start + sum(rows.peer[: d.etp_rank])) * K
         if d.etp > 1:
-            row = _all_to_all(row.repeat(d.etp), pairs.peer, [sum(pairs.recv)] * d.etp, d.etp_group)[0]
-        return row.index_select(0, self.idx)
+            packed = _all_to_all(packed.repeat(d.etp), pairs.peer, [sum(pairs.recv)] * d.etp, d.etp_group)[0]
+        return packed.index_select(0, self.idx)
 
     def _forward(self, x, sizes: _Rows, index):
         """Sender rows -> this rank's expert-major rows."""

@@ -46,12 +46,16 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor, fan_out: 
 
 @dataclass(frozen=True)
 class TokenCopies:
-    """Where each token's top-k copies go: expert-major row n copies token token_N[n], and token
-    t's k-th copy is row row_TK[t, k]. The experts expand the tokens with it; an expert-parallel
-    dispatcher instead sends each token once per rank and copies it there."""
+    """Where each token's top-k copies go: expert-major row n is pair pair_N[n] = t * K + k (token t's
+    k-th choice), and token t's k-th copy is row row_TK[t, k]. The experts expand the tokens with it;
+    an expert-parallel dispatcher instead sends each token once per rank and copies it there."""
 
-    token_N: torch.Tensor
+    pair_N: torch.Tensor
     row_TK: torch.Tensor
+
+    @property
+    def token_N(self) -> torch.Tensor:
+        return self.pair_N // self.row_TK.shape[1]
 
     def expand(self, x_TD: torch.Tensor) -> torch.Tensor:
         return gather_rows(x_TD, self.token_N, self.row_TK.flatten(), fan_out=self.row_TK.shape[1])
@@ -152,7 +156,7 @@ class MoE(nn.Module):
 
         K = cfg.top_k
         rank_N = inverse_permutation(order_N)  # where each (token, k) pair sits in expert order
-        y_ND = self.experts(x_TD, counts_E, TokenCopies(order_N // K, rank_N.view(-1, K)))
+        y_ND = self.experts(x_TD, counts_E, TokenCopies(order_N, rank_N.view(-1, K)))
         # Back to (token, k) order and the weighted sum over k: no scatter-add, no atomics.
         if y_ND.is_cuda and combine_kernel.available():
             y_BLD = combine_kernel.gather_weighted_sum(y_ND, rank_N.view(-1, K), weights_TK, (B, L, D))
