@@ -207,10 +207,12 @@ def all_to_all_gbps(bytes_to_peer: int, dev, iters: int) -> float:
     return bytes_to_peer / (ms / 1e3) / 1e9
 
 
-def dense_peak_tflops(dev, iters) -> float:
+def dense_peak_tflops(dev, iters, rounds: int = 3) -> float:
+    """The best of `rounds` medians: a ceiling is the best sustained rate, and single medians of
+    this matmul varied 725-795 TFLOP/s between runs on the same 2xH200 (clocks, the other GPU)."""
     n = 8192 if dev.type == "cuda" else 256
     a, b = (torch.randn(n, n, device=dev, dtype=torch.bfloat16) for _ in range(2))
-    ms = host_timed_ms(lambda: a @ b, dev, iters, 5, barrier=False)
+    ms = min(host_timed_ms(lambda: a @ b, dev, iters, 10, barrier=False) for _ in range(rounds))
     return 2 * n**3 / (ms / 1e3) / 1e12
 
 
