@@ -1,11 +1,13 @@
 """Expert-parallel token dispatch and combine (EP all-to-all, then ETP gather / reduce-scatter).
 
-Each rank sends only its own tokens over its EP group; inside the ETP group the received tokens
-are gathered so every ETP rank runs the F-sharded GEMMs on all of them, and the partial outputs
-are reduce-scattered back. The EP all-to-all is therefore never repeated per ETP rank.
+Each rank sends only its own tokens over its EP group, and each token once per destination rank
+however many of its top-k experts live there (at K=8 over EP=2 that is ~2 rows per token, not 8);
+the receiver copies it to its experts. Inside the ETP group the received tokens are gathered so
+every ETP rank runs the F-sharded GEMMs on all of them, and the partial outputs are
+reduce-scattered back. The expert outputs return once per (token, expert) for the weighted combine.
 
-Dispatch and combine are the same two data movements in opposite directions, so each one's
-backward is the other's forward (`_Exchange.to_experts` / `from_experts`).
+Dispatch and combine are data movements in opposite directions, so each one's backward is the
+reverse movement of the same rows (`_Exchange._forward` / `_reverse`).
 """
 
 import torch

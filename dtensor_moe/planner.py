@@ -253,6 +253,13 @@ def _split(total: float, inter_fraction: float) -> Traffic:
     return Traffic(total * (1 - inter_fraction), total * inter_fraction)
 
 
+def distinct_ranks(num_experts: int, top_k: int, ep: int) -> float:
+    """Expected EP ranks a token's top-k experts land on under uniform routing: the rows the
+    dispatch sends per token (the combine returns top_k)."""
+    local = num_experts // ep
+    return ep * (1 - math.comb(num_experts - local, top_k) / math.comb(num_experts, top_k))
+
+
 def comm_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node: int, fp: Footprint) -> dict[str, Traffic]:
     """Bytes one rank sends per step, per collective kind, split intra-/inter-node."""
     G, b = gpus_per_node, work.compute_bytes
@@ -266,8 +273,10 @@ def comm_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_
     def ring(axis, total):
         return _split(total, ring_inter_fraction(*geo[axis], G)) if total else Traffic(0, 0)
 
-    # Dispatch + combine in forward, their reverses in backward, forward again when recomputing.
-    routed = (4 + 2 * recompute) * T * spec.top_k * spec.dim * b * spec.n_moe_layers
+    # Dispatch (a token once per rank holding one of its experts) + combine (once per expert) in
+    # forward, their reverses in backward, forward again when recomputing.
+    rows = distinct_ranks(spec.num_experts, spec.top_k, dims.ep) + spec.top_k
+    routed = (2 + recompute) * T * rows * spec.dim * b * spec.n_moe_layers
     r = dims.dp_replicate
     return {
         "ep_all_to_all": pair("ep", routed * (dims.ep - 1) / dims.ep),

@@ -274,3 +274,17 @@ def test_plan_json():
     c = data["candidates"][0]
     assert c["fits"] and c["edp"] * c["ep"] * c["etp"] == c["dp_shard"] * c["cp"]
     assert math.isclose(c["memory_bytes"]["total"], sum(v for k, v in c["memory_bytes"].items() if k != "total"))
+
+
+def test_distinct_ranks_matches_sampled_routing():
+    """The dispatch's rows per token (the planner's all-to-all volume) against uniform top-k draws."""
+    import torch
+
+    from dtensor_moe.planner import distinct_ranks
+
+    g = torch.Generator().manual_seed(0)
+    for E, K, ep in [(16, 4, 4), (256, 8, 2), (8, 2, 2), (6, 6, 3)]:
+        experts_TK = torch.rand(20000, E, generator=g).topk(K, -1).indices
+        ranks_per_token = torch.zeros(20000, ep).scatter_(1, experts_TK // (E // ep), 1.0).sum(1)
+        assert abs(ranks_per_token.mean().item() - distinct_ranks(E, K, ep)) < 0.02, (E, K, ep)
+    assert distinct_ranks(256, 8, 1) == 1.0
