@@ -1,4 +1,5 @@
-"""Which expert weights FSDP manages, and mixed precision on the ones it does not."""
+"""Which expert weights FSDP manages, mixed precision on the ones it does not, and how many rows
+the dispatch moves."""
 
 import pytest
 import torch
@@ -44,3 +45,37 @@ def test_experts_in_fsdp_only_with_an_expert_data_parallel_axis(ep, experts_fsdp
         assert r["experts_fsdp"] is experts_fsdp and r["moe_fsdp"]
         assert r["param_dtype"] == r["grad_dtype"] == "torch.float32"
         assert r["out_err"] < TOL and r["grad_err"] < TOL, r
+
+
+def _dispatch_rows(rank: int, world_size: int, etp: int) -> list:
+    """Rows of width D each all-to-all of one forward moves, with top_k = num_experts."""
+    from unittest import mock
+
+    from dtensor_moe import MoE, MoEConfig, MoEParallelDims, dispatch, parallelize_moe
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=4)
+    model = MoE(cfg)
+    parallelize_moe(model, MoEParallelDims(world_size, ep=world_size // etp, etp=etp), device_type="cpu")
+    rows = []
+    real = dispatch._all_to_all
+
+    def spy(x, *args, **kwargs):
+        if x.dim() == 2 and x.shape[1] == cfg.dim:
+            rows.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    with mock.patch.object(dispatch, "_all_to_all", spy):
+        model(torch.randn(1, 5, cfg.dim))
+    return rows
+
+
+@pytest.mark.parametrize("etp", [1, 2])
+def test_dispatch_sends_each_token_once_per_rank(etp):
+    """5 tokens, each routed to all 4 experts: the dispatch moves 5 rows per destination (not 5 x its
+    experts there), the combine returns one row per (token, expert), 20 in all."""
+    per_rank = run_on_ranks(2, _dispatch_rows, etp)
+    for rows in per_rank:
+        # EP=2: the dispatch sends each token to both ranks (10 rows; per pair it was 20), the combine
+        # returns 20 pairs. ETP=2: the 5 tokens go to both ETP peers (10; was 40), the pairs of both (40).
+        assert rows == ([10, 20] if etp == 1 else [10, 40]), rows
