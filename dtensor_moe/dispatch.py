@@ -193,26 +193,17 @@ class _Exchange:
         return self._to_tokens(out)
 
 
-class _Dispatch(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, ex: _Exchange):
-        ctx.ex = ex
-        return ex.to_experts(x)
+class _Move(torch.autograd.Function):
+    """Rows moved by `there` (no autograd inside); their gradient moves back by `back`."""
 
     @staticmethod
-    def backward(ctx, dx_local):
-        return ctx.ex.input_grad(dx_local), None
-
-
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_local, ex: _Exchange):
-        ctx.ex = ex
-        return ex.from_experts(y_local)
+    def forward(ctx, x, there, back):
+        ctx.back = back
+        return there(x)
 
     @staticmethod
-    def backward(ctx, dy):
-        return ctx.ex.pairs_to_experts(dy), None
+    def backward(ctx, grad):
+        return ctx.back(grad), None, None
 
 
 class ExpertDispatcher:
@@ -240,7 +231,7 @@ class ExpertDispatcher:
         and the counts on the host. x holds one row per (token, expert) pair in expert order, or
         with `copies` (moe.TokenCopies) the tokens themselves, which then travel once per rank."""
         self._ex = ex = _Exchange(self, counts_E.to(torch.int64), copies, x.shape[0])
-        x_local = _Dispatch.apply(x, ex)
+        x_local = _Move.apply(x, ex.to_experts, ex.input_grad)
         if hooked_experts:
             return x_local, ex.local_counts_E, None, 1.0 / self.grad_divisor, ex.launch_input_grad, ex.local_counts_host
         if self.grad_divisor != 1:  # each scale is a full pass over the routed tokens in backward
@@ -251,7 +242,7 @@ class ExpertDispatcher:
         ex, self._ex = self._ex, None
         if not hooked_experts and self.grad_divisor != 1:
             y_local = _ScaleGrad.apply(y_local, 1.0 / self.grad_divisor)
-        return _Combine.apply(y_local, ex)
+        return _Move.apply(y_local, ex.from_experts, ex.pairs_to_experts)
 
 
 def _expert_major_index(C: torch.Tensor, total: int) -> torch.Tensor:

@@ -52,11 +52,15 @@ def grouped_weight_grad(g_NO: torch.Tensor, x_NI: torch.Tensor, groups) -> torch
     return torch.stack([ge.t() @ xe for ge, xe in pairs])
 
 
-def _local(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _shard(w: torch.Tensor) -> torch.Tensor:
     # Parallelized weights are DTensors; the dispatcher already brought this rank the tokens
-    # of exactly the slice it holds, so the GEMM runs on the local shard. Weights FSDP does not
-    # manage (no expert data-parallel axis) get mixed precision's compute dtype here instead.
-    return (w.to_local() if isinstance(w, DTensor) else w).to(dtype)
+    # of exactly the slice it holds, so the GEMM runs on the local shard.
+    return w.to_local() if isinstance(w, DTensor) else w
+
+
+def _local(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # Weights FSDP does not manage (no expert data-parallel axis) get mixed precision's compute dtype here.
+    return _shard(w).to(dtype)
 
 
 def _like_param(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -79,7 +83,7 @@ def accumulate_weight_grad(out_EOI, g_NO, x_NI, host_counts, alpha):
         o_OI.addmm_(g_nO.t(), x_nI, alpha=alpha)
 
 
-def _existing_grads(ctx, params, ws):
+def _existing_grads(ctx, ws):
     """Each weight's gradient to add into in place (the local shard of the parameter's .grad), or
     None where autograd must accumulate: no gradient yet (it then keeps the GEMM result as is, no
     copy), another dtype or layout, a double-backward graph, or autograd.grad (it returns the
@@ -87,7 +91,7 @@ def _existing_grads(ctx, params, ws):
     if torch.is_grad_enabled() or not _backward_accumulates(ctx):
         return None
     grads = []
-    for p, w in zip(params, ws):
+    for p, w in zip(ctx.params, ws):
         g = p.grad
         if isinstance(g, DTensor):
             g = g.to_local() if g.placements == p.placements else None
@@ -147,7 +151,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         dx_ND += grouped_mm(db_NF, w3_EFD, groups)
         if ctx.on_input_grad is not None:
             ctx.on_input_grad(dx_ND)
-        grads = _existing_grads(ctx, ctx.params, (w1_EFD, w2_EDF, w3_EFD)) if ctx.host_counts is not None else None
+        grads = _existing_grads(ctx, (w1_EFD, w2_EDF, w3_EFD)) if ctx.host_counts is not None else None
         if grads is not None:
             for out, g, x in zip(grads, (da_NF, dy_ND, db_NF), (x_ND, h_NF, x_ND)):
                 accumulate_weight_grad(out, g, x, ctx.host_counts, scale)
@@ -177,7 +181,7 @@ def grouped_swiglu(
     """The weights may be DTensors: the GEMMs run on their local shards, in x_TD's dtype.
     `host_counts`: counts_E as a host list, when the caller has it without a sync (the dispatcher
     does); it lets the backward add weight gradients into existing ones (see _GroupedSwiGLU)."""
-    w1_local = w1_EFD.to_local() if isinstance(w1_EFD, DTensor) else w1_EFD
+    w1_local = _shard(w1_EFD)
     if use_kernel is None:
         use_kernel = _grouped_mm_supported(x_TD, w1_local)
     # Offsets once for all six GEMMs; the loop needs host counts (its only sync).

@@ -8,12 +8,19 @@ combine kernel against the torch gather + bmm path.
 
 import copy
 import sys
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 
-from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
-from dtensor_moe import combine_kernel, experts
+from dtensor_moe import (
+    MoE,
+    MoEConfig,
+    MoEParallelDims,
+    combine_kernel,
+    experts,
+    parallelize_moe,
+)
 from dtensor_moe.experts import grouped_swiglu
 from dtensor_moe.moe import _WeightedSum, gather_rows, inverse_permutation
 
@@ -43,12 +50,11 @@ def check_gemm_accumulation(device):
     dys = [torch.randn(x.shape, device=device, generator=g).bfloat16() for _ in range(2)]
     grads = []
     for min_macs in (experts.MIN_MACS_PER_EXPERT_GEMM, 0):
-        experts.MIN_MACS_PER_EXPERT_GEMM, saved = min_macs, experts.MIN_MACS_PER_EXPERT_GEMM
         ws = [(torch.randn(s, device=device, generator=g.manual_seed(2)) * 0.05).bfloat16().requires_grad_(True)
               for s in ((E, F, D), (E, D, F), (E, F, D))]
-        for dy in dys:
-            grouped_swiglu(x, counts, *ws, weight_grad_scale=0.5, host_counts=counts.tolist()).backward(dy)
-        experts.MIN_MACS_PER_EXPERT_GEMM = saved
+        with mock.patch.object(experts, "MIN_MACS_PER_EXPERT_GEMM", min_macs):
+            for dy in dys:
+                grouped_swiglu(x, counts, *ws, weight_grad_scale=0.5, host_counts=counts.tolist()).backward(dy)
         grads.append([w.grad for w in ws])
     return max(rel(a, b) for a, b in zip(grads[1], grads[0]))
 
