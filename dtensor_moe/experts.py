@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from . import wgrad_kernel
+
 
 def _grouped_mm_supported(x_TD: torch.Tensor, w1_EFD: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm"):
@@ -83,6 +85,20 @@ def accumulate_weight_grad(out_EOI, g_NO, x_NI, host_counts, alpha):
         o_OI.addmm_(g_nO.t(), x_nI, alpha=alpha)
 
 
+def _weight_grad_adder(x_ND, groups, host_counts, w1_EFD):
+    """How the backward adds weight gradients into existing ones: `adder(out_EOI, g_NO, x_NI, alpha)`,
+    or None where autograd accumulates. On CUDA one Triton launch per weight (wgrad_kernel); else a
+    GEMM per expert, which needs the counts on the host and GEMMs that outlast their launches."""
+    if isinstance(groups, torch.Tensor) and x_ND.is_cuda and wgrad_kernel.available():
+        return lambda out, g, x, alpha: wgrad_kernel.accumulate(out, g, x, groups, alpha)
+    if host_counts is None:
+        return None
+    E, F_, D = w1_EFD.shape
+    if isinstance(groups, torch.Tensor) and x_ND.shape[0] * F_ * D < MIN_MACS_PER_EXPERT_GEMM * max(E, 1):
+        return None
+    return lambda out, g, x, alpha: accumulate_weight_grad(out, g, x, host_counts, alpha)
+
+
 def _existing_grads(ctx, ws):
     """Each weight's gradient to add into in place (the local shard of the parameter's .grad), or
     None where autograd must accumulate: no gradient yet (it then keeps the GEMM result as is, no
@@ -119,12 +135,12 @@ class _GroupedSwiGLU(torch.autograd.Function):
     may run beside them (on 2xH200 it mostly waits for SMs the GEMMs hold; benchmarks/RESULTS.md).
     `weight_grad_scale` multiplies only the weight gradients, on the smaller operand of each GEMM
     (F-sized activations rather than D-sized tokens when F < D). When the weights already hold
-    gradients (gradient accumulation) and the per-expert row counts are known on the host, the
-    weight gradients are added into them by the GEMMs themselves and autograd gets None.
+    gradients (gradient accumulation), `add_weight_grad` (see _weight_grad_adder) adds the weight
+    gradients into them inside the GEMMs and autograd gets None.
     """
 
     @staticmethod
-    def forward(ctx, x_ND, groups, w1, w2, w3, weight_grad_scale, on_input_grad, host_counts):
+    def forward(ctx, x_ND, groups, w1, w2, w3, weight_grad_scale, on_input_grad, add_weight_grad):
         # The parameters themselves are the inputs (not their to_local() views): this backward owns
         # their gradients, and a view's backward may turn a skipped gradient into zeros to add.
         w1_EFD, w2_EDF, w3_EFD = (_local(w, x_ND.dtype) for w in (w1, w2, w3))
@@ -136,7 +152,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         # What autograd would keep; recomputing silu(a) and h instead costs two F-wide passes.
         ctx.save_for_backward(x_ND, a_NF, b_NF, silu_a_NF, h_NF, w1_EFD, w2_EDF, w3_EFD)
         ctx.groups, ctx.scale, ctx.on_input_grad = groups, weight_grad_scale, on_input_grad
-        ctx.host_counts, ctx.params = host_counts, (w1, w2, w3)
+        ctx.add_weight_grad, ctx.params = add_weight_grad, (w1, w2, w3)
         return y_ND
 
     @staticmethod
@@ -151,10 +167,10 @@ class _GroupedSwiGLU(torch.autograd.Function):
         dx_ND += grouped_mm(db_NF, w3_EFD, groups)
         if ctx.on_input_grad is not None:
             ctx.on_input_grad(dx_ND)
-        grads = _existing_grads(ctx, (w1_EFD, w2_EDF, w3_EFD)) if ctx.host_counts is not None else None
+        grads = _existing_grads(ctx, (w1_EFD, w2_EDF, w3_EFD)) if ctx.add_weight_grad is not None else None
         if grads is not None:
             for out, g, x in zip(grads, (da_NF, dy_ND, db_NF), (x_ND, h_NF, x_ND)):
-                accumulate_weight_grad(out, g, x, ctx.host_counts, scale)
+                ctx.add_weight_grad(out, g, x, scale)
             return dx_ND, None, None, None, None, None, None, None
         if scale != 1:  # on whichever operand of each weight-gradient GEMM is smaller
             F_, D = h_NF.shape[-1], x_ND.shape[-1]
@@ -180,19 +196,17 @@ def grouped_swiglu(
 ) -> torch.Tensor:
     """The weights may be DTensors: the GEMMs run on their local shards, in x_TD's dtype.
     `host_counts`: counts_E as a host list, when the caller has it without a sync (the dispatcher
-    does); it lets the backward add weight gradients into existing ones (see _GroupedSwiGLU)."""
+    does); off CUDA it lets the backward add weight gradients into existing ones (see _GroupedSwiGLU)."""
     w1_local = _shard(w1_EFD)
     if use_kernel is None:
         use_kernel = _grouped_mm_supported(x_TD, w1_local)
     # Offsets once for all six GEMMs; the loop needs host counts (its only sync).
     if use_kernel:
         groups = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
-        E, F_, D = w1_local.shape
-        if host_counts is not None and x_TD.shape[0] * F_ * D < MIN_MACS_PER_EXPERT_GEMM * max(E, 1):
-            host_counts = None
     else:
         groups = host_counts = counts_E.tolist() if host_counts is None else host_counts
-    return _GroupedSwiGLU.apply(x_TD, groups, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale, on_input_grad, host_counts)
+    adder = _weight_grad_adder(x_TD, groups, host_counts, w1_local)
+    return _GroupedSwiGLU.apply(x_TD, groups, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale, on_input_grad, adder)
 
 
 class GroupedExperts(nn.Module):

@@ -41,18 +41,20 @@ def check_grouped_mm(device):
 
 
 def check_gemm_accumulation(device):
-    """Two microbatches, weight gradients added into .grad by the per-expert GEMMs (the threshold
-    lowered so this small case takes that path) against autograd's accumulation of the same."""
+    """Two microbatches, weight gradients added into .grad inside the GEMMs (Triton on CUDA; on CPU
+    the per-expert loop, its threshold lowered for this small case) against autograd's accumulation."""
     g = torch.Generator(device=device).manual_seed(1)
     E, F, D = 8, 512, 256
     counts = torch.tensor([0, 37, 5, 128, 1, 0, 77, 300], device=device)
     x = torch.randn(int(counts.sum()), D, device=device, generator=g).bfloat16()
     dys = [torch.randn(x.shape, device=device, generator=g).bfloat16() for _ in range(2)]
     grads = []
-    for min_macs in (experts.MIN_MACS_PER_EXPERT_GEMM, 0):
+    for fused in (False, True):
         ws = [(torch.randn(s, device=device, generator=g.manual_seed(2)) * 0.05).bfloat16().requires_grad_(True)
               for s in ((E, F, D), (E, D, F), (E, F, D))]
-        with mock.patch.object(experts, "MIN_MACS_PER_EXPERT_GEMM", min_macs):
+        adder = experts._weight_grad_adder if fused else (lambda *a: None)
+        with mock.patch.object(experts, "MIN_MACS_PER_EXPERT_GEMM", 0), \
+                mock.patch.object(experts, "_weight_grad_adder", side_effect=adder):
             for dy in dys:
                 grouped_swiglu(x, counts, *ws, weight_grad_scale=0.5, host_counts=counts.tolist()).backward(dy)
         grads.append([w.grad for w in ws])

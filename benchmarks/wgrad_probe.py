@@ -1,0 +1,97 @@
+"""Weight-gradient accumulation into .grad, three ways, at the EP=2 per-rank expert shapes (one GPU):
+
+    python benchmarks/wgrad_probe.py --out wgrad.json
+
+  grouped+add: `torch._grouped_mm` then `grad += result` (autograd's accumulation);
+  addmm:       one cuBLAS `addmm_` per expert, beta = 1 (experts.accumulate_weight_grad);
+  triton:      `wgrad_kernel.accumulate`, one launch, for several tile configs.
+Both orientations: w1/w3 ([E, F, D] = da^T x) and w2 ([E, D, F] = dy^T h). Uniform random routing.
+Prints a table (median ms, TFLOP/s, error against addmm) and writes JSON.
+"""
+
+import argparse
+
+import torch
+
+from dtensor_moe import wgrad_kernel
+from dtensor_moe.experts import accumulate_weight_grad, grouped_weight_grad
+from dtensor_moe.metrics import write_json
+
+SHAPES = {  # per rank at EP=2: D, F, local experts, routed rows
+    "deepseek": (7168, 2048, 128, 8192 * 8),
+    "qwen": (2048, 768, 64, 16384 * 8),
+    "mixtral": (4096, 14336, 4, 8192 * 2),
+    "e64": (4096, 1536, 32, 16384 * 6),
+}
+CONFIGS = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
+           (128, 128, 64, 8, 4), (128, 256, 32, 8, 5), (256, 128, 32, 8, 5), (64, 256, 64, 4, 4)]
+
+
+def median_ms(fn, iters):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for shape in args.shapes:
+        D, F, E, N = SHAPES[shape]
+        torch.manual_seed(0)
+        counts = torch.bincount(torch.randint(E, (N,)), minlength=E)
+        ends = counts.cumsum(0).to(device=dev, dtype=torch.int32)
+        host = counts.tolist()
+        for orient, (O, I) in (("w1 [F,D]", (F, D)), ("w2 [D,F]", (D, F))):
+            g_NO = torch.randn(N, O, device=dev, dtype=torch.bfloat16)
+            x_NI = torch.randn(N, I, device=dev, dtype=torch.bfloat16)
+            flop = 2 * N * O * I
+            ref = torch.zeros(E, O, I, device=dev, dtype=torch.bfloat16)
+            accumulate_weight_grad(ref, g_NO, x_NI, host, 0.5)
+            out = torch.zeros_like(ref)
+
+            def grouped_add():
+                out.add_(grouped_weight_grad(g_NO, x_NI, ends), alpha=0.5)
+
+            methods = [("grouped+add", grouped_add), ("addmm", lambda: accumulate_weight_grad(out, g_NO, x_NI, host, 0.5))]
+            methods += [(f"triton {c}", lambda c=c: wgrad_kernel.accumulate(out, g_NO, x_NI, ends, 0.5, config=c))
+                        for c in CONFIGS]
+            for name, fn in methods:
+                out.zero_()
+                try:
+                    fn()
+                    err = rel(out, ref)
+                    ms = median_ms(fn, args.iters)
+                except Exception as e:  # a config that does not compile or fit: report it, go on
+                    print(f"{shape} {orient} {name}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                rows.append({"shape": shape, "orientation": orient, "method": name, "ms": ms,
+                             "tflops": flop / ms / 1e9, "rel_err": err})
+            del g_NO, x_NI, ref, out
+            torch.cuda.empty_cache()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print("| shape | orientation | method | ms | TFLOP/s | err vs addmm |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['shape']} | {r['orientation']} | {r['method']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['rel_err']:.1e} |")
+    write_json(args.out, {"torch": torch.__version__, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

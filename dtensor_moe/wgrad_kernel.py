@@ -1,0 +1,64 @@
+"""The experts' weight gradients as one Triton kernel that adds into .grad: out[e] += alpha * g_e^T x_e.
+
+`torch._grouped_mm` has no beta, so accumulating its result into an existing gradient costs a
+read-add-write pass over the whole gradient (11 GB per rank at the DeepSeek-like shape); a cuBLAS
+`addmm_` per expert does the sum in the GEMM but costs a launch per expert and, for the [F, D]
+orientation of w1/w3, cuBLAS picks a slow tile (benchmarks/RESULTS.md). This kernel reads each
+output tile once, adds the fp32 product, and writes it back: one launch per weight. Programs run
+expert by expert, so an expert's rows stay in L2 while all its output tiles read them.
+Used on CUDA when Triton imports; tests run it on CPU under TRITON_INTERPRET=1.
+"""
+
+import functools
+
+import torch
+
+from .combine_kernel import available  # noqa: F401  (whether Triton imports: the same question)
+
+# (BLOCK_O, BLOCK_I, BLOCK_K, num_warps, num_stages), chosen on H200 by benchmarks/wgrad_probe.py.
+CONFIG = (128, 256, 64, 8, 3)
+
+
+@functools.cache
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def wgrad_accumulate(g_ptr, x_ptr, ends_ptr, out_ptr, O, I, alpha,
+                         BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr):
+        e = tl.program_id(1).to(tl.int64)
+        tiles_i = tl.cdiv(I, BLOCK_I)
+        to = tl.program_id(0) // tiles_i
+        ti = tl.program_id(0) % tiles_i
+        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
+        end = tl.load(ends_ptr + e).to(tl.int64)
+        ro = to * BLOCK_O + tl.arange(0, BLOCK_O)
+        ri = ti * BLOCK_I + tl.arange(0, BLOCK_I)
+        rk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_O, BLOCK_I], dtype=tl.float32)
+        for k0 in range(start, end, BLOCK_K):
+            rows = k0 + rk
+            in_rows = rows < end
+            g_OK = tl.load(g_ptr + rows[None, :] * O + ro[:, None], mask=in_rows[None, :] & (ro[:, None] < O), other=0.0)
+            x_KI = tl.load(x_ptr + rows[:, None] * I + ri[None, :], mask=in_rows[:, None] & (ri[None, :] < I), other=0.0)
+            acc = tl.dot(g_OK, x_KI, acc)
+        out = out_ptr + e * O * I + ro[:, None] * I + ri[None, :]
+        in_tile = (ro[:, None] < O) & (ri[None, :] < I)
+        acc = acc * alpha + tl.load(out, mask=in_tile, other=0.0).to(tl.float32)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_tile)
+
+    return triton, wgrad_accumulate
+
+
+def accumulate(out_EOI: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tensor, ends_E: torch.Tensor,
+               alpha: float, config=CONFIG) -> None:
+    """out_EOI[e] += alpha * g^T x over rows ends_E[e-1]:ends_E[e] (ends_E: the grouped GEMMs' offsets)."""
+    E, O, I = out_EOI.shape
+    if E == 0 or g_NO.shape[0] == 0:
+        return
+    triton, kernel = _kernel()
+    block_o, block_i, block_k, warps, stages = config
+    grid = (triton.cdiv(O, block_o) * triton.cdiv(I, block_i), E)
+    kernel[grid](g_NO.contiguous(), x_NI.contiguous(), ends_E, out_EOI, O, I, alpha,
+                 BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
