@@ -87,16 +87,17 @@ def accumulate_weight_grad(out_EOI, g_NO, x_NI, host_counts, alpha):
 
 def _weight_grad_adder(x_ND, groups, host_counts, w1_EFD):
     """How the backward adds weight gradients into existing ones: `adder(out_EOI, g_NO, x_NI, alpha)`,
-    or None where autograd accumulates. On CUDA one Triton launch per weight (wgrad_kernel); else a
-    GEMM per expert, which needs the counts on the host and GEMMs that outlast their launches."""
+    or None where autograd accumulates. Large per-expert GEMMs: one cuBLAS addmm_ per expert (needs
+    the counts on the host); smaller ones, whose launches would set the pace: one Triton launch per
+    weight on CUDA. On 2xH200 cuBLAS was faster at the DeepSeek and Mixtral shapes, Triton at the
+    Qwen shape (benchmarks/wgrad_probe.py, RESULTS.md)."""
+    if host_counts is not None:
+        E, F_, D = w1_EFD.shape
+        if not isinstance(groups, torch.Tensor) or x_ND.shape[0] * F_ * D >= MIN_MACS_PER_EXPERT_GEMM * max(E, 1):
+            return lambda out, g, x, alpha: accumulate_weight_grad(out, g, x, host_counts, alpha)
     if isinstance(groups, torch.Tensor) and x_ND.is_cuda and wgrad_kernel.available():
         return lambda out, g, x, alpha: wgrad_kernel.accumulate(out, g, x, groups, alpha)
-    if host_counts is None:
-        return None
-    E, F_, D = w1_EFD.shape
-    if isinstance(groups, torch.Tensor) and x_ND.shape[0] * F_ * D < MIN_MACS_PER_EXPERT_GEMM * max(E, 1):
-        return None
-    return lambda out, g, x, alpha: accumulate_weight_grad(out, g, x, host_counts, alpha)
+    return None
 
 
 def _existing_grads(ctx, ws):

@@ -4,7 +4,8 @@
 read-add-write pass over the whole gradient (11 GB per rank at the DeepSeek-like shape); a cuBLAS
 `addmm_` per expert does the sum in the GEMM but costs a launch per expert and, for the [F, D]
 orientation of w1/w3, cuBLAS picks a slow tile (benchmarks/RESULTS.md). This kernel reads each
-output tile once, adds the fp32 product, and writes it back: one launch per weight. Programs run
+output tile once, adds the fp32 product, and writes it back: one launch per weight. Loading the
+output tile before the K loop (to hide its latency) measured slower on H200 (wgrad_probe.py). Programs run
 expert by expert, so an expert's rows stay in L2 while all its output tiles read them.
 Used on CUDA when Triton imports; tests run it on CPU under TRITON_INTERPRET=1.
 """
@@ -36,6 +37,8 @@ def _kernel():
         ro = to * BLOCK_O + tl.arange(0, BLOCK_O)
         ri = ti * BLOCK_I + tl.arange(0, BLOCK_I)
         rk = tl.arange(0, BLOCK_K)
+        out = out_ptr + e * O * I + ro[:, None] * I + ri[None, :]
+        in_tile = (ro[:, None] < O) & (ri[None, :] < I)
         acc = tl.zeros([BLOCK_O, BLOCK_I], dtype=tl.float32)
         for k0 in range(start, end, BLOCK_K):
             rows = k0 + rk
@@ -43,8 +46,6 @@ def _kernel():
             g_OK = tl.load(g_ptr + rows[None, :] * O + ro[:, None], mask=in_rows[None, :] & (ro[:, None] < O), other=0.0)
             x_KI = tl.load(x_ptr + rows[:, None] * I + ri[None, :], mask=in_rows[:, None] & (ri[None, :] < I), other=0.0)
             acc = tl.dot(g_OK, x_KI, acc)
-        out = out_ptr + e * O * I + ro[:, None] * I + ri[None, :]
-        in_tile = (ro[:, None] < O) & (ri[None, :] < I)
         acc = acc * alpha + tl.load(out, mask=in_tile, other=0.0).to(tl.float32)
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_tile)
 

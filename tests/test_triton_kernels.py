@@ -1,5 +1,5 @@
-"""The Triton combine kernel (CUDA fast path) against the torch path, run by Triton's CPU interpreter;
-also its unweighted use, the dispatcher's gather_sum, against a per-row loop."""
+"""The Triton kernels (CUDA fast paths) against torch, run by Triton's CPU interpreter: the combine
+and its unweighted use (the dispatcher's gather_sum), and the weight-gradient accumulation."""
 
 import os
 import subprocess
@@ -39,11 +39,22 @@ for R, K, D, N in [(6, 3, 1030, 9), (4, 2, 5, 3), (0, 2, 8, 4)]:
     want = torch.stack([sum((y_ND[i] for i in row if i >= 0), torch.zeros(D)) for row in idx_RK.tolist()]) if R else y_ND[:0]
     torch.testing.assert_close(combine_kernel.gather_sum(y_ND, idx_RK), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(_gather_sum(y_ND, idx_RK), want, rtol=1e-5, atol=1e-5)  # the torch path on CPU
+
+# wgrad_kernel: out[e] += alpha * g_e^T x_e; empty experts, rows not a multiple of the tile, partial tiles.
+from dtensor_moe import wgrad_kernel
+for counts, O, I in [([5, 0, 70, 16], 40, 24), ([0, 0], 8, 8), ([33], 17, 130)]:
+    N = sum(counts)
+    g_NO, x_NI = torch.randn(N, O), torch.randn(N, I)
+    out = torch.randn(len(counts), O, I)
+    want = out + 0.25 * torch.stack([a.t() @ b for a, b in zip(g_NO.split(counts), x_NI.split(counts))])
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    wgrad_kernel.accumulate(out, g_NO, x_NI, ends, 0.25, config=(16, 32, 16, 4, 2))
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 print("ok")
 """
 
 
-def test_combine_kernel_matches_torch_path_in_triton_interpreter():
+def test_triton_kernels_match_torch_in_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600,
                           check=False)
