@@ -180,17 +180,17 @@ def profile_step(step, dev, barrier: bool, top: int = 16, trace: str | None = No
     }
 
 
-def a2a_bytes_to_peer(mesh, experts_TK, E, D, itemsize) -> tuple[int, int]:
-    """Bytes this rank sends its peer in the dispatch all-to-all (each token once per rank that
-    holds one of its experts) and in the combine all-to-all (one row per (token, expert)); each
-    happens twice per step, forward and backward."""
+def a2a_bytes_to_peer(mesh, experts_TK, E, D, itemsize) -> int:
+    """Bytes this rank sends its peer in one all-to-all of the dispatch or of the combine: each
+    token once per rank that holds one of its experts. There are four a step: dispatch and
+    combine, forward and backward."""
     if mesh == "ep2":
         rank = dist.get_rank()
         remote_TK = (experts_TK >= E // 2) if rank == 0 else (experts_TK < E // 2)
-        return int(remote_TK.any(1).sum()) * D * itemsize, int(remote_TK.sum()) * D * itemsize
-    if mesh == "etp2":  # every token, and every routed copy, goes to the ETP peer too
-        return experts_TK.shape[0] * D * itemsize, experts_TK.numel() * D * itemsize
-    return 0, 0
+        return int(remote_TK.any(1).sum()) * D * itemsize
+    if mesh == "etp2":  # every token goes to the ETP peer too
+        return experts_TK.shape[0] * D * itemsize
+    return 0
 
 
 def all_to_all_gbps(bytes_to_peer: int, dev, iters: int) -> float:
@@ -301,11 +301,11 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak) -> dict | None:
         progress(rank, name, mesh, "profile")
         trace = f"{args.trace_dir}/{name}_{mesh}_rank{rank}.json" if args.trace_dir and rank == 0 else None
         out["profile"] = profile_step(step, dev, barrier=not local, trace=trace)
-    dispatch_bytes, combine_bytes = a2a_bytes_to_peer(mesh, experts_TK, E, D, x.element_size())
+    moved_bytes = a2a_bytes_to_peer(mesh, experts_TK, E, D, x.element_size())
     if mesh in ("ep2", "etp2"):  # decided by the mesh, never by per-rank data: both ranks must enter
         a2a_ms = out["profile"]["all_to_all_ms"] if "profile" in out else 0
-        out["a2a_gbps_in_step"] = 2 * (dispatch_bytes + combine_bytes) / (a2a_ms / 1e3) / 1e9 if a2a_ms > 0 else None
-        out["a2a_ceiling_gbps"] = all_to_all_gbps(combine_bytes, dev, args.iters)
+        out["a2a_gbps_in_step"] = 4 * moved_bytes / (a2a_ms / 1e3) / 1e9 if a2a_ms > 0 else None
+        out["a2a_ceiling_gbps"] = all_to_all_gbps(moved_bytes, dev, args.iters)
     del moe, x, step
     gc.collect()  # FSDP's hooks keep the module in reference cycles: free its gathered weights now
     if dev.type == "cuda":

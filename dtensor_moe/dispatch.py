@@ -4,7 +4,8 @@ Each rank sends only its own tokens over its EP group, and each token once per d
 however many of its top-k experts live there (at K=8 over EP=2 that is ~2 rows per token, not 8);
 the receiver copies it to its experts. Inside the ETP group the received tokens are gathered so
 every ETP rank runs the F-sharded GEMMs on all of them, and the partial outputs are
-reduce-scattered back. The expert outputs return once per (token, expert) for the weighted combine.
+reduce-scattered back. The combine mirrors the dispatch: each rank sums, weighted by the routing
+weights, a token's expert outputs that it holds, so the output too travels once per (token, rank).
 
 Dispatch and combine are data movements in opposite directions, so each one's backward is the
 reverse movement of the same rows (`_Exchange._forward` / `_reverse`).
@@ -13,7 +14,7 @@ reverse movement of the same rows (`_Exchange._forward` / `_reverse`).
 import torch
 import torch.distributed as dist
 
-from . import combine_kernel
+from .combine import gather_sum, weighted_gather_sum_backward, weighted_sum_rows
 from .moe import inverse_permutation
 
 
@@ -47,19 +48,6 @@ def _gather_counts(counts_RE, ep, etp, ep_group, etp_group) -> torch.Tensor:
     return torch.stack(parts)
 
 
-def _gather_sum(y_ND: torch.Tensor, idx_RK: torch.Tensor) -> torch.Tensor:
-    """out[r] = sum of the rows y_ND[idx_RK[r, k]], k with idx >= 0: the gradient of a gather
-    that read each row up to K times, deterministic and without atomics (fp32 sums)."""
-    if idx_RK.shape[1] == 1:  # every row was read exactly once
-        return y_ND.index_select(0, idx_RK[:, 0])
-    if y_ND.is_cuda and combine_kernel.available():
-        return combine_kernel.gather_sum(y_ND, idx_RK)
-    y_pad = torch.cat([y_ND, y_ND.new_zeros(1, y_ND.shape[1])])
-    rows = y_pad.index_select(0, torch.where(idx_RK < 0, y_ND.shape[0], idx_RK).flatten())
-    acc = torch.promote_types(y_ND.dtype, torch.float32)
-    return rows.view(*idx_RK.shape, y_ND.shape[1]).sum(1, dtype=acc).to(y_ND.dtype)
-
-
 class _Rows:
     """One direction's sizes: rows this rank sends to each EP peer, receives from each EP source,
     and each ETP peer holds after the EP step."""
@@ -71,10 +59,10 @@ class _Rows:
 class _Exchange:
     """One step's token movement between this rank's tokens and its expert slice (no autograd).
 
-    Tokens travel once per destination rank (`copies` given: a token routed to several experts
-    of one rank is sent once and copied there), expert outputs return once per (token, expert)
-    for the weighted combine. Without `copies` (rows already one per (token, expert), as
-    torchtitan's experts get them) both directions move the same rows.
+    With `copies`, tokens travel once per destination rank both ways: a token routed to several
+    experts of one rank is sent once and copied there, and their outputs are summed there
+    (weighted) before they return. Without `copies` (rows already one per (token, expert), as
+    torchtitan's experts get them and return them) both directions move those rows.
     """
 
     def __init__(self, d: "ExpertDispatcher", counts_E: torch.Tensor, copies=None, num_tokens: int = 0):
@@ -137,20 +125,21 @@ class _Exchange:
             packed = _all_to_all(packed.repeat(d.etp), pairs.peer, [sum(pairs.recv)] * d.etp, d.etp_group)[0]
         return packed.index_select(0, self.idx)
 
-    def _forward(self, x, sizes: _Rows, index):
-        """Sender rows -> this rank's expert-major rows."""
+    def _forward(self, x, sizes: _Rows, index=None):
+        """Sender rows -> the rows this rank received (ETP peers' too), reordered by `index`."""
         d = self.d
         if d.ep > 1:
             x, _ = _all_to_all(x, sizes.recv, sizes.send, d.ep_group)
         if d.etp > 1:
             x, _ = _all_to_all(x.repeat(d.etp, 1), sizes.peer, [sum(sizes.recv)] * d.etp, d.etp_group)
-        return x.index_select(0, index)
+        return x if index is None else x.index_select(0, index)
 
-    def _reverse(self, y, sizes: _Rows, readers, async_op=False):
-        """Expert-major rows -> the sender's rows (summed over the pairs that read each); returns
-        (result, work): wait on `work` (None when nothing is in flight) before using it."""
+    def _reverse(self, y, sizes: _Rows, readers=None, async_op=False):
+        """Received rows (or expert-major rows summed by `readers` into them) -> the sender's rows;
+        returns (result, work): wait on `work` (None when nothing is in flight) before using it."""
         d = self.d
-        y = _gather_sum(y, readers)
+        if readers is not None:
+            y = gather_sum(y, readers)
         if d.etp > 1:
             n_self = sum(sizes.recv)
             y, _ = _all_to_all(y, [n_self] * d.etp, sizes.peer, d.etp_group)
@@ -165,8 +154,17 @@ class _Exchange:
             x = x.index_select(0, self.send_token)
         return self._forward(x, self.rows, self.row_idx)
 
-    def _to_tokens(self, dx_rows):
-        return dx_rows if self.copies is None else _gather_sum(dx_rows, self.token_rows)
+    def _to_tokens(self, rows):
+        """Rows back at the sender -> tokens, summed over the ranks each was sent to."""
+        return rows if self.copies is None else gather_sum(rows, self.token_rows)
+
+    def tokens_to_rows(self, x_TD):
+        """Tokens -> the received rows on their expert ranks (the combine's backward)."""
+        return self._forward(x_TD.index_select(0, self.send_token), self.rows)
+
+    def rows_to_tokens(self, z_rows):
+        """Received rows (expert outputs already summed per row) -> tokens (the combine)."""
+        return self._to_tokens(self._reverse(z_rows, self.rows)[0])
 
     def from_experts(self, y_local):
         """Combine's data movement: expert outputs back to the sender, one row per pair."""
@@ -206,6 +204,28 @@ class _Move(torch.autograd.Function):
         return ctx.back(grad), None, None
 
 
+class _Combine(torch.autograd.Function):
+    """Expert outputs (expert-major pairs) -> tokens: each received row sums its pairs weighted on
+    the expert rank, then travels back once and the sender sums over ranks. Backward goes the
+    dispatch's way and finishes with the pairs' gradients and the routing weights' (on the
+    expert rank; `dispatch` moves those home)."""
+
+    @staticmethod
+    def forward(ctx, y_local, w_local, ex, out_shape):
+        ctx.save_for_backward(y_local, w_local)
+        ctx.ex = ex
+        # Shaped here: FSDP2 hooks the layer's output, which must not be a view made outside.
+        return ex.rows_to_tokens(weighted_sum_rows(y_local, ex.row_readers, w_local)).view(out_shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        y_local, w_local = ctx.saved_tensors
+        dz_rows = ctx.ex.tokens_to_rows(dy.reshape(-1, y_local.shape[1]))
+        dy_local, dw_local = weighted_gather_sum_backward(dz_rows, y_local, ctx.ex.row_idx, w_local,
+                                                          ctx.needs_input_grad[1])
+        return dy_local, dw_local, None, None
+
+
 class ExpertDispatcher:
     """Wraps an experts module's forward: `dispatch` runs before it, `combine` after.
 
@@ -230,8 +250,12 @@ class ExpertDispatcher:
         `hooked_experts` no copies (done here), the weight-gradient scale, the input-gradient hook
         and the counts on the host. x holds one row per (token, expert) pair in expert order, or
         with `copies` (moe.TokenCopies) the tokens themselves, which then travel once per rank."""
+        if copies is not None:  # tokens of any leading shape; the combine returns that shape
+            self.out_shape, x = x.shape, x.reshape(-1, x.shape[-1])
         self._ex = ex = _Exchange(self, counts_E.to(torch.int64), copies, x.shape[0])
         x_local = _Move.apply(x, ex.to_experts, ex.input_grad)
+        if copies is not None:  # the routing weights go where the combine sums (autograd: they train the router)
+            ex.w_local = _Move.apply(copies.weight_N[:, None], ex.pairs_to_experts, ex.from_experts)[:, 0]
         if hooked_experts:
             return x_local, ex.local_counts_E, None, 1.0 / self.grad_divisor, ex.launch_input_grad, ex.local_counts_host
         if self.grad_divisor != 1:  # each scale is a full pass over the routed tokens in backward
@@ -242,6 +266,8 @@ class ExpertDispatcher:
         ex, self._ex = self._ex, None
         if not hooked_experts and self.grad_divisor != 1:
             y_local = _ScaleGrad.apply(y_local, 1.0 / self.grad_divisor)
+        if ex.copies is not None:
+            return _Combine.apply(y_local, ex.w_local, ex, self.out_shape)
         return _Move.apply(y_local, ex.from_experts, ex.pairs_to_experts)
 
 

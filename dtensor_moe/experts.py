@@ -220,12 +220,13 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts_E: torch.Tensor, copies=None, weight_grad_scale: float = 1.0,
                 on_input_grad=None, host_counts: list[int] | None = None) -> torch.Tensor:
-        """Rows grouped by expert, counts_E[e] of them for expert e: x itself, or with `copies`
-        (moe.TokenCopies) x's tokens copied into that order. The other arguments come from the
-        expert-parallel dispatcher (see _GroupedSwiGLU)."""
-        x_ND = x if copies is None else copies.expand(x)
-        return grouped_swiglu(x_ND, counts_E, self.w1, self.w2, self.w3, weight_grad_scale=weight_grad_scale,
-                              on_input_grad=on_input_grad, host_counts=host_counts)
+        """Rows grouped by expert, counts_E[e] of them for expert e, in and out; or with `copies`
+        (moe.TokenCopies) x holds tokens: they are copied into that order and the outputs are
+        combined back into tokens of x's shape. The other arguments come from the expert-parallel
+        dispatcher (see _GroupedSwiGLU)."""
+        y_ND = grouped_swiglu(x if copies is None else copies.expand(x), counts_E, self.w1, self.w2, self.w3,
+                              weight_grad_scale=weight_grad_scale, on_input_grad=on_input_grad, host_counts=host_counts)
+        return y_ND if copies is None else copies.combine(y_ND, x.shape)
 
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w1, self.w2, self.w3):

@@ -4,13 +4,14 @@ It knows nothing about parallelism. `parallelize_moe` swaps `stats` for a reduce
 data-parallel ranks and wraps `experts` with the expert-parallel dispatcher.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import combine_kernel
+from .combine import weighted_gather_sum
 from .config import MoEConfig
 from .experts import GroupedExperts
 from .router import TopKRouter
@@ -46,39 +47,32 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor, fan_out: 
 
 @dataclass(frozen=True)
 class TokenCopies:
-    """Where each token's top-k copies go: expert-major row n is pair pair_N[n] = t * K + k (token t's
-    k-th choice), and token t's k-th copy is row row_TK[t, k]. The experts expand the tokens with it;
-    an expert-parallel dispatcher instead sends each token once per rank and copies it there."""
+    """Where each token's top-k copies go and how they come back: expert-major row n is pair
+    pair_N[n] = t * K + k (token t's k-th choice), token t's k-th copy is row row_TK[t, k], and
+    weight_TK[t, k] weighs it in the combine. The experts expand the tokens and combine their
+    outputs with it; an expert-parallel dispatcher instead sends each token once per rank, copies
+    it there, and sums its outputs there before they return."""
 
     pair_N: torch.Tensor
     row_TK: torch.Tensor
+    weight_TK: torch.Tensor
 
-    @property
+    @functools.cached_property
     def token_N(self) -> torch.Tensor:
         return self.pair_N // self.row_TK.shape[1]
 
-    def expand(self, x_TD: torch.Tensor) -> torch.Tensor:
+    @functools.cached_property
+    def weight_N(self) -> torch.Tensor:
+        """The routing weights in expert-major order (autograd flows back to weight_TK)."""
+        return gather_rows(self.weight_TK.reshape(-1, 1), self.pair_N, self.row_TK.flatten()).view(-1)
+
+    def expand(self, x: torch.Tensor) -> torch.Tensor:
+        x_TD = x.reshape(-1, x.shape[-1])
         return gather_rows(x_TD, self.token_N, self.row_TK.flatten(), fan_out=self.row_TK.shape[1])
 
-
-class _WeightedSum(torch.autograd.Function):
-    """y_TD = sum_k w_TK[:, k] * y_TKD[:, k]: the top-k combine, deterministic and atomic-free.
-
-    The torch path; CUDA runs combine_kernel when Triton imports. The routing-weight gradient is
-    computed only when the router is trained."""
-
-    @staticmethod
-    def forward(ctx, w_TK, y_TKD, out_shape):
-        ctx.save_for_backward(w_TK, y_TKD)
-        # Shaped here: FSDP2 hooks the layer's output, which must not be a view made outside.
-        return torch.bmm(w_TK.unsqueeze(1), y_TKD).view(out_shape)
-
-    @staticmethod
-    def backward(ctx, dy):
-        w_TK, y_TKD = ctx.saved_tensors
-        dy_T1D = dy.reshape(y_TKD.shape[0], 1, y_TKD.shape[-1])
-        dw_TK = torch.bmm(y_TKD, dy_T1D.transpose(1, 2)).squeeze(-1) if ctx.needs_input_grad[0] else None
-        return dw_TK, w_TK.unsqueeze(-1) * dy_T1D, None
+    def combine(self, y_ND: torch.Tensor, out_shape) -> torch.Tensor:
+        """Token t's output: sum_k weight_TK[t, k] * y_ND[row_TK[t, k]], shaped out_shape."""
+        return weighted_gather_sum(y_ND, self.weight_N, self.row_TK, self.token_N, out_shape)
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -141,8 +135,7 @@ class MoE(nn.Module):
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        B, L, D = x_BLD.shape
-        x_TD = x_BLD.reshape(-1, D)
+        x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
         weights_TK, experts_TK, scores_TE = self.router(x_TD, self.expert_bias)
         # Stable sort keeps each expert's tokens in token order: deterministic grouping. Counting
         # on the sorted ids needs no host sync (CUDA bincount reads the max back to size its output).
@@ -154,15 +147,8 @@ class MoE(nn.Module):
         if cfg.load_balance == "aux_loss":
             self.aux_loss = self._aux_loss(scores_TE, self.stats.sum(counts_E.float()))
 
-        K = cfg.top_k
         rank_N = inverse_permutation(order_N)  # where each (token, k) pair sits in expert order
-        y_ND = self.experts(x_TD, counts_E, TokenCopies(order_N, rank_N.view(-1, K)))
-        # Back to (token, k) order and the weighted sum over k: no scatter-add, no atomics.
-        if y_ND.is_cuda and combine_kernel.available():
-            y_BLD = combine_kernel.gather_weighted_sum(y_ND, rank_N.view(-1, K), weights_TK, (B, L, D))
-        else:
-            y_TKD = gather_rows(y_ND, rank_N, order_N).view(-1, K, D)
-            y_BLD = _WeightedSum.apply(weights_TK.to(y_TKD.dtype), y_TKD, (B, L, D))
+        y_BLD = self.experts(x_BLD, counts_E, TokenCopies(order_N, rank_N.view(-1, cfg.top_k), weights_TK))
         if self.shared_experts is not None:
             return y_BLD + self.shared_experts(x_BLD)
         return y_BLD

@@ -255,7 +255,7 @@ def _split(total: float, inter_fraction: float) -> Traffic:
 
 def distinct_ranks(num_experts: int, top_k: int, ep: int) -> float:
     """Expected EP ranks a token's top-k experts land on under uniform routing: the rows the
-    dispatch sends per token (the combine returns top_k)."""
+    dispatch sends per token, and the combine returns."""
     local = num_experts // ep
     return ep * (1 - math.comb(num_experts - local, top_k) / math.comb(num_experts, top_k))
 
@@ -273,9 +273,9 @@ def comm_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_
     def ring(axis, total):
         return _split(total, ring_inter_fraction(*geo[axis], G)) if total else Traffic(0, 0)
 
-    # Dispatch (a token once per rank holding one of its experts) + combine (once per expert) in
-    # forward, their reverses in backward, forward again when recomputing.
-    rows = distinct_ranks(spec.num_experts, spec.top_k, dims.ep) + spec.top_k
+    # Dispatch and combine (a token once per rank holding one of its experts, each way) in forward,
+    # their reverses in backward, forward again when recomputing.
+    rows = 2 * distinct_ranks(spec.num_experts, spec.top_k, dims.ep)
     routed = (2 + recompute) * T * rows * spec.dim * b * spec.n_moe_layers
     r = dims.dp_replicate
     return {

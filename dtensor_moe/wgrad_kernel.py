@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from .combine_kernel import available  # noqa: F401  (whether Triton imports: the same question)
+from .combine import available  # noqa: F401  (whether Triton imports: the same question)
 
 # (BLOCK_O, BLOCK_I, BLOCK_K, num_warps, num_stages), chosen on H200 by benchmarks/wgrad_probe.py.
 CONFIG = (128, 256, 64, 8, 3)

@@ -73,9 +73,9 @@ def _dispatch_rows(rank: int, world_size: int, etp: int) -> list:
 @pytest.mark.parametrize("etp", [1, 2])
 def test_dispatch_sends_each_token_once_per_rank(etp):
     """5 tokens, each routed to all 4 experts: the dispatch moves 5 rows per destination (not 5 x its
-    experts there), the combine returns one row per (token, expert), 20 in all."""
+    experts there), and the combine returns as many (each rank sums a token's experts it holds)."""
     per_rank = run_on_ranks(2, _dispatch_rows, etp)
     for rows in per_rank:
-        # EP=2: the dispatch sends each token to both ranks (10 rows; per pair it was 20), the combine
-        # returns 20 pairs. ETP=2: the 5 tokens go to both ETP peers (10; was 40), the pairs of both (40).
-        assert rows == ([10, 20] if etp == 1 else [10, 40]), rows
+        # EP=2: each token goes to both ranks and comes back from both (10 rows each way; per pair
+        # it was 20). ETP=2: the 5 tokens go to both ETP peers and back (10 each way; per pair 40).
+        assert rows == [10, 10], rows

@@ -1,5 +1,6 @@
-"""The Triton kernels (CUDA fast paths) against torch, run by Triton's CPU interpreter: the combine
-and its unweighted use (the dispatcher's gather_sum), and the weight-gradient accumulation."""
+"""The Triton kernels (CUDA fast paths), run by Triton's CPU interpreter, against a direct loop and
+against the torch paths: the weighted gather-sum of both combines and its gradients, its
+unweighted use (the dispatcher's gather_sum), and the weight-gradient accumulation."""
 
 import os
 import subprocess
@@ -7,38 +8,55 @@ import sys
 
 CHECK = r"""
 import torch
-from dtensor_moe import combine_kernel
-from dtensor_moe.moe import _WeightedSum, gather_rows, inverse_permutation
+from dtensor_moe import combine
+
+def both(fn):
+    # The same call through the Triton kernels (interpreted) and through the torch ops.
+    out = []
+    for use in (True, False):
+        combine._triton = lambda t, use=use: use
+        out.append(fn())
+    return out
 
 torch.manual_seed(0)
-for T, K, D in [(7, 1, 5), (6, 2, 1030), (5, 3, 16), (4, 8, 24), (0, 2, 8)]:
-    N = T * K
-    order_N = torch.randperm(N)
-    rank_N = inverse_permutation(order_N)
-    y_ND = torch.randn(N, D, requires_grad=True)
-    w_TK = torch.rand(T, K, requires_grad=True)
-    dy = torch.randn(T, 1, D)
-    ref = _WeightedSum.apply(w_TK, gather_rows(y_ND, rank_N, order_N).view(T, K, D), (T, 1, D))
-    got = combine_kernel.gather_weighted_sum(y_ND, rank_N.view(T, K), w_TK, (T, 1, D))
-    g_ref = torch.autograd.grad(ref, [y_ND, w_TK], dy)
-    g_got = torch.autograd.grad(got, [y_ND, w_TK], dy)
-    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    for a, b in zip(g_got, g_ref):
+# Weighted gather-sum: as the local combine (idx a permutation of the rows, [T, K]) and as the
+# expert-side combine (rows read by up to K slots, empty slots -1, rows nobody reads have none).
+for R, K, D, N, empty in [(7, 1, 5, 7, 0.0), (6, 2, 1030, 12, 0.0), (4, 8, 24, 32, 0.0), (9, 3, 16, 11, 0.6), (0, 2, 8, 0, 0.0)]:
+    slots = torch.randperm(R * K)
+    keep = slots[: N] if empty else slots
+    idx = torch.full((R * K,), -1, dtype=torch.long)
+    idx[keep] = torch.arange(keep.numel())
+    idx_RK = idx.view(R, K)
+    tok_N = keep // K  # the row whose slot reads each y row
+    y_ND = torch.randn(keep.numel(), D, requires_grad=True)
+    w_N = torch.rand(keep.numel(), requires_grad=True)
+    dout = torch.randn(R, 1, D)
+    want = torch.zeros(R, D)
+    for r in range(R):
+        for k in range(K):
+            n = int(idx_RK[r, k])
+            if n >= 0:
+                want[r] += w_N[n].detach() * y_ND[n].detach()
+    for got in both(lambda: combine.weighted_gather_sum(y_ND, w_N, idx_RK, tok_N, (R, 1, D))):
+        torch.testing.assert_close(got.view(R, D), want, rtol=1e-5, atol=1e-5)
+    g_tri, g_torch = both(lambda: torch.autograd.grad(combine.weighted_gather_sum(y_ND, w_N, idx_RK, tok_N, (R, 1, D)),
+                                                      [y_ND, w_N], dout))
+    torch.testing.assert_close(g_tri[0], w_N.detach()[:, None] * dout.view(R, D)[tok_N], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g_tri[1], (dout.view(R, D)[tok_N] * y_ND.detach()).sum(-1), rtol=1e-5, atol=1e-5)
+    for a, b in zip(g_tri, g_torch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # Without a router gradient the kernel skips the dot products but still returns the row gradients.
-    w_fixed = w_TK.detach()
-    out = combine_kernel.gather_weighted_sum(y_ND, rank_N.view(T, K), w_fixed, (T, 1, D))
-    (g_rows,) = torch.autograd.grad(out, [y_ND], dy)
-    torch.testing.assert_close(g_rows, g_ref[0], rtol=1e-5, atol=1e-5)
+    for g_rows in both(lambda: torch.autograd.grad(
+            combine.weighted_gather_sum(y_ND, w_N.detach(), idx_RK, tok_N, (R, 1, D)), [y_ND], dout)[0]):
+        torch.testing.assert_close(g_rows, g_tri[0], rtol=1e-5, atol=1e-5)
 
-# gather_sum (the dispatcher's gradient of its token copies): empty slots (-1) are skipped.
-from dtensor_moe.dispatch import _gather_sum
+# gather_sum (unweighted, the gradients of the dispatcher's token copies): empty slots (-1) are skipped.
 for R, K, D, N in [(6, 3, 1030, 9), (4, 2, 5, 3), (0, 2, 8, 4)]:
     y_ND = torch.randn(N, D)
     idx_RK = torch.randint(-1, N, (R, K))
     want = torch.stack([sum((y_ND[i] for i in row if i >= 0), torch.zeros(D)) for row in idx_RK.tolist()]) if R else y_ND[:0]
-    torch.testing.assert_close(combine_kernel.gather_sum(y_ND, idx_RK), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(_gather_sum(y_ND, idx_RK), want, rtol=1e-5, atol=1e-5)  # the torch path on CPU
+    for got in both(lambda: combine.gather_sum(y_ND, idx_RK)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 # wgrad_kernel: out[e] += alpha * g_e^T x_e; empty experts, rows not a multiple of the tile, partial tiles.
 from dtensor_moe import wgrad_kernel

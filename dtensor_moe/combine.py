@@ -1,0 +1,146 @@
+"""The weighted gather-sum behind every combine: out[r] = sum_k w_N[idx[r, k]] * y_N[idx[r, k]].
+
+idx[r, k] < 0 is an empty slot. The local top-k combine uses it with r = token, idx = where each
+of its k copies sits in expert order; the expert-parallel combine uses it on the expert side with
+r = received token row, summing that token's experts on this rank before anything travels back.
+Backward, every y row is read by exactly one slot, `tok_N[n]` being that slot's r, so the
+gradients are a gather: dy_N[n] = w_N[n] * dout[tok_N[n]], dw_N[n] = <dout[tok_N[n]], y_N[n]>.
+Deterministic, no scatter-add, no atomics; sums in fp32 (or the inputs' wider dtype).
+
+On CUDA one Triton kernel each way (forward reads each y row once, backward writes each gradient
+row straight into expert order); elsewhere torch ops. Tests run the kernels on CPU under
+TRITON_INTERPRET=1.
+"""
+
+import functools
+
+import torch
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_sum_fwd(y_ptr, idx_ptr, w_ptr, out_ptr, D, K, WEIGHTED: tl.constexpr, BLOCK_D: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask = offs < D
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for k in range(K):
+            n = tl.load(idx_ptr + r * K + k).to(tl.int64)
+            n_D = tl.full([BLOCK_D], n, tl.int64)
+            filled = mask & (n_D >= 0)
+            row = tl.load(y_ptr + n * D + offs, mask=filled, other=0.0).to(tl.float32)
+            if WEIGHTED:  # the row's weight, broadcast over the block
+                row *= tl.load(w_ptr + n_D, mask=filled, other=0.0).to(tl.float32)
+            acc += row
+        tl.store(out_ptr + r * D + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def gather_sum_bwd(dout_ptr, y_ptr, tok_ptr, w_ptr, dy_ptr, dw_ptr, D, NEED_DW: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        r = tl.load(tok_ptr + n).to(tl.int64)
+        w = tl.load(w_ptr + n).to(tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs = d0 + tl.arange(0, BLOCK_D)
+            mask = offs < D
+            g = tl.load(dout_ptr + r * D + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dy_ptr + n * D + offs, (w * g).to(dy_ptr.dtype.element_ty), mask=mask)
+            if NEED_DW:
+                acc += g * tl.load(y_ptr + n * D + offs, mask=mask, other=0.0).to(tl.float32)
+        if NEED_DW:
+            tl.store(dw_ptr + n, tl.sum(acc, axis=0))
+
+    return triton, gather_sum_fwd, gather_sum_bwd
+
+
+BLOCK_D = 1024
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Triton imports here (the CUDA build of torch ships it)."""
+    try:
+        _kernels()
+        return True
+    except ImportError:
+        return False
+
+
+def _triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and available()
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def weighted_sum_rows(y_ND: torch.Tensor, idx_RK: torch.Tensor, w_N: torch.Tensor | None) -> torch.Tensor:
+    """out[r] = sum_k w_N[idx_RK[r, k]] * y_ND[idx_RK[r, k]], no autograd; w_N None: unweighted."""
+    (R, K), D = idx_RK.shape, y_ND.shape[1]
+    if _triton(y_ND):
+        out = y_ND.new_empty(R, D)
+        if R:
+            triton, fwd, _ = _kernels()
+            w = y_ND if w_N is None else w_N.contiguous()
+            fwd[(R, triton.cdiv(D, BLOCK_D))](y_ND.contiguous(), idx_RK.contiguous(), w, out, D, K,
+                                              WEIGHTED=w_N is not None, BLOCK_D=BLOCK_D)
+        return out
+    filled = idx_RK >= 0
+    safe = torch.where(filled, idx_RK, 0).flatten()
+    rows = y_ND.index_select(0, safe).view(R, K, D)
+    acc = _acc_dtype(y_ND)
+    w_RK = filled.to(acc) if w_N is None else torch.where(filled, w_N.index_select(0, safe).view(R, K).to(acc), 0)
+    return torch.bmm(w_RK.unsqueeze(1), rows.to(acc)).view(R, D).to(y_ND.dtype)
+
+
+def gather_sum(y_ND: torch.Tensor, idx_RK: torch.Tensor) -> torch.Tensor:
+    """out[r] = sum of the rows y_ND[idx_RK[r, k]] with idx >= 0 (no autograd): the gradient of a
+    gather that read each row up to K times."""
+    if idx_RK.shape[1] == 1:  # callers' single-slot tables have no empty slots: a plain gather
+        return y_ND.index_select(0, idx_RK[:, 0])
+    return weighted_sum_rows(y_ND, idx_RK, None)
+
+
+def weighted_gather_sum_backward(dout_RD, y_ND, tok_N, w_N, need_dw: bool):
+    """(dy_N, dw_N or None) of out = weighted gather-sum, given each y row's slot row tok_N."""
+    dout_RD = dout_RD.contiguous()
+    if _triton(y_ND):
+        N, D = y_ND.shape
+        dy_ND = torch.empty_like(y_ND)
+        dw_N = torch.empty(N, device=y_ND.device, dtype=torch.float32) if need_dw else dy_ND
+        if N:
+            _, _, bwd = _kernels()
+            bwd[(N,)](dout_RD, y_ND.contiguous(), tok_N.contiguous(), w_N.contiguous(), dy_ND, dw_N, D,
+                      NEED_DW=need_dw, BLOCK_D=BLOCK_D)
+        return dy_ND, (dw_N.to(w_N.dtype) if need_dw else None)
+    g_ND = dout_RD.index_select(0, tok_N)
+    dy_ND = (g_ND * w_N.to(g_ND.dtype).unsqueeze(-1)).to(y_ND.dtype)
+    acc = _acc_dtype(y_ND)
+    dw_N = (g_ND.to(acc) * y_ND.to(acc)).sum(-1).to(w_N.dtype) if need_dw else None
+    return dy_ND, dw_N
+
+
+class _WeightedGatherSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_ND, w_N, idx_RK, tok_N, out_shape):
+        ctx.save_for_backward(y_ND, w_N, tok_N)
+        # Shaped here: FSDP2 hooks the layer's output, which must not be a view made outside.
+        return weighted_sum_rows(y_ND, idx_RK, w_N).view(out_shape)
+
+    @staticmethod
+    def backward(ctx, dout):
+        y_ND, w_N, tok_N = ctx.saved_tensors
+        dy_ND, dw_N = weighted_gather_sum_backward(dout.reshape(-1, y_ND.shape[1]), y_ND, tok_N, w_N,
+                                                   ctx.needs_input_grad[1])
+        return dy_ND, dw_N, None, None, None
+
+
+def weighted_gather_sum(y_ND, w_N, idx_RK, tok_N, out_shape) -> torch.Tensor:
+    """out[r] = sum_k w_N[idx_RK[r, k]] * y_ND[idx_RK[r, k]] (slots < 0 empty), shaped out_shape;
+    tok_N[n]: the r whose slot reads row n (every row is read by exactly one slot)."""
+    return _WeightedGatherSum.apply(y_ND, w_N, idx_RK, tok_N, out_shape)
