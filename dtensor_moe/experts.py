@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import wgrad_kernel
+from . import swiglu_kernel, wgrad_kernel
 
 
 def _grouped_mm_supported(x_TD: torch.Tensor, w1_EFD: torch.Tensor) -> bool:
@@ -147,10 +147,13 @@ class _GroupedSwiGLU(torch.autograd.Function):
         w1_EFD, w2_EDF, w3_EFD = (_local(w, x_ND.dtype) for w in (w1, w2, w3))
         a_NF = grouped_mm(x_ND, w1_EFD.transpose(-2, -1), groups)
         b_NF = grouped_mm(x_ND, w3_EFD.transpose(-2, -1), groups)
-        silu_a_NF = F.silu(a_NF)
-        h_NF = silu_a_NF * b_NF
+        if x_ND.is_cuda and swiglu_kernel.available():  # one pass; backward recomputes silu(a) in its own
+            silu_a_NF, h_NF = None, swiglu_kernel.forward(a_NF, b_NF)
+        else:
+            silu_a_NF = F.silu(a_NF)
+            h_NF = silu_a_NF * b_NF
         y_ND = grouped_mm(h_NF, w2_EDF.transpose(-2, -1), groups)
-        # What autograd would keep; recomputing silu(a) and h instead costs two F-wide passes.
+        # What autograd would keep; recomputing h instead costs F-wide passes.
         ctx.save_for_backward(x_ND, a_NF, b_NF, silu_a_NF, h_NF, w1_EFD, w2_EDF, w3_EFD)
         ctx.groups, ctx.scale, ctx.on_input_grad = groups, weight_grad_scale, on_input_grad
         ctx.add_weight_grad, ctx.params = add_weight_grad, (w1, w2, w3)
@@ -162,8 +165,11 @@ class _GroupedSwiGLU(torch.autograd.Function):
         groups, scale = ctx.groups, ctx.scale
         dy_ND = dy_ND.contiguous()
         dh_NF = grouped_mm(dy_ND, w2_EDF, groups)
-        da_NF = torch.ops.aten.silu_backward(dh_NF * b_NF, a_NF)
-        db_NF = dh_NF * silu_a_NF
+        if silu_a_NF is None:
+            da_NF, db_NF = swiglu_kernel.backward(dh_NF, a_NF, b_NF)
+        else:
+            da_NF = torch.ops.aten.silu_backward(dh_NF * b_NF, a_NF)
+            db_NF = dh_NF * silu_a_NF
         dx_ND = grouped_mm(da_NF, w1_EFD, groups)
         dx_ND += grouped_mm(db_NF, w3_EFD, groups)
         if ctx.on_input_grad is not None:

@@ -1,6 +1,6 @@
 """The Triton kernels (CUDA fast paths), run by Triton's CPU interpreter, against a direct loop and
 against the torch paths: the weighted gather-sum of both combines and its gradients, its
-unweighted use (the dispatcher's gather_sum), and the weight-gradient accumulation."""
+unweighted use (the dispatcher's gather_sum), the weight-gradient accumulation and the SwiGLU gate."""
 
 import os
 import subprocess
@@ -68,6 +68,18 @@ for counts, O, I in [([5, 0, 70, 16], 40, 24), ([0, 0], 8, 8), ([33], 17, 130)]:
     ends = torch.tensor(counts).cumsum(0).to(torch.int32)
     wgrad_kernel.accumulate(out, g_NO, x_NI, ends, 0.25, config=(16, 32, 16, 4, 2))
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+# swiglu_kernel: h = silu(a) * b and its gradients, against autograd on the torch ops (fp32 math).
+from dtensor_moe import swiglu_kernel
+for n in [0, 7, 5000]:
+    a, b, dh = torch.randn(n), torch.randn(n), torch.randn(n)
+    a_, b_ = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    h = torch.nn.functional.silu(a_) * b_
+    h.backward(dh)
+    torch.testing.assert_close(swiglu_kernel.forward(a, b), h.detach(), rtol=1e-5, atol=1e-6)
+    da, db = swiglu_kernel.backward(dh, a, b)
+    torch.testing.assert_close(da, a_.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(db, b_.grad, rtol=1e-5, atol=1e-6)
 print("ok")
 """
 
