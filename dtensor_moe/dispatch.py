@@ -37,15 +37,15 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def _gather_counts(counts_RE, ep, etp, ep_group, etp_group) -> torch.Tensor:
-    """[etp, ep, E_local + 1]: what each (ETP peer, EP source) sends to each local expert, and
-    (last column) how many token rows it sends: counts_RE is this rank's [ep, E_local + 1]."""
-    recv = torch.empty_like(counts_RE)
-    dist.all_to_all_single(recv, counts_RE, group=ep_group)
-    if etp == 1:
-        return recv.view(1, ep, -1)
-    parts = [torch.empty_like(recv) for _ in range(etp)]
-    dist.all_gather(parts, recv, group=etp_group)
-    return torch.stack(parts)
+    """[etp, ep, ep, E_local + 1]: in each ETP slice, what EP rank s sends to EP rank r's local
+    experts and (last column) how many token rows: counts_RE is this rank's [ep, E_local + 1].
+    Every rank gets every count, so a sender knows where its rows land at the receiver."""
+    for n, group in ((ep, ep_group), (etp, etp_group)):
+        if n > 1:  # stacked along dim 0 (the layout every backend accepts)
+            out = counts_RE.new_empty(n * counts_RE.shape[0], counts_RE.shape[1])
+            dist.all_gather_into_tensor(out, counts_RE, group=group)
+            counts_RE = out
+    return counts_RE.view(etp, ep, ep, -1)
 
 
 class _Rows:
@@ -68,28 +68,32 @@ class _Exchange:
     def __init__(self, d: "ExpertDispatcher", counts_E: torch.Tensor, copies=None, num_tokens: int = 0):
         ep, etp = d.ep, d.etp
         self.d = d
-        pairs_R = counts_E.view(ep, -1).sum(1)
         if copies is not None:
-            rank_N = torch.repeat_interleave(torch.arange(ep, device=counts_E.device), pairs_R,
-                                             output_size=copies.pair_N.numel())
+            rank_N = copies.expert_N // (d.num_experts // ep)  # destination of each expert-major pair
             cell_N = rank_N * num_tokens + copies.token_N  # (destination rank, token), rank-major
             need = torch.zeros(ep * num_tokens, dtype=torch.bool, device=counts_E.device)
             need[cell_N] = True
             slot = torch.cumsum(need, 0) - 1  # row of each needed (rank, token) in the send buffer
             rows_R = need.view(ep, num_tokens).sum(1)
         else:
-            rows_R = pairs_R
-        C = _gather_counts(torch.cat([counts_E.view(ep, -1), rows_R[:, None]], 1), ep, etp, d.ep_group, d.etp_group)
+            rows_R = counts_E.view(ep, -1).sum(1)
+        C_dev = _gather_counts(torch.cat([counts_E.view(ep, -1), rows_R[:, None]], 1), ep, etp, d.ep_group, d.etp_group)
         # One host sync, one copy, for all split sizes: uneven all-to-all needs them on the host.
-        host = torch.cat([pairs_R, rows_R, C.flatten()]).cpu()
-        C_host = host[2 * ep:].view(C.shape)
-        mine = C_host[d.etp_rank]  # [ep, E_local + 1]: what this rank's EP peers send it
-        self.pairs = _Rows(host[:ep].tolist(), mine[:, :-1].sum(1).tolist(), C_host[..., :-1].sum((1, 2)).tolist())
-        self.rows = _Rows(host[ep:2 * ep].tolist(), mine[:, -1].tolist(), C_host[..., -1].sum(1).tolist())
-        C_dev, C = C, C[..., :-1]
-        self.local_counts_E = C.sum((0, 1))
-        self.local_counts_host = C_host[..., :-1].sum((0, 1)).tolist()  # for the experts' per-expert GEMMs
-        self.idx = _expert_major_index(C, int(C_host[..., :-1].sum()))  # pair order -> expert-major
+        C = C_dev.cpu().tolist()  # C[p][s][r]: ETP slice p, EP source s, EP destination r
+
+        def pairs_of(c):
+            return sum(c[:-1])
+
+        me, sent = d.ep_rank, C[d.etp_rank][d.ep_rank]
+        to_me = [[C[p][s][me] for s in range(ep)] for p in range(etp)]  # per ETP peer, per EP source
+        self.pairs = _Rows([pairs_of(c) for c in sent], [pairs_of(c) for c in to_me[d.etp_rank]],
+                           [sum(map(pairs_of, peer)) for peer in to_me])
+        self.rows = _Rows([c[-1] for c in sent], [c[-1] for c in to_me[d.etp_rank]],
+                          [sum(c[-1] for c in peer) for peer in to_me])
+        self.local_counts_host = [sum(c[e] for peer in to_me for c in peer) for e in range(len(sent[0]) - 1)]
+        C_mine = C_dev[:, :, me, :-1]  # [etp, ep, E_local]: what this rank's ETP group receives, per expert
+        self.local_counts_E = C_mine.sum((0, 1))
+        self.idx = _expert_major_index(C_mine, sum(self.pairs.peer))  # pair order -> expert-major
         self.inv = inverse_permutation(self.idx)[:, None]
         self.copies = copies
         if copies is not None:
@@ -98,10 +102,12 @@ class _Exchange:
             token = torch.arange(num_tokens, device=need.device).repeat(ep)
             self.send_token = token.new_empty(n_send + 1).scatter_(0, torch.where(need, slot, n_send), token)[:n_send]
             self.token_rows = torch.where(need, slot, -1).view(ep, num_tokens).t()  # [T, ep] for the gradient
-            row_start_R = torch.cumsum(rows_R, 0) - rows_R
-            # Each pair carries (its row within the block sent to its rank, its top-k slot), packed.
-            block_row_k = (slot.index_select(0, cell_N) - row_start_R.index_select(0, rank_N)) * K + copies.pair_N % K
-            row_k = self._pair_rows(block_row_k, C_dev, K)
+            # Each pair carries (the received row it reads at its rank, its top-k slot), packed: its row
+            # in the send buffer, less where the block for that rank starts there, plus where that
+            # block lands at the receiver (after the blocks of lower EP sources).
+            shift_R = [sum(C[d.etp_rank][s][r][-1] for s in range(me)) - sum(self.rows.send[:r]) for r in range(ep)]
+            shift_N = torch.tensor(shift_R, device=need.device).index_select(0, rank_N)
+            row_k = self._pair_rows((slot.index_select(0, cell_N) + shift_N) * K + copies.pair_N % K, K)
             self.row_idx = row_k // K
             # Who reads each received row: its (row, slot) cell holds the expert-major position.
             cells = torch.full((sum(self.rows.peer) * K,), -1, device=need.device, dtype=row_k.dtype)
@@ -110,18 +116,14 @@ class _Exchange:
             self.row_idx, self.row_readers = self.idx, self.inv
         self.pending = None  # (input grad, its reverse exchange in flight), see launch_input_grad
 
-    def _pair_rows(self, block_row_k_N, C_dev, K):
-        """Expert-major (row, top-k slot) * K packed, per local (token, expert) pair: the received
-        token row it reads. Each pair's row within its source's block travels with it and is
-        offset here by where that block (and this ETP rank's share) sits in the gathered rows."""
-        d, rows, pairs = self.d, self.rows, self.pairs
-        packed = _all_to_all(block_row_k_N, pairs.recv, pairs.send, d.ep_group)[0] if d.ep > 1 else block_row_k_N
-        mine = C_dev[d.etp_rank]  # [ep, E_local + 1] on the device
-        src_rows = mine[:, -1]
-        start = torch.repeat_interleave(torch.cumsum(src_rows, 0) - src_rows, mine[:, :-1].sum(1),
-                                        output_size=packed.numel())
-        packed = packed + (start + sum(rows.peer[: d.etp_rank])) * K
+    def _pair_rows(self, row_k_N, K):
+        """Expert-major (received row, top-k slot) * K packed, per local (token, expert) pair. The
+        sender packed its row at this EP rank; offset here by this ETP rank's share of the rows
+        gathered over the ETP group."""
+        d, pairs = self.d, self.pairs
+        packed = _all_to_all(row_k_N, pairs.recv, pairs.send, d.ep_group)[0] if d.ep > 1 else row_k_N
         if d.etp > 1:
+            packed = packed + sum(self.rows.peer[: d.etp_rank]) * K
             packed = _all_to_all(packed.repeat(d.etp), pairs.peer, [sum(pairs.recv)] * d.etp, d.etp_group)[0]
         return packed.index_select(0, self.idx)
 
@@ -242,6 +244,7 @@ class ExpertDispatcher:
         self.num_experts, self.ep, self.etp = num_experts, ep, etp
         self.grad_divisor = float(ep * etp) if grad_divisor is None else float(grad_divisor)
         self.ep_group, self.etp_group = ep_group, etp_group
+        self.ep_rank = dist.get_rank(ep_group) if ep > 1 else 0
         self.etp_rank = dist.get_rank(etp_group) if etp > 1 else 0
         self._ex = None
 

@@ -48,12 +48,13 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor, fan_out: 
 @dataclass(frozen=True)
 class TokenCopies:
     """Where each token's top-k copies go and how they come back: expert-major row n is pair
-    pair_N[n] = t * K + k (token t's k-th choice), token t's k-th copy is row row_TK[t, k], and
-    weight_TK[t, k] weighs it in the combine. The experts expand the tokens and combine their
+    pair_N[n] = t * K + k (token t's k-th choice) for expert expert_N[n], token t's k-th copy is
+    row row_TK[t, k], and weight_TK[t, k] weighs it in the combine. The experts expand the tokens and combine their
     outputs with it; an expert-parallel dispatcher instead sends each token once per rank, copies
     it there, and sums its outputs there before they return."""
 
     pair_N: torch.Tensor
+    expert_N: torch.Tensor
     row_TK: torch.Tensor
     weight_TK: torch.Tensor
 
@@ -148,7 +149,7 @@ class MoE(nn.Module):
             self.aux_loss = self._aux_loss(scores_TE, self.stats.sum(counts_E.float()))
 
         rank_N = inverse_permutation(order_N)  # where each (token, k) pair sits in expert order
-        y_BLD = self.experts(x_BLD, counts_E, TokenCopies(order_N, rank_N.view(-1, cfg.top_k), weights_TK))
+        y_BLD = self.experts(x_BLD, counts_E, TokenCopies(order_N, sorted_N, rank_N.view(-1, cfg.top_k), weights_TK))
         if self.shared_experts is not None:
             return y_BLD + self.shared_experts(x_BLD)
         return y_BLD
