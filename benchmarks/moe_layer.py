@@ -137,7 +137,7 @@ def numerics_config(cfg: MoEConfig) -> MoEConfig:
                      top_k=cfg.top_k, load_balance="none")
 
 
-KERNEL_KINDS = (("all-to-all", ("nccl",)), ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "gemv")),
+KERNEL_KINDS = (("all-to-all", ("nccl",)), ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "gemv", "wgrad_accumulate")),
                 ("gather", ("gather", "index")))
 
 

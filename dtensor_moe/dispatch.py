@@ -11,6 +11,8 @@ Dispatch and combine are data movements in opposite directions, so each one's ba
 reverse movement of the same rows (`_Exchange._forward` / `_reverse`).
 """
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -94,27 +96,42 @@ class _Exchange:
         C_mine = C_dev[:, :, me, :-1]  # [etp, ep, E_local]: what this rank's ETP group receives, per expert
         self.local_counts_E = C_mine.sum((0, 1))
         self.idx = _expert_major_index(C_mine, sum(self.pairs.peer))  # pair order -> expert-major
-        self.inv = inverse_permutation(self.idx)[:, None]
         self.copies = copies
         if copies is not None:
-            n_send, K = sum(self.rows.send), copies.row_TK.shape[1]
+            n_send, K = sum(self.rows.send), copies.weight_TK.shape[1]
             # Non-needed cells land in a dummy slot past the end: a scatter, no sort.
             token = torch.arange(num_tokens, device=need.device).repeat(ep)
             self.send_token = token.new_empty(n_send + 1).scatter_(0, torch.where(need, slot, n_send), token)[:n_send]
-            self.token_rows = torch.where(need, slot, -1).view(ep, num_tokens).t()  # [T, ep] for the gradient
+            self._slot_of_cell = torch.where(need, slot, -1).view(ep, num_tokens)
             # Each pair carries (the received row it reads at its rank, its top-k slot), packed: its row
             # in the send buffer, less where the block for that rank starts there, plus where that
             # block lands at the receiver (after the blocks of lower EP sources).
             shift_R = [sum(C[d.etp_rank][s][r][-1] for s in range(me)) - sum(self.rows.send[:r]) for r in range(ep)]
             shift_N = torch.tensor(shift_R, device=need.device).index_select(0, rank_N)
-            row_k = self._pair_rows((slot.index_select(0, cell_N) + shift_N) * K + copies.pair_N % K, K)
-            self.row_idx = row_k // K
-            # Who reads each received row: its (row, slot) cell holds the expert-major position.
-            cells = torch.full((sum(self.rows.peer) * K,), -1, device=need.device, dtype=row_k.dtype)
-            self.row_readers = cells.scatter_(0, row_k, torch.arange(row_k.numel(), device=need.device)).view(-1, K)
+            self._row_k = self._pair_rows((slot.index_select(0, cell_N) + shift_N) * K + copies.pair_N % K, K)
+            self.row_idx = self._row_k // K
         else:
-            self.row_idx, self.row_readers = self.idx, self.inv
+            self.row_idx = self.idx
         self.pending = None  # (input grad, its reverse exchange in flight), see launch_input_grad
+
+    # Tables the dispatch itself does not need are built on first use, after the GEMMs are queued.
+    @functools.cached_property
+    def inv(self) -> torch.Tensor:
+        return inverse_permutation(self.idx)[:, None]
+
+    @functools.cached_property
+    def token_rows(self) -> torch.Tensor:
+        """[T, ep]: each token's row in the send buffer per destination rank, -1 where not sent."""
+        return self._slot_of_cell.t()
+
+    @functools.cached_property
+    def row_readers(self) -> torch.Tensor:
+        """Who reads each received row: its (row, top-k slot) cell holds the expert-major position."""
+        if self.copies is None:
+            return self.inv
+        row_k, K = self._row_k, self.copies.weight_TK.shape[1]
+        cells = torch.full((sum(self.rows.peer) * K,), -1, device=row_k.device, dtype=row_k.dtype)
+        return cells.scatter_(0, row_k, torch.arange(row_k.numel(), device=row_k.device)).view(-1, K)
 
     def _pair_rows(self, row_k_N, K):
         """Expert-major (received row, top-k slot) * K packed, per local (token, expert) pair. The
@@ -257,8 +274,6 @@ class ExpertDispatcher:
             self.out_shape, x = x.shape, x.reshape(-1, x.shape[-1])
         self._ex = ex = _Exchange(self, counts_E.to(torch.int64), copies, x.shape[0])
         x_local = _Move.apply(x, ex.to_experts, ex.input_grad)
-        if copies is not None:  # the routing weights go where the combine sums (autograd: they train the router)
-            ex.w_local = _Move.apply(copies.weight_N[:, None], ex.pairs_to_experts, ex.from_experts)[:, 0]
         if hooked_experts:
             return x_local, ex.local_counts_E, None, 1.0 / self.grad_divisor, ex.launch_input_grad, ex.local_counts_host
         if self.grad_divisor != 1:  # each scale is a full pass over the routed tokens in backward
@@ -269,8 +284,9 @@ class ExpertDispatcher:
         ex, self._ex = self._ex, None
         if not hooked_experts and self.grad_divisor != 1:
             y_local = _ScaleGrad.apply(y_local, 1.0 / self.grad_divisor)
-        if ex.copies is not None:
-            return _Combine.apply(y_local, ex.w_local, ex, self.out_shape)
+        if ex.copies is not None:  # the routing weights go where the sums are (autograd: they train the router)
+            w_local = _Move.apply(ex.copies.weight_N[:, None], ex.pairs_to_experts, ex.from_experts)[:, 0]
+            return _Combine.apply(y_local, w_local, ex, self.out_shape)
         return _Move.apply(y_local, ex.from_experts, ex.pairs_to_experts)
 
 

@@ -48,19 +48,24 @@ def gather_rows(x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor, fan_out: 
 @dataclass(frozen=True)
 class TokenCopies:
     """Where each token's top-k copies go and how they come back: expert-major row n is pair
-    pair_N[n] = t * K + k (token t's k-th choice) for expert expert_N[n], token t's k-th copy is
-    row row_TK[t, k], and weight_TK[t, k] weighs it in the combine. The experts expand the tokens and combine their
-    outputs with it; an expert-parallel dispatcher instead sends each token once per rank, copies
-    it there, and sums its outputs there before they return."""
+    pair_N[n] = t * K + k (token t's k-th choice) for expert expert_N[n], and weight_TK[t, k]
+    weighs it in the combine. The experts expand the tokens and combine their outputs with it; an
+    expert-parallel dispatcher instead sends each token once per rank, copies it there, and sums
+    its outputs there before they return. Derived tables are built on first use: under expert
+    parallelism that is after the GEMMs are queued, off the path to the first one."""
 
     pair_N: torch.Tensor
     expert_N: torch.Tensor
-    row_TK: torch.Tensor
     weight_TK: torch.Tensor
 
     @functools.cached_property
+    def row_TK(self) -> torch.Tensor:
+        """Token t's k-th copy is expert-major row row_TK[t, k]."""
+        return inverse_permutation(self.pair_N).view(self.weight_TK.shape)
+
+    @functools.cached_property
     def token_N(self) -> torch.Tensor:
-        return self.pair_N // self.row_TK.shape[1]
+        return self.pair_N // self.weight_TK.shape[1]
 
     @functools.cached_property
     def weight_N(self) -> torch.Tensor:
@@ -69,7 +74,7 @@ class TokenCopies:
 
     def expand(self, x: torch.Tensor) -> torch.Tensor:
         x_TD = x.reshape(-1, x.shape[-1])
-        return gather_rows(x_TD, self.token_N, self.row_TK.flatten(), fan_out=self.row_TK.shape[1])
+        return gather_rows(x_TD, self.token_N, self.row_TK.flatten(), fan_out=self.weight_TK.shape[1])
 
     def combine(self, y_ND: torch.Tensor, out_shape) -> torch.Tensor:
         """Token t's output: sum_k weight_TK[t, k] * y_ND[row_TK[t, k]], shaped out_shape."""
@@ -148,8 +153,7 @@ class MoE(nn.Module):
         if cfg.load_balance == "aux_loss":
             self.aux_loss = self._aux_loss(scores_TE, self.stats.sum(counts_E.float()))
 
-        rank_N = inverse_permutation(order_N)  # where each (token, k) pair sits in expert order
-        y_BLD = self.experts(x_BLD, counts_E, TokenCopies(order_N, sorted_N, rank_N.view(-1, cfg.top_k), weights_TK))
+        y_BLD = self.experts(x_BLD, counts_E, TokenCopies(order_N, sorted_N, weights_TK))
         if self.shared_experts is not None:
             return y_BLD + self.shared_experts(x_BLD)
         return y_BLD
