@@ -87,17 +87,23 @@ def accumulate_weight_grad(out_EOI, g_NO, x_NI, host_counts, alpha):
 
 def _weight_grad_adder(x_ND, groups, host_counts, w1_EFD):
     """How the backward adds weight gradients into existing ones: `adder(out_EOI, g_NO, x_NI, alpha)`,
-    or None where autograd accumulates. Large per-expert GEMMs: one cuBLAS addmm_ per expert (needs
-    the counts on the host); smaller ones, whose launches would set the pace: one Triton launch per
-    weight on CUDA. On 2xH200 cuBLAS was faster at the DeepSeek and Mixtral shapes, Triton at the
-    Qwen shape (benchmarks/wgrad_probe.py, RESULTS.md)."""
-    if host_counts is not None:
-        E, F_, D = w1_EFD.shape
-        if not isinstance(groups, torch.Tensor) or x_ND.shape[0] * F_ * D >= MIN_MACS_PER_EXPERT_GEMM * max(E, 1):
-            return lambda out, g, x, alpha: accumulate_weight_grad(out, g, x, host_counts, alpha)
-    if isinstance(groups, torch.Tensor) and x_ND.is_cuda and wgrad_kernel.available():
-        return lambda out, g, x, alpha: wgrad_kernel.accumulate(out, g, x, groups, alpha)
-    return None
+    or None where autograd accumulates. One cuBLAS addmm_ per expert (needs the counts on the host)
+    only where it measured fastest on 2xH200: per-expert GEMMs large enough to outlast their
+    launches, and an output no wider than tall ([O, I] with O >= I: w2 when D >= F); cuBLAS runs the
+    other orientation with a slow tile. Everywhere else on CUDA one Triton launch per weight
+    (wgrad_kernel; benchmarks/wgrad_probe.py, RESULTS.md)."""
+    E, F_, D = w1_EFD.shape
+    per_expert = host_counts is not None and (
+        not isinstance(groups, torch.Tensor) or x_ND.shape[0] * F_ * D >= MIN_MACS_PER_EXPERT_GEMM * max(E, 1))
+    triton = isinstance(groups, torch.Tensor) and x_ND.is_cuda and wgrad_kernel.available()
+
+    def adder(out_EOI, g_NO, x_NI, alpha):
+        if per_expert and (not triton or out_EOI.shape[1] >= out_EOI.shape[2]):
+            accumulate_weight_grad(out_EOI, g_NO, x_NI, host_counts, alpha)
+        else:
+            wgrad_kernel.accumulate(out_EOI, g_NO, x_NI, groups, alpha)
+
+    return adder if per_expert or triton else None
 
 
 def _existing_grads(ctx, ws):
