@@ -85,20 +85,25 @@ def accumulate_weight_grad(out_EOI, g_NO, x_NI, host_counts, alpha):
         o_OI.addmm_(g_nO.t(), x_nI, alpha=alpha)
 
 
+# cuBLAS runs an [O, I] weight gradient with O < I (w1/w3's [F, D] when F < D) with a slow tile when
+# each expert reduces over few rows (~375 TFLOP/s at 512 rows, DeepSeek-like), fast at >= 2048 rows.
+CUBLAS_WIDE_MIN_ROWS = 2048
+
+
 def _weight_grad_adder(x_ND, groups, host_counts, w1_EFD):
     """How the backward adds weight gradients into existing ones: `adder(out_EOI, g_NO, x_NI, alpha)`,
     or None where autograd accumulates. One cuBLAS addmm_ per expert (needs the counts on the host)
     only where it measured fastest on 2xH200: per-expert GEMMs large enough to outlast their
-    launches, and an output no wider than tall ([O, I] with O >= I: w2 when D >= F); cuBLAS runs the
-    other orientation with a slow tile. Everywhere else on CUDA one Triton launch per weight
-    (wgrad_kernel; benchmarks/wgrad_probe.py, RESULTS.md)."""
+    launches, in an orientation cuBLAS runs well (see CUBLAS_WIDE_MIN_ROWS). Everywhere else on
+    CUDA one Triton launch per weight (wgrad_kernel; benchmarks/wgrad_probe.py, RESULTS.md)."""
     E, F_, D = w1_EFD.shape
     per_expert = host_counts is not None and (
         not isinstance(groups, torch.Tensor) or x_ND.shape[0] * F_ * D >= MIN_MACS_PER_EXPERT_GEMM * max(E, 1))
     triton = isinstance(groups, torch.Tensor) and x_ND.is_cuda and wgrad_kernel.available()
+    long_rows = x_ND.shape[0] >= CUBLAS_WIDE_MIN_ROWS * max(E, 1)
 
     def adder(out_EOI, g_NO, x_NI, alpha):
-        if per_expert and (not triton or out_EOI.shape[1] >= out_EOI.shape[2]):
+        if per_expert and (not triton or long_rows or out_EOI.shape[1] >= out_EOI.shape[2]):
             accumulate_weight_grad(out_EOI, g_NO, x_NI, host_counts, alpha)
         else:
             wgrad_kernel.accumulate(out_EOI, g_NO, x_NI, groups, alpha)
