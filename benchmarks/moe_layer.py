@@ -5,7 +5,8 @@
 
 Every layer is `dtensor_moe.MoE` parallelized by `parallelize_moe` on the EP=2, ETP=2 or EDP=2 mesh
 (and unparallelized on one GPU), with the router bypassed and fed exactly the uniform random routing
-of `titan_anchor.py` (same seed, same draws): same tokens per rank, K and E. FLOPs are counted as the
+of `titan_anchor.py` (same seed, same draws): same tokens per rank, K and E; as there, the routing
+weights take no gradient (the router's backward is not timed). FLOPs are counted as the
 baseline does, 18*D*F*T*K per rank. Two timings per layer:
   layer: gradient-accumulation steady state (FSDP parameters stay gathered, no gradient reduction,
          gradients add into .grad) -- dispatch + grouped GEMM + combine, like the baseline, which
@@ -181,9 +182,10 @@ def profile_step(step, dev, barrier: bool, top: int = 16, trace: str | None = No
 
 
 def a2a_bytes_to_peer(mesh, experts_TK, E, D, itemsize) -> int:
-    """Bytes this rank sends its peer in one all-to-all of the dispatch or of the combine: each
-    token once per rank that holds one of its experts. There are four a step: dispatch and
-    combine, forward and backward."""
+    """Bytes this rank sends its peer in one all-to-all of the dispatch: each token once per rank
+    that holds one of its experts. The combine's are counted the same (they are what the peer
+    dispatched, equal on average); four such transfers a step, forward and backward. The small
+    collectives beside them (counts, pair tables, routing weights) are in the time, not the bytes."""
     if mesh == "ep2":
         rank = dist.get_rank()
         remote_TK = (experts_TK >= E // 2) if rank == 0 else (experts_TK < E // 2)

@@ -5,7 +5,7 @@ of its k copies sits in expert order; the expert-parallel combine uses it on the
 r = received token row, summing that token's experts on this rank before anything travels back.
 Backward, every y row is read by exactly one slot, `tok_N[n]` being that slot's r, so the
 gradients are a gather: dy_N[n] = w_N[n] * dout[tok_N[n]], dw_N[n] = <dout[tok_N[n]], y_N[n]>.
-Deterministic, no scatter-add, no atomics; sums in fp32 (or the inputs' wider dtype).
+Deterministic, no scatter-add, no atomics; sums in fp32 (fp64 for fp64 inputs).
 
 On CUDA one Triton kernel each way (forward reads each y row once, backward writes each gradient
 row straight into expert order); elsewhere torch ops. Tests run the kernels on CPU under
@@ -71,8 +71,10 @@ def available() -> bool:
         return False
 
 
-def _triton(t: torch.Tensor) -> bool:
-    return t.is_cuda and available()
+def runs_triton(t: torch.Tensor) -> bool:
+    """Whether the Triton kernels take tensors like t: on CUDA, up to fp32 (they compute in fp32;
+    fp64 stays on the torch path, which keeps fp64)."""
+    return t.is_cuda and t.dtype != torch.float64 and available()
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -82,7 +84,7 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
 def weighted_sum_rows(y_ND: torch.Tensor, idx_RK: torch.Tensor, w_N: torch.Tensor | None) -> torch.Tensor:
     """out[r] = sum_k w_N[idx_RK[r, k]] * y_ND[idx_RK[r, k]], no autograd; w_N None: unweighted."""
     (R, K), D = idx_RK.shape, y_ND.shape[1]
-    if _triton(y_ND):
+    if runs_triton(y_ND):
         out = y_ND.new_empty(R, D)
         if R:
             triton, fwd, _ = _kernels()
@@ -106,37 +108,46 @@ def gather_sum(y_ND: torch.Tensor, idx_RK: torch.Tensor) -> torch.Tensor:
     return weighted_sum_rows(y_ND, idx_RK, None)
 
 
-def weighted_gather_sum_backward(dout_RD, y_ND, tok_N, w_N, need_dw: bool):
-    """(dy_N, dw_N or None) of out = weighted gather-sum, given each y row's slot row tok_N."""
+def weighted_gather_sum_backward(dout_RD, tok_N, w_N, y_ND, dtype):
+    """(dy_N in `dtype`, dw_N or None) of out = weighted gather-sum, given each y row's slot row
+    tok_N; y_ND (needed only for dw_N) is None when the weights take no gradient."""
     dout_RD = dout_RD.contiguous()
-    if _triton(y_ND):
-        N, D = y_ND.shape
-        dy_ND = torch.empty_like(y_ND)
-        dw_N = torch.empty(N, device=y_ND.device, dtype=torch.float32) if need_dw else dy_ND
+    N, D = tok_N.numel(), dout_RD.shape[1]
+    if runs_triton(dout_RD):
+        dy_ND = torch.empty(N, D, device=dout_RD.device, dtype=dtype)
+        need_dw = y_ND is not None
+        dw_N = torch.empty(N, device=dout_RD.device, dtype=torch.float32) if need_dw else dy_ND
         if N:
             _, _, bwd = _kernels()
-            bwd[(N,)](dout_RD, y_ND.contiguous(), tok_N.contiguous(), w_N.contiguous(), dy_ND, dw_N, D,
-                      NEED_DW=need_dw, BLOCK_D=BLOCK_D)
+            bwd[(N,)](dout_RD, y_ND.contiguous() if need_dw else dy_ND, tok_N.contiguous(), w_N.contiguous(),
+                      dy_ND, dw_N, D, NEED_DW=need_dw, BLOCK_D=BLOCK_D)
         return dy_ND, (dw_N.to(w_N.dtype) if need_dw else None)
     g_ND = dout_RD.index_select(0, tok_N)
-    dy_ND = (g_ND * w_N.to(g_ND.dtype).unsqueeze(-1)).to(y_ND.dtype)
+    dy_ND = (g_ND * w_N.to(g_ND.dtype).unsqueeze(-1)).to(dtype)
+    if y_ND is None:
+        return dy_ND, None
     acc = _acc_dtype(y_ND)
-    dw_N = (g_ND.to(acc) * y_ND.to(acc)).sum(-1).to(w_N.dtype) if need_dw else None
-    return dy_ND, dw_N
+    return dy_ND, (g_ND.to(acc) * y_ND.to(acc)).sum(-1).to(w_N.dtype)
+
+
+def save_for_weighted_backward(ctx, y_ND, w_N, *more):
+    """Saves what weighted_gather_sum_backward needs: y only when the weights take a gradient (it
+    is the largest tensor, and under expert parallelism it holds every ETP peer's pairs)."""
+    ctx.y_dtype = y_ND.dtype
+    ctx.save_for_backward(y_ND if ctx.needs_input_grad[1] else None, w_N, *more)
 
 
 class _WeightedGatherSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_ND, w_N, idx_RK, tok_N, out_shape):
-        ctx.save_for_backward(y_ND, w_N, tok_N)
+        save_for_weighted_backward(ctx, y_ND, w_N, tok_N)
         # Shaped here: FSDP2 hooks the layer's output, which must not be a view made outside.
         return weighted_sum_rows(y_ND, idx_RK, w_N).view(out_shape)
 
     @staticmethod
     def backward(ctx, dout):
         y_ND, w_N, tok_N = ctx.saved_tensors
-        dy_ND, dw_N = weighted_gather_sum_backward(dout.reshape(-1, y_ND.shape[1]), y_ND, tok_N, w_N,
-                                                   ctx.needs_input_grad[1])
+        dy_ND, dw_N = weighted_gather_sum_backward(dout.reshape(-1, dout.shape[-1]), tok_N, w_N, y_ND, ctx.y_dtype)
         return dy_ND, dw_N, None, None, None
 
 

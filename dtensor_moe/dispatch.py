@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from .combine import gather_sum, weighted_gather_sum_backward, weighted_sum_rows
+from .combine import gather_sum, save_for_weighted_backward, weighted_gather_sum_backward, weighted_sum_rows
 from .moe import inverse_permutation
 
 
@@ -122,7 +122,7 @@ class _Exchange:
     @functools.cached_property
     def token_rows(self) -> torch.Tensor:
         """[T, ep]: each token's row in the send buffer per destination rank, -1 where not sent."""
-        return self._slot_of_cell.t()
+        return self._slot_of_cell.t().contiguous()
 
     @functools.cached_property
     def row_readers(self) -> torch.Tensor:
@@ -186,11 +186,13 @@ class _Exchange:
         return self._to_tokens(self._reverse(z_rows, self.rows)[0])
 
     def from_experts(self, y_local):
-        """Combine's data movement: expert outputs back to the sender, one row per pair."""
+        """Pair rows (expert-major) back to the sender: without copies the combine's movement; with
+        copies the routing weights' gradients."""
         return self._reverse(y_local, self.pairs, self.inv)[0]
 
     def pairs_to_experts(self, dy):
-        """The combine's backward: gradients of the pair rows -> expert-major."""
+        """Sender's pair rows -> expert-major: the combine's backward without copies; with copies
+        the routing weights' move to the expert ranks."""
         return self._forward(dy, self.pairs, self.idx)
 
     def launch_input_grad(self, dx_local):
@@ -227,11 +229,11 @@ class _Combine(torch.autograd.Function):
     """Expert outputs (expert-major pairs) -> tokens: each received row sums its pairs weighted on
     the expert rank, then travels back once and the sender sums over ranks. Backward goes the
     dispatch's way and finishes with the pairs' gradients and the routing weights' (on the
-    expert rank; `dispatch` moves those home)."""
+    expert rank; the weights' own move, in `ExpertDispatcher.combine`, takes those home)."""
 
     @staticmethod
     def forward(ctx, y_local, w_local, ex, out_shape):
-        ctx.save_for_backward(y_local, w_local)
+        save_for_weighted_backward(ctx, y_local, w_local)
         ctx.ex = ex
         # Shaped here: FSDP2 hooks the layer's output, which must not be a view made outside.
         return ex.rows_to_tokens(weighted_sum_rows(y_local, ex.row_readers, w_local)).view(out_shape)
@@ -239,9 +241,8 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         y_local, w_local = ctx.saved_tensors
-        dz_rows = ctx.ex.tokens_to_rows(dy.reshape(-1, y_local.shape[1]))
-        dy_local, dw_local = weighted_gather_sum_backward(dz_rows, y_local, ctx.ex.row_idx, w_local,
-                                                          ctx.needs_input_grad[1])
+        dz_rows = ctx.ex.tokens_to_rows(dy.reshape(-1, dy.shape[-1]))
+        dy_local, dw_local = weighted_gather_sum_backward(dz_rows, ctx.ex.row_idx, w_local, y_local, ctx.y_dtype)
         return dy_local, dw_local, None, None
 
 

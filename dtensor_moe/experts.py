@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from . import swiglu_kernel, wgrad_kernel
+from .combine import runs_triton
 
 
 def _grouped_mm_supported(x_TD: torch.Tensor, w1_EFD: torch.Tensor) -> bool:
@@ -158,7 +159,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         w1_EFD, w2_EDF, w3_EFD = (_local(w, x_ND.dtype) for w in (w1, w2, w3))
         a_NF = grouped_mm(x_ND, w1_EFD.transpose(-2, -1), groups)
         b_NF = grouped_mm(x_ND, w3_EFD.transpose(-2, -1), groups)
-        if x_ND.is_cuda and swiglu_kernel.available():  # one pass; backward recomputes silu(a) in its own
+        if runs_triton(x_ND):  # one pass; backward recomputes silu(a) in its own
             silu_a_NF, h_NF = None, swiglu_kernel.forward(a_NF, b_NF)
         else:
             silu_a_NF = F.silu(a_NF)

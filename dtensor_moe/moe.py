@@ -51,7 +51,7 @@ class TokenCopies:
     pair_N[n] = t * K + k (token t's k-th choice) for expert expert_N[n], and weight_TK[t, k]
     weighs it in the combine. The experts expand the tokens and combine their outputs with it; an
     expert-parallel dispatcher instead sends each token once per rank, copies it there, and sums
-    its outputs there before they return. Derived tables are built on first use: under expert
+    its outputs there before they return. The other tables are built on first use: under expert
     parallelism that is after the GEMMs are queued, off the path to the first one."""
 
     pair_N: torch.Tensor

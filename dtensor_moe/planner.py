@@ -190,12 +190,13 @@ def activation_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload) -> 
     """Saved activations per rank (estimate): inputs and outputs of every linear, routed copies, logits.
 
     MoE: after the ETP gather a rank holds etp * top_k * T routed tokens of width D and the same
-    tokens' F/etp-wide hidden activations (three of them), so the hidden part is independent of etp.
+    tokens' F/etp-wide hidden activations (three of them), so the hidden part is independent of etp;
+    the combine keeps the experts' D-wide outputs of those pairs for the routing weights' gradient.
     """
     T, b, D, k = tokens_per_rank(work, dims), work.compute_bytes, spec.dim, spec.top_k
     attn = sum(s[0] + s[-1] for _, s in spec.attention if len(s) == 2)
     common = 3 * D + attn  # two norm inputs and the residual, plus attention
-    moe = k * (dims.etp * D + 3 * spec.moe_hidden_dim + D) + 3 * spec.moe_hidden_dim * spec.num_shared_experts
+    moe = k * (2 * dims.etp * D + 3 * spec.moe_hidden_dim) + 3 * spec.moe_hidden_dim * spec.num_shared_experts
     moe_layer = T * b * (common + moe) + T * spec.num_experts * 4  # fp32 router scores
     dense_layer = T * b * (common + 3 * spec.dense_hidden_dim)
     logits = T * spec.vocab_size * (b + 8)  # logits, fp32 copy for the loss, its gradient

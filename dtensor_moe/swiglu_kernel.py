@@ -3,14 +3,12 @@
 Forward h = silu(a) * b; backward da = dh * b * silu'(a), db = dh * silu(a). In torch that is
 two passes forward (and silu(a) kept for backward) and three backward; here each direction
 reads its inputs once and writes its outputs once, and silu(a) is recomputed instead of kept.
-Math in fp32. Used on CUDA when Triton imports; tests run it on CPU under TRITON_INTERPRET=1.
+Math in fp32. Used where combine.runs_triton; tests run it on CPU under TRITON_INTERPRET=1.
 """
 
 import functools
 
 import torch
-
-from .combine import available  # noqa: F401  (whether Triton imports: the same question)
 
 BLOCK = 2048
 

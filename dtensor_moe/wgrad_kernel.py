@@ -39,7 +39,7 @@ def _kernel():
         ro = to * BLOCK_O + tl.arange(0, BLOCK_O)
         ri = ti * BLOCK_I + tl.arange(0, BLOCK_I)
         rk = tl.arange(0, BLOCK_K)
-        out = out_ptr + e * O * I + ro[:, None] * I + ri[None, :]
+        out = out_ptr + e * O * I + ro[:, None].to(tl.int64) * I + ri[None, :]
         in_tile = (ro[:, None] < O) & (ri[None, :] < I)
         acc = tl.zeros([BLOCK_O, BLOCK_I], dtype=tl.float32)
         for k0 in range(start, end, BLOCK_K):

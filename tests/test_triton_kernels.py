@@ -14,7 +14,7 @@ def both(fn):
     # The same call through the Triton kernels (interpreted) and through the torch ops.
     out = []
     for use in (True, False):
-        combine._triton = lambda t, use=use: use
+        combine.runs_triton = lambda t, use=use: use
         out.append(fn())
     return out
 
