@@ -67,9 +67,10 @@ class _Exchange:
     torchtitan's experts get them and return them) both directions move those rows.
     """
 
-    def __init__(self, d: "ExpertDispatcher", counts_E: torch.Tensor, copies=None, num_tokens: int = 0):
+    def __init__(self, d: "ExpertDispatcher", counts_E: torch.Tensor, copies, token_shape: torch.Size):
         ep, etp = d.ep, d.etp
-        self.d = d
+        self.d, self.out_shape = d, token_shape  # with copies: the tokens' shape, which the combine returns
+        num_tokens = token_shape[:-1].numel()
         if copies is not None:
             rank_N = copies.expert_N // (d.num_experts // ep)  # destination of each expert-major pair
             cell_N = rank_N * num_tokens + copies.token_N  # (destination rank, token), rank-major
@@ -198,7 +199,10 @@ class _Exchange:
     def launch_input_grad(self, dx_local):
         """Called by the experts' backward as soon as their input gradient exists: its trip back to
         the token owners then runs while the weight-gradient GEMMs compute."""
-        self.pending = (dx_local, *self._reverse(dx_local, self.rows, self.row_readers, async_op=True))
+        self.pending = (dx_local, *self._start_input_grad(dx_local))
+
+    def _start_input_grad(self, dx_local):
+        return self._reverse(dx_local, self.rows, self.row_readers, async_op=True)
 
     def input_grad(self, dx_local):
         launched, out, work = self.pending or (None, None, None)
@@ -206,7 +210,7 @@ class _Exchange:
         if launched is None or launched.data_ptr() != dx_local.data_ptr():
             if work is not None:  # never reached by GroupedExperts; keeps any other caller correct
                 work.wait()
-            out, work = self._reverse(dx_local, self.rows, self.row_readers, async_op=True)
+            out, work = self._start_input_grad(dx_local)
         if work is not None:
             work.wait()
         return self._to_tokens(out)
@@ -271,9 +275,9 @@ class ExpertDispatcher:
         `hooked_experts` no copies (done here), the weight-gradient scale, the input-gradient hook
         and the counts on the host. x holds one row per (token, expert) pair in expert order, or
         with `copies` (moe.TokenCopies) the tokens themselves, which then travel once per rank."""
+        self._ex = ex = _Exchange(self, counts_E.to(torch.int64), copies, x.shape)
         if copies is not None:  # tokens of any leading shape; the combine returns that shape
-            self.out_shape, x = x.shape, x.reshape(-1, x.shape[-1])
-        self._ex = ex = _Exchange(self, counts_E.to(torch.int64), copies, x.shape[0])
+            x = x.reshape(-1, x.shape[-1])
         x_local = _Move.apply(x, ex.to_experts, ex.input_grad)
         if hooked_experts:
             return x_local, ex.local_counts_E, None, 1.0 / self.grad_divisor, ex.launch_input_grad, ex.local_counts_host
@@ -287,7 +291,7 @@ class ExpertDispatcher:
             y_local = _ScaleGrad.apply(y_local, 1.0 / self.grad_divisor)
         if ex.copies is not None:  # the routing weights go where the sums are (autograd: they train the router)
             w_local = _Move.apply(ex.copies.weight_N[:, None], ex.pairs_to_experts, ex.from_experts)[:, 0]
-            return _Combine.apply(y_local, w_local, ex, self.out_shape)
+            return _Combine.apply(y_local, w_local, ex, ex.out_shape)
         return _Move.apply(y_local, ex.from_experts, ex.pairs_to_experts)
 
 

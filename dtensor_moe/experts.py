@@ -100,7 +100,7 @@ def _weight_grad_adder(x_ND, groups, host_counts, w1_EFD):
     E, F_, D = w1_EFD.shape
     per_expert = host_counts is not None and (
         not isinstance(groups, torch.Tensor) or x_ND.shape[0] * F_ * D >= MIN_MACS_PER_EXPERT_GEMM * max(E, 1))
-    triton = isinstance(groups, torch.Tensor) and x_ND.is_cuda and wgrad_kernel.available()
+    triton = isinstance(groups, torch.Tensor) and runs_triton(x_ND)
     long_rows = x_ND.shape[0] >= CUBLAS_WIDE_MIN_ROWS * max(E, 1)
 
     def adder(out_EOI, g_NO, x_NI, alpha):
@@ -215,7 +215,7 @@ def grouped_swiglu(
 ) -> torch.Tensor:
     """The weights may be DTensors: the GEMMs run on their local shards, in x_TD's dtype.
     `host_counts`: counts_E as a host list, when the caller has it without a sync (the dispatcher
-    does); off CUDA it lets the backward add weight gradients into existing ones (see _GroupedSwiGLU)."""
+    does); it lets the backward add weight gradients into existing ones per expert (see _weight_grad_adder)."""
     w1_local = _shard(w1_EFD)
     if use_kernel is None:
         use_kernel = _grouped_mm_supported(x_TD, w1_local)

@@ -7,14 +7,13 @@ orientation of w1/w3, cuBLAS picks a slow tile (benchmarks/RESULTS.md). This ker
 output tile once, adds the fp32 product, and writes it back: one launch per weight. Loading the
 output tile before the K loop (to hide its latency) measured slower on H200 (wgrad_probe.py). Programs run
 expert by expert, so an expert's rows stay in L2 while all its output tiles read them.
-Used on CUDA when Triton imports; tests run it on CPU under TRITON_INTERPRET=1.
+Used where combine.runs_triton (chosen per shape by experts._weight_grad_adder); tests run it on CPU
+under TRITON_INTERPRET=1.
 """
 
 import functools
 
 import torch
-
-from .combine import available  # noqa: F401  (whether Triton imports: the same question)
 
 # (BLOCK_O, BLOCK_I, BLOCK_K, num_warps, num_stages), chosen on H200 by benchmarks/wgrad_probe.py: the
 # best at the DeepSeek shape (two programs fit on an SM, so one's epilogue overlaps the other's loop),
