@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
-from dtensor_moe.metrics import local_state_bytes, write_json
-from dtensor_moe.optim import build_optimizer
+from dtensor_moe.train.metrics import local_state_bytes, write_json
+from dtensor_moe.train.optim import build_optimizer
 
 TARGET_SLACK = 1.05
 

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import sys
 
-from dtensor_moe.metrics import write_json
+from dtensor_moe.train.metrics import write_json
 
 MESHES = {  # name -> overrides (world size from --nproc)
     "EDP2xEP2xETP2": ["parallel.ep=2", "parallel.etp=2", "parallel.dp_replicate=1"],

@@ -31,7 +31,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, grouped_swiglu, parallelize_moe
-from dtensor_moe.metrics import write_json
+from dtensor_moe.train.metrics import write_json
 
 SHAPES = {  # name: (D, F, E, K, tokens per rank)
     "deepseek": (7168, 2048, 256, 8, 8192),

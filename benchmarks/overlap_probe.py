@@ -18,7 +18,7 @@ import torch.distributed as dist
 from moe_layer import host_timed_ms
 
 from dtensor_moe.experts import accumulate_weight_grad, grouped_weight_grad
-from dtensor_moe.metrics import write_json
+from dtensor_moe.train.metrics import write_json
 
 
 def main():

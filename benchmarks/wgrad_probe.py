@@ -15,7 +15,7 @@ import torch
 
 from dtensor_moe import wgrad_kernel
 from dtensor_moe.experts import accumulate_weight_grad, grouped_weight_grad
-from dtensor_moe.metrics import write_json
+from dtensor_moe.train.metrics import write_json
 
 SHAPES = {  # per rank at EP=2: D, F, local experts, routed rows
     "deepseek": (7168, 2048, 128, 8192 * 8),

@@ -9,11 +9,11 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "train": ("dtensor_moe.train", "train a small MoE language model on CPU ranks or GPUs"),
-    "plan": ("dtensor_moe.planner", "choose EP x EDP x ETP from memory and traffic"),
-    "explain": ("dtensor_moe.explain", "show which rank owns which slice of every weight"),
-    "export": ("dtensor_moe.export", "write a checkpoint's weights as safetensors"),
-    "import": ("dtensor_moe.export", "read safetensors weights back into a checkpoint"),
+    "train": ("dtensor_moe.train.loop", "train a small MoE language model on CPU ranks or GPUs"),
+    "plan": ("dtensor_moe.tools.planner", "choose EP x EDP x ETP from memory and traffic"),
+    "explain": ("dtensor_moe.tools.explain", "show which rank owns which slice of every weight"),
+    "export": ("dtensor_moe.train.export", "write a checkpoint's weights as safetensors"),
+    "import": ("dtensor_moe.train.export", "read safetensors weights back into a checkpoint"),
 }
 
 

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import swiglu_kernel, wgrad_kernel
-from .combine import runs_triton
+from dtensor_moe.kernels import swiglu, wgrad
+from dtensor_moe.kernels.gather_sum import runs_triton
 
 
 def _grouped_mm_supported(x_TD: torch.Tensor, w1_EFD: torch.Tensor) -> bool:
@@ -96,7 +96,7 @@ def _weight_grad_adder(x_ND, groups, host_counts, w1_EFD):
     or None where autograd accumulates. One cuBLAS addmm_ per expert (needs the counts on the host)
     only where it measured fastest on 2xH200: per-expert GEMMs large enough to outlast their
     launches, in an orientation cuBLAS runs well (see CUBLAS_WIDE_MIN_ROWS). Everywhere else on
-    CUDA one Triton launch per weight (wgrad_kernel; benchmarks/wgrad_probe.py, RESULTS.md)."""
+    CUDA one Triton launch per weight (kernels/wgrad.py; benchmarks/wgrad_probe.py, RESULTS.md)."""
     E, F_, D = w1_EFD.shape
     per_expert = host_counts is not None and (
         not isinstance(groups, torch.Tensor) or x_ND.shape[0] * F_ * D >= MIN_MACS_PER_EXPERT_GEMM * max(E, 1))
@@ -107,7 +107,7 @@ def _weight_grad_adder(x_ND, groups, host_counts, w1_EFD):
         if per_expert and (not triton or long_rows or out_EOI.shape[1] >= out_EOI.shape[2]):
             accumulate_weight_grad(out_EOI, g_NO, x_NI, host_counts, alpha)
         else:
-            wgrad_kernel.accumulate(out_EOI, g_NO, x_NI, groups, alpha)
+            wgrad.accumulate(out_EOI, g_NO, x_NI, groups, alpha)
 
     return adder if per_expert or triton else None
 
@@ -160,7 +160,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         a_NF = grouped_mm(x_ND, w1_EFD.transpose(-2, -1), groups)
         b_NF = grouped_mm(x_ND, w3_EFD.transpose(-2, -1), groups)
         if runs_triton(x_ND):  # one pass; backward recomputes silu(a) in its own
-            silu_a_NF, h_NF = None, swiglu_kernel.forward(a_NF, b_NF)
+            silu_a_NF, h_NF = None, swiglu.forward(a_NF, b_NF)
         else:
             silu_a_NF = F.silu(a_NF)
             h_NF = silu_a_NF * b_NF
@@ -178,7 +178,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         dy_ND = dy_ND.contiguous()
         dh_NF = grouped_mm(dy_ND, w2_EDF, groups)
         if silu_a_NF is None:
-            da_NF, db_NF = swiglu_kernel.backward(dh_NF, a_NF, b_NF)
+            da_NF, db_NF = swiglu.backward(dh_NF, a_NF, b_NF)
         else:
             da_NF = torch.ops.aten.silu_backward(dh_NF * b_NF, a_NF)
             db_NF = dh_NF * silu_a_NF

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import MoEConfig
+from dtensor_moe.config import MoEConfig
 
 
 class TopKRouter(nn.Module):

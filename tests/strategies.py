@@ -2,7 +2,7 @@
 
 from hypothesis import strategies as st
 
-from dtensor_moe.mesh import divisors
+from dtensor_moe.parallel.mesh import divisors
 
 from .parity import Case
 

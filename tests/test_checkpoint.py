@@ -17,9 +17,10 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torch.distributed.tensor import DTensor
 
 from dtensor_moe import MoEParallelDims
-from dtensor_moe.checkpoint import latest, load, save, step_dir
-from dtensor_moe.model import ModelConfig, MoETransformer
-from dtensor_moe.parallelize import parallelize_model
+from dtensor_moe.train.checkpoint import latest, load, save, step_dir
+from dtensor_moe.train.config import ModelConfig
+from dtensor_moe.train.model import MoETransformer
+from dtensor_moe.parallel.parallelize import parallelize_model
 
 from .harness import _free_port, run_on_ranks
 

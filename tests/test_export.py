@@ -8,9 +8,10 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from dtensor_moe import cli, export
-from dtensor_moe.checkpoint import latest, load, save
-from dtensor_moe.model import ModelConfig
+from dtensor_moe import cli
+from dtensor_moe.train import export
+from dtensor_moe.train.checkpoint import latest, load, save
+from dtensor_moe.train.config import ModelConfig
 
 from .harness import run_on_ranks
 from .test_checkpoint import CFG, _full, build, train

@@ -51,7 +51,8 @@ def _dispatch_rows(rank: int, world_size: int, etp: int) -> list:
     """Rows of width D each all-to-all of one forward moves, with top_k = num_experts."""
     from unittest import mock
 
-    from dtensor_moe import MoE, MoEConfig, MoEParallelDims, dispatch, parallelize_moe
+    from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
+    from dtensor_moe.parallel import dispatch
 
     torch.manual_seed(0)
     cfg = MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=4)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from dtensor_moe import planner as P
-from dtensor_moe.mesh import EXPERT_AXES, MoEParallelDims
-from dtensor_moe.plan import plan_moe, rank_coords
-from dtensor_moe.presets import PRESETS, resolve, spec_from_model_config
+from dtensor_moe.tools import planner as P
+from dtensor_moe.parallel.mesh import EXPERT_AXES, MoEParallelDims
+from dtensor_moe.parallel.plan import plan_moe, rank_coords
+from dtensor_moe.tools.presets import PRESETS, resolve, spec_from_model_config
 
 from .harness import run_on_ranks
 
@@ -29,8 +29,9 @@ def _measure_states(rank, world, model_kwargs, dims_kwargs):
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
 
-    from dtensor_moe.model import ModelConfig, MoETransformer
-    from dtensor_moe.parallelize import parallelize_model
+    from dtensor_moe.train.config import ModelConfig
+    from dtensor_moe.train.model import MoETransformer
+    from dtensor_moe.parallel.parallelize import parallelize_model
 
     torch.manual_seed(0)
     cfg = ModelConfig(**model_kwargs)
@@ -67,7 +68,7 @@ MESHES = [
 
 @pytest.mark.parametrize("world,dims_kwargs", MESHES, ids=[f"{w}-{'-'.join(f'{k}{v}' for k, v in d.items())}" for w, d in MESHES])
 def test_state_memory_matches_measured(world, dims_kwargs):
-    from dtensor_moe.model import ModelConfig
+    from dtensor_moe.train.config import ModelConfig
 
     measured = run_on_ranks(world, _measure_states, TINY, dims_kwargs)
     dims = MoEParallelDims(world, **dims_kwargs)
@@ -90,7 +91,8 @@ def test_state_memory_matches_measured(world, dims_kwargs):
 def test_spec_matches_model_parameters():
     import torch
 
-    from dtensor_moe.model import ModelConfig, MoETransformer
+    from dtensor_moe.train.config import ModelConfig
+    from dtensor_moe.train.model import MoETransformer
 
     for kw in (TINY, {**TINY, "tie_embeddings": True, "num_shared_experts": 0}):
         cfg = ModelConfig(**kw)
@@ -204,7 +206,7 @@ def _fake_pg_main(rank: int):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from dtensor_moe.plan import ownership
+    from dtensor_moe.parallel.plan import ownership
 
     world = 16384
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
@@ -280,7 +282,7 @@ def test_distinct_ranks_matches_sampled_routing():
     """The dispatch's rows per token (the planner's all-to-all volume) against uniform top-k draws."""
     import torch
 
-    from dtensor_moe.planner import distinct_ranks
+    from dtensor_moe.tools.planner import distinct_ranks
 
     g = torch.Generator().manual_seed(0)
     for E, K, ep in [(16, 4, 4), (256, 8, 2), (8, 2, 2), (6, 6, 3)]:

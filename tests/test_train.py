@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dtensor_moe.cli import main
-from dtensor_moe.train_config import load_config
+from dtensor_moe.train.config import load_config
 
 
 def test_tiny_cpu_run_falls_and_matches_one_process(tmp_path):
@@ -41,14 +41,14 @@ def test_config_errors(overrides, match):
         assert load_config("configs/tiny_cpu.toml", overrides).training.global_batch == 12
         return
     with pytest.raises(ValueError, match=match):
-        from dtensor_moe.train import _check
+        from dtensor_moe.train.loop import _check
 
         cfg = load_config("configs/tiny_cpu.toml", overrides)
         _check(cfg, cfg.parallel.nproc)
 
 
 def test_global_batch_checked_against_the_real_world_size_before_launch():
-    from dtensor_moe.train import _check
+    from dtensor_moe.train.loop import _check
 
     cfg = load_config("configs/tiny_cpu_ep_only.toml", ["parallel.ep=16", "model.num_experts=16", "training.global_batch=32"])
     _check(cfg, 32)  # under torchrun on 32 ranks: ep=16 is valid although parallel.nproc says 8
@@ -57,7 +57,7 @@ def test_global_batch_checked_against_the_real_world_size_before_launch():
 
 
 def test_global_batch_must_split_over_data_ranks():
-    from dtensor_moe.data import Batches, corpus_tokens
+    from dtensor_moe.train.data import Batches, corpus_tokens
 
     with pytest.raises(ValueError, match=r"global_batch \(12\) must be divisible by the data-parallel size \(8\)"):
         Batches(corpus_tokens(), 64, 12, 0, 0, 8)
@@ -66,7 +66,7 @@ def test_global_batch_must_split_over_data_ranks():
 def test_global_batch_is_mesh_independent():
     import torch
 
-    from dtensor_moe.data import Batches, corpus_tokens
+    from dtensor_moe.train.data import Batches, corpus_tokens
 
     tokens = corpus_tokens()
     whole = Batches(tokens, 16, 8, 0, 0, 1)(3)[0]

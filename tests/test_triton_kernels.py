@@ -8,7 +8,7 @@ import sys
 
 CHECK = r"""
 import torch
-from dtensor_moe import combine
+from dtensor_moe.kernels import gather_sum as combine
 
 def both(fn):
     # The same call through the Triton kernels (interpreted) and through the torch ops.
@@ -59,7 +59,7 @@ for R, K, D, N in [(6, 3, 1030, 9), (4, 2, 5, 3), (0, 2, 8, 4)]:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 # wgrad_kernel: out[e] += alpha * g_e^T x_e; empty experts, rows not a multiple of the tile, partial tiles.
-from dtensor_moe import wgrad_kernel
+from dtensor_moe.kernels import wgrad as wgrad_kernel
 for counts, O, I in [([5, 0, 70, 16], 40, 24), ([0, 0], 8, 8), ([33], 17, 130)]:
     N = sum(counts)
     g_NO, x_NI = torch.randn(N, O), torch.randn(N, I)
@@ -70,7 +70,7 @@ for counts, O, I in [([5, 0, 70, 16], 40, 24), ([0, 0], 8, 8), ([33], 17, 130)]:
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
 # swiglu_kernel: h = silu(a) * b and its gradients, against autograd on the torch ops (fp32 math).
-from dtensor_moe import swiglu_kernel
+from dtensor_moe.kernels import swiglu as swiglu_kernel
 for n in [0, 7, 5000]:
     a, b, dh = torch.randn(n), torch.randn(n), torch.randn(n)
     a_, b_ = a.clone().requires_grad_(True), b.clone().requires_grad_(True)

@@ -19,9 +19,9 @@ from torchtitan.models.deepseek_v3.mtp import apply_fsdp_to_mtp_decoder
 from torchtitan.tools.utils import device_type
 
 from dtensor_moe.config import MoEConfig
-from dtensor_moe.mesh import MoEParallelDims
-from dtensor_moe.parallelize import dp_fsdp_mesh, shard_moe_layer
-from dtensor_moe.plan import WeightPlan, plan_moe
+from dtensor_moe.parallel.mesh import MoEParallelDims
+from dtensor_moe.parallel.parallelize import dp_fsdp_mesh, shard_moe_layer
+from dtensor_moe.parallel.plan import WeightPlan, plan_moe
 
 from .trainer import ExpertMeshParallelDims
 

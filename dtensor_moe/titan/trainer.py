@@ -13,7 +13,7 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer as TitanTrainer
 
-from dtensor_moe.mesh import MoEParallelDims
+from dtensor_moe.parallel.mesh import MoEParallelDims
 
 # torchtitan 0.3.0 calls torch.distributed.set_timeout after the first step, an API that torch
 # 2.13.0 only has under its private name; same signature (timeout, group).

@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from .checkpoint import MODEL_CONFIG, TRAIN_STATE, single_process_ok, describe_config_diff, describe_mismatch, resolve, save
+from dtensor_moe.train.checkpoint import MODEL_CONFIG, TRAIN_STATE, single_process_ok, describe_config_diff, describe_mismatch, resolve, save
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -104,7 +104,8 @@ def add_import_arguments(parser):
 
 
 def run_import(args) -> int:
-    from .model import ModelConfig, MoETransformer
+    from dtensor_moe.train.config import ModelConfig
+    from dtensor_moe.train.model import MoETransformer
 
     model = MoETransformer(ModelConfig.from_dict(read_config(args.safetensors)))
     load_safetensors_into(model, args.safetensors)

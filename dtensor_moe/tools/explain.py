@@ -7,9 +7,9 @@ order) once per weight, each rank coloured by the slice it holds; ranks of one c
 
 import sys
 
-from .config import MoEConfig
-from .mesh import MoEParallelDims
-from .plan import WeightPlan, owned_box, plan_moe, rank_coords
+from dtensor_moe.config import MoEConfig
+from dtensor_moe.parallel.mesh import MoEParallelDims
+from dtensor_moe.parallel.plan import WeightPlan, owned_box, plan_moe, rank_coords
 
 Box = tuple[tuple[int, int], ...]
 

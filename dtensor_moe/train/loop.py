@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 
-from .train_config import Config, load_config
+from dtensor_moe.train.config import Config, load_config
 
 
 def add_arguments(p):
@@ -81,8 +81,8 @@ def run(args) -> int:
 
 def _check(cfg: Config, world: int):
     """Every config error, raised before any process group or collective exists."""
-    from .mesh import MoEParallelDims
-    from .plan import plan_moe
+    from dtensor_moe.parallel.mesh import MoEParallelDims
+    from dtensor_moe.parallel.plan import plan_moe
 
     p = cfg.parallel
     if p.device not in ("cpu", "cuda"):
@@ -102,7 +102,7 @@ def parity(cfg: Config, run_dir: str) -> int:
     ref_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc=1, dp_replicate=1, ep=1, etp=1))
     ref_dir = os.path.join(run_dir, "reference_1proc")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={_free_port()}"]
-    cmd += ["-m", "dtensor_moe.train", json.dumps(ref_cfg.to_dict()), ref_dir]
+    cmd += ["-m", "dtensor_moe.train.loop", json.dumps(ref_cfg.to_dict()), ref_dir]
     rc = subprocess.call(cmd)
     if rc != 0:
         return rc
@@ -114,7 +114,7 @@ def parity(cfg: Config, run_dir: str) -> int:
     deltas = [abs(a - b) for a, b in zip(ours, ref)]
     tol = cfg.training.parity_tolerance
     report = {"steps": len(deltas), "max_abs_delta": max(deltas), "tolerance": tol, "per_step_abs_delta": deltas}
-    from .metrics import write_json
+    from dtensor_moe.train.metrics import write_json
 
     write_json(os.path.join(run_dir, "parity.json"), report)
     print(f"parity vs 1 process over {len(deltas)} steps: max |dloss| = {max(deltas):.3e} (tolerance {tol:g})")
@@ -133,13 +133,13 @@ def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
     import torch.nn.functional as F
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from .data import Batches, load_tokens
-    from .mesh import MoEParallelDims
-    from .metrics import RunWriter, local_state_bytes, peak_memory_bytes
-    from .model import MoETransformer
-    from .optim import build_optimizer, build_scheduler, clip_grad_norm_
-    from .parallelize import parallelize_model
-    from .plan import plan_moe
+    from dtensor_moe.train.data import Batches, load_tokens
+    from dtensor_moe.parallel.mesh import MoEParallelDims
+    from dtensor_moe.train.metrics import RunWriter, local_state_bytes, peak_memory_bytes
+    from dtensor_moe.train.model import MoETransformer
+    from dtensor_moe.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
+    from dtensor_moe.parallel.parallelize import parallelize_model
+    from dtensor_moe.parallel.plan import plan_moe
 
     # The grad-norm all-reduce over the 3-axis expert mesh is one scalar per axis; not worth a warning per rank.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -199,7 +199,7 @@ def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
     states = [None] * world
     dist.all_gather_object(states, state)
     if writer:
-        from .planner import predicted_state_bytes
+        from dtensor_moe.tools.planner import predicted_state_bytes
 
         rows = writer.rows
         steady = [r["tokens_per_s"] for r in rows[3:]] or [r["tokens_per_s"] for r in rows]
@@ -231,7 +231,7 @@ class _Checkpointing:
     def resume(self, model, optimizer, scheduler) -> int:
         if self.resume_from is None:
             return 0
-        from .checkpoint import load
+        from dtensor_moe.train.checkpoint import load
 
         extra = load(self.resume_from, model, optimizer)
         scheduler.load_state_dict(extra["lr_scheduler"])
@@ -239,7 +239,7 @@ class _Checkpointing:
 
     def maybe_save(self, step: int, model, optimizer, scheduler):
         if self.every and (step % self.every == 0 or step == self.total):
-            from .checkpoint import save
+            from dtensor_moe.train.checkpoint import save
 
             save(self.root, step, model, optimizer, extra={"lr_scheduler": scheduler.state_dict()}, keep_last=self.keep_last)
 
@@ -251,9 +251,9 @@ def _checkpointing(args, run_dir: str, total_steps: int) -> _Checkpointing | Non
     return _Checkpointing(root, args.checkpoint_every, args.keep_last, args.resume, total_steps)
 
 
-if __name__ == "__main__":  # the 1-process parity reference: python -m dtensor_moe.train CONFIG_JSON RUN_DIR
-    from .model import ModelConfig
-    from .train_config import DataConfig, ParallelConfig, TrainingConfig
+if __name__ == "__main__":  # the 1-process parity reference: python -m dtensor_moe.train.loop CONFIG_JSON RUN_DIR
+    from dtensor_moe.train.config import ModelConfig
+    from dtensor_moe.train.config import DataConfig, ParallelConfig, TrainingConfig
 
     raw = json.loads(sys.argv[1])
     ref = Config(ModelConfig(**raw["model"]), ParallelConfig(**raw["parallel"]), TrainingConfig(**raw["training"]),

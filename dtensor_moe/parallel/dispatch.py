@@ -16,8 +16,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from .combine import gather_sum, save_for_weighted_backward, weighted_gather_sum_backward, weighted_sum_rows
-from .moe import inverse_permutation
+from dtensor_moe.kernels.gather_sum import gather_sum, save_for_weighted_backward, weighted_gather_sum_backward, weighted_sum_rows
+from dtensor_moe.routing import inverse_permutation
 
 
 def _all_to_all(x, out_splits, in_splits, group, async_op=False):

@@ -77,7 +77,7 @@ def resolve(path) -> Path:
     if found is None:
         raise ValueError(
             f"no complete checkpoint at or under {str(path)!r}: expected a step_NNNNNNNN directory holding "
-            f".metadata and {TRAIN_STATE} (as written by dtensor_moe.checkpoint.save)"
+            f".metadata and {TRAIN_STATE} (as written by dtensor_moe.train.checkpoint.save)"
         )
     return found
 

@@ -6,11 +6,11 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from .dispatch import ExpertDispatcher
-from .experts import GroupedExperts
-from .mesh import MoEMeshes, MoEParallelDims
-from .moe import MoE
-from .plan import WeightPlan, plan_moe
+from dtensor_moe.parallel.dispatch import ExpertDispatcher
+from dtensor_moe.experts import GroupedExperts
+from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
+from dtensor_moe.moe import MoE
+from dtensor_moe.parallel.plan import WeightPlan, plan_moe
 
 
 class DataParallelStats:

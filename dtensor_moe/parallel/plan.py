@@ -12,8 +12,8 @@ FSDP-sharded over the data-parallel ranks.
 import math
 from dataclasses import dataclass
 
-from .config import MoEConfig
-from .mesh import MoEParallelDims, divisors
+from dtensor_moe.config import MoEConfig
+from dtensor_moe.parallel.mesh import MoEParallelDims, divisors
 
 
 @dataclass(frozen=True)

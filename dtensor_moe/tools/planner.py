@@ -23,9 +23,9 @@ import math
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
-from .mesh import DENSE_AXES, EXPERT_AXES, MoEParallelDims, divisors
-from .plan import ShardStep, WeightPlan, axis_sizes, owned_box, plan_moe
-from .presets import ModelSpec, resolve
+from dtensor_moe.parallel.mesh import DENSE_AXES, EXPERT_AXES, MoEParallelDims, divisors
+from dtensor_moe.parallel.plan import ShardStep, WeightPlan, axis_sizes, owned_box, plan_moe
+from dtensor_moe.tools.presets import ModelSpec, resolve
 
 GiB = 2**30
 COMPUTE_BYTES = {"bf16": 2, "fp32": 4}
@@ -504,8 +504,8 @@ def run(args) -> int:
 
 def predicted_state_bytes(model_cfg, dims: MoEParallelDims, rank: int, optimizer: str = "adamw") -> dict[str, int]:
     """Params, grads and optimizer-state bytes the planner predicts for `rank` of a training run of
-    `dtensor_moe.model.ModelConfig` (sharded state is fp32 whatever the compute dtype)."""
-    from .presets import spec_from_model_config
+    `dtensor_moe.train.model.ModelConfig` (sharded state is fp32 whatever the compute dtype)."""
+    from dtensor_moe.tools.presets import spec_from_model_config
 
     units = fsdp_units(spec_from_model_config(model_cfg), dims)
     tensors = sum(u.count * len(u.plans) for u in units)

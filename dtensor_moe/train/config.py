@@ -3,7 +3,55 @@
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 
-from .model import ModelConfig
+from dtensor_moe.config import MoEConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    num_experts: int = 8
+    top_k: int = 2
+    moe_hidden_dim: int = 64
+    num_shared_experts: int = 0
+    score_func: str = "softmax"
+    route_norm: bool = True
+    route_scale: float = 1.0
+    load_balance: str = "none"
+    aux_loss_coeff: float = 1e-3
+    bias_update_rate: float = 1e-3
+    tie_embeddings: bool = False
+    max_seq_len: int = 1024
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown [model] keys {sorted(unknown)}; valid keys: {sorted(known)}")
+        return cls(**d)
+
+    def moe_config(self) -> MoEConfig:
+        return MoEConfig(
+            dim=self.dim,
+            hidden_dim=self.moe_hidden_dim,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            score_func=self.score_func,
+            route_norm=self.route_norm,
+            route_scale=self.route_scale,
+            num_shared_experts=self.num_shared_experts,
+            load_balance=self.load_balance,
+            aux_loss_coeff=self.aux_loss_coeff,
+            bias_update_rate=self.bias_update_rate,
+        )
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 A `ModelSpec` lists the shapes of the weights *outside* the MoE modules (attention, norms, dense
 FFN layers, embeddings) and the `MoEConfig` of the MoE layers; the placement of the MoE weights
-always comes from `dtensor_moe.plan.plan_moe`. Published dims are from each model's released
+always comes from `dtensor_moe.parallel.plan.plan_moe`. Published dims are from each model's released
 config.json (Hugging Face); the multi-token-prediction module of DeepSeek-V3 is left out (671B
 counts the main model only).
 """
@@ -11,7 +11,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import MoEConfig
+from dtensor_moe.config import MoEConfig
 
 Shape = tuple[int, ...]
 
@@ -118,7 +118,7 @@ PRESETS: dict[str, ModelSpec] = {
 
 
 def spec_from_model_config(cfg, name: str = "config") -> ModelSpec:
-    """The shapes of `dtensor_moe.model.MoETransformer(cfg)` (fused wqkv, every layer an MoE)."""
+    """The shapes of `dtensor_moe.train.model.MoETransformer(cfg)` (fused wqkv, every layer an MoE)."""
     D = cfg.dim
     return ModelSpec(
         name=name,
@@ -141,12 +141,12 @@ def _config_dirs() -> list[Path]:
 
 
 def load_config(path: Path) -> ModelSpec:
-    from .model import ModelConfig
+    from dtensor_moe.train.config import ModelConfig
 
     with open(path, "rb") as f:
         data = tomllib.load(f)
     if "model" not in data:
-        raise ValueError(f"{path}: a training config needs a [model] table (fields of dtensor_moe.model.ModelConfig)")
+        raise ValueError(f"{path}: a training config needs a [model] table (fields of dtensor_moe.train.model.ModelConfig)")
     return spec_from_model_config(ModelConfig.from_dict(data["model"]), name=path.stem)
 
 
