@@ -82,7 +82,7 @@ class MoE(nn.Module):
         if cfg.load_balance == "aux_loss":
             self.aux_loss = self._aux_loss(scores_TE, self.stats.sum(counts_E.float()))
 
-        y_BLD = self.experts(x_BLD, counts_E, TokenCopies(order_N, sorted_N, weights_TK))
+        y_BLD = self.experts(x_BLD, counts_E, TokenCopies.build(order_N, sorted_N, weights_TK))
         if self.shared_experts is not None:
             return y_BLD + self.shared_experts(x_BLD)
         return y_BLD

@@ -1,79 +1,87 @@
-"""Token tables of one routing decision: where each token's top-k copies go and how they return.
+"""Token tables of one routing decision, and the contract between the dispatcher and the experts.
 
-Both the layer (local experts) and the expert-parallel dispatcher read them.
+`TokenCopies`: where each token's top-k copies go and how they come back; the layer (local experts)
+and the expert-parallel dispatcher both read it. `ExpertInput`: what experts receive from the
+dispatcher; they return one output row per input row, in the same order.
 """
 
-import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from dtensor_moe.kernels.gather_sum import weighted_gather_sum
+from dtensor_moe.kernels.gather_sum import gather_sum
 
 
 class _GatherRows(torch.autograd.Function):
-    """out = x[idx]; `inv` maps each row of x to the rows of out that read it, `fan_out` per row.
+    """out = x[idx], where readers_RK[r] lists the rows of out that read row r of x (-1: none).
 
     Advanced indexing would backpropagate through a sort-based scatter-add (index_put_ with
-    accumulate); here idx is a permutation, or each row is read exactly `fan_out` times (the
-    top-k copies of a token), so the gradient is another gather plus a sum over the copies:
-    deterministic and without atomics.
+    accumulate); knowing each row's readers, the gradient is a gather-sum: deterministic, no atomics.
     """
 
     @staticmethod
-    def forward(ctx, x, idx, inv, fan_out):
-        ctx.save_for_backward(inv)
-        ctx.fan_out = fan_out
+    def forward(ctx, x, idx, readers_RK):
+        ctx.save_for_backward(readers_RK)
         return x.index_select(0, idx)
 
     @staticmethod
     def backward(ctx, grad):
-        (inv,) = ctx.saved_tensors
-        g = grad.index_select(0, inv)
-        if ctx.fan_out > 1:
-            g = g.view(-1, ctx.fan_out, g.shape[-1]).sum(1)
-        return g, None, None, None
+        (readers_RK,) = ctx.saved_tensors
+        grad = grad.contiguous()
+        if readers_RK.shape[1] == 1:  # a permutation: every row has exactly one reader
+            return grad.index_select(0, readers_RK[:, 0]), None, None
+        return torch.ops.dtensor_moe.gather_sum(grad, readers_RK, readers_RK, None), None, None
 
 
-def gather_rows(x: torch.Tensor, idx: torch.Tensor, inv: torch.Tensor, fan_out: int = 1) -> torch.Tensor:
-    return _GatherRows.apply(x, idx, inv, fan_out)
-
-
-@dataclass(frozen=True)
-class TokenCopies:
-    """Where each token's top-k copies go and how they come back: expert-major row n is pair
-    pair_N[n] = t * K + k (token t's k-th choice) for expert expert_N[n], and weight_TK[t, k]
-    weighs it in the combine. The experts expand the tokens and combine their outputs with it; an
-    expert-parallel dispatcher instead sends each token once per rank, copies it there, and sums
-    its outputs there before they return. The other tables are built on first use: under expert
-    parallelism that is after the GEMMs are queued, off the path to the first one."""
-
-    pair_N: torch.Tensor
-    expert_N: torch.Tensor
-    weight_TK: torch.Tensor
-
-    @functools.cached_property
-    def row_TK(self) -> torch.Tensor:
-        """Token t's k-th copy is expert-major row row_TK[t, k]."""
-        return inverse_permutation(self.pair_N).view(self.weight_TK.shape)
-
-    @functools.cached_property
-    def token_N(self) -> torch.Tensor:
-        return self.pair_N // self.weight_TK.shape[1]
-
-    @functools.cached_property
-    def weight_N(self) -> torch.Tensor:
-        """The routing weights in expert-major order (autograd flows back to weight_TK)."""
-        return gather_rows(self.weight_TK.reshape(-1, 1), self.pair_N, self.row_TK.flatten()).view(-1)
-
-    def expand(self, x: torch.Tensor) -> torch.Tensor:
-        x_TD = x.reshape(-1, x.shape[-1])
-        return gather_rows(x_TD, self.token_N, self.row_TK.flatten(), fan_out=self.weight_TK.shape[1])
-
-    def combine(self, y_ND: torch.Tensor, out_shape) -> torch.Tensor:
-        """Token t's output: sum_k weight_TK[t, k] * y_ND[row_TK[t, k]], shaped out_shape."""
-        return weighted_gather_sum(y_ND, self.weight_N, self.row_TK, self.token_N, out_shape)
+def gather_rows(x: torch.Tensor, idx: torch.Tensor, readers_RK: torch.Tensor) -> torch.Tensor:
+    return _GatherRows.apply(x, idx, readers_RK)
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
+@dataclass(frozen=True)
+class TokenCopies:
+    """Expert-major row n is pair pair_N[n] = t * K + k (token t's k-th choice) for expert
+    expert_N[n]; weight_TK[t, k] weighs it in the combine. The experts expand the tokens and
+    combine their outputs with it; an expert-parallel dispatcher instead sends each token once per
+    rank, copies it there, and sums its outputs there before they return."""
+
+    pair_N: torch.Tensor
+    expert_N: torch.Tensor
+    weight_TK: torch.Tensor
+    row_TK: torch.Tensor  # token t's k-th copy is expert-major row row_TK[t, k]
+    token_N: torch.Tensor
+    weight_N: torch.Tensor  # the routing weights in expert-major order (differentiable)
+
+    @classmethod
+    def build(cls, pair_N: torch.Tensor, expert_N: torch.Tensor, weight_TK: torch.Tensor) -> "TokenCopies":
+        row_TK = inverse_permutation(pair_N).view(weight_TK.shape)
+        weight_N = gather_rows(weight_TK.reshape(-1, 1), pair_N, row_TK.reshape(-1, 1)).view(-1)
+        return cls(pair_N, expert_N, weight_TK, row_TK, pair_N // weight_TK.shape[1], weight_N)
+
+    def expand(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_rows(x.reshape(-1, x.shape[-1]), self.token_N, self.row_TK)
+
+    def combine(self, y_ND: torch.Tensor, out_shape) -> torch.Tensor:
+        """Token t's output: sum_k weight_TK[t, k] * y_ND[row_TK[t, k]], shaped out_shape."""
+        return gather_sum(y_ND, self.row_TK, self.token_N, self.weight_N).view(out_shape)
+
+
+@dataclass(frozen=True)
+class ExpertInput:
+    """What the experts receive from the expert-parallel dispatcher.
+
+    x_ND: this rank's rows, grouped by local expert (counts_E[e] rows for local expert e, on the
+    device); host_counts: the same counts on the host when the dispatcher has them without a sync
+    (eager mode), else None; weight_grad_scale: multiplies only the weight gradients (see
+    ExpertDispatcher); exchange: the dispatcher's tables for this step, read back by its combine.
+    """
+
+    x_ND: torch.Tensor
+    counts_E: torch.Tensor
+    host_counts: list[int] | None = None
+    weight_grad_scale: float = 1.0
+    exchange: Any = None

@@ -107,7 +107,7 @@ def check_parity(rank: int, world_size: int, case: Case) -> dict:
         errs[f"own:{wp.name}"] = _err(local, want)
         ownership(wp, dims)
     x_r = x[lo:hi].clone().requires_grad_(True)
-    counted = mock.patch.object(experts_mod, "accumulate_weight_grad", wraps=experts_mod.accumulate_weight_grad)
+    counted = mock.patch.object(experts_mod, "add_weight_grad_", wraps=experts_mod.add_weight_grad_)
     with counted as fused:
         for mb in range(case.microbatches):
             model.set_requires_gradient_sync(mb == case.microbatches - 1)

@@ -9,12 +9,13 @@ import sys
 CHECK = r"""
 import torch
 from dtensor_moe.kernels import gather_sum as combine
+from dtensor_moe.kernels import policy
 
 def both(fn):
-    # The same call through the Triton kernels (interpreted) and through the torch ops.
+    # The same registered op through the Triton kernels (interpreted) and through the torch ops.
     out = []
     for use in (True, False):
-        combine.runs_triton = lambda t, use=use: use
+        policy.runs_triton = lambda t, use=use: use
         out.append(fn())
     return out
 
@@ -37,9 +38,9 @@ for R, K, D, N, empty in [(7, 1, 5, 7, 0.0), (6, 2, 1030, 12, 0.0), (4, 8, 24, 3
             n = int(idx_RK[r, k])
             if n >= 0:
                 want[r] += w_N[n].detach() * y_ND[n].detach()
-    for got in both(lambda: combine.weighted_gather_sum(y_ND, w_N, idx_RK, tok_N, (R, 1, D))):
+    for got in both(lambda: combine.gather_sum(y_ND, idx_RK, tok_N, w_N).view(R, 1, D)):
         torch.testing.assert_close(got.view(R, D), want, rtol=1e-5, atol=1e-5)
-    g_tri, g_torch = both(lambda: torch.autograd.grad(combine.weighted_gather_sum(y_ND, w_N, idx_RK, tok_N, (R, 1, D)),
+    g_tri, g_torch = both(lambda: torch.autograd.grad(combine.gather_sum(y_ND, idx_RK, tok_N, w_N).view(R, 1, D),
                                                       [y_ND, w_N], dout))
     torch.testing.assert_close(g_tri[0], w_N.detach()[:, None] * dout.view(R, D)[tok_N], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g_tri[1], (dout.view(R, D)[tok_N] * y_ND.detach()).sum(-1), rtol=1e-5, atol=1e-5)
@@ -47,7 +48,7 @@ for R, K, D, N, empty in [(7, 1, 5, 7, 0.0), (6, 2, 1030, 12, 0.0), (4, 8, 24, 3
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # Without a router gradient the kernel skips the dot products but still returns the row gradients.
     for g_rows in both(lambda: torch.autograd.grad(
-            combine.weighted_gather_sum(y_ND, w_N.detach(), idx_RK, tok_N, (R, 1, D)), [y_ND], dout)[0]):
+            combine.gather_sum(y_ND, idx_RK, tok_N, w_N.detach()).view(R, 1, D), [y_ND], dout)[0]):
         torch.testing.assert_close(g_rows, g_tri[0], rtol=1e-5, atol=1e-5)
 
 # gather_sum (unweighted, the gradients of the dispatcher's token copies): empty slots (-1) are skipped.
@@ -55,8 +56,16 @@ for R, K, D, N in [(6, 3, 1030, 9), (4, 2, 5, 3), (0, 2, 8, 4)]:
     y_ND = torch.randn(N, D)
     idx_RK = torch.randint(-1, N, (R, K))
     want = torch.stack([sum((y_ND[i] for i in row if i >= 0), torch.zeros(D)) for row in idx_RK.tolist()]) if R else y_ND[:0]
-    for got in both(lambda: combine.gather_sum(y_ND, idx_RK)):
+    for got in both(lambda: combine.gather_sum(y_ND, idx_RK, idx_RK, None)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+# A non-finite row reaches only the rows whose slots read it: empty slots are masked, not weighted by 0.
+y_ND = torch.randn(5, 8)
+y_ND[0] = float("nan")
+idx_RK = torch.tensor([[0, -1], [1, -1], [-1, -1], [2, 3], [4, -1]])
+for got in both(lambda: combine.gather_sum(y_ND, idx_RK, idx_RK, torch.rand(5))) + both(
+        lambda: combine.gather_sum(y_ND, idx_RK, idx_RK, None)):
+    assert got[0].isnan().all() and got[1:].isfinite().all(), got
 
 # wgrad_kernel: out[e] += alpha * g_e^T x_e; empty experts, rows not a multiple of the tile, partial tiles.
 from dtensor_moe.kernels import wgrad as wgrad_kernel
@@ -76,8 +85,8 @@ for n in [0, 7, 5000]:
     a_, b_ = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
     h = torch.nn.functional.silu(a_) * b_
     h.backward(dh)
-    torch.testing.assert_close(swiglu_kernel.forward(a, b), h.detach(), rtol=1e-5, atol=1e-6)
-    da, db = swiglu_kernel.backward(dh, a, b)
+    torch.testing.assert_close(swiglu_kernel.triton_forward(a, b), h.detach(), rtol=1e-5, atol=1e-6)
+    da, db = swiglu_kernel.triton_backward(dh, a, b)
     torch.testing.assert_close(da, a_.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(db, b_.grad, rtol=1e-5, atol=1e-6)
 print("ok")

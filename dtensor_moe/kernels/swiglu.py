@@ -1,14 +1,17 @@
-"""The SwiGLU gate between the experts' GEMMs as one Triton pass each way.
+"""The SwiGLU gate between the experts' GEMMs: `dtensor_moe::swiglu` and its backward.
 
-Forward h = silu(a) * b; backward da = dh * b * silu'(a), db = dh * silu(a). In torch that is
-two passes forward (and silu(a) kept for backward) and three backward; here each direction
-reads its inputs once and writes its outputs once, and silu(a) is recomputed instead of kept.
-Math in fp32. Used where combine.runs_triton; tests run it on CPU under TRITON_INTERPRET=1.
+Forward h = silu(a) * b; backward da = dh * b * silu'(a), db = dh * silu(a), silu(a) recomputed
+rather than kept. On CUDA one Triton pass each way (torch needs two forward, three backward, and
+keeps silu(a)); elsewhere torch ops, exact in the inputs' dtype. Math in fp32 on the Triton path.
+Tests run the Triton launchers on CPU under TRITON_INTERPRET=1.
 """
 
 import functools
 
 import torch
+import torch.nn.functional as F
+
+from dtensor_moe.kernels import policy
 
 BLOCK = 2048
 
@@ -43,21 +46,56 @@ def _kernels():
     return triton, swiglu_fwd, swiglu_bwd
 
 
-def forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """h = silu(a) * b (no autograd; a, b contiguous, same shape)."""
+def triton_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     triton, fwd, _ = _kernels()
+    a, b = a.contiguous(), b.contiguous()
     h = torch.empty_like(a)
-    n = a.numel()
-    if n:
-        fwd[(triton.cdiv(n, BLOCK),)](a, b, h, n, BLOCK=BLOCK)
+    if a.numel():
+        fwd[(triton.cdiv(a.numel(), BLOCK),)](a, b, h, a.numel(), BLOCK=BLOCK)
     return h
 
 
-def backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da, db) of h = silu(a) * b."""
+def triton_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     triton, _, bwd = _kernels()
+    a, b = a.contiguous(), b.contiguous()
     da, db = torch.empty_like(a), torch.empty_like(b)
-    n = a.numel()
-    if n:
-        bwd[(triton.cdiv(n, BLOCK),)](dh.contiguous(), a, b, da, db, n, BLOCK=BLOCK)
+    if a.numel():
+        bwd[(triton.cdiv(a.numel(), BLOCK),)](dh.contiguous(), a, b, da, db, a.numel(), BLOCK=BLOCK)
     return da, db
+
+
+def torch_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ops.aten.silu_backward(dh * b, a), dh * F.silu(a)
+
+
+@torch.library.custom_op("dtensor_moe::swiglu", mutates_args=())
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """h = silu(a) * b."""
+    return triton_forward(a, b) if policy.runs_triton(a) else F.silu(a) * b
+
+
+@swiglu.register_fake
+def _(a, b):
+    return torch.empty_like(a)
+
+
+@torch.library.custom_op("dtensor_moe::swiglu_backward", mutates_args=())
+def swiglu_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da, db) of h = silu(a) * b."""
+    return triton_backward(dh, a, b) if policy.runs_triton(a) else torch_backward(dh, a, b)
+
+
+@swiglu_backward.register_fake
+def _(dh, a, b):
+    return torch.empty_like(a), torch.empty_like(b)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, dh):
+    return swiglu_backward(dh, *ctx.saved_tensors)
+
+
+swiglu.register_autograd(_backward, setup_context=_setup)

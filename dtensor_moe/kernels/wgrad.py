@@ -7,8 +7,8 @@ orientation of w1/w3, cuBLAS picks a slow tile (benchmarks/RESULTS.md). This ker
 output tile once, adds the fp32 product, and writes it back: one launch per weight. Loading the
 output tile before the K loop (to hide its latency) measured slower on H200 (wgrad_probe.py). Programs run
 expert by expert, so an expert's rows stay in L2 while all its output tiles read them.
-Used where combine.runs_triton (chosen per shape by experts._weight_grad_adder); tests run it on CPU
-under TRITON_INTERPRET=1.
+Launched by the `dtensor_moe::add_weight_grad_` op (grouped_mm.py) where policy.weight_grad_accumulation
+chooses it; tests run it on CPU under TRITON_INTERPRET=1.
 """
 
 import functools

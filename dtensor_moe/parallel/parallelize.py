@@ -1,16 +1,28 @@
 """Apply the placement plan to every MoE layer of a model, in place."""
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.utils.hooks import RemovableHandle
 
 from dtensor_moe.parallel.dispatch import ExpertDispatcher
 from dtensor_moe.experts import GroupedExperts
 from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
 from dtensor_moe.moe import MoE
 from dtensor_moe.parallel.plan import WeightPlan, plan_moe
+
+
+@dataclass(frozen=True)
+class ExpertParallelHooks:
+    """Kept on a parallelized experts module as `expert_parallel`: its dispatcher and hook handles."""
+
+    dispatcher: ExpertDispatcher
+    pre_handle: RemovableHandle
+    post_handle: RemovableHandle
 
 
 class DataParallelStats:
@@ -62,12 +74,13 @@ def shard_moe_layer(
         # src_data_rank=None: every rank already holds the same full (or meta) weight, so slice locally.
         dt = distribute_tensor(param.data, ep_etp, placements, src_data_rank=None)
         setattr(experts, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
-    ours = isinstance(experts, GroupedExperts)  # takes the grad scale and overlap hook, casts itself
+    ours = isinstance(experts, GroupedExperts)  # takes ExpertInput and the weight-gradient scale
     if dims.ep * dims.etp > 1:
-        E = experts_plans[0].global_shape[0]
-        d = ExpertDispatcher(E, ep_etp.get_group("ep"), ep_etp.get_group("etp"), dims.ep, dims.etp, grad_divisor)
-        experts.register_forward_pre_hook(lambda mod, args: d.dispatch(*args, hooked_experts=ours))
-        experts.register_forward_hook(lambda mod, args, out: d.combine(out, hooked_experts=ours))
+        divisor = dims.ep * dims.etp if grad_divisor is None else grad_divisor
+        d = ExpertDispatcher(ep_etp.get_group("ep"), ep_etp.get_group("etp"), divisor)
+        pre, post = d.hooks(ours)
+        experts.expert_parallel = ExpertParallelHooks(
+            d, experts.register_forward_pre_hook(pre), experts.register_forward_hook(post))
     # With no expert data-parallel axis every expert slice has one owner: FSDP on a 1-rank mesh
     # would only copy the weights in and out around each use (~60 ms per step at DeepSeek scale).
     ignored = set(experts.parameters()) if ours and dims.edp * dims.dp_replicate == 1 else None
@@ -101,8 +114,13 @@ def parallelize_moe(
     `dims.build_meshes(...).dp`), as in torchtitan's parallelize functions.
     """
     moes = [m for m in module.modules() if isinstance(m, MoE)]
-    # Every check runs before the first collective, so a bad config never hangs a rank.
+    # Every check runs before the first collective (and before any module changes), so a bad
+    # config never hangs a rank or leaves a half-parallelized model.
     plans = [plan_moe(m.config, dims) for m in moes]
+    done = [n for n, m in module.named_modules() if isinstance(m, MoE) and isinstance(m.experts.w1, DTensor)]
+    if done:
+        raise ValueError(f"parallelize_moe: MoE layers {done} are already parallelized (their expert weights are "
+                         "DTensors); parallelize a fresh copy of the unparallelized module instead")
     meshes = dims.build_meshes(device_type)
     fsdp_kwargs = {"reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:

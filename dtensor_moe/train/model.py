@@ -11,8 +11,10 @@ from dtensor_moe.train.config import ModelConfig
 def _rope(x_BHLK: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding on the last dim (K = head dim)."""
     L, K = x_BHLK.shape[-2], x_BHLK.shape[-1]
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, K, 2, device=x_BHLK.device, dtype=torch.float32) / K))
-    angles_LK = torch.outer(torch.arange(L, device=x_BHLK.device, dtype=torch.float32), inv_freq)
+    # At least fp32 (bf16 angles are too coarse); fp64 models get fp64 angles, so a float64 check is exact.
+    dtype = torch.promote_types(x_BHLK.dtype, torch.float32)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, K, 2, device=x_BHLK.device, dtype=dtype) / K))
+    angles_LK = torch.outer(torch.arange(L, device=x_BHLK.device, dtype=dtype), inv_freq)
     cos, sin = angles_LK.cos().to(x_BHLK.dtype), angles_LK.sin().to(x_BHLK.dtype)
     x1, x2 = x_BHLK[..., 0::2], x_BHLK[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)

@@ -1,0 +1,6 @@
+"""The layer's compute kernels as registered `torch.library` ops (`torch.ops.dtensor_moe.*`).
+
+Each op has a torch implementation (every device; exact in float64), a CUDA implementation where a
+Triton kernel pays, a fake implementation for torch.compile, and autograd where it is differentiated
+directly. `policy.py` alone decides which implementation runs.
+"""

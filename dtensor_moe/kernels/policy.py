@@ -1,0 +1,88 @@
+"""The one place that decides which implementation runs: Triton, cuBLAS or plain torch ops.
+
+Also counts host syncs: the only ones are split sizes that must reach the host (the expert-parallel
+all-to-all) and the exact per-expert loop where no grouped-GEMM kernel takes the dtype.
+"""
+
+import functools
+
+import torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton imports here (the CUDA build of torch ships it)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def runs_triton(t: torch.Tensor) -> bool:
+    """The Triton kernels take CUDA tensors up to fp32 (they compute in fp32; fp64 stays on torch)."""
+    return t.is_cuda and t.dtype != torch.float64 and triton_available()
+
+
+def grouped_mm_supported(x_TD: torch.Tensor, w_shape) -> bool:
+    """Whether torch._grouped_mm takes these operands; otherwise the exact per-expert loop runs."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    # The kernels (CUDA and CPU) need 16-byte aligned row strides for every operand layout used.
+    if any(n * x_TD.element_size() % 16 for n in w_shape[-2:]):
+        return False
+    if x_TD.is_cuda:
+        return x_TD.dtype == torch.bfloat16
+    # The CPU kernel exists from torch 2.13 for these dtypes; float64 takes the exact loop.
+    return x_TD.device.type == "cpu" and x_TD.dtype in (torch.float32, torch.bfloat16) and _cpu_grouped_mm_ok()
+
+
+@functools.cache
+def _cpu_grouped_mm_ok() -> bool:
+    try:
+        torch._grouped_mm(torch.ones(4, 4), torch.ones(1, 4, 4), offs=torch.tensor([4], dtype=torch.int32))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+# A cuBLAS call per expert accumulates into the gradient only when each call outlasts its launch
+# (~10 us from Python, ~6 GFLOP on an H200); below that the launches, not the GEMMs, set the time.
+MIN_MACS_PER_EXPERT_GEMM = 2**32
+# cuBLAS runs an [O, I] weight gradient with O < I (w1/w3's [F, D] when F < D) with a slow tile when
+# each expert reduces over few rows (~375 TFLOP/s at 512 rows, DeepSeek-like), fast at >= 2048 rows.
+CUBLAS_WIDE_MIN_ROWS = 2048
+
+
+def weight_grad_accumulation(x_ND: torch.Tensor, w1_shape, grouped: bool, host_counts_known: bool):
+    """How a backward adds weight gradients into existing ones, or None where autograd accumulates.
+
+    Returns `method(out_shape) -> "per_expert" | "triton"`. One cuBLAS addmm_ per expert (needs the
+    counts on the host) only where it measured fastest on 2xH200: per-expert GEMMs large enough to
+    outlast their launches, in an orientation cuBLAS runs well; elsewhere on CUDA one Triton launch
+    per weight (kernels/wgrad.py; benchmarks/wgrad_probe.py, RESULTS.md)."""
+    E, F_, D = w1_shape
+    rows = x_ND.shape[0]
+    per_expert = host_counts_known and (not grouped or rows * F_ * D >= MIN_MACS_PER_EXPERT_GEMM * max(E, 1))
+    triton = grouped and runs_triton(x_ND)
+    if not (per_expert or triton):
+        return None
+    long_rows = rows >= CUBLAS_WIDE_MIN_ROWS * max(E, 1)
+
+    def method(out_shape) -> str:
+        if per_expert and (not triton or long_rows or out_shape[-2] >= out_shape[-1]):
+            return "per_expert"
+        return "triton"
+
+    return method
+
+
+HOST_SYNCS = {"split_sizes": 0, "exact_loop": 0}
+
+
+def host_list(t: torch.Tensor, why: str) -> list:
+    """t.tolist(), counted under `why` when it waits for the device."""
+    if t.device.type != "cpu":
+        HOST_SYNCS[why] += 1
+    return t.tolist()
