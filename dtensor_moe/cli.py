@@ -10,7 +10,7 @@ import sys
 
 SUBCOMMANDS = {
     "train": ("dtensor_moe.train.loop", "train a small MoE language model on CPU ranks or GPUs"),
-    "plan": ("dtensor_moe.tools.planner", "choose EP x EDP x ETP from memory and traffic"),
+    "plan": ("dtensor_moe.tools.planner.report", "choose EP x EDP x ETP from memory and traffic"),
     "explain": ("dtensor_moe.tools.explain", "show which rank owns which slice of every weight"),
     "export": ("dtensor_moe.train.export", "write a checkpoint's weights as safetensors"),
     "import": ("dtensor_moe.train.export", "read safetensors weights back into a checkpoint"),

@@ -3,6 +3,7 @@
 import contextlib
 import io
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,18 @@ def test_png(tmp_path):
     # The cells are coloured: far more than the few greys of axes and text.
     colours = {tuple(px) for px in img.reshape(-1, img.shape[-1])[::97].round(2).tolist()}
     assert len(colours) > 8
+
+
+def test_png_without_matplotlib(tmp_path, monkeypatch):
+    """`--png` without matplotlib: the text still prints, one line on stderr says why no picture, rc 0."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ModuleNotFoundError
+    path = tmp_path / "grid.png"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main([*README_ARGS, "--png", str(path)]) == 0
+    assert X.describe(*CASES[0]) in out.getvalue() and "written" not in out.getvalue()
+    assert err.getvalue() == f"dtensor-moe explain: --png needs matplotlib (pip install matplotlib); {path} not written\n"
+    assert not path.exists()
 
 
 def test_fmt_ranks():

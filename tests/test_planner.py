@@ -1,11 +1,14 @@
 """`dtensor-moe plan`: memory against real sharded runs, node geometry against the meshes, scale."""
 
+import contextlib
+import io
 import json
 import math
 import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -187,8 +190,111 @@ def test_bad_inputs_name_the_constraint():
         P.Workload(dtype="fp8")
     with pytest.raises(ValueError, match="deepseek-v3-671b"):
         resolve("no-such-model")
-    with pytest.raises(ValueError, match="multiple of gpus_per_node"):
+    with pytest.raises(ValueError, match=r"Hardware\.gpus must be <= gpus_per_node or a multiple of gpus_per_node \(8\), got 12"):
         P.Hardware(gpus=12, gpus_per_node=8)
+
+
+MIXTRAL = resolve("mixtral-8x7b")
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("make,field,valid", [
+    (lambda: P.Hardware(64, gpu_mem_gib=0), "Hardware.gpu_mem_gib", "a positive finite number, got 0"),
+    (lambda: P.Hardware(64, gpu_mem_gib=-80.0), "Hardware.gpu_mem_gib", "a positive finite number"),
+    (lambda: P.Hardware(64, intra_bw=0), "Hardware.intra_bw", "a positive finite number"),
+    (lambda: P.Hardware(64, inter_bw=NAN), "Hardware.inter_bw", "a positive finite number, got nan"),
+    (lambda: P.Hardware(64, inter_bw=INF), "Hardware.inter_bw", "a positive finite number, got inf"),
+    (lambda: P.Hardware(64, gpu_mem_gib=True), "Hardware.gpu_mem_gib", "a positive finite number, got True"),
+    (lambda: P.Hardware(64, gpu_mem_gib="80"), "Hardware.gpu_mem_gib", "a positive finite number, got '80'"),
+    (lambda: P.Hardware(64.0), "Hardware.gpus", "an integer >= 1, got 64.0"),
+    (lambda: P.Hardware(True), "Hardware.gpus", "an integer >= 1, got True"),
+    (lambda: P.Hardware(64, gpus_per_node=0), "Hardware.gpus_per_node", "an integer >= 1, got 0"),
+    (lambda: P.Hardware(64, gpus_per_node=8.0), "Hardware.gpus_per_node", "an integer >= 1, got 8.0"),
+    (lambda: P.Workload(seq_len=4096.0), "Workload.seq_len", "an integer >= 1, got 4096.0"),
+    (lambda: P.Workload(seq_len=0), "Workload.seq_len", "an integer >= 1, got 0"),
+    (lambda: P.Workload(micro_batch=True), "Workload.micro_batch", "an integer >= 1, got True"),
+    (lambda: P.Workload(dtype=None), "Workload.dtype", "one of ['bf16', 'fp32'], got None"),
+    (lambda: P.Workload(optimizer="lion"), "Workload.optimizer", "one of ['adamw', 'sgd'], got 'lion'"),
+    (lambda: P.Workload(recompute=True), "Workload.recompute", "one of ['full', 'none'], got True"),
+    (lambda: replace(MIXTRAL, dim=0), "ModelSpec.dim", "an integer >= 1, got 0"),
+    (lambda: replace(MIXTRAL, dim=4096.0), "ModelSpec.dim", "an integer >= 1, got 4096.0"),
+    (lambda: replace(MIXTRAL, vocab_size=True), "ModelSpec.vocab_size", "an integer >= 1, got True"),
+    (lambda: replace(MIXTRAL, top_k=9), "ModelSpec.top_k", "an integer in 1..8, got 9"),
+    (lambda: replace(MIXTRAL, num_shared_experts=-1), "ModelSpec.num_shared_experts", "an integer >= 0, got -1"),
+    (lambda: replace(MIXTRAL, n_dense_layers=33), "ModelSpec.n_dense_layers", "an integer in 0..32, got 33"),
+    (lambda: replace(MIXTRAL, n_dense_layers=1), "ModelSpec.dense_hidden_dim", "an integer >= 1, got 0"),
+    (lambda: replace(MIXTRAL, kv_width=0), "ModelSpec.kv_width", "an integer >= 1, got 0"),
+    (lambda: replace(MIXTRAL, tie_embeddings=1), "ModelSpec.tie_embeddings", "a bool, got 1"),
+    (lambda: replace(MIXTRAL, name=""), "ModelSpec.name", "a non-empty string, got ''"),
+    (lambda: replace(MIXTRAL, attention=list(MIXTRAL.attention)), "ModelSpec.attention", "a tuple of (weight name, shape)"),
+    (lambda: replace(MIXTRAL, attention=(("wq", (0, 8)),)), "ModelSpec.attention", "got entry ('wq', (0, 8))"),
+])
+def test_input_dataclasses_name_the_field_and_range(make, field, valid):
+    """Types and ranges are checked at construction; booleans are not ints, floats not ints."""
+    with pytest.raises(ValueError) as e:
+        make()
+    msg = str(e.value)
+    assert msg.startswith(f"{field} must be ") and valid in msg and "\n" not in msg, msg
+
+
+def _cli(argv):
+    from dtensor_moe.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.parametrize("flag,value,valid", [
+    ("--intra-bw", "0", "a positive finite number, got 0.0"),
+    ("--inter-bw", "0", "a positive finite number, got 0.0"),
+    ("--inter-bw", "-50", "a positive finite number, got -50.0"),
+    ("--intra-bw", "nan", "a positive finite number, got nan"),
+    ("--inter-bw", "inf", "a positive finite number, got inf"),
+    ("--gpu-mem", "0", "a positive finite number, got 0.0"),
+    ("--gpu-mem", "-1", "a positive finite number, got -1.0"),
+    ("--gpus-per-node", "0", "an integer >= 1, got 0"),
+    ("--gpus-per-node", "-8", "an integer >= 1, got -8"),
+    ("--seq-len", "0", "an integer >= 1, got 0"),
+    ("--micro-batch", "0", "an integer >= 1, got 0"),
+    ("--top", "-3", "an integer >= 1, got -3"),
+    ("--top", "0", "an integer >= 1, got 0"),
+])
+def test_plan_cli_rejects_bad_flags_in_one_line(flag, value, valid):
+    """Zero bandwidths used to divide by zero, `--top -3` silently dropped rows: now rc 2 and one line."""
+    rc, out, err = _cli(["plan", "--model", "mixtral-8x7b", "--gpus", "64", flag, value])
+    assert rc == 2 and out == ""
+    assert err == f"dtensor-moe plan: {flag} must be {valid}\n", err
+
+
+def test_plan_cli_gpus_flag():
+    rc, _, err = _cli(["plan", "--model", "mixtral-8x7b", "--gpus", "0"])
+    assert rc == 2 and err == "dtensor-moe plan: --gpus must be an integer >= 1, got 0\n"
+    rc, out, _ = _cli(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--top", "1"])
+    rows = [l for l in out.splitlines() if l.strip()[:1].isdigit() and "|" in l]
+    assert rc == 0 and len(rows) == 1
+
+
+def test_planner_package_layout_and_torch_free():
+    """Cost model, search and report are separate modules; the old import paths keep working, and
+    planning a preset from the CLI imports neither torch nor the training code."""
+    from dtensor_moe.cli import SUBCOMMANDS
+    from dtensor_moe.tools.planner import cost_model, report, search
+    from dtensor_moe.tools.planner import predicted_state_bytes
+
+    assert predicted_state_bytes is cost_model.predicted_state_bytes
+    assert P.plan is search.plan and P.explain_choice is report.explain_choice and P.Workload is cost_model.Workload
+    mod = __import__(SUBCOMMANDS["plan"][0], fromlist=["run"])
+    assert callable(mod.add_arguments) and callable(mod.run)
+    code = ("import sys, io, contextlib; from dtensor_moe.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    assert main(['plan', '--model', 'qwen3-30b-a3b', '--gpus', '64']) == 0\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('dtensor_moe.train')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_config_toml(tmp_path):

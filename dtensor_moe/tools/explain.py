@@ -3,6 +3,7 @@
 Text: per weight its placement on each mesh axis, its local shape, and the ranks holding each slice.
 `--png`: the rank grid (rows: dp_replicate x edp, columns: ep x etp, i.e. the expert mesh in rank
 order) once per weight, each rank coloured by the slice it holds; ranks of one colour hold copies.
+Without matplotlib, `--png` prints a one-line note on stderr and the text alone (exit status 0).
 """
 
 import sys
@@ -137,6 +138,13 @@ def run(args) -> int:
         print(f"dtensor-moe explain: {e}", file=sys.stderr)
         return 2
     if args.png:
-        save_png(config, dims, args.png)
+        try:
+            save_png(config, dims, args.png)
+        except ModuleNotFoundError as e:
+            if e.name != "matplotlib":
+                raise
+            print(f"dtensor-moe explain: --png needs matplotlib (pip install matplotlib); {args.png} not written",
+                  file=sys.stderr)
+            return 0
         print(f"\nrank grid written to {args.png}")
     return 0

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtensor_moe.config import MoEConfig
+from dtensor_moe.tools.checks import check_int, check_type
 
 Shape = tuple[int, ...]
 
@@ -31,6 +32,23 @@ class ModelSpec:
     n_dense_layers: int = 0  # leading layers with a dense FFN instead of an MoE
     dense_hidden_dim: int = 0
     tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if not (isinstance(self.name, str) and self.name):
+            raise ValueError(f"ModelSpec.name must be a non-empty string, got {self.name!r}")
+        for field in ("vocab_size", "dim", "n_layers", "num_experts", "moe_hidden_dim", "kv_width"):
+            check_int(f"ModelSpec.{field}", getattr(self, field))
+        check_int("ModelSpec.top_k", self.top_k, 1, self.num_experts)
+        check_int("ModelSpec.num_shared_experts", self.num_shared_experts, 0)
+        check_int("ModelSpec.n_dense_layers", self.n_dense_layers, 0, self.n_layers)
+        check_int("ModelSpec.dense_hidden_dim", self.dense_hidden_dim, 1 if self.n_dense_layers else 0)
+        check_type("ModelSpec.tie_embeddings", self.tie_embeddings, bool, "a bool")
+        what = "a tuple of (weight name, shape) pairs, each shape a tuple of integers >= 1"
+        check_type("ModelSpec.attention", self.attention, tuple, what)
+        for entry in self.attention:
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], tuple)
+                    and entry[1] and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in entry[1])):
+                raise ValueError(f"ModelSpec.attention must be {what}, got entry {entry!r}")
 
     @property
     def n_moe_layers(self) -> int:

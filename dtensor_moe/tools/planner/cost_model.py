@@ -1,0 +1,306 @@
+"""The planner's cost model: what one folding costs a rank in memory and in bytes sent per step.
+
+Every number comes from the placement plan: MoE weights from `plan_moe`, the other weights from
+what `parallelize_model` does to them (FSDP2 Shard(0) over the same data-parallel axis the plan
+uses for the router), and which ranks form each group from the mesh order in `mesh.py` (ETP
+innermost, then EP, then EDP).
+
+Model of one training step of one micro-batch per rank:
+- memory per rank (rank 0, which holds the largest slices): fp32 sharded params, fp32 sharded
+  grads, optimizer state (AdamW: two fp32 moments and a step scalar per tensor) -- FSDP2's
+  MixedPrecisionPolicy keeps sharded params in fp32 and all-gathers in the compute dtype; the
+  gathered working set (root unit kept gathered, current + prefetched block, one block's
+  unsharded grads in compute and reduce dtype); and an activation estimate.
+- bytes each rank sends per step: EP all-to-all and ETP gather/reduce-scatter of routed tokens
+  (uniform routing, pairwise), FSDP all-gather (twice per block: forward and backward) and
+  reduce-scatter (fp32), HSDP all-reduce over dp_replicate, ring-attention K/V passes under CP.
+  Pairwise traffic is split by how many group peers share the rank's node; ring traffic by how
+  many ring hops cross a node boundary (ranks r, r' share a node iff r // G == r' // G).
+"""
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from dtensor_moe.parallel.mesh import DENSE_AXES, EXPERT_AXES, MoEParallelDims
+from dtensor_moe.parallel.plan import ShardStep, WeightPlan, axis_sizes, owned_box, plan_moe
+from dtensor_moe.tools.checks import check_choice, check_int, check_positive
+from dtensor_moe.tools.presets import ModelSpec, spec_from_model_config
+
+GiB = 2**30
+COMPUTE_BYTES = {"bf16": 2, "fp32": 4}
+OPTIMIZER_MOMENTS = {"adamw": 2, "sgd": 0}
+RECOMPUTE = ("none", "full")
+MASTER_BYTES = 4  # sharded params, grads and optimizer state are fp32 under either dtype
+REDUCE_BYTES = 4  # gradients are reduced in fp32 (torchtitan's default reduce_dtype)
+STEP_BYTES = 4  # AdamW's per-tensor step counter (a float32 scalar)
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int = 4096
+    micro_batch: int = 1
+    dtype: str = "bf16"
+    optimizer: str = "adamw"
+    recompute: str = "full"  # "full": each block's activations are recomputed in backward
+
+    def __post_init__(self):
+        check_int("Workload.seq_len", self.seq_len)
+        check_int("Workload.micro_batch", self.micro_batch)
+        check_choice("Workload.dtype", self.dtype, COMPUTE_BYTES)
+        check_choice("Workload.optimizer", self.optimizer, OPTIMIZER_MOMENTS)
+        check_choice("Workload.recompute", self.recompute, RECOMPUTE)
+
+    @property
+    def compute_bytes(self) -> int:
+        return COMPUTE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus: int
+    gpus_per_node: int = 8
+    gpu_mem_gib: float = 80.0
+    intra_bw: float = 450e9  # bytes/s one direction per GPU (NVLink)
+    inter_bw: float = 50e9  # bytes/s per GPU (one 400 Gb/s NIC each)
+
+    def __post_init__(self):
+        check_int("Hardware.gpus", self.gpus)
+        check_int("Hardware.gpus_per_node", self.gpus_per_node)
+        for name in ("gpu_mem_gib", "intra_bw", "inter_bw"):
+            check_positive(f"Hardware.{name}", getattr(self, name))
+        if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
+            raise ValueError(
+                f"Hardware.gpus must be <= gpus_per_node or a multiple of gpus_per_node ({self.gpus_per_node}), got {self.gpus}"
+            )
+
+
+# ---- placement: FSDP units and their weight plans -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit repeated `count` times (root, dense blocks, MoE blocks)."""
+
+    name: str
+    count: int
+    plans: tuple[WeightPlan, ...]
+    gathers_per_step: int  # all-gathers of its params per step
+
+
+def _fsdp_plan(name: str, shape: tuple[int, ...], dims: MoEParallelDims, axis: str) -> WeightPlan:
+    """What `fully_shard` in parallelize_model does to a weight outside the MoE: Shard(0) over `axis`."""
+    wp = WeightPlan(name, "dense", shape, (ShardStep(axis, 0),), ("dp_replicate",), shape, False)
+    local = tuple(s.stop - s.start for s in owned_box(wp, dims, 0))
+    return replace(wp, local_shape=local, padded=shape[0] % axis_sizes(dims)[axis] != 0)
+
+
+@lru_cache(maxsize=4096)
+def _outer_plans(spec: ModelSpec, dense_dims: MoEParallelDims, axis: str):
+    """Plans of the non-MoE weights; they depend on the dense folding only, so cached across ep/etp."""
+    def plans(ws):
+        return tuple(_fsdp_plan(n, s, dense_dims, axis) for n, s in ws)
+
+    return plans(spec.root_weights()), plans(spec.layer_weights(dense_ffn=True)), plans(spec.layer_weights(dense_ffn=False))
+
+
+def fsdp_units(spec: ModelSpec, dims: MoEParallelDims) -> tuple[Unit, ...]:
+    moe_plans = tuple(plan_moe(spec.moe_config(), dims))
+    # The plan shards the router over the data-parallel axis; parallelize_model uses the same mesh.
+    dp_axis = next(wp for wp in moe_plans if wp.role == "dense").fsdp_step.axis
+    root, dense_block, moe_block = _outer_plans(spec, replace(dims, ep=1, etp=1), dp_axis)
+    units = [Unit("root", 1, root, 1)]  # parallelize_model keeps the root gathered after forward
+    if spec.n_dense_layers:
+        units.append(Unit("dense block", spec.n_dense_layers, dense_block, 2))
+    units.append(Unit("moe block", spec.n_moe_layers, (*moe_block, *moe_plans), 2))
+    return tuple(units)
+
+
+def held_numel(units, dims: MoEParallelDims, rank: int) -> int:
+    """Elements of all parameters that `rank` holds (its owned boxes)."""
+    return sum(u.count * math.prod(s.stop - s.start for s in owned_box(wp, dims, rank)) for u in units for wp in u.plans)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """Rank 0's share of every FSDP unit (rank 0 holds the largest slices): all the planner needs."""
+
+    sharded: tuple[tuple[str, int, int], ...]  # (FSDP axis, all-gathers per step, elements held)
+    tensors: int  # parameter tensors (AdamW keeps a step counter per tensor)
+    gathered_root: int  # unsharded elements of the root unit
+    gathered_block: int  # unsharded elements of the largest block unit (EP x ETP slice for experts)
+
+    @property
+    def held(self) -> int:
+        return sum(n for _, _, n in self.sharded)
+
+
+def footprint(units, dims: MoEParallelDims) -> Footprint:
+    sharded: dict[tuple[str, int], int] = {}
+    gathered = {}
+    for u in units:
+        # FSDP all-gathers every shard padded to rank 0's (the largest) size.
+        gathered[u.name] = sum(math.prod(wp.local_shape) * axis_sizes(dims)[wp.fsdp_step.axis] for wp in u.plans)
+        for wp in u.plans:
+            key = (wp.fsdp_step.axis, u.gathers_per_step)
+            sharded[key] = sharded.get(key, 0) + u.count * math.prod(wp.local_shape)
+    return Footprint(
+        tuple((a, g, n) for (a, g), n in sharded.items()),
+        sum(u.count * len(u.plans) for u in units),
+        gathered["root"],
+        max(v for name, v in gathered.items() if name != "root"),
+    )
+
+
+# ---- memory ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Memory:
+    params: float
+    grads: float
+    optimizer: float
+    gathered: float
+    activations: float
+
+    @property
+    def states(self) -> float:
+        """Params + grads + optimizer state: what stays allocated between steps."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.states + self.gathered + self.activations
+
+
+def state_bytes(held: int, tensors: int, work: Workload) -> tuple[int, int, int]:
+    """(params, grads, optimizer state) bytes of a rank holding `held` elements of `tensors` parameters."""
+    moments = OPTIMIZER_MOMENTS[work.optimizer]
+    opt = held * MASTER_BYTES * moments + (tensors * STEP_BYTES if moments else 0)
+    return held * MASTER_BYTES, held * MASTER_BYTES, opt
+
+
+def tokens_per_rank(work: Workload, dims: MoEParallelDims) -> int:
+    return work.micro_batch * work.seq_len // dims.cp
+
+
+def activation_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload) -> float:
+    """Saved activations per rank (estimate): inputs and outputs of every linear, routed copies, logits.
+
+    MoE: after the ETP gather a rank holds etp * top_k * T routed tokens of width D and the same
+    tokens' F/etp-wide hidden activations (three of them), so the hidden part is independent of etp;
+    the combine keeps the experts' D-wide outputs of those pairs for the routing weights' gradient.
+    """
+    T, b, D, k = tokens_per_rank(work, dims), work.compute_bytes, spec.dim, spec.top_k
+    attn = sum(s[0] + s[-1] for _, s in spec.attention if len(s) == 2)
+    common = 3 * D + attn  # two norm inputs and the residual, plus attention
+    moe = k * (2 * dims.etp * D + 3 * spec.moe_hidden_dim) + 3 * spec.moe_hidden_dim * spec.num_shared_experts
+    moe_layer = T * b * (common + moe) + T * spec.num_experts * 4  # fp32 router scores
+    dense_layer = T * b * (common + 3 * spec.dense_hidden_dim)
+    logits = T * spec.vocab_size * (b + 8)  # logits, fp32 copy for the loss, its gradient
+    if work.recompute == "full":  # block inputs, plus one block's activations while it is recomputed
+        biggest = max(moe_layer if spec.n_moe_layers else 0, dense_layer if spec.n_dense_layers else 0)
+        return spec.n_layers * T * D * b + biggest + logits
+    return spec.n_moe_layers * moe_layer + spec.n_dense_layers * dense_layer + logits
+
+
+def rank_memory(spec: ModelSpec, dims: MoEParallelDims, work: Workload, fp: Footprint) -> Memory:
+    params, grads, opt = state_bytes(fp.held, fp.tensors, work)
+    b = work.compute_bytes
+    # Root stays gathered; one block computing while the next is prefetched; one block's unsharded
+    # grads in compute dtype plus their reduce-dtype copy for the reduce-scatter.
+    working = b * (fp.gathered_root + 2 * fp.gathered_block) + fp.gathered_block * (b + REDUCE_BYTES)
+    return Memory(params, grads, opt, working, activation_bytes(spec, dims, work))
+
+
+def predicted_state_bytes(model_cfg, dims: MoEParallelDims, rank: int, optimizer: str = "adamw") -> dict[str, int]:
+    """Params, grads and optimizer-state bytes the planner predicts for `rank` of a training run of
+    `dtensor_moe.train.model.ModelConfig` (sharded state is fp32 whatever the compute dtype)."""
+    units = fsdp_units(spec_from_model_config(model_cfg), dims)
+    tensors = sum(u.count * len(u.plans) for u in units)
+    work = Workload(dtype="fp32", optimizer=optimizer)
+    return dict(zip(("params", "grads", "optimizer"), state_bytes(held_numel(units, dims, rank), tensors, work)))
+
+
+# ---- communication ---------------------------------------------------------------------------
+
+
+def mesh_geometry(dims: MoEParallelDims) -> dict[str, tuple[int, int]]:
+    """(group size, rank stride) of every mesh axis, from the mesh order (row-major, last axis innermost)."""
+    geo = {}
+    for axes, shape in ((DENSE_AXES, dims.dense_shape), (EXPERT_AXES, dims.expert_shape)):
+        stride = 1
+        for axis, size in zip(reversed(axes), reversed(shape)):
+            geo[axis] = (size, stride)
+            stride *= size
+    geo["dp_shard_cp"] = (dims.dp_shard * dims.cp, geo["cp"][1])  # the flattened (dp_shard, cp) pair
+    return geo
+
+
+def pairwise_intra_fraction(size: int, stride: int, G: int) -> float:
+    """Share of a rank's peers (rank 0's group) that sit on its node: members are 0, s, 2s, ..."""
+    if size == 1:
+        return 0.0
+    on_node = min(size, -(-G // stride)) if stride < G else 1
+    return (on_node - 1) / (size - 1)
+
+
+def node_span(size: int, stride: int, G: int) -> int:
+    """Nodes of `G` GPUs that rank 0's group (members 0, s, 2s, ...) touches."""
+    return size if stride >= G else (size - 1) * stride // G + 1
+
+
+def ring_inter_fraction(size: int, stride: int, G: int) -> float:
+    """Share of ring hops (rank 0's group, in rank order) that cross a node boundary."""
+    nodes = node_span(size, stride, G)
+    return 0.0 if nodes == 1 else nodes / size
+
+
+@dataclass(frozen=True)
+class Traffic:
+    intra: float
+    inter: float
+
+
+def _split(total: float, inter_fraction: float) -> Traffic:
+    return Traffic(total * (1 - inter_fraction), total * inter_fraction)
+
+
+def distinct_ranks(num_experts: int, top_k: int, ep: int) -> float:
+    """Expected EP ranks a token's top-k experts land on under uniform routing: the rows the
+    dispatch sends per token, and the combine returns."""
+    local = num_experts // ep
+    return ep * (1 - math.comb(num_experts - local, top_k) / math.comb(num_experts, top_k))
+
+
+def comm_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node: int, fp: Footprint) -> dict[str, Traffic]:
+    """Bytes one rank sends per step, per collective kind, split intra-/inter-node."""
+    G, b = gpus_per_node, work.compute_bytes
+    T = tokens_per_rank(work, dims)
+    recompute = work.recompute == "full"
+    geo = mesh_geometry(dims)
+
+    def pair(axis, total):
+        return _split(total, 1 - pairwise_intra_fraction(*geo[axis], G)) if total else Traffic(0, 0)
+
+    def ring(axis, total):
+        return _split(total, ring_inter_fraction(*geo[axis], G)) if total else Traffic(0, 0)
+
+    # Dispatch and combine (a token once per rank holding one of its experts, each way) in forward,
+    # their reverses in backward, forward again when recomputing.
+    rows = 2 * distinct_ranks(spec.num_experts, spec.top_k, dims.ep)
+    routed = (2 + recompute) * T * rows * spec.dim * b * spec.n_moe_layers
+    r = dims.dp_replicate
+    return {
+        "ep_all_to_all": pair("ep", routed * (dims.ep - 1) / dims.ep),
+        "etp_gather_scatter": pair("etp", routed * (dims.etp - 1)),
+        "cp_ring_kv": ring("cp", (3 + recompute) * (dims.cp - 1) * T * spec.kv_width * b * spec.n_layers),
+        "fsdp_all_gather": _sum(ring(a, g * (geo[a][0] - 1) * n * b) for a, g, n in fp.sharded),
+        "fsdp_reduce_scatter": _sum(ring(a, (geo[a][0] - 1) * n * REDUCE_BYTES) for a, _, n in fp.sharded),
+        "hsdp_all_reduce": ring("dp_replicate", 2 * (r - 1) / r * fp.held * REDUCE_BYTES),
+    }
+
+
+def _sum(traffics) -> Traffic:
+    ts = list(traffics)
+    return Traffic(sum(t.intra for t in ts), sum(t.inter for t in ts))
