@@ -2,8 +2,23 @@
 
 from dataclasses import dataclass
 
+from dtensor_moe.validate import Range, above, at_least, check_fields
+
 SCORE_FUNCS = ("softmax", "sigmoid")
 LOAD_BALANCE = ("none", "aux_loss", "aux_free_bias")
+
+# Shared with train.config.ModelConfig, whose expert hidden dim is called moe_hidden_dim.
+MOE_RULES = dict(
+    dim=at_least(1),
+    num_experts=at_least(1),
+    top_k=Range(1, "num_experts"),
+    score_func=SCORE_FUNCS,
+    route_scale=above(0),
+    num_shared_experts=at_least(0),
+    load_balance=LOAD_BALANCE,
+    aux_loss_coeff=at_least(0),
+    bias_update_rate=at_least(0),
+)
 
 
 @dataclass(frozen=True)
@@ -21,17 +36,4 @@ class MoEConfig:
     bias_update_rate: float = 1e-3
 
     def __post_init__(self):
-        for name in ("dim", "hidden_dim", "num_experts", "top_k"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"MoEConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.top_k > self.num_experts:
-            raise ValueError(
-                f"MoEConfig.top_k ({self.top_k}) must be <= num_experts ({self.num_experts}); "
-                f"valid top_k: 1..{self.num_experts}"
-            )
-        if self.score_func not in SCORE_FUNCS:
-            raise ValueError(f"MoEConfig.score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
-        if self.load_balance not in LOAD_BALANCE:
-            raise ValueError(f"MoEConfig.load_balance must be one of {LOAD_BALANCE}, got {self.load_balance!r}")
-        if self.num_shared_experts < 0:
-            raise ValueError(f"MoEConfig.num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        check_fields(self, "MoEConfig.", hidden_dim=at_least(1), **MOE_RULES)

@@ -8,6 +8,8 @@ ETP is innermost, then EP, so those groups are consecutive ranks and stay inside
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from dtensor_moe.validate import check_fields
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -30,6 +32,9 @@ class MoEParallelDims:
     etp: int = 1
 
     def __post_init__(self):
+        # Types only (the descriptions go into the type error); the checks below say what folds.
+        check_fields(self, "MoEParallelDims.", dp_shard="-1 (the rest of the world) or >= 1",
+                     **{n: ">= 1" for n in ("world_size", "dp_replicate", "cp", "tp", "ep", "etp")})
         w = self.world_size
         if w < 1:
             raise ValueError(f"world_size must be >= 1, got {w}")

@@ -1,9 +1,19 @@
 """Training configuration: TOML file sections plus `section.key=value` command-line overrides."""
 
+import re
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 
-from dtensor_moe.config import MoEConfig
+from dtensor_moe.config import MOE_RULES, MoEConfig
+from dtensor_moe.validate import Range, above, at_least, check_fields
+
+BYTE_VOCAB = 256  # both data sources are byte-level (dtensor_moe.train.data.VOCAB_SIZE)
+OVERRIDE = re.compile(r"^([A-Za-z_]\w*)\.([A-Za-z_]\w*)=(.*)$", re.DOTALL)
+
+
+def is_override(arg: str) -> bool:
+    """`section.key=value`; a path like runs/lr=1e-3 is not one."""
+    return OVERRIDE.match(arg) is not None
 
 
 @dataclass(frozen=True)
@@ -27,8 +37,19 @@ class ModelConfig:
     norm_eps: float = 1e-5
 
     def __post_init__(self):
+        check_fields(self, "model.", vocab_size=at_least(1), n_layers=at_least(1), n_heads=at_least(1),
+                     moe_hidden_dim=at_least(1), max_seq_len=at_least(1), norm_eps=above(0), **MOE_RULES)
+        # Rotary embeddings rotate feature pairs, so the head dim must be even too.
+        valid = [h for h in range(1, self.dim + 1) if self.dim % h == 0 and (self.dim // h) % 2 == 0]
         if self.dim % self.n_heads != 0:
-            raise ValueError(f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads})")
+            raise ValueError(
+                f"model.dim ({self.dim}) must be divisible by model.n_heads ({self.n_heads}); valid n_heads: {valid}"
+            )
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(
+                f"model.dim / model.n_heads = {self.dim // self.n_heads} (the head dim) must be even for rotary "
+                f"embeddings; valid n_heads for dim {self.dim}: {valid}"
+            )
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
@@ -62,6 +83,10 @@ class ParallelConfig:
     ep: int = 1
     etp: int = 1
 
+    def __post_init__(self):
+        check_fields(self, "parallel.", nproc=at_least(1), device=("cpu", "cuda"), dp_replicate=at_least(1),
+                     ep=at_least(1), etp=at_least(1))
+
 
 @dataclass(frozen=True)
 class TrainingConfig:
@@ -77,10 +102,19 @@ class TrainingConfig:
     seed: int = 0
     parity_tolerance: float = 1e-4
 
+    def __post_init__(self):
+        check_fields(self, "training.", steps=at_least(1), seq_len=at_least(1), global_batch=at_least(1), lr=above(0),
+                     min_lr_ratio=Range(0, 1), warmup_steps=at_least(0), weight_decay=at_least(0),
+                     max_norm=above(0), dtype=("float32", "bf16"), seed=Range(0, 2**32 - 1),
+                     parity_tolerance=at_least(0))
+
 
 @dataclass(frozen=True)
 class DataConfig:
     source: str = "corpus"  # corpus | synthetic
+
+    def __post_init__(self):
+        check_fields(self, "data.", source=("corpus", "synthetic"))
 
 
 @dataclass(frozen=True)
@@ -89,6 +123,19 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self):
+        m, t = self.model, self.training
+        if t.seq_len > m.max_seq_len:
+            raise ValueError(
+                f"training.seq_len ({t.seq_len}) must be <= model.max_seq_len ({m.max_seq_len}); "
+                f"valid seq_len: 1..{m.max_seq_len} (or raise model.max_seq_len)"
+            )
+        if m.vocab_size < BYTE_VOCAB:
+            raise ValueError(
+                f"model.vocab_size ({m.vocab_size}) must be >= {BYTE_VOCAB}: data.source={self.data.source!r} "
+                f"is byte-level (token ids 0..{BYTE_VOCAB - 1})"
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -104,19 +151,38 @@ def _parse_value(text: str):
         return text  # bare strings: data.source=synthetic
 
 
-def load_config(path: str | None, overrides: list[str] = ()) -> Config:
-    raw: dict = {}
-    if path:
+def read_toml(path: str) -> dict:
+    """The file's tables; a missing or malformed file raises ValueError naming it (and the line)."""
+    try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"config file {path!r} not found") from None
+    except IsADirectoryError:
+        raise ValueError(f"config file {path!r} is a directory, not a TOML file") from None
+    except OSError as e:
+        raise ValueError(f"config file {path!r} cannot be read: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path!r} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"config file {path!r} is not UTF-8 text: {e}") from None
+    return raw
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    raw: dict = read_toml(path) if path else {}
+    where = f" in {path}" if path else ""
     unknown = set(raw) - set(SECTIONS)
     if unknown:
-        raise ValueError(f"unknown config sections {sorted(unknown)}; valid: {sorted(SECTIONS)}")
+        raise ValueError(f"unknown config sections {sorted(unknown)}{where}; valid: {sorted(SECTIONS)}")
+    for section, values in raw.items():
+        if not isinstance(values, dict):
+            raise ValueError(f"[{section}]{where} must be a table of key = value lines, got {section} = {values!r}")
     for item in overrides:
-        key, sep, value = item.partition("=")
-        section, dot, name = key.partition(".")
-        if not sep or not dot or section not in SECTIONS:
+        m = OVERRIDE.match(item)
+        if m is None or m.group(1) not in SECTIONS:
             raise ValueError(f"override {item!r} must look like section.key=value with section in {sorted(SECTIONS)}")
+        section, name, value = m.groups()
         raw.setdefault(section, {})[name] = _parse_value(value)
     built = {}
     for section, cls in SECTIONS.items():

@@ -1,0 +1,99 @@
+"""Type and range checks for the config dataclasses, with messages that name the field and its valid values.
+
+Torch-free: `dtensor-moe plan` validates configs without importing torch.
+
+    check_fields(self, "model.", top_k=Range(1, "num_experts"), score_func=("softmax", "sigmoid"))
+
+Every field is checked against its annotation (int, float, bool, str) first; bools are not ints,
+ints are fine where a float is expected, floats must be finite. Then each named rule: a `Range`
+(bounds may name another field), a tuple of choices, or a string that only describes the valid
+values in the type error (the caller checks the range itself).
+"""
+
+import math
+import numbers
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class Range:
+    lo: float | str | None = None  # a number, or the name of another field of the same object
+    hi: float | str | None = None
+    lo_open: bool = False  # lo < value instead of lo <= value
+
+    def describe(self, obj) -> str:
+        lo, hi = (_bound(obj, b) for b in (self.lo, self.hi))
+        if lo is not None and hi is not None and not self.lo_open:
+            return f"in {lo}..{self.hi} ({hi})" if isinstance(self.hi, str) else f"in {lo}..{hi}"
+        parts = []
+        if lo is not None:
+            parts.append(f"{'>' if self.lo_open else '>='} {lo}")
+        if hi is not None:
+            parts.append(f"<= {hi}")
+        return " and ".join(parts)
+
+    def holds(self, obj, v) -> bool:
+        lo, hi = (_bound(obj, b) for b in (self.lo, self.hi))
+        if lo is not None and (v <= lo if self.lo_open else v < lo):
+            return False
+        return hi is None or v <= hi
+
+
+def at_least(n) -> Range:
+    return Range(lo=n)
+
+
+def above(n) -> Range:
+    return Range(lo=n, lo_open=True)
+
+
+def _bound(obj, b):
+    return getattr(obj, b) if isinstance(b, str) else b
+
+
+def _type_ok(kind, v) -> bool:
+    if kind is bool:
+        return isinstance(v, bool)
+    if isinstance(v, bool):
+        return False
+    if kind is int:
+        return isinstance(v, numbers.Integral)
+    if kind is float:
+        return isinstance(v, numbers.Real) and math.isfinite(v)
+    return isinstance(v, kind)
+
+
+_KIND = {int: "an int", float: "a finite number", bool: "a bool (true or false)", str: "a string"}
+
+
+def _valid(kind, rule, obj) -> str:
+    if isinstance(rule, tuple):
+        return f"one of {list(rule)}"
+    text = _KIND.get(kind, f"a {getattr(kind, '__name__', kind)}")
+    if isinstance(rule, Range):
+        return f"{text} {rule.describe(obj)}"
+    return f"{text} {rule}" if isinstance(rule, str) else text
+
+
+def check_fields(obj, prefix: str, **rules):
+    """Raises ValueError for the first field of dataclass `obj` whose type or value is invalid."""
+    kinds = {f.name: f.type for f in fields(obj)}
+    unknown = set(rules) - set(kinds)
+    assert not unknown, f"rules for unknown fields {sorted(unknown)}"
+    # All types first: a Range may bound one field by another, which must be a number by then.
+    for name, kind in kinds.items():
+        v = getattr(obj, name)
+        if kind in _KIND and not _type_ok(kind, v):
+            got = f"{v!r} ({type(v).__name__})" if not isinstance(v, float) else repr(v)
+            raise ValueError(f"{prefix}{name} must be {_valid(kind, rules.get(name), obj)}, got {got}")
+    for name, rule in rules.items():
+        v = getattr(obj, name)
+        if isinstance(rule, tuple) and v not in rule:
+            raise ValueError(f"{prefix}{name} must be one of {list(rule)}, got {v!r}")
+        if isinstance(rule, Range) and not rule.holds(obj, v):
+            if isinstance(rule.hi, str) and v > _bound(obj, rule.hi):  # the bound is another field: name it
+                hi = _bound(obj, rule.hi)
+                raise ValueError(
+                    f"{prefix}{name} ({v}) must be <= {rule.hi} ({hi}); valid {name}: {_bound(obj, rule.lo)}..{hi}"
+                )
+            raise ValueError(f"{prefix}{name} must be {rule.describe(obj)}, got {v!r}")

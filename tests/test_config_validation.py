@@ -1,0 +1,130 @@
+"""Every config dataclass checks types and ranges when built, naming the field and its valid values."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+
+from dtensor_moe.config import MoEConfig
+from dtensor_moe.parallel.mesh import MoEParallelDims
+from dtensor_moe.train.config import DataConfig, ModelConfig, ParallelConfig, TrainingConfig, load_config
+
+MOE = dict(dim=8, hidden_dim=8, num_experts=8, top_k=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(top_k=2.5), "MoEConfig.top_k must be an int in 1..num_experts (8), got 2.5"),
+        (dict(top_k=True), "MoEConfig.top_k must be an int in 1..num_experts (8), got True (bool)"),
+        (dict(num_experts=4.0), "MoEConfig.num_experts must be an int >= 1, got 4.0"),
+        (dict(dim="8"), "MoEConfig.dim must be an int >= 1, got '8' (str)"),
+        (dict(top_k=0), "MoEConfig.top_k must be in 1..num_experts (8), got 0"),
+        (dict(aux_loss_coeff=math.nan), "MoEConfig.aux_loss_coeff must be a finite number >= 0, got nan"),
+        (dict(aux_loss_coeff=-1e-3), "MoEConfig.aux_loss_coeff must be >= 0, got -0.001"),
+        (dict(bias_update_rate=math.inf), "MoEConfig.bias_update_rate must be a finite number >= 0, got inf"),
+        (dict(route_scale=-1.0), "MoEConfig.route_scale must be > 0, got -1.0"),
+        (dict(route_scale=0), "MoEConfig.route_scale must be > 0, got 0"),
+        (dict(route_norm=1), "MoEConfig.route_norm must be a bool (true or false), got 1 (int)"),
+        (dict(score_func=None), "MoEConfig.score_func must be one of ['softmax', 'sigmoid'], got None (NoneType)"),
+    ],
+)
+def test_moe_config_types_and_ranges(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        MoEConfig(**{**MOE, **kwargs})
+    assert str(err.value) == message
+
+
+def test_ints_are_fine_for_float_fields():
+    assert MoEConfig(**MOE, route_scale=2, aux_loss_coeff=0).route_scale == 2
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,message",
+    [
+        ((8,), dict(ep=2.0), "MoEParallelDims.ep must be an int >= 1, got 2.0"),
+        ((8,), dict(ep="2"), "MoEParallelDims.ep must be an int >= 1, got '2' (str)"),
+        ((8,), dict(etp=True), "MoEParallelDims.etp must be an int >= 1, got True (bool)"),
+        ((8.0,), dict(), "MoEParallelDims.world_size must be an int >= 1, got 8.0"),
+        ((8,), dict(dp_shard=None), "MoEParallelDims.dp_shard must be an int -1 (the rest of the world) or >= 1, got None (NoneType)"),
+        ((8,), dict(ep=0), "ep must be >= 1, got 0"),  # the range messages stay as they were
+    ],
+)
+def test_parallel_dims_types(args, kwargs, message):
+    with pytest.raises(ValueError) as err:
+        MoEParallelDims(*args, **kwargs)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    "cls,kwargs,message",
+    [
+        (ModelConfig, dict(top_k=2.5), "model.top_k must be an int in 1..num_experts (8), got 2.5"),
+        (ModelConfig, dict(top_k=9), "model.top_k (9) must be <= num_experts (8); valid top_k: 1..8"),
+        (ModelConfig, dict(n_heads=3), "model.dim (64) must be divisible by model.n_heads (3); valid n_heads: [1, 2, 4, 8, 16, 32]"),
+        (ModelConfig, dict(n_heads=64), "model.dim / model.n_heads = 1 (the head dim) must be even for rotary embeddings; "
+                                        "valid n_heads for dim 64: [1, 2, 4, 8, 16, 32]"),
+        (ModelConfig, dict(moe_hidden_dim=0), "model.moe_hidden_dim must be >= 1, got 0"),
+        (ModelConfig, dict(route_scale=math.nan), "model.route_scale must be a finite number > 0, got nan"),
+        (ModelConfig, dict(norm_eps=0.0), "model.norm_eps must be > 0, got 0.0"),
+        (ModelConfig, dict(max_seq_len=0), "model.max_seq_len must be >= 1, got 0"),
+        (ModelConfig, dict(tie_embeddings="yes"), "model.tie_embeddings must be a bool (true or false), got 'yes' (str)"),
+        (ParallelConfig, dict(ep=2.0), "parallel.ep must be an int >= 1, got 2.0"),
+        (ParallelConfig, dict(nproc=0), "parallel.nproc must be >= 1, got 0"),
+        (ParallelConfig, dict(device="tpu"), "parallel.device must be one of ['cpu', 'cuda'], got 'tpu'"),
+        (TrainingConfig, dict(steps="ten"), "training.steps must be an int >= 1, got 'ten' (str)"),
+        (TrainingConfig, dict(steps=-5), "training.steps must be >= 1, got -5"),
+        (TrainingConfig, dict(global_batch=0), "training.global_batch must be >= 1, got 0"),
+        (TrainingConfig, dict(seq_len=0), "training.seq_len must be >= 1, got 0"),
+        (TrainingConfig, dict(lr=0), "training.lr must be > 0, got 0"),
+        (TrainingConfig, dict(lr=math.inf), "training.lr must be a finite number > 0, got inf"),
+        (TrainingConfig, dict(min_lr_ratio=2), "training.min_lr_ratio must be in 0..1, got 2"),
+        (TrainingConfig, dict(warmup_steps=-1), "training.warmup_steps must be >= 0, got -1"),
+        (TrainingConfig, dict(max_norm=0), "training.max_norm must be > 0, got 0"),
+        (TrainingConfig, dict(dtype="fp16"), "training.dtype must be one of ['float32', 'bf16'], got 'fp16'"),
+        (TrainingConfig, dict(seed=-1), "training.seed must be in 0..4294967295, got -1"),
+        (DataConfig, dict(source="web"), "data.source must be one of ['corpus', 'synthetic'], got 'web'"),
+    ],
+)
+def test_training_config_types_and_ranges(cls, kwargs, message):
+    with pytest.raises(ValueError) as err:
+        cls(**kwargs)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["training.seq_len=2048"], "training.seq_len (2048) must be <= model.max_seq_len (1024); valid seq_len: "
+                                    "1..1024 (or raise model.max_seq_len)"),
+        (["model.vocab_size=100"], "model.vocab_size (100) must be >= 256: data.source='corpus' is byte-level "
+                                   "(token ids 0..255)"),
+        (["training.steps=ten"], "training.steps must be an int >= 1, got 'ten' (str)"),
+        (["model.route_norm=True"], "model.route_norm must be a bool (true or false), got 'True' (str)"),
+    ],
+)
+def test_cross_section_and_override_values(overrides, message):
+    with pytest.raises(ValueError) as err:
+        load_config("configs/tiny_cpu.toml", overrides)
+    assert str(err.value) == message
+
+
+def test_missing_and_malformed_config_files(tmp_path):
+    with pytest.raises(ValueError, match=r"^config file '.*nope\.toml' not found$"):
+        load_config(str(tmp_path / "nope.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\ndim = 64\nn_heads = = 4\n")
+    with pytest.raises(ValueError, match=r"bad\.toml' is not valid TOML: Invalid value \(at line 3, column 11\)"):
+        load_config(str(bad))
+    bad.write_text("model = 3\n")
+    with pytest.raises(ValueError, match=r"\[model\] in .*bad\.toml must be a table of key = value lines, got model = 3"):
+        load_config(str(bad))
+    with pytest.raises(ValueError, match="is a directory, not a TOML file"):
+        load_config(str(tmp_path))
+
+
+def test_validation_is_torch_free():
+    code = ("import sys, dtensor_moe.validate, dtensor_moe.config, dtensor_moe.parallel.mesh, dtensor_moe.train.config; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
