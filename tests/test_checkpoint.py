@@ -262,3 +262,140 @@ def test_rank_killed_mid_save_keeps_previous_checkpoint(tmp_path):
         assert step == SAVE_STEP
         assert losses == json.loads((tmp_path / f"losses_{rank}.json").read_text())  # bit-exact resume
     assert latest(root) == step_dir(root, SAVE_STEP + 2) and not partial.exists()
+
+
+# --- damaged checkpoints: verified against manifest.json before the model is touched ----------
+
+from dtensor_moe.train.checkpoint import MANIFEST, CheckpointError  # noqa: E402
+
+
+def _saved_steps(root, steps=(1, 2)):
+    """A plain model trained and saved after each of `steps`; returns the model's state at the end."""
+    model, opt, sched = build(1, None, seed=0)
+    for s in steps:
+        train(model, opt, sched, range(s - 1, s), 0, 1)
+        save(root, s, model, opt, extra=extra_for(sched), keep_last=None)
+    return model
+
+
+def _flip(path, at=0.5, n=8):
+    data = bytearray(path.read_bytes())
+    i = int(len(data) * at)
+    data[i : i + n] = bytes(b ^ 0xFF for b in data[i : i + n])
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _state(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _unchanged(model, before):
+    return [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+
+
+def test_manifest_lists_every_file_with_its_sha256(tmp_path):
+    import hashlib
+    import json
+
+    _saved_steps(tmp_path, steps=(1,))
+    ckpt = step_dir(tmp_path, 1)
+    files = json.loads((ckpt / MANIFEST).read_text())["files"]
+    assert sorted(files) == sorted(p.name for p in ckpt.iterdir() if p.name != MANIFEST)
+    for name, entry in files.items():
+        data = (ckpt / name).read_bytes()
+        assert entry == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+@pytest.mark.parametrize("damage,problem", [(_flip, "is corrupted"), (_truncate, "is truncated or altered")])
+def test_damaged_step_fails_naming_step_and_file_and_leaves_model_alone(tmp_path, damage, problem):
+    _saved_steps(tmp_path)
+    damage(step_dir(tmp_path, 2) / "__0_0.distcp")
+    model, opt, _ = build(1, None, seed=1)
+    before = _state(model)
+    with pytest.raises(CheckpointError, match=rf"step_00000002 cannot be loaded: __0_0\.distcp {problem}"):
+        load(step_dir(tmp_path, 2), model, opt)
+    assert _unchanged(model, before) == [] and not opt.state
+
+
+def test_failed_read_of_unverified_checkpoint_leaves_model_alone(tmp_path, capsys):
+    """Without a manifest (older saves) DCP's own error is translated, and nothing was swapped in."""
+    _saved_steps(tmp_path, steps=(1,))
+    ckpt = step_dir(tmp_path, 1)
+    (ckpt / MANIFEST).unlink()
+    _truncate(ckpt / "__0_0.distcp")
+    model, opt, _ = build(1, None, seed=1)
+    before = _state(model)
+    # CheckpointException derives from BaseException; what escapes here is a ValueError subclass.
+    with pytest.raises(CheckpointError, match=r"step_00000001 cannot be read: rank 0: RuntimeError"):
+        load(ckpt, model, opt)
+    assert _unchanged(model, before) == []
+    assert "step_00000001 has no manifest.json (saved by an older version); loading it unverified" in capsys.readouterr().err
+
+
+def test_root_falls_back_to_newest_intact_step_and_says_so(tmp_path, capsys):
+    _saved_steps(tmp_path, steps=(1, 2, 3))
+    _flip(step_dir(tmp_path, 3) / ".metadata", at=0.3)
+    (step_dir(tmp_path, 2) / "train_state.pt").unlink()
+    model, opt, _ = build(1, None, seed=1)
+    assert load(tmp_path, model, opt)["step"] == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "checkpoint: skipping step_00000003 (.metadata is corrupted (sha256 differs from manifest.json)); "
+        "step_00000002 (incomplete: train_state.pt missing); loading step_00000001, the newest intact step"
+    ]
+    _truncate(step_dir(tmp_path, 1) / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match=r"no intact checkpoint under .*step_00000001 \(__0_0\.distcp is truncated"):
+        load(tmp_path, model, opt)
+
+
+def _load_damaged(rank, world, root):
+    model, opt, _ = build(world, {"ep": 2}, seed=1)
+    load(root, model, opt)
+
+
+def test_damage_is_found_on_every_rank(tmp_path):
+    """Ranks hash their shares of the files and share the verdict: all raise, none hangs."""
+    _saved_steps(tmp_path, steps=(1,))
+    _flip(step_dir(tmp_path, 1) / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp is corrupted"):
+        run_on_ranks(2, _load_damaged, str(step_dir(tmp_path, 1)))
+
+
+@pytest.mark.parametrize(
+    "change,listed",
+    [
+        ({"n_heads": 4}, "n_heads: saved 2 vs model 4"),
+        ({"top_k": 1, "score_func": "sigmoid"}, "score_func: saved 'softmax' vs model 'sigmoid', top_k: saved 2 vs model 1"),
+        ({"route_scale": 2.0}, "route_scale: saved 1.0 vs model 2.0"),
+    ],
+)
+def test_config_change_that_keeps_shapes_is_refused(tmp_path, change, listed):
+    _saved_steps(tmp_path, steps=(1,))
+    model, opt, _ = build(1, None, seed=1, cfg=ModelConfig(**{**CFG.__dict__, **change}))
+    before = _state(model)
+    with pytest.raises(ValueError, match="was saved from another model config") as err:
+        load(tmp_path, model, opt)
+    assert f"model config differs: {listed}" in str(err.value)
+    assert _unchanged(model, before) == []
+
+
+def test_keep_last_never_deletes_the_step_just_saved(tmp_path):
+    """Resumed from step 1 with steps 5 and 6 of an earlier run on disk: saving step 2 keeps step 2."""
+    _saved_steps(tmp_path, steps=(1, 5, 6))
+    model, opt, sched = build(1, None, seed=0)
+    save(tmp_path, 2, model, opt, extra=extra_for(sched), keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002", "step_00000006"]
+
+
+def test_weights_only_checkpoint_with_fresh_optimizer_ok(tmp_path, capsys):
+    model, opt, _ = build(1, None, seed=0)
+    save(tmp_path, 4, model)
+    fresh, fresh_opt, _ = build(1, None, seed=1)
+    assert load(tmp_path, fresh, fresh_opt, fresh_optimizer_ok=True) == {"step": 4}
+    assert not fresh_opt.state
+    assert "step_00000004 holds model weights only; the optimizer starts fresh at step 4" in capsys.readouterr().err

@@ -79,3 +79,73 @@ def test_import_into_other_config_names_the_differences(exported):
     with pytest.raises(ValueError, match=r"layers\.0\.moe\.experts\.w1: file \[4, 8, 16\] vs model \[8, 8, 16\]") as err:
         export.load_safetensors_into(model, path)
     assert "num_experts: saved 4 vs model 8" in str(err.value)
+
+
+# --- bad input: one line on stderr, rc 2, nothing replaced ------------------------------------
+
+
+@pytest.fixture
+def one_process_export(tmp_path):
+    """A full checkpoint (model + AdamW) at step 3 saved by one process, and its export."""
+    model, opt, sched = build(1, None, seed=0)
+    train(model, opt, sched, range(3), 0, 1)
+    save(tmp_path / "run", 3, model, opt)
+    assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    return tmp_path / "run", tmp_path / "out" / export.WEIGHTS
+
+
+def _optim_keys(ckpt):
+    import torch.distributed.checkpoint as dcp
+
+    return [k for k in dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata if k.startswith("optim.")]
+
+
+def test_import_refuses_to_replace_a_training_checkpoint_without_force(one_process_export, capsys):
+    root, weights = one_process_export
+    ckpt = root / "step_00000003"
+    before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    assert cli.main(["import", str(weights), str(root), "--step", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"dtensor-moe import: {ckpt} already exists and holds a full training checkpoint (model + optimizer "
+                   f"state); pass --force to replace it with weights only, or choose another --step\n")
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == before and _optim_keys(ckpt)
+
+    assert cli.main(["import", str(weights), str(root), "--step", "3", "--force"]) == 0
+    assert f"replaced {ckpt}: its optimizer state is deleted; resuming it starts AdamW fresh" in capsys.readouterr().err
+    assert not _optim_keys(ckpt)
+
+
+def test_export_of_a_damaged_checkpoint_names_it(one_process_export, tmp_path, capsys):
+    root, _ = one_process_export
+    from .test_checkpoint import _flip
+
+    _flip(root / "step_00000003" / "__0_0.distcp")
+    assert cli.main(["export", str(root / "step_00000003"), str(tmp_path / "out2")]) == 2
+    assert capsys.readouterr().err == (f"dtensor-moe export: checkpoint {root / 'step_00000003'} cannot be loaded: "
+                                       f"__0_0.distcp is corrupted (sha256 differs from manifest.json)\n")
+    assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.parametrize(
+    "setup,message",
+    [
+        (lambda w: w.unlink(), "no safetensors file at '{w}'; give model.safetensors written by `dtensor-moe export`, or its directory"),
+        (lambda w: w.write_bytes(b"\0" * 7), "{w} is not a readable safetensors file"),
+        (lambda w: w.with_name(export.CONFIG).write_text("{"), "{c} is not valid JSON"),
+    ],
+    ids=["missing", "damaged", "bad-config-json"],
+)
+def test_import_bad_files(one_process_export, tmp_path, capsys, setup, message):
+    _, weights = one_process_export
+    setup(weights)
+    assert cli.main(["import", str(weights), str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dtensor-moe import: " + message.format(w=weights, c=weights.with_name(export.CONFIG))), err
+    assert err.count("\n") == 1
+
+
+def test_safetensors_into_a_model_whose_config_keeps_the_shapes(one_process_export):
+    _, weights = one_process_export
+    model, _, _ = build(1, None, seed=0, cfg=ModelConfig(**{**CFG.__dict__, "n_heads": 4, "top_k": 1}))
+    with pytest.raises(ValueError, match=r"model config differs: n_heads: saved 2 vs model 4, top_k: saved 2 vs model 1"):
+        export.load_safetensors_into(model, weights)

@@ -9,26 +9,37 @@ API (call on every rank, with the same arguments):
     path = save(root, step, model, optimizer, extra={"data_pos": 7}, keep_last=3)
     extra = load(root_or_path, model, optimizer)   # {"step": step, "data_pos": 7}
     latest(root) -> Path | None                     # newest complete checkpoint under root
+    pick(root_or_path) -> Path                      # what load would read, verified
 
 Layout: `root/step_00000042/` holds DCP's files (`.metadata`, `__<rank>_0.distcp`), the model
-config (`model_config.json`) and `train_state.pt` (rank 0's `extra` plus "step": tensors, numbers,
-strings, lists, dicts, e.g. RNG and lr-scheduler state; read back with weights_only=True). The
-MoE `expert_bias` buffers are part of the model state dict.
+config (`model_config.json`), `train_state.pt` (rank 0's `extra` plus "step": tensors, numbers,
+strings, lists, dicts, e.g. RNG and lr-scheduler state; read back with weights_only=True) and
+`manifest.json` (size and sha256 of every other file). The MoE `expert_bias` buffers are part of
+the model state dict.
 
-Atomicity: a save is written into `root/.tmp-step_00000042/` and renamed to its final name by
-rank 0 only after DCP's final collective, i.e. after every rank wrote its files and rank 0 wrote
-`.metadata`. A rank killed mid-save leaves only a temporary directory, which `latest` ignores
-and the next successful save removes.
+Atomicity: a save is written into `root/.tmp-step_00000042/`; after DCP's final collective (every
+rank wrote its files, rank 0 wrote `.metadata`) the ranks hash the files, rank 0 writes the
+manifest (fsynced, renamed into place) and only then renames the directory to its final name. A
+rank killed mid-save leaves only a temporary directory, which `latest` ignores and the next
+successful save removes.
 
-A checkpoint whose keys or shapes differ from the model (another model config) raises a
-ValueError listing the differences on every rank before the first collective, so no rank hangs.
+Integrity: `load` checks every file against the manifest before it touches the model. A damaged
+step named explicitly raises CheckpointError naming the step and the file; given a root, `load`
+takes the newest intact step and says which ones it skipped (one line on stderr). DCP then reads
+into copies of the model and optimizer tensors, which are swapped in only when the read succeeded,
+so a failing load leaves the model as it was (this costs one extra copy of the state while loading).
+
+A checkpoint of another model config (any field of model_config.json, or keys and shapes) raises
+a ValueError listing the differences on every rank before the first collective, so no rank hangs.
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
 import shutil
+import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -47,6 +59,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 TRAIN_STATE = "train_state.pt"
 MODEL_CONFIG = "model_config.json"
+MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _MAX_LISTED = 10
 
@@ -68,18 +81,103 @@ def latest(root) -> Path | None:
     return max(found)[1] if found else None
 
 
-def resolve(path) -> Path:
-    """`path` itself if it is a complete checkpoint, else the latest one under it."""
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: missing, incomplete, truncated or corrupted."""
+
+
+def _steps(root: Path) -> list[tuple[int, Path]]:
+    """Every step_NNNNNNNN directory under root, newest first (complete or not)."""
+    if not root.is_dir():
+        return []
+    return sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()), reverse=True)
+
+
+def _incomplete(path: Path) -> str:
+    missing = [n for n in (".metadata", TRAIN_STATE) if not (path / n).is_file()]
+    return f"incomplete: {', '.join(missing)} missing"
+
+
+def pick(path) -> Path:
+    """The checkpoint `load(path)` reads, checked against its manifest (a collective when distributed).
+
+    A step directory must be intact, else CheckpointError naming the step and the file. A root gives
+    its newest intact step; newer damaged or incomplete ones are skipped with a one-line note.
+    """
     path = Path(path)
-    if _is_complete(path):
+    if _is_complete(path) or _STEP_DIR.match(path.name):
+        problem = verify(path) if _is_complete(path) else _incomplete(path) if path.is_dir() else "no such directory"
+        if problem:
+            raise CheckpointError(f"checkpoint {path} cannot be loaded: {problem}")
         return path
-    found = latest(path)
-    if found is None:
-        raise ValueError(
-            f"no complete checkpoint at or under {str(path)!r}: expected a step_NNNNNNNN directory holding "
-            f".metadata and {TRAIN_STATE} (as written by dtensor_moe.train.checkpoint.save)"
-        )
-    return found
+    skipped = []
+    for _, candidate in _steps(path):
+        problem = verify(candidate) if _is_complete(candidate) else _incomplete(candidate)
+        if problem is None:
+            if skipped:
+                _note(f"checkpoint: skipping {'; '.join(skipped)}; loading {candidate.name}, the newest intact step")
+            return candidate
+        skipped.append(f"{candidate.name} ({problem})")
+    if skipped:
+        raise CheckpointError(f"no intact checkpoint under {str(path)!r}: {'; '.join(skipped)}")
+    raise CheckpointError(
+        f"no complete checkpoint at or under {str(path)!r}: expected a step_NNNNNNNN directory holding "
+        f".metadata and {TRAIN_STATE} (as written by dtensor_moe.train.checkpoint.save)"
+    )
+
+
+def _note(msg: str):
+    if _rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _digests(directory: Path, names: list[str]) -> tuple[dict[str, str], list[str]]:
+    """sha256 of each file, every rank hashing its share of them; also the files that could not be read."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine, errors = {}, []
+    for name in names[rank::world]:
+        try:
+            mine[name] = _sha256(directory / name)
+        except OSError as e:
+            errors.append(f"{name}: {e.strerror}")
+    if not dist.is_initialized():
+        return mine, errors
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (mine, errors))
+    return {k: v for d, _ in everyone for k, v in d.items()}, sorted({e for _, es in everyone for e in es})
+
+
+def verify(ckpt) -> str | None:
+    """None if every file of `ckpt` matches its manifest, else what is wrong (collective when distributed).
+
+    A checkpoint without a manifest (saved before manifests existed) passes with a one-line note.
+    """
+    ckpt = Path(ckpt)
+    try:
+        files = json.loads((ckpt / MANIFEST).read_text())["files"]
+        sizes = {name: int(entry["bytes"]) for name, entry in files.items()}
+        shas = {name: str(entry["sha256"]) for name, entry in files.items()}
+    except FileNotFoundError:
+        _note(f"checkpoint: {ckpt.name} has no {MANIFEST} (saved by an older version); loading it unverified")
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    problems = []
+    for name, size in sorted(sizes.items()):
+        f = ckpt / name
+        if not f.is_file():
+            problems.append(f"{name} is missing")
+        elif f.stat().st_size != size:
+            problems.append(f"{name} is truncated or altered ({f.stat().st_size} bytes, manifest says {size})")
+    sized = sorted(n for n in sizes if (ckpt / n).is_file() and (ckpt / n).stat().st_size == sizes[n])
+    digests, errors = _digests(ckpt, sized)
+    problems += errors
+    problems += [f"{n} is corrupted (sha256 differs from {MANIFEST})" for n in sized if n in digests and digests[n] != shas[n]]
+    return "; ".join(problems) or None
 
 
 def _rank() -> int:
@@ -118,6 +216,16 @@ def _fsync_dir(path: Path):
         os.close(fd)
 
 
+def _write_durably(path: Path, write):
+    """write(file) into path.tmp, fsync, rename over path: a crash leaves the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def _config_dict(model: nn.Module) -> dict | None:
     cfg = getattr(model, "config", None)
     return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None
@@ -137,20 +245,45 @@ def save(root, step: int, model: nn.Module, optimizer=None, extra: dict | None =
     def prepare():
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
         tmp.mkdir(parents=True)
-        torch.save({**(extra or {}), "step": step}, tmp / TRAIN_STATE)
+        _write_durably(tmp / TRAIN_STATE, lambda f: torch.save({**(extra or {}), "step": step}, f))
         cfg = _config_dict(model)
         if cfg is not None:
-            (tmp / MODEL_CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+            text = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
+            _write_durably(tmp / MODEL_CONFIG, lambda f: f.write(text.encode()))
 
     _on_rank0(prepare)
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optim"] = get_optimizer_state_dict(model, optimizer)
-    # Returns on every rank only after all ranks wrote their shards and rank 0 wrote .metadata.
-    with single_process_ok():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
-    _on_rank0(lambda: (_publish(tmp, final), _prune(root, keep_last)))
+    # Returns on every rank only after all ranks wrote (and fsynced) their shards and rank 0 wrote .metadata.
+    try:
+        with single_process_ok():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
+    except CheckpointException as e:  # a BaseException: would escape `except Exception` handlers
+        raise RuntimeError(f"saving checkpoint step {step} into {tmp} failed: {_failures(e)}") from None
+    names = sorted(p.name for p in tmp.iterdir() if p.is_file() and not p.name.endswith(".tmp"))
+    digests, errors = _digests(tmp, names)
+    if errors:
+        raise RuntimeError(f"saving checkpoint step {step}: cannot read back {'; '.join(errors)}")
+
+    def publish():
+        manifest = {"step": step, "files": {n: {"bytes": (tmp / n).stat().st_size, "sha256": digests[n]} for n in names}}
+        _write_durably(tmp / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()))
+        _fsync_dir(tmp)
+        _publish(tmp, final)
+        _prune(root, keep_last, final)
+
+    _on_rank0(publish)
     return final
+
+
+def _failures(e: CheckpointException) -> str:
+    """One line per failing rank: its exception's type and message."""
+    per_rank = getattr(e, "failures", None) or {}
+    if not per_rank:
+        return str(e)
+    return "; ".join(f"rank {r}: {type(f[0] if isinstance(f, tuple) else f).__name__}: {f[0] if isinstance(f, tuple) else f}"
+                     for r, f in sorted(per_rank.items()))
 
 
 def _publish(tmp: Path, final: Path):
@@ -163,15 +296,19 @@ def _publish(tmp: Path, final: Path):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _prune(root: Path, keep_last: int | None):
+def _prune(root: Path, keep_last: int | None, just_saved: Path):
+    """Keeps the newest `keep_last` complete steps and always the one just saved (it may not be the
+    highest: after resuming from an earlier step, or next to a damaged newer one). Incomplete step
+    directories are not ours to judge and stay."""
     for p in root.iterdir():
         if p.name.startswith((".tmp-", ".old-")):
             shutil.rmtree(p, ignore_errors=True)
     if keep_last is None:
         return
-    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)))
-    for _, p in steps[:-keep_last]:
-        shutil.rmtree(p)
+    complete = [p for _, p in _steps(root) if _is_complete(p)]
+    for p in complete[keep_last:]:
+        if p != just_saved:
+            shutil.rmtree(p)
 
 
 def _listed(items: list[str]) -> str:
@@ -198,12 +335,48 @@ def describe_mismatch(found: dict[str, tuple], expected: dict[str, tuple], sourc
     return "\n".join(lines)
 
 
-def describe_config_diff(saved: dict | None, model: nn.Module) -> str:
-    current = _config_dict(model)
+def config_diff(saved: dict | None, current: dict | None, now: str = "model") -> list[str]:
+    """`field: saved X vs <now> Y` for each field both configs have and that differs."""
     if saved is None or current is None:
-        return ""
-    diffs = [f"{k}: saved {saved.get(k)!r} vs model {current.get(k)!r}" for k in sorted(saved.keys() | current.keys()) if saved.get(k) != current.get(k)]
+        return []
+    return [f"{k}: saved {saved[k]!r} vs {now} {current[k]!r}" for k in sorted(saved.keys() & current.keys()) if saved[k] != current[k]]
+
+
+def saved_config(ckpt) -> dict | None:
+    """The checkpoint's model_config.json, or None if it has none."""
+    path = Path(ckpt) / MODEL_CONFIG
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {ckpt}: {MODEL_CONFIG} is unreadable ({e})") from None
+
+
+def describe_config_diff(saved: dict | None, model: nn.Module) -> str:
+    diffs = config_diff(saved, _config_dict(model))
     return f"  model config differs: {_listed(diffs)}" if diffs else ""
+
+
+def step_of(ckpt) -> int | None:
+    """The step a checkpoint holds: from its step_NNNNNNNN name, else its manifest (None if neither says)."""
+    ckpt = Path(ckpt)
+    if m := _STEP_DIR.match(ckpt.name):
+        return int(m.group(1))
+    try:
+        return int(json.loads((ckpt / MANIFEST).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _holds_optimizer(metadata) -> bool:
+    return any(k.startswith("optim.") for k in metadata.state_dict_metadata)
+
+
+def holds_optimizer(ckpt) -> bool:
+    """Whether a complete checkpoint has optimizer state (not one from `dtensor-moe import`)."""
+    ckpt = Path(ckpt)
+    return _is_complete(ckpt) and _holds_optimizer(dcp.FileSystemReader(ckpt).read_metadata())
 
 
 def _check_compatible(ckpt: Path, metadata, model: nn.Module, model_sd: dict, want_optim: bool):
@@ -213,37 +386,63 @@ def _check_compatible(ckpt: Path, metadata, model: nn.Module, model_sd: dict, wa
         if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
     problems = describe_mismatch(saved, {k: tuple(v.shape) for k, v in model_sd.items()}, "checkpoint")
-    if problems:
-        cfg_path = ckpt / MODEL_CONFIG
-        saved_cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else None
-        cfg_diff = describe_config_diff(saved_cfg, model)
+    # Fields that keep every shape (n_heads, top_k, score_func, ...) still change what the weights mean.
+    cfg_diff = describe_config_diff(saved_config(ckpt), model)
+    if problems or cfg_diff:
+        head = "does not fit this model (saved from another model config?)" if problems else "was saved from another model config"
         raise ValueError(
-            f"checkpoint {ckpt} does not fit this model (saved from another model config?):\n{problems}"
-            + (f"\n{cfg_diff}" if cfg_diff else "")
-            + f"\nBuild the model with the checkpoint's config ({cfg_path}) or load another checkpoint."
+            f"checkpoint {ckpt} {head}:\n" + "\n".join(x for x in (problems, cfg_diff) if x)
+            + f"\nBuild the model with the checkpoint's config ({ckpt / MODEL_CONFIG}) or load another checkpoint."
         )
-    if want_optim and not any(k.startswith("optim.") for k in metadata.state_dict_metadata):
+    if want_optim and not _holds_optimizer(metadata):
         raise ValueError(
             f"checkpoint {ckpt} holds model weights only (written by `dtensor-moe import` or save(optimizer=None)); "
             f"pass optimizer=None to load the weights and start the optimizer fresh"
         )
 
 
-def load(path, model: nn.Module, optimizer=None) -> dict:
-    """Loads `path` (a checkpoint, or a root: its latest) into `model` / `optimizer` on any mesh.
+def _staged(obj):
+    """The same nested state with every tensor replaced by an uninitialized copy (DTensors stay DTensors)."""
+    if isinstance(obj, torch.Tensor):
+        return torch.empty_like(obj)
+    if isinstance(obj, dict):
+        return {k: _staged(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_staged(v) for v in obj]
+    return obj
+
+
+def load(path, model: nn.Module, optimizer=None, *, fresh_optimizer_ok: bool = False) -> dict:
+    """Loads `path` (a checkpoint, or a root: its newest intact step) into `model` / `optimizer` on any mesh.
 
     Returns the saved `extra` dict with "step". Call on every rank of the model's process group.
+    Raises CheckpointError (a ValueError) for a damaged checkpoint, ValueError for another model;
+    either way the model and optimizer are left as they were. A weights-only checkpoint (from
+    `dtensor-moe import`) needs optimizer=None, or fresh_optimizer_ok=True: then the optimizer is
+    left untouched (fresh) and a one-line note says so.
     """
-    ckpt = resolve(path)
-    metadata = dcp.FileSystemReader(ckpt).read_metadata()  # every rank reads it: no collective
+    ckpt = pick(path)
+    try:
+        metadata = dcp.FileSystemReader(ckpt).read_metadata()  # every rank reads it: no collective
+        extra = torch.load(ckpt / TRAIN_STATE, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - an unverified (manifest-less) checkpoint may hold anything
+        raise CheckpointError(f"checkpoint {ckpt} cannot be read: {type(e).__name__}: {e}") from None
+    if optimizer is not None and fresh_optimizer_ok and not _holds_optimizer(metadata):
+        _note(f"checkpoint: {ckpt.name} holds model weights only; the optimizer starts fresh at step {extra['step']}")
+        optimizer = None
     model_sd = get_model_state_dict(model)
     _check_compatible(ckpt, metadata, model, model_sd, optimizer is not None)
-    state = {"model": model_sd}
+    state = {"model": _staged(model_sd)}
     if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)  # allocates moments if still empty
-    with single_process_ok():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(ckpt))
+        state["optim"] = _staged(get_optimizer_state_dict(model, optimizer))  # allocates moments if still empty
+    try:
+        with single_process_ok():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(ckpt))
+    except CheckpointException as e:  # a BaseException: would escape `except Exception` handlers
+        raise CheckpointError(f"checkpoint {ckpt} cannot be read: {_failures(e)}") from None
+    except Exception as e:  # noqa: BLE001 - named, with the step, instead of a bare torch traceback
+        raise CheckpointError(f"checkpoint {ckpt} cannot be read: {type(e).__name__}: {e}") from None
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
-    return torch.load(ckpt / TRAIN_STATE, weights_only=True)
+    return extra

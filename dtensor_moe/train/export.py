@@ -16,11 +16,15 @@ Keys are the model's own state-dict FQNs, so they map one-to-one to torchtitan's
     norm.weight                              [D]
     output.weight                            [V, D]      (absent with tie_embeddings)
 
-`dtensor-moe import SAFETENSORS OUT_CKPT` writes a weights-only checkpoint (resume it with a fresh
-optimizer); `load_safetensors_into(model, path)` fills a plain or parallelized model on any mesh.
+`dtensor-moe import SAFETENSORS OUT_CKPT [--step N]` writes a weights-only checkpoint (resume it
+with a fresh optimizer); it refuses to replace an existing step unless --force, and says when that
+deletes the step's optimizer state. `load_safetensors_into(model, path)` fills a plain or
+parallelized model on any mesh. Bad input is one line on stderr and rc 2 for both commands.
 """
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -31,7 +35,18 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from dtensor_moe.train.checkpoint import MODEL_CONFIG, TRAIN_STATE, single_process_ok, describe_config_diff, describe_mismatch, resolve, save
+from dtensor_moe.train.checkpoint import (
+    MODEL_CONFIG,
+    TRAIN_STATE,
+    CheckpointError,
+    describe_config_diff,
+    describe_mismatch,
+    holds_optimizer,
+    pick,
+    save,
+    single_process_ok,
+    step_dir,
+)
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
@@ -39,7 +54,7 @@ CONFIG = "config.json"
 
 def export_checkpoint(ckpt, out_dir) -> Path:
     """Reads the model part of a checkpoint (any mesh it was saved from) in this one process."""
-    ckpt = resolve(ckpt)
+    ckpt = pick(ckpt)  # verified against its manifest
     if not (ckpt / MODEL_CONFIG).is_file():
         raise ValueError(f"{ckpt} has no {MODEL_CONFIG}; export needs a checkpoint saved from a model with a dataclass config")
     metadata = dcp.FileSystemReader(ckpt).read_metadata()
@@ -48,14 +63,22 @@ def export_checkpoint(ckpt, out_dir) -> Path:
         for k, md in metadata.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
-    with single_process_ok():
-        # no_dist: even inside a distributed job this is a local read, not a collective.
-        dcp.load({"model": tensors}, storage_reader=dcp.FileSystemReader(ckpt), no_dist=True)
+    try:
+        with single_process_ok():
+            # no_dist: even inside a distributed job this is a local read, not a collective.
+            dcp.load({"model": tensors}, storage_reader=dcp.FileSystemReader(ckpt), no_dist=True)
+        step = torch.load(ckpt / TRAIN_STATE, weights_only=True)["step"]
+    except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"checkpoint {ckpt} cannot be read: {type(e).__name__}: {e}") from None
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"export output {str(out)!r} is a file; give a directory for {WEIGHTS} and {CONFIG}")
     out.mkdir(parents=True, exist_ok=True)
-    step = torch.load(ckpt / TRAIN_STATE, weights_only=True)["step"]
-    save_file(tensors, out / WEIGHTS, metadata={"format": "pt", "step": str(step)})
-    (out / CONFIG).write_text((ckpt / MODEL_CONFIG).read_text())
+    # Written under temporary names and renamed: an interrupted export leaves no half file behind.
+    save_file(tensors, out / f".{WEIGHTS}.tmp", metadata={"format": "pt", "step": str(step)})
+    (out / f".{CONFIG}.tmp").write_text((ckpt / MODEL_CONFIG).read_text())
+    os.replace(out / f".{WEIGHTS}.tmp", out / WEIGHTS)
+    os.replace(out / f".{CONFIG}.tmp", out / CONFIG)
     return out / WEIGHTS
 
 
@@ -65,25 +88,38 @@ def _weights_path(path) -> Path:
 
 
 def read_config(path) -> dict:
-    cfg = _weights_path(path).with_name(CONFIG)
+    weights = _weights_path(path)
+    if not weights.is_file():
+        raise ValueError(f"no safetensors file at {str(weights)!r}; give {WEIGHTS} written by `dtensor-moe export`, or its directory")
+    cfg = weights.with_name(CONFIG)
     if not cfg.is_file():
-        raise ValueError(f"no {CONFIG} next to {_weights_path(path)}; `dtensor-moe export` writes both files")
-    return json.loads(cfg.read_text())
+        raise ValueError(f"no {CONFIG} next to {weights}; `dtensor-moe export` writes both files")
+    try:
+        return json.loads(cfg.read_text())
+    except ValueError as e:
+        raise ValueError(f"{cfg} is not valid JSON: {e}") from None
 
 
 def load_safetensors_into(model: nn.Module, path) -> nn.Module:
     """Fills `model` (plain, or parallelized on any mesh) from an exported file; call on every rank."""
     path = _weights_path(path)
-    with safe_open(path, framework="pt") as f:
-        found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    try:
+        with safe_open(path, framework="pt") as f:
+            found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        tensors = load_file(path)  # read before the model is touched: a damaged file changes nothing
+    except FileNotFoundError:
+        raise ValueError(f"no safetensors file at {str(path)!r}") from None
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError for damaged files
+        raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
     expected = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
     problems = describe_mismatch(found, expected, "file")
-    if problems:  # raised on every rank before the collectives that distribute the weights
-        cfg_file = path.with_name(CONFIG)
-        cfg_diff = describe_config_diff(json.loads(cfg_file.read_text()) if cfg_file.is_file() else None, model)
-        raise ValueError(f"{path} does not fit this model:\n{problems}" + (f"\n{cfg_diff}" if cfg_diff else ""))
+    cfg_file = path.with_name(CONFIG)
+    # Fields that keep every shape (n_heads, top_k, ...) still change what the weights mean.
+    cfg_diff = describe_config_diff(json.loads(cfg_file.read_text()) if cfg_file.is_file() else None, model)
+    if problems or cfg_diff:  # raised on every rank before the collectives that distribute the weights
+        raise ValueError(f"{path} does not fit this model:\n" + "\n".join(x for x in (problems, cfg_diff) if x))
     # Each rank holds the full tensors and keeps its own slices of them.
-    set_model_state_dict(model, load_file(path), options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True))
     return model
 
 
@@ -92,22 +128,54 @@ def add_export_arguments(parser):
     parser.add_argument("out", help=f"output directory for {WEIGHTS} and {CONFIG}")
 
 
+def _one_line_errors(command: str, fn) -> int:
+    try:
+        return fn()
+    except ValueError as e:
+        print(f"dtensor-moe {command}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
 def run_export(args) -> int:
-    print(export_checkpoint(args.ckpt, args.out))
-    return 0
+    return _one_line_errors("export", lambda: print(export_checkpoint(args.ckpt, args.out)) or 0)
 
 
 def add_import_arguments(parser):
     parser.add_argument("safetensors", help=f"{WEIGHTS} written by `dtensor-moe export`, or its directory")
     parser.add_argument("out_ckpt", help="checkpoint root to write step_<step>/ into (resume from it with --resume)")
     parser.add_argument("--step", type=int, default=0, help="step number to record in the checkpoint (default 0)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing step_<step>/ (its optimizer state, if any, is deleted)")
 
 
-def run_import(args) -> int:
+def import_weights(safetensors, out_ckpt, step: int = 0, force: bool = False) -> Path:
+    """Writes `out_ckpt/step_<step>` (weights only); an existing step is replaced only with force."""
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
 
-    model = MoETransformer(ModelConfig.from_dict(read_config(args.safetensors)))
-    load_safetensors_into(model, args.safetensors)
-    print(save(args.out_ckpt, args.step, model, keep_last=None))
-    return 0
+    if step < 0:
+        raise ValueError(f"--step must be >= 0, got {step}")
+    target = step_dir(out_ckpt, step)
+    replaced_optimizer = False
+    if target.exists():
+        try:
+            full = holds_optimizer(target)
+        except Exception:  # noqa: BLE001 - unreadable metadata: assume the worst
+            full = True
+        what = "a full training checkpoint (model + optimizer state)" if full else "a checkpoint"
+        if not force:
+            raise ValueError(
+                f"{target} already exists and holds {what}; pass --force to replace it with weights only, "
+                f"or choose another --step"
+            )
+        replaced_optimizer = full
+    model = MoETransformer(ModelConfig.from_dict(read_config(safetensors)))
+    load_safetensors_into(model, safetensors)
+    path = save(out_ckpt, step, model, keep_last=None)
+    if replaced_optimizer:
+        print(f"replaced {path}: its optimizer state is deleted; resuming it starts AdamW fresh", file=sys.stderr)
+    return path
+
+
+def run_import(args) -> int:
+    return _one_line_errors("import", lambda: print(import_weights(args.safetensors, args.out_ckpt, args.step, args.force)) or 0)
