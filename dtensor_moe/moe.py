@@ -14,6 +14,15 @@ from dtensor_moe.router import TopKRouter
 from dtensor_moe.routing import TokenCopies
 
 
+def _recomputing() -> bool:
+    """Whether this forward is eager activation checkpointing's recomputation (it runs inside
+    backward). Compiled graphs recompute inside the backward graph, which never replays mutations."""
+    if torch.compiler.is_compiling():
+        return False
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
 class LocalStats:
     """Load-balancing statistics on one process: the batch is all the data there is."""
 
@@ -77,8 +86,9 @@ class MoE(nn.Module):
         sorted_N, order_N = torch.sort(experts_TK.flatten(), stable=True)
         bounds = torch.arange(cfg.num_experts + 1, device=sorted_N.device, dtype=sorted_N.dtype)
         counts_E = torch.searchsorted(sorted_N, bounds).diff()
-        with torch.no_grad():
-            self.tokens_per_expert += counts_E
+        if not _recomputing():  # activation checkpointing's second forward must not count again
+            with torch.no_grad():
+                self.tokens_per_expert += counts_E
         if cfg.load_balance == "aux_loss":
             self.aux_loss = self._aux_loss(scores_TE, self.stats.sum(counts_E.float()))
 

@@ -13,29 +13,35 @@ import torch
 from dtensor_moe.kernels.gather_sum import gather_sum
 
 
-class _GatherRows(torch.autograd.Function):
+@torch.library.custom_op("dtensor_moe::gather_rows", mutates_args=())
+def gather_rows(x: torch.Tensor, idx: torch.Tensor, readers_RK: torch.Tensor) -> torch.Tensor:
     """out = x[idx], where readers_RK[r] lists the rows of out that read row r of x (-1: none).
 
     Advanced indexing would backpropagate through a sort-based scatter-add (index_put_ with
     accumulate); knowing each row's readers, the gradient is a gather-sum: deterministic, no atomics.
+    A registered op, so compilers take the row count from idx whatever x holds (an empty rank too).
     """
-
-    @staticmethod
-    def forward(ctx, x, idx, readers_RK):
-        ctx.save_for_backward(readers_RK)
-        return x.index_select(0, idx)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (readers_RK,) = ctx.saved_tensors
-        grad = grad.contiguous()
-        if readers_RK.shape[1] == 1:  # a permutation: every row has exactly one reader
-            return grad.index_select(0, readers_RK[:, 0]), None, None
-        return torch.ops.dtensor_moe.gather_sum(grad, readers_RK, readers_RK, None), None, None
+    return x.index_select(0, idx)
 
 
-def gather_rows(x: torch.Tensor, idx: torch.Tensor, readers_RK: torch.Tensor) -> torch.Tensor:
-    return _GatherRows.apply(x, idx, readers_RK)
+@gather_rows.register_fake
+def _(x, idx, readers_RK):
+    return x.new_empty(idx.shape[0], *x.shape[1:])
+
+
+def _gather_rows_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[2])
+
+
+def _gather_rows_backward(ctx, grad):
+    (readers_RK,) = ctx.saved_tensors
+    grad = grad.contiguous()
+    if readers_RK.shape[1] == 1:  # a permutation: every row has exactly one reader
+        return torch.ops.aten.index_select(grad, 0, readers_RK[:, 0]), None, None
+    return gather_sum(grad, readers_RK, readers_RK, None), None, None
+
+
+gather_rows.register_autograd(_gather_rows_backward, setup_context=_gather_rows_setup)
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,8 @@ class Case:
     seed: int = 0
     dtype: str = "float64"
     microbatches: int = 1  # > 1: the same slice again, gradients accumulating (FSDP syncs on the last)
+    nan_token: int | None = None  # this token of the global batch is NaN: it must stay isolated
+    compile: bool | str = False  # parallelize_moe(compile=...): True (inductor) or a backend name
 
 
 def build(case: Case, world_size: int):
@@ -74,11 +76,19 @@ def build(case: Case, world_size: int):
             ref.router.gate.weight[:, 0] = 0.0
             ref.router.gate.weight[case.hot_expert, 0] = 20.0
     grad_out = torch.randn(total, case.seq_len, case.dim, generator=g, dtype=dtype)
+    if case.nan_token is not None and total:
+        x.view(-1, case.dim)[case.nan_token % (total * case.seq_len), 0] = float("nan")
     return cfg, dims, ref, x, grad_out
 
 
 def _err(a, b) -> float:
-    return (a - b).abs().max().item() if a.numel() else 0.0
+    """Max |a - b| where both are finite; inf unless a and b are non-finite at the same places."""
+    if not a.numel():
+        return 0.0
+    if not torch.equal(a.isfinite(), b.isfinite()):
+        return float("inf")
+    finite = a.isfinite()
+    return (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
 
 
 def check_parity(rank: int, world_size: int, case: Case) -> dict:
@@ -98,7 +108,9 @@ def check_parity(rank: int, world_size: int, case: Case) -> dict:
         loss_ref = loss_ref + ref.aux_loss
     loss_ref.backward()
 
-    parallelize_moe(model, dims, device_type="cpu")
+    if case.compile:
+        torch._dynamo.reset()  # each case compiles a new module; keep the cache to this one
+    parallelize_moe(model, dims, device_type="cpu", compile=case.compile)
     errs = {}
     for wp in plan_moe(cfg, dims):  # the plan's ownership is the real local slice on this rank
         local = model.get_parameter(wp.name).to_local()

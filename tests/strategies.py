@@ -42,4 +42,8 @@ def cases(draw, world_size: int):
         load_balance=draw(st.sampled_from(["none", "aux_loss", "aux_free_bias"])),
         seed=draw(st.integers(0, 2**16)),
         microbatches=draw(st.integers(1, 2)),
+        nan_token=draw(st.one_of(st.none(), st.integers(0, 64))),
+        # Compiled (dynamo + AOTAutograd, no codegen) where the experts need no FSDP unit.
+        compile="aot_eager" if dp_replicate * (world_size // (dp_replicate * ep * etp)) == 1 and draw(
+            st.integers(0, 3)) == 0 else False,
     )

@@ -74,3 +74,19 @@ def test_bad_input_raises_on_every_rank_without_hanging(kind, match):
 
     with pytest.raises(ValueError, match=match):
         run_on_ranks(4, parallelize_with_bad_input, kind)
+
+
+COMPILED = {
+    "compiled_single_process": (1, Case(1, 1, 1, 4, 2, 8, 6, (3,), load_balance="aux_loss", compile=True)),
+    "compiled_ep2": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 1), num_shared_experts=1, compile=True)),
+    "compiled_ep2_etp2": (4, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3), load_balance="aux_free_bias", compile=True)),
+    "nan_token_ep2": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 2), load_balance="aux_loss", nan_token=1)),
+    "nan_token_ep2_etp2": (4, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3), nan_token=4)),
+}
+
+
+@pytest.mark.parametrize("name", COMPILED)
+def test_compiled_and_non_finite(name):
+    """torch.compile(fullgraph=True, inductor) of the parallelized layer equals the 1-process
+    reference in float64; a NaN token changes only its own outputs and gradients."""
+    assert_parity(*COMPILED[name])

@@ -97,27 +97,33 @@ class _Topology:
 
 
 @torch.library.custom_op("dtensor_moe::ep_move", mutates_args=())
-def ep_move(x: torch.Tensor, C_host: torch.Tensor, kind: str, direction: str, ep_group: str,
-            etp_group: str) -> torch.Tensor:
-    """Rows of `kind` ("rows": tokens, once per destination rank; "pairs": one per (token, expert))
-    moved "there" (sender -> expert ranks) or "back" (expert ranks -> sender, ETP partials summed)."""
+def ep_move(xs: list[torch.Tensor], C_host: torch.Tensor, kinds: str, direction: str, ep_group: str,
+            etp_group: str) -> list[torch.Tensor]:
+    """Each xs[i], rows of the i-th comma-separated kind ("rows": tokens, once per destination rank; "pairs": one per
+    (token, expert)), moved "there" (sender -> expert ranks) or "back" (expert ranks -> sender, ETP
+    partials summed), in list order. Movements whose gradients could otherwise come back in
+    rank-dependent order (a compiled rank with no tokens schedules its graph differently) travel
+    in one call, so the backward moves them in one call, in one order, too."""
     topo = _Topology(ep_group, etp_group)
-    rows = getattr(topo.sizes(C_host), kind)
-    return (topo.there if direction == "there" else topo.back)(x, rows)
+    sizes = topo.sizes(C_host)
+    move = topo.there if direction == "there" else topo.back
+    return [move(x, getattr(sizes, kind)) for x, kind in zip(xs, kinds.split(","), strict=True)]
 
 
 @ep_move.register_fake
-def _(x, C_host, kind, direction, ep_group, etp_group):
-    return x.new_empty(torch.library.get_ctx().new_dynamic_size(), *x.shape[1:])
+def _(xs, C_host, kinds, direction, ep_group, etp_group):
+    ctx = torch.library.get_ctx()
+    return [x.new_empty(ctx.new_dynamic_size(), *x.shape[1:]) for x in xs]
 
 
 def _move_setup(ctx, inputs, output):
-    _, ctx.C_host, ctx.kind, direction, ctx.ep_group, ctx.etp_group = inputs
+    _, ctx.C_host, ctx.kinds, direction, ctx.ep_group, ctx.etp_group = inputs
     ctx.reverse = "back" if direction == "there" else "there"
 
 
-def _move_backward(ctx, grad):
-    return ep_move(grad.contiguous(), ctx.C_host, ctx.kind, ctx.reverse, ctx.ep_group, ctx.etp_group), *[None] * 5
+def _move_backward(ctx, grads):
+    grads = [g.contiguous() for g in grads]
+    return ep_move(grads, ctx.C_host, ctx.kinds, ctx.reverse, ctx.ep_group, ctx.etp_group), *[None] * 5
 
 
 ep_move.register_autograd(_move_backward, setup_context=_move_setup)
@@ -227,9 +233,10 @@ class _Exchange:
         # The per-expert host counts serve only eager gradient accumulation; a compiled graph has none.
         self.local_counts_host = None if torch.compiler.is_compiling() else local_counts_host.tolist()
         self.copies, self.out_shape, self.groups = copies, out_shape, groups
+        self.w_local = None  # with copies: the routing weights at the expert ranks, moved with the tokens
 
-    def move(self, x, kind, direction):
-        return ep_move(x, self.C_host, kind, direction, *self.groups)
+    def move(self, xs, kinds, direction):
+        return ep_move(xs, self.C_host, kinds, direction, *self.groups)
 
 
 class ExpertDispatcher:
@@ -256,22 +263,23 @@ class ExpertDispatcher:
                              *self.groups)
             ex = _Exchange(tables, copies, x.shape, self.groups)
             x_send = gather_rows(x_TD, ex.send_token, ex.token_rows)
-            x_local = gather_rows(ex.move(x_send, "rows", "there"), ex.row_idx, ex.row_readers)
+            # The routing weights go where the sums are (autograd: they train the router).
+            x_recv, w_sent = ex.move([x_send, copies.weight_N[:, None]], "rows,pairs", "there")
+            x_local = gather_rows(x_recv, ex.row_idx, ex.row_readers)
+            ex.w_local = gather_rows(w_sent, ex.idx, ex.inv)[:, 0]
         else:
             none = counts_E.new_empty(0, dtype=torch.int64)
             ex = _Exchange(ep_plan(counts_E, none, none, x.shape[0], 0, *self.groups), None, x.shape, self.groups)
-            x_local = gather_rows(ex.move(x, "pairs", "there"), ex.idx, ex.inv)
+            x_local = gather_rows(ex.move([x], "pairs", "there")[0], ex.idx, ex.inv)
         return ExpertInput(x_local, ex.local_counts_E, ex.local_counts_host, 1.0 / self.grad_divisor, ex)
 
     def combine(self, y_local: torch.Tensor, inp: ExpertInput) -> torch.Tensor:
         ex = inp.exchange
         if ex.copies is None:
-            return ex.move(gather_rows(y_local, ex.inv[:, 0], ex.idx[:, None]), "pairs", "back")
-        # The routing weights go where the sums are (autograd: they train the router).
-        w_sent = ex.move(ex.copies.weight_N[:, None], "pairs", "there")
-        w_local = gather_rows(w_sent, ex.idx, ex.inv)[:, 0]
-        z_rows = torch.ops.dtensor_moe.gather_sum(y_local, ex.row_readers, ex.row_idx, w_local)
-        out = torch.ops.dtensor_moe.gather_sum(ex.move(z_rows, "rows", "back"), ex.token_rows, ex.send_token, None)
+            return ex.move([gather_rows(y_local, ex.inv[:, 0], ex.idx[:, None])], "pairs", "back")[0]
+        z_rows = torch.ops.dtensor_moe.gather_sum(y_local, ex.row_readers, ex.row_idx, ex.w_local)
+        z_back = ex.move([z_rows], "rows", "back")[0]
+        out = torch.ops.dtensor_moe.gather_sum(z_back, ex.token_rows, ex.send_token, None)
         return out.view(ex.out_shape)
 
     def hooks(self, ours: bool):

@@ -9,6 +9,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils.hooks import RemovableHandle
 
+from dtensor_moe.parallel.compile import AC_MODES, apply_activation_checkpointing, apply_compile
 from dtensor_moe.parallel.dispatch import ExpertDispatcher
 from dtensor_moe.experts import GroupedExperts
 from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
@@ -53,7 +54,7 @@ def shard_moe_layer(
     plans: tuple[WeightPlan, ...],
     dims: MoEParallelDims,
     meshes: MoEMeshes,
-    fsdp_kwargs: dict,
+    fsdp_kwargs: dict | None,
     grad_divisor: float | None = None,
 ):
     """Apply `plans` (names relative to `moe`) to one MoE layer of any model family.
@@ -61,6 +62,8 @@ def shard_moe_layer(
     Expert weights become DTensors on the (ep, etp) submesh, the dispatcher wraps the module that
     owns them, and FSDP2 shards them over EDP (HSDP over dp_replicate) and the dense weights over
     the data-parallel ranks, each along the plan's dim. `grad_divisor`: see ExpertDispatcher.
+    `fsdp_kwargs` None: no FSDP units here; the caller's unit around the layer takes its dense
+    weights (compiled blocks, whose FSDP hooks must stay outside the graph).
     """
     experts_plans = tuple(wp for wp in plans if wp.role == "expert")
     dense_plans = tuple(wp for wp in plans if wp.role == "dense")
@@ -81,6 +84,8 @@ def shard_moe_layer(
         pre, post = d.hooks(ours)
         experts.expert_parallel = ExpertParallelHooks(
             d, experts.register_forward_pre_hook(pre), experts.register_forward_hook(post))
+    if fsdp_kwargs is None:
+        return
     # With no expert data-parallel axis every expert slice has one owner: FSDP on a 1-rank mesh
     # would only copy the weights in and out around each use (~60 ms per step at DeepSeek scale).
     ignored = set(experts.parameters()) if ours and dims.edp * dims.dp_replicate == 1 else None
@@ -100,6 +105,34 @@ def dp_fsdp_mesh(meshes: MoEMeshes, dims: MoEParallelDims):
     return _fsdp_mesh(meshes.dp, dims, meshes.dp.mesh_dim_names[-1])
 
 
+def _check_compile(dims: MoEParallelDims, compile: bool):
+    if compile and dims.edp * dims.dp_replicate > 1:
+        raise ValueError(
+            f"compile=True needs edp == dp_replicate == 1 (got edp={dims.edp}, dp_replicate={dims.dp_replicate}): "
+            "FSDP2 shards the experts over EDP/HSDP with module hooks that torch.compile cannot trace "
+            "(dynamo-disabled in torch 2.11-2.13). Valid here: compile=False, or ep * etp = "
+            f"{dims.dp_shard * dims.cp * dims.tp} with dp_replicate = 1")
+
+
+def _moe_layers(module: nn.Module, dims: MoEParallelDims):
+    """Every MoE in `module` with its plan; every check before the first collective (and before any
+    module changes), so a bad config never hangs a rank or leaves a half-parallelized model."""
+    moes = [m for m in module.modules() if isinstance(m, MoE)]
+    plans = [plan_moe(m.config, dims) for m in moes]
+    done = [n for n, m in module.named_modules() if isinstance(m, MoE) and isinstance(m.experts.w1, DTensor)]
+    if done:
+        raise ValueError(f"parallelize_moe: MoE layers {done} are already parallelized (their expert weights are "
+                         "DTensors); parallelize a fresh copy of the unparallelized module instead")
+    return list(zip(moes, plans))
+
+
+def _fsdp_kwargs(mp_policy, reshard_after_forward: bool) -> dict:
+    kwargs = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    return kwargs
+
+
 def parallelize_moe(
     module: nn.Module,
     dims: MoEParallelDims,
@@ -107,27 +140,22 @@ def parallelize_moe(
     device_type: str = "cuda",
     mp_policy=None,
     reshard_after_forward: bool = True,
+    compile: bool | str = False,
 ) -> nn.Module:
     """Shard every `MoE` in `module` by its placement plan (EP, ETP, FSDP2 over EDP / HSDP).
 
     Dense parts outside the MoE layers are left for the caller's own `fully_shard` (on
-    `dims.build_meshes(...).dp`), as in torchtitan's parallelize functions.
+    `dims.build_meshes(...).dp`), as in torchtitan's parallelize functions. `compile`: each MoE's
+    forward becomes one graph (its FSDP unit's hooks run around it); a string names the backend.
     """
-    moes = [m for m in module.modules() if isinstance(m, MoE)]
-    # Every check runs before the first collective (and before any module changes), so a bad
-    # config never hangs a rank or leaves a half-parallelized model.
-    plans = [plan_moe(m.config, dims) for m in moes]
-    done = [n for n, m in module.named_modules() if isinstance(m, MoE) and isinstance(m.experts.w1, DTensor)]
-    if done:
-        raise ValueError(f"parallelize_moe: MoE layers {done} are already parallelized (their expert weights are "
-                         "DTensors); parallelize a fresh copy of the unparallelized module instead")
+    _check_compile(dims, compile)
+    layers = _moe_layers(module, dims)
     meshes = dims.build_meshes(device_type)
-    fsdp_kwargs = {"reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        fsdp_kwargs["mp_policy"] = mp_policy
-    for m, moe_plans in zip(moes, plans):
-        shard_moe_layer(m, moe_plans, dims, meshes, fsdp_kwargs)
+    for m, moe_plans in layers:
+        shard_moe_layer(m, moe_plans, dims, meshes, _fsdp_kwargs(mp_policy, reshard_after_forward))
         m.stats = DataParallelStats(meshes.dp)
+        if compile:
+            apply_compile(m, compile)
     return module
 
 
@@ -138,17 +166,35 @@ def parallelize_model(
     device_type: str = "cuda",
     mp_policy=None,
     reshard_after_forward: bool = True,
+    compile: bool | str = False,
+    activation_checkpoint: str = "none",
 ) -> nn.Module:
-    """`parallelize_moe`, then FSDP2/HSDP on each transformer block and the root (embeddings, head).
+    """torchtitan's chain for any model whose blocks are in `model.layers`: expert sharding (EP,
+    ETP), activation checkpointing ("none" | "full" | "selective"), compile (each block one graph),
+    then FSDP2/HSDP on each block and the root (embeddings, head; tied embeddings stay there).
 
-    Works for any model whose blocks are in `model.layers`; tied embeddings stay in the root group.
+    Eagerly each MoE is its own FSDP unit (experts over EDP, router and shared experts over the
+    data-parallel ranks); compiled, the block's unit takes the MoE's dense weights too, so every
+    FSDP hook runs outside the block's graph.
     """
-    parallelize_moe(model, dims, device_type=device_type, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    kwargs = {"mesh": dp_fsdp_mesh(dims.build_meshes(device_type), dims)}
+    if activation_checkpoint not in AC_MODES:
+        raise ValueError(f"activation_checkpoint must be one of {AC_MODES}, got {activation_checkpoint!r}")
+    _check_compile(dims, compile)
+    layers = _moe_layers(model, dims)
+    meshes = dims.build_meshes(device_type)
+    fsdp_kwargs = _fsdp_kwargs(mp_policy, reshard_after_forward)
+    for m, moe_plans in layers:
+        shard_moe_layer(m, moe_plans, dims, meshes, None if compile else fsdp_kwargs)
+        m.stats = DataParallelStats(meshes.dp)
+    experts = {p for m, _ in layers for p in m.experts.parameters()} if compile else None
+    kwargs = {"mesh": dp_fsdp_mesh(meshes, dims)}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for block in model.layers:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+        apply_activation_checkpointing(block, activation_checkpoint)
+        if compile:
+            apply_compile(block, compile)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, ignored_params=experts, **kwargs)
     # The root's parameters are needed again right after forward (loss head), so keep them gathered.
-    fully_shard(model, reshard_after_forward=False, **kwargs)
+    fully_shard(model, reshard_after_forward=False, ignored_params=experts, **kwargs)
     return model

@@ -1,0 +1,58 @@
+"""Activation checkpointing and torch.compile of transformer blocks (torchtitan's tp -> ep -> ac -> compile -> fsdp).
+
+Both wrap a module's `forward` in place, so parameter names stay unchanged, and module hooks, which
+FSDP2 uses and torch 2.11-2.13 never trace (its hooks are dynamo-disabled), run outside the graph.
+"""
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from dtensor_moe.kernels import grouped_mm  # noqa: F401  (registers the ops named below)
+from dtensor_moe.parallel import dispatch  # noqa: F401
+
+AC_MODES = ("none", "full", "selective")
+
+# Ops whose outputs selective checkpointing keeps: the expert-parallel exchange and the statistics'
+# all-reduce (so recomputation repeats no communication) and the expert GEMMs (the most FLOPs per byte kept).
+_SAVED_OPS = {torch.ops.dtensor_moe.ep_plan.default, torch.ops.dtensor_moe.ep_move.default,
+              torch.ops.c10d.allreduce_.default, torch.ops._c10d_functional.all_reduce.default,
+              torch.ops._c10d_functional.wait_tensor.default,
+              torch.ops.dtensor_moe.grouped_mm.default, torch.ops.aten.mm.default}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_nothing(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(module: nn.Module, mode: str) -> nn.Module:
+    """"full": keep only the block's input and recompute everything (the exchange included);
+    "selective": also keep the exchange's and the GEMMs' outputs, so recomputation communicates nothing."""
+    if mode not in AC_MODES:
+        raise ValueError(f"activation_checkpoint must be one of {AC_MODES}, got {mode!r}")
+    if mode == "none":
+        return module
+    policy = _selective_policy if mode == "selective" else _keep_nothing
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False,
+                          context_fn=functools.partial(create_selective_checkpoint_contexts, policy), **kwargs)
+
+    module.forward = forward
+    return module
+
+
+def apply_compile(module: nn.Module, compile: bool | str = True) -> nn.Module:
+    """Compiles `module.forward` as one graph (fullgraph=True: a graph break is an error); a string
+    `compile` names the torch.compile backend (e.g. "aot_eager": the same tracing, no codegen)."""
+    backend = compile if isinstance(compile, str) else "inductor"
+    module.forward = torch.compile(module.forward, fullgraph=True, backend=backend)
+    return module
