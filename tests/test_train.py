@@ -8,10 +8,16 @@ from dtensor_moe.cli import main
 from dtensor_moe.train.config import load_config
 
 
-def test_tiny_cpu_run_falls_and_matches_one_process(tmp_path):
+def test_tiny_cpu_run_falls_and_matches_one_process(tmp_path, capsys):
     run_dir = tmp_path / "run"
     rc = main(["train", "--config", "configs/tiny_cpu.toml", "--steps", "8", "--run-dir", str(run_dir), "--parity"])
     assert rc == 0
+    out = capsys.readouterr().out.splitlines()[-7:]  # the launcher's summary, after both progress bars
+    assert [line.split()[0] for line in out] == ["trained", "mesh", "loss", "speed", "memory", "parity", "run"]
+    assert "MoE LM (2 layers, dim 64, 8 experts top-2 + 1 shared), 8 steps of 1024 tokens, float32" in out[0]
+    assert out[1] == "mesh     8 ranks on cpu: experts EDP2 x EP2 x ETP2, dense weights FSDP8"
+    assert out[5].startswith("parity   max |dloss| vs 1 process over 8 steps = ") and out[5].endswith(": pass")
+    assert out[6] == f"run dir  {run_dir}: metrics.jsonl, summary.json, loss.png, parity.json, reference_1proc/"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert all(r["tokens_per_s"] > 0 and len(r["peak_mem_per_rank_gib"]) == 8 for r in rows)
@@ -92,3 +98,104 @@ def test_checkpoint_resume_same_mesh_bit_exact_and_other_mesh_close(tmp_path):
     assert [r["step"] for r in same] == [4, 5, 6]
     assert [r["loss"] for r in same] == [r["loss"] for r in full[3:]]  # bit-exact on the same mesh
     assert max(abs(x["loss"] - y["loss"]) for x, y in zip(other, full[3:])) <= 1e-4
+
+
+# --- bad input to the launcher: one line on stderr, rc 2, before any rank starts ----------------
+
+TINY = ["train", "--config", "configs/tiny_cpu.toml"]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["training.steps=ten"], "training.steps must be an int >= 1, got 'ten' (str)"),
+        (["training.global_batch=0"], "training.global_batch must be >= 1, got 0"),
+        (["training.seq_len=0"], "training.seq_len must be >= 1, got 0"),
+        (["training.seq_len=2048"], "training.seq_len (2048) must be <= model.max_seq_len (1024); valid seq_len: 1..1024 "
+                                    "(or raise model.max_seq_len)"),
+        (["--steps", "-3"], "training.steps must be >= 1, got -3"),
+        (["--nproc", "0"], "parallel.nproc must be >= 1, got 0"),
+        (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0 (steps between saves; 0: never), got -1"),
+        (["--keep-last", "0"], "--keep-last must be >= 1 (checkpoints kept on disk), got 0"),
+        (["model.top_k=2.5"], "model.top_k must be an int in 1..num_experts (8), got 2.5"),
+        (["parallel.ep=3"], "ep * etp = 3*2 must divide dp_shard * cp * tp = 8"),
+    ],
+)
+def test_launcher_rejects_bad_input_in_one_line(tmp_path, capsys, argv, message):
+    assert main([*TINY, "--run-dir", str(tmp_path / "run"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dtensor-moe train: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_launcher_names_a_missing_or_malformed_config_file(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path / "nope.toml")]) == 2
+    assert capsys.readouterr().err == f"dtensor-moe train: config file '{tmp_path / 'nope.toml'}' not found\n"
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training]\nsteps = 5\nlr = 3e-3e\n")
+    assert main(["train", "--config", str(bad)]) == 2
+    assert capsys.readouterr().err == f"dtensor-moe train: config file '{bad}' is not valid TOML: Expected newline or end of document after a statement (at line 3, column 10)\n"
+
+
+def _parsed(argv):
+    import argparse
+
+    from dtensor_moe.train import loop
+
+    p = argparse.ArgumentParser()
+    loop.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_resume_does_not_swallow_an_override():
+    from dtensor_moe.train.loop import _resolve
+
+    args = _parsed(["--config", "configs/tiny_cpu.toml", "--resume", "training.steps=5", "parallel.ep=1"])
+    cfg, _ = _resolve(args)
+    assert args.resume == "latest" and cfg.training.steps == 5 and cfg.parallel.ep == 1
+    args = _parsed(["--config", "configs/tiny_cpu.toml", "--resume", "runs/lr=1e-3/checkpoints"])
+    assert _resolve(args)[0].training.steps == 50 and args.resume == "runs/lr=1e-3/checkpoints"  # a path, not an override
+
+
+def _tiny_checkpoint(root, step):
+    from dtensor_moe.train.checkpoint import save
+    from dtensor_moe.train.model import MoETransformer
+
+    model = MoETransformer(load_config("configs/tiny_cpu.toml").model)
+    return save(root, step, model)
+
+
+def test_resume_problems_are_caught_by_the_launcher(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main([*TINY, "--run-dir", str(run), "--resume"]) == 2
+    assert capsys.readouterr().err.startswith(f"dtensor-moe train: no complete checkpoint at or under '{run / 'checkpoints'}'")
+    ckpt = _tiny_checkpoint(run / "checkpoints", 4)
+    assert main([*TINY, "--run-dir", str(run), "--resume", "model.n_heads=2", "model.top_k=1"]) == 2
+    assert capsys.readouterr().err == (
+        f"dtensor-moe train: --resume {ckpt} was saved with another model config (n_heads: saved 4 vs config 2; "
+        f"top_k: saved 2 vs config 1); train with the config it was saved with ({ckpt / 'model_config.json'}) or "
+        f"start a new --run-dir\n"
+    )
+    assert main([*TINY, "--run-dir", str(run), "--resume", str(ckpt), "--steps", "4"]) == 2
+    assert capsys.readouterr().err == (f"dtensor-moe train: --resume {ckpt} is at step 4, training.steps is 4: nothing "
+                                       f"left to train; raise --steps above 4\n")
+    (ckpt / "__0_0.distcp").write_bytes(b"")
+    assert main([*TINY, "--run-dir", str(run), "--resume", str(ckpt)]) == 2
+    assert capsys.readouterr().err.startswith(f"dtensor-moe train: checkpoint {ckpt} cannot be loaded: __0_0.distcp is truncated")
+
+
+def test_run_results_survive_a_missing_matplotlib(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from dtensor_moe.train.metrics import RunWriter
+
+    (tmp_path / "loss.png").write_bytes(b"an earlier run's plot")
+    writer = RunWriter(str(tmp_path), 1)
+    writer.step({"step": 1, "loss": 5.0, "tokens_per_s": 100.0, "peak_mem_per_rank_gib": [0.5]})
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    writer.finish({"final_loss": 5.0})
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"final_loss": 5.0}
+    assert not (tmp_path / "loss.png").exists()
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "loss.png not written: matplotlib is not installed (pip install matplotlib); the losses are in metrics.jsonl"
+    )

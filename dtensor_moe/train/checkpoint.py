@@ -82,7 +82,7 @@ def latest(root) -> Path | None:
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded: missing, incomplete, truncated or corrupted."""
+    """A checkpoint that cannot be loaded: missing, incomplete, truncated, corrupted, or of another model."""
 
 
 def _steps(root: Path) -> list[tuple[int, Path]]:
@@ -390,12 +390,12 @@ def _check_compatible(ckpt: Path, metadata, model: nn.Module, model_sd: dict, wa
     cfg_diff = describe_config_diff(saved_config(ckpt), model)
     if problems or cfg_diff:
         head = "does not fit this model (saved from another model config?)" if problems else "was saved from another model config"
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {ckpt} {head}:\n" + "\n".join(x for x in (problems, cfg_diff) if x)
             + f"\nBuild the model with the checkpoint's config ({ckpt / MODEL_CONFIG}) or load another checkpoint."
         )
     if want_optim and not _holds_optimizer(metadata):
-        raise ValueError(
+        raise CheckpointError(
             f"checkpoint {ckpt} holds model weights only (written by `dtensor-moe import` or save(optimizer=None)); "
             f"pass optimizer=None to load the weights and start the optimizer fresh"
         )

@@ -14,7 +14,10 @@ import sys
 import time
 from dataclasses import asdict, replace
 
-from dtensor_moe.train.config import Config, load_config
+from dtensor_moe.train.config import Config, is_override, load_config
+
+
+LAUNCHED = "DTENSOR_MOE_LAUNCHED"  # set for the ranks this launcher starts: it prints the summary itself
 
 
 def add_arguments(p):
@@ -24,12 +27,16 @@ def add_arguments(p):
     p.add_argument("--nproc", type=int, help="local ranks to start (default parallel.nproc)")
     p.add_argument("--parity", action="store_true", help="also train on 1 process and compare losses step by step")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
-    p.add_argument("--resume", nargs="?", const="latest", help="resume from DIR (default: latest in run dir)")
+    p.add_argument("--resume", nargs="?", const="latest",
+                   help="resume from DIR: a step directory, or a checkpoint root (its newest intact step; "
+                        "default: the run dir's checkpoints)")
     p.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.ep=4 training.lr=1e-3")
 
 
 def _resolve(args) -> tuple[Config, str]:
+    if args.resume is not None and is_override(args.resume):  # `--resume training.steps=5`: no DIR given
+        args.overrides, args.resume = [args.resume, *args.overrides], "latest"
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"training.steps={args.steps}")
@@ -61,22 +68,79 @@ def _free_port() -> int:
 
 
 def run(args) -> int:
-    cfg, run_dir = _resolve(args)
+    """Bad input (config, arguments, checkpoints) is one line on stderr and rc 2, before any rank starts."""
     under_torchrun = "LOCAL_RANK" in os.environ
-    _check(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun else cfg.parallel.nproc)
-    if under_torchrun:  # this process is one rank
-        if args.parity:
+    try:
+        cfg, run_dir = _resolve(args)
+        _check(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun else cfg.parallel.nproc)
+        _check_run_args(args, cfg, run_dir)
+        if under_torchrun and args.parity:
             raise ValueError("--parity needs the local launcher: run `dtensor-moe train` without torchrun")
-        train_ranks(cfg, run_dir, args)
+        if args.resume is not None and not under_torchrun:
+            args.resume = str(_resume_target(args, cfg, run_dir))  # the ranks load exactly this step
+    except ValueError as e:
+        print(f"dtensor-moe train: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    if under_torchrun:  # this process is one rank
+        from dtensor_moe.train.checkpoint import CheckpointError
+
+        try:
+            train_ranks(cfg, run_dir, args)
+        except CheckpointError as e:  # raised alike on every rank (checkpoint checks are collective): say it once
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"dtensor-moe train: {' '.join(str(e).split())}", file=sys.stderr)
+            return 2
+        if int(os.environ.get("RANK", 0)) == 0 and LAUNCHED not in os.environ:  # else the launcher prints it
+            print(console_summary(run_dir))
         return 0
     n = cfg.parallel.nproc
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", f"--master-port={_free_port()}"]
     cmd += ["-m", "dtensor_moe.cli", "train", *_worker_argv(args, run_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), LAUNCHED: "1"}
     rc = subprocess.call(cmd, env=env)
     if rc != 0:
         return rc
-    return parity(cfg, run_dir) if args.parity else 0
+    rc, parity_line = parity(cfg, run_dir) if args.parity else (0, None)
+    print(console_summary(run_dir, parity_line))
+    return rc
+
+
+def console_summary(run_dir: str, parity_line: str | None = None) -> str:
+    from dtensor_moe.train.metrics import summary_lines
+
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    return "\n".join(summary_lines(summary, run_dir, parity_line))
+
+
+def _check_run_args(args, cfg: Config, run_dir: str):
+    if args.checkpoint_every < 0:
+        raise ValueError(f"--checkpoint-every must be >= 0 (steps between saves; 0: never), got {args.checkpoint_every}")
+    if args.keep_last < 1:
+        raise ValueError(f"--keep-last must be >= 1 (checkpoints kept on disk), got {args.keep_last}")
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ValueError(f"--run-dir {run_dir!r} is a file, not a directory")
+
+
+def _resume_target(args, cfg: Config, run_dir: str):
+    """The verified step directory --resume names (or the newest intact one), fit for this model config."""
+    from dtensor_moe.train.checkpoint import config_diff, pick, saved_config, step_of
+
+    where = os.path.join(run_dir, "checkpoints") if args.resume == "latest" else args.resume
+    ckpt = pick(where)
+    diffs = config_diff(saved_config(ckpt), asdict(cfg.model), now="config")
+    if diffs:
+        raise ValueError(
+            f"--resume {ckpt} was saved with another model config ({'; '.join(diffs)}); train with the config "
+            f"it was saved with ({ckpt / 'model_config.json'}) or start a new --run-dir"
+        )
+    step = step_of(ckpt)
+    if step is not None and step >= cfg.training.steps:
+        raise ValueError(
+            f"--resume {ckpt} is at step {step}, training.steps is {cfg.training.steps}: nothing left to "
+            f"train; raise --steps above {step}"
+        )
+    return ckpt
 
 
 def _check(cfg: Config, world: int):
@@ -84,11 +148,7 @@ def _check(cfg: Config, world: int):
     from dtensor_moe.parallel.mesh import MoEParallelDims
     from dtensor_moe.parallel.plan import plan_moe
 
-    p = cfg.parallel
-    if p.device not in ("cpu", "cuda"):
-        raise ValueError(f"parallel.device must be 'cpu' or 'cuda', got {p.device!r}")
-    if cfg.training.dtype not in ("float32", "bf16"):
-        raise ValueError(f"training.dtype must be 'float32' or 'bf16', got {cfg.training.dtype!r}")
+    p = cfg.parallel  # types and ranges of every field were checked when the config was built
     plan_moe(cfg.model.moe_config(), MoEParallelDims(world, dp_replicate=p.dp_replicate, ep=p.ep, etp=p.etp))
     if cfg.training.global_batch % world:
         raise ValueError(
@@ -97,28 +157,30 @@ def _check(cfg: Config, world: int):
         )
 
 
-def parity(cfg: Config, run_dir: str) -> int:
-    """Train the same model on one process with the same global batches; compare per-step loss."""
+def parity(cfg: Config, run_dir: str) -> tuple[int, str]:
+    """Train the same model on one process with the same global batches; compare per-step loss.
+
+    Returns (rc, the line that says how it went)."""
     ref_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc=1, dp_replicate=1, ep=1, etp=1))
     ref_dir = os.path.join(run_dir, "reference_1proc")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={_free_port()}"]
     cmd += ["-m", "dtensor_moe.train.loop", json.dumps(ref_cfg.to_dict()), ref_dir]
     rc = subprocess.call(cmd)
     if rc != 0:
-        return rc
+        return rc, f"the 1-process reference run failed (rc {rc}); nothing compared"
     ours = _losses(run_dir)
     ref = _losses(ref_dir)
     if not ours or len(ours) != len(ref):
-        print(f"parity: {len(ours)} steps here vs {len(ref)} in the 1-process run; nothing to compare")
-        return 1
+        return 1, f"{len(ours)} steps here vs {len(ref)} in the 1-process run; nothing to compare: FAIL"
     deltas = [abs(a - b) for a, b in zip(ours, ref)]
     tol = cfg.training.parity_tolerance
     report = {"steps": len(deltas), "max_abs_delta": max(deltas), "tolerance": tol, "per_step_abs_delta": deltas}
     from dtensor_moe.train.metrics import write_json
 
     write_json(os.path.join(run_dir, "parity.json"), report)
-    print(f"parity vs 1 process over {len(deltas)} steps: max |dloss| = {max(deltas):.3e} (tolerance {tol:g})")
-    return 0 if max(deltas) <= tol else 1
+    ok = max(deltas) <= tol
+    line = f"max |dloss| vs 1 process over {len(deltas)} steps = {max(deltas):.1e} (tolerance {tol:g}): {'pass' if ok else 'FAIL'}"
+    return (0 if ok else 1), line
 
 
 def _losses(run_dir: str) -> list[float]:
@@ -126,7 +188,7 @@ def _losses(run_dir: str) -> list[float]:
         return [json.loads(line)["loss"] for line in f]
 
 
-def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
+def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> None:
     """The training loop, run by every rank (environment set by torchrun)."""
     import torch
     import torch.distributed as dist
@@ -155,6 +217,7 @@ def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
 
     torch.manual_seed(t.seed)  # same full weights on every rank before sharding
     model = MoETransformer(cfg.model).to(device)
+    n_params = sum(p.numel() for p in model.parameters())  # counted before sharding: the whole model
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if t.dtype == "bf16" else None
     parallelize_model(model, dims, device_type=device.type, mp_policy=mp)
     optimizer = build_optimizer(model, t.lr, t.weight_decay)
@@ -163,7 +226,7 @@ def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
 
     ckpt = _checkpointing(args, run_dir, t.steps)
     start = ckpt.resume(model, optimizer, scheduler) if ckpt else 0
-    writer = RunWriter(run_dir, t.steps, resumed_at=start) if rank == 0 else None
+    writer = RunWriter(run_dir, t.steps, resumed_at=start, label=label) if rank == 0 else None
     tokens_per_step = t.global_batch * t.seq_len
     state = None
     for step in range(start, t.steps):
@@ -205,6 +268,8 @@ def train_ranks(cfg: Config, run_dir: str, args=None) -> None:
         steady = [r["tokens_per_s"] for r in rows[3:]] or [r["tokens_per_s"] for r in rows]
         writer.finish({
             "config": cfg.to_dict(),
+            "model_params": n_params,
+            "world_size": world,
             "mesh": {**asdict(dims), "edp": dims.edp, "dense": dict(zip(("dp_replicate", "dp_shard", "cp", "tp"), dims.dense_shape))},
             "placement_plan": [asdict(wp) for wp in plan_moe(cfg.model.moe_config(), dims)],
             "final_loss": rows[-1]["loss"] if rows else None,
@@ -233,9 +298,14 @@ class _Checkpointing:
             return 0
         from dtensor_moe.train.checkpoint import load
 
-        extra = load(self.resume_from, model, optimizer)
-        scheduler.load_state_dict(extra["lr_scheduler"])
-        return int(extra["step"])
+        extra = load(self.resume_from, model, optimizer, fresh_optimizer_ok=True)  # `dtensor-moe import`: weights only
+        step = int(extra["step"])
+        if "lr_scheduler" in extra:
+            scheduler.load_state_dict(extra["lr_scheduler"])
+        else:
+            for _ in range(step):  # the schedule continues where the step count says
+                scheduler.step()
+        return step
 
     def maybe_save(self, step: int, model, optimizer, scheduler):
         if self.every and (step % self.every == 0 or step == self.total):
@@ -258,4 +328,4 @@ if __name__ == "__main__":  # the 1-process parity reference: python -m dtensor_
     raw = json.loads(sys.argv[1])
     ref = Config(ModelConfig(**raw["model"]), ParallelConfig(**raw["parallel"]), TrainingConfig(**raw["training"]),
                  DataConfig(**raw["data"]))
-    train_ranks(ref, sys.argv[2])
+    train_ranks(ref, sys.argv[2], label="1-process reference")

@@ -1,8 +1,9 @@
-"""Run outputs written by rank 0: metrics.jsonl (one line per step), loss.png, summary.json."""
+"""Run outputs written by rank 0: metrics.jsonl (one line per step), summary.json, loss.png; the console summary."""
 
 import json
 import os
 import resource
+import sys
 
 import torch
 
@@ -30,7 +31,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class RunWriter:
-    def __init__(self, run_dir: str, total_steps: int, resumed_at: int = 0):
+    def __init__(self, run_dir: str, total_steps: int, resumed_at: int = 0, label: str = "train"):
         """A resumed run keeps the rows of steps <= resumed_at from the earlier metrics.jsonl."""
         os.makedirs(run_dir, exist_ok=True)
         self.run_dir = run_dir
@@ -44,7 +45,7 @@ class RunWriter:
             self.metrics.write(json.dumps(row) + "\n")
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total_steps, initial=resumed_at, desc="train", unit="step", dynamic_ncols=True)
+        self.bar = tqdm(total=total_steps, initial=resumed_at, desc=label, unit="step", dynamic_ncols=True)
 
     def step(self, row: dict):
         self.rows.append(row)
@@ -57,10 +58,18 @@ class RunWriter:
         self.bar.update(1)
 
     def finish(self, summary: dict):
+        """summary.json first: a failing plot (no matplotlib, no display font, ...) never costs the results."""
         self.bar.close()
         self.metrics.close()
-        plot_loss(self.rows, os.path.join(self.run_dir, "loss.png"))
         write_json(os.path.join(self.run_dir, "summary.json"), summary)
+        png = os.path.join(self.run_dir, "loss.png")
+        try:
+            plot_loss(self.rows, png)
+        except Exception as e:  # noqa: BLE001 - the plot is a convenience; the numbers are in metrics.jsonl
+            if os.path.exists(png):
+                os.remove(png)  # an earlier run's plot would pass for this one's
+            why = "matplotlib is not installed (pip install matplotlib)" if isinstance(e, ImportError) else f"{type(e).__name__}: {e}"
+            print(f"loss.png not written: {why}; the losses are in metrics.jsonl", file=sys.stderr)
 
 
 def write_json(path: str, obj):
@@ -84,3 +93,41 @@ def plot_loss(rows: list[dict], path: str):
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "parity.json", "checkpoints", "reference_1proc")
+
+
+def _si(n: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:g}"
+
+
+def summary_lines(summary: dict, run_dir: str, parity_line: str | None = None) -> list[str]:
+    """What the run trained and how it went, for the console (from summary.json)."""
+    m, t, mesh = summary["config"]["model"], summary["config"]["training"], summary["mesh"]
+    shared = f" + {m['num_shared_experts']} shared" if m["num_shared_experts"] else ""
+    lines = [
+        f"trained  {_si(summary['model_params'])}-parameter MoE LM ({m['n_layers']} layers, dim {m['dim']}, "
+        f"{m['num_experts']} experts top-{m['top_k']}{shared}), {t['steps']} steps of {t['global_batch'] * t['seq_len']} "
+        f"tokens, {t['dtype']}",
+    ]
+    hsdp = f"HSDP{mesh['dp_replicate']} x " if mesh["dp_replicate"] > 1 else ""
+    lines.append(
+        f"mesh     {summary['world_size']} ranks on {summary['device']}: experts {hsdp}EDP{mesh['edp']} x EP{mesh['ep']} x "
+        f"ETP{mesh['etp']}, dense weights {hsdp}FSDP{mesh['dp_shard']}"
+    )
+    if summary["final_loss"] is not None:
+        lines.append(f"loss     {summary['final_loss']:.4f} after step {t['steps']}")
+        per_rank = summary["median_tokens_per_s_per_rank"]
+        lines.append(f"speed    {summary['median_tokens_per_s']:,.0f} tokens/s median ({per_rank:,.0f} per rank)")
+        peak = max(summary["peak_mem_per_rank_gib"])
+        what = "peak RSS" if summary["device"] == "cpu" else "peak CUDA memory allocated"
+        lines.append(f"memory   {peak:.2f} GiB {what} per rank (largest rank)")
+    if parity_line:
+        lines.append(f"parity   {parity_line}")
+    files = [f + ("/" if os.path.isdir(os.path.join(run_dir, f)) else "") for f in RUN_FILES if os.path.exists(os.path.join(run_dir, f))]
+    lines.append(f"run dir  {run_dir}: {', '.join(files)}")
+    return lines
