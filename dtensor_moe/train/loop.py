@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import asdict, replace
 
 from dtensor_moe.train.config import Config, is_override, load_config
@@ -302,9 +303,11 @@ class _Checkpointing:
         step = int(extra["step"])
         if "lr_scheduler" in extra:
             scheduler.load_state_dict(extra["lr_scheduler"])
-        else:
-            for _ in range(step):  # the schedule continues where the step count says
-                scheduler.step()
+        else:  # the schedule continues where the step count says
+            with warnings.catch_warnings():  # fast-forwarding before any optimizer step is the point here
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+                for _ in range(step):
+                    scheduler.step()
         return step
 
     def maybe_save(self, step: int, model, optimizer, scheduler):
