@@ -50,9 +50,24 @@ def apply_activation_checkpointing(module: nn.Module, mode: str) -> nn.Module:
     return module
 
 
+_NO_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
 def apply_compile(module: nn.Module, compile: bool | str = True) -> nn.Module:
     """Compiles `module.forward` as one graph (fullgraph=True: a graph break is an error); a string
     `compile` names the torch.compile backend (e.g. "aot_eager": the same tracing, no codegen)."""
     backend = compile if isinstance(compile, str) else "inductor"
-    module.forward = torch.compile(module.forward, fullgraph=True, backend=backend)
+    compiled = torch.compile(module.forward, fullgraph=True, backend=backend)
+    if not hasattr(torch._dynamo.config, _NO_REPLAY):
+        module.forward = compiled
+        return module
+
+    @functools.wraps(compiled)
+    def forward(*args, **kwargs):
+        # Under activation checkpointing the MoE's token counts must not be replayed by the
+        # recomputation (eagerly it skips them itself): dynamo's switch for exactly that.
+        with torch._dynamo.config.patch(**{_NO_REPLAY: True}):
+            return compiled(*args, **kwargs)
+
+    module.forward = forward
     return module
