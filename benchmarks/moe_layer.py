@@ -308,7 +308,7 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak) -> dict | None:
         a2a_ms = out["profile"]["all_to_all_ms"] if "profile" in out else 0
         out["a2a_gbps_in_step"] = 4 * moved_bytes / (a2a_ms / 1e3) / 1e9 if a2a_ms > 0 else None
         out["a2a_ceiling_gbps"] = all_to_all_gbps(moved_bytes, dev, args.iters)
-    del moe, x, step
+    moe = x = step = None  # the layer and its inputs go before the next one is built
     gc.collect()  # FSDP's hooks keep the module in reference cycles: free its gathered weights now
     if dev.type == "cuda":
         torch.cuda.empty_cache()

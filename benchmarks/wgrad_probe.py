@@ -3,7 +3,7 @@
     python benchmarks/wgrad_probe.py --out wgrad.json
 
   grouped+add: `torch._grouped_mm` then `grad += result` (autograd's accumulation);
-  addmm:       one cuBLAS `addmm_` per expert, beta = 1 (experts.accumulate_weight_grad);
+  addmm:       one cuBLAS `addmm_` per expert, beta = 1 (kernels/grouped_mm.add_weight_grad_ with method per_expert);
   triton:      `wgrad_kernel.accumulate`, one launch, for several tile configs.
 Both orientations: w1/w3 ([E, F, D] = da^T x) and w2 ([E, D, F] = dy^T h). Uniform random routing.
 Prints a table (median ms, TFLOP/s, error against addmm) and writes JSON.
@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from dtensor_moe import wgrad_kernel
-from dtensor_moe.experts import accumulate_weight_grad, grouped_weight_grad
+from dtensor_moe.kernels.grouped_mm import add_weight_grad_, grouped_weight_grad
 from dtensor_moe.train.metrics import write_json
 
 SHAPES = {  # per rank at EP=2: D, F, local experts, routed rows
@@ -64,13 +64,13 @@ def main():
             x_NI = torch.randn(N, I, device=dev, dtype=torch.bfloat16)
             flop = 2 * N * O * I
             ref = torch.zeros(E, O, I, device=dev, dtype=torch.bfloat16)
-            accumulate_weight_grad(ref, g_NO, x_NI, host, 0.5)
+            add_weight_grad_(ref, g_NO, x_NI, ends, 0.5, host, "per_expert")
             out = torch.zeros_like(ref)
 
             def grouped_add():
                 out.add_(grouped_weight_grad(g_NO, x_NI, ends), alpha=0.5)
 
-            methods = [("grouped+add", grouped_add), ("addmm", lambda: accumulate_weight_grad(out, g_NO, x_NI, host, 0.5))]
+            methods = [("grouped+add", grouped_add), ("addmm", lambda: add_weight_grad_(out, g_NO, x_NI, ends, 0.5, host, "per_expert"))]
             methods += [(f"triton {c}", lambda c=c: wgrad_kernel.accumulate(out, g_NO, x_NI, ends, 0.5, config=c))
                         for c in CONFIGS]
             for name, fn in methods:

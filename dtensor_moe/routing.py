@@ -73,7 +73,7 @@ class TokenCopies:
 
     def combine(self, y_ND: torch.Tensor, out_shape) -> torch.Tensor:
         """Token t's output: sum_k weight_TK[t, k] * y_ND[row_TK[t, k]], shaped out_shape."""
-        return gather_sum(y_ND, self.row_TK, self.token_N, self.weight_N).view(out_shape)
+        return gather_sum(y_ND, self.row_TK.view(*out_shape[:-1], self.row_TK.shape[1]), self.token_N, self.weight_N)
 
 
 @dataclass(frozen=True)

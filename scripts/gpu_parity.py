@@ -20,9 +20,9 @@ from dtensor_moe import (
     MoEParallelDims,
     parallelize_moe,
 )
-from dtensor_moe import experts
 from dtensor_moe.experts import grouped_swiglu
 from dtensor_moe.kernels import gather_sum as combine
+from dtensor_moe.kernels import policy
 
 BF16_TOL = 2e-2
 
@@ -37,7 +37,9 @@ def check_grouped_mm(device):
     counts = torch.tensor([0, 37, 5, 128, 1, 0, 77, 300], device=device)
     x = torch.randn(int(counts.sum()), D, device=device, generator=g).bfloat16()
     ws = [torch.randn(s, device=device, generator=g).bfloat16() * 0.05 for s in ((E, F, D), (E, D, F), (E, F, D))]
-    return rel(grouped_swiglu(x, counts, *ws, use_kernel=True), grouped_swiglu(x, counts, *ws, use_kernel=False))
+    kernel = grouped_swiglu(x, counts, *ws)
+    with mock.patch.object(policy, "grouped_mm_supported", return_value=False):
+        return rel(kernel, grouped_swiglu(x, counts, *ws))
 
 
 def check_gemm_accumulation(device):
@@ -53,9 +55,9 @@ def check_gemm_accumulation(device):
     for fused in (False, True):
         ws = [(torch.randn(s, device=device, generator=g.manual_seed(2)) * 0.05).bfloat16().requires_grad_(True)
               for s in ((E, F, D), (E, D, F), (E, F, D))]
-        adder = experts._weight_grad_adder if fused else (lambda *a: None)
-        with mock.patch.object(experts, "MIN_MACS_PER_EXPERT_GEMM", 0), \
-                mock.patch.object(experts, "_weight_grad_adder", side_effect=adder):
+        choice = policy.weight_grad_accumulation if fused else (lambda *a: None)
+        with mock.patch.object(policy, "MIN_MACS_PER_EXPERT_GEMM", 0), \
+                mock.patch.object(policy, "weight_grad_accumulation", side_effect=choice):
             for dy in dys:
                 grouped_swiglu(x, counts, *ws, weight_grad_scale=0.5, host_counts=counts.tolist()).backward(dy)
         grads.append([w.grad for w in ws])
@@ -77,8 +79,8 @@ def check_combine_kernel(device):
     dy = torch.randn(R, 1, D, device=device, generator=g).bfloat16()
     runs = []
     for use_triton in (True, False):
-        with mock.patch.object(combine, "runs_triton", return_value=use_triton):
-            out = combine.weighted_gather_sum(y, w, idx.view(R, K), slots // K, (R, 1, D))
+        with mock.patch.object(policy, "runs_triton", return_value=use_triton):
+            out = combine.gather_sum(y, idx.view(R, K), slots // K, w).view(R, 1, D)
             runs.append((out, *torch.autograd.grad(out, [y, w], dy)))
     return max(rel(a, b) for a, b in zip(*runs))
 

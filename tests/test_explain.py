@@ -15,7 +15,7 @@ from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.parallel.plan import owned_box, plan_moe
 
 ROOT = Path(__file__).resolve().parents[1]
-README_ARGS = ["explain", "--world", "8", "--ep", "2", "--etp", "2", "--experts", "4", "--dim", "8", "--hidden-dim", "8", "--shared-experts", "1"]
+README_ARGS = ["explain", "--world", "8", "--ep", "2", "--etp", "2", "--experts", "4", "--dim", "8", "--hidden-dim", "8", "--shared-experts", "1"]  # noqa: E501
 README_CONFIG = MoEConfig(dim=8, hidden_dim=8, num_experts=4, top_k=1, num_shared_experts=1)
 CASES = [
     (README_CONFIG, MoEParallelDims(8, ep=2, etp=2)),  # EDP2 x EP2 x ETP2

@@ -106,7 +106,7 @@ def test_spec_matches_model_parameters():
         assert sum(u.count * len(u.plans) for u in units) == len(list(model.parameters()))
 
 
-@pytest.mark.parametrize("name,total", [("deepseek-v3-671b", 671e9), ("qwen3-235b-a22b", 235e9), ("qwen3-30b-a3b", 30.5e9), ("mixtral-8x7b", 46.7e9)])
+@pytest.mark.parametrize("name,total", [("deepseek-v3-671b", 671e9), ("qwen3-235b-a22b", 235e9), ("qwen3-30b-a3b", 30.5e9), ("mixtral-8x7b", 46.7e9)])  # noqa: E501
 def test_preset_parameter_counts(name, total):
     dims = MoEParallelDims(1)
     n = P.held_numel(P.fsdp_units(PRESETS[name], dims), dims, 0)

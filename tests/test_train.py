@@ -134,7 +134,7 @@ def test_launcher_names_a_missing_or_malformed_config_file(tmp_path, capsys):
     bad = tmp_path / "bad.toml"
     bad.write_text("[training]\nsteps = 5\nlr = 3e-3e\n")
     assert main(["train", "--config", str(bad)]) == 2
-    assert capsys.readouterr().err == f"dtensor-moe train: config file '{bad}' is not valid TOML: Expected newline or end of document after a statement (at line 3, column 10)\n"
+    assert capsys.readouterr().err == f"dtensor-moe train: config file '{bad}' is not valid TOML: Expected newline or end of document after a statement (at line 3, column 10)\n"  # noqa: E501
 
 
 def _parsed(argv):

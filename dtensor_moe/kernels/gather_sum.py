@@ -63,100 +63,6 @@ def _kernels():
 
 
 BLOCK_D = 1024
-@functools.cache
-def available() -> bool:
-    """Whether Triton imports here (the CUDA build of torch ships it)."""
-    try:
-        _kernels()
-        return True
-    except ImportError:
-        return False
-
-
-def runs_triton(t: torch.Tensor) -> bool:
-    """Whether the Triton kernels take tensors like t: on CUDA, up to fp32 (they compute in fp32;
-    fp64 stays on the torch path, which keeps fp64)."""
-    return t.is_cuda and t.dtype != torch.float64 and available()
-
-
-def _acc_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(t.dtype, torch.float32)
-
-
-def weighted_sum_rows(y_ND: torch.Tensor, idx_RK: torch.Tensor, w_N: torch.Tensor | None) -> torch.Tensor:
-    """out[r] = sum_k w_N[idx_RK[r, k]] * y_ND[idx_RK[r, k]], no autograd; w_N None: unweighted."""
-    (R, K), D = idx_RK.shape, y_ND.shape[1]
-    if runs_triton(y_ND):
-        out = y_ND.new_empty(R, D)
-        if R:
-            triton, fwd, _ = _kernels()
-            w = y_ND if w_N is None else w_N.contiguous()
-            fwd[(R, triton.cdiv(D, BLOCK_D))](y_ND.contiguous(), idx_RK.contiguous(), w, out, D, K,
-                                              WEIGHTED=w_N is not None, BLOCK_D=BLOCK_D)
-        return out
-    filled = idx_RK >= 0
-    safe = torch.where(filled, idx_RK, 0).flatten()
-    rows = y_ND.index_select(0, safe).view(R, K, D)
-    acc = _acc_dtype(y_ND)
-    w_RK = filled.to(acc) if w_N is None else torch.where(filled, w_N.index_select(0, safe).view(R, K).to(acc), 0)
-    return torch.bmm(w_RK.unsqueeze(1), rows.to(acc)).view(R, D).to(y_ND.dtype)
-
-
-def gather_sum(y_ND: torch.Tensor, idx_RK: torch.Tensor) -> torch.Tensor:
-    """out[r] = sum of the rows y_ND[idx_RK[r, k]] with idx >= 0 (no autograd): the gradient of a
-    gather that read each row up to K times."""
-    if idx_RK.shape[1] == 1:  # callers' single-slot tables have no empty slots: a plain gather
-        return y_ND.index_select(0, idx_RK[:, 0])
-    return weighted_sum_rows(y_ND, idx_RK, None)
-
-
-def weighted_gather_sum_backward(dout_RD, tok_N, w_N, y_ND, dtype):
-    """(dy_N in `dtype`, dw_N or None) of out = weighted gather-sum, given each y row's slot row
-    tok_N; y_ND (needed only for dw_N) is None when the weights take no gradient."""
-    dout_RD = dout_RD.contiguous()
-    N, D = tok_N.numel(), dout_RD.shape[1]
-    if runs_triton(dout_RD):
-        dy_ND = torch.empty(N, D, device=dout_RD.device, dtype=dtype)
-        need_dw = y_ND is not None
-        dw_N = torch.empty(N, device=dout_RD.device, dtype=torch.float32) if need_dw else dy_ND
-        if N:
-            _, _, bwd = _kernels()
-            bwd[(N,)](dout_RD, y_ND.contiguous() if need_dw else dy_ND, tok_N.contiguous(), w_N.contiguous(),
-                      dy_ND, dw_N, D, NEED_DW=need_dw, BLOCK_D=BLOCK_D)
-        return dy_ND, (dw_N.to(w_N.dtype) if need_dw else None)
-    g_ND = dout_RD.index_select(0, tok_N)
-    dy_ND = (g_ND * w_N.to(g_ND.dtype).unsqueeze(-1)).to(dtype)
-    if y_ND is None:
-        return dy_ND, None
-    acc = _acc_dtype(y_ND)
-    return dy_ND, (g_ND.to(acc) * y_ND.to(acc)).sum(-1).to(w_N.dtype)
-
-
-def save_for_weighted_backward(ctx, y_ND, w_N, *more):
-    """Saves what weighted_gather_sum_backward needs: y only when the weights take a gradient (it
-    is the largest tensor, and under expert parallelism it holds every ETP peer's pairs)."""
-    ctx.y_dtype = y_ND.dtype
-    ctx.save_for_backward(y_ND if ctx.needs_input_grad[1] else None, w_N, *more)
-
-
-class _WeightedGatherSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_ND, w_N, idx_RK, tok_N, out_shape):
-        save_for_weighted_backward(ctx, y_ND, w_N, tok_N)
-        # Shaped here: FSDP2 hooks the layer's output, which must not be a view made outside.
-        return weighted_sum_rows(y_ND, idx_RK, w_N).view(out_shape)
-
-    @staticmethod
-    def backward(ctx, dout):
-        y_ND, w_N, tok_N = ctx.saved_tensors
-        dy_ND, dw_N = weighted_gather_sum_backward(dout.reshape(-1, dout.shape[-1]), tok_N, w_N, y_ND, ctx.y_dtype)
-        return dy_ND, dw_N, None, None, None
-
-
-def weighted_gather_sum(y_ND, w_N, idx_RK, tok_N, out_shape) -> torch.Tensor:
-    """out[r] = sum_k w_N[idx_RK[r, k]] * y_ND[idx_RK[r, k]] (slots < 0 empty), shaped out_shape;
-    tok_N[n]: the r whose slot reads row n (every row is read by exactly one slot)."""
-    return _WeightedGatherSum.apply(y_ND, w_N, idx_RK, tok_N, out_shape)
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
@@ -164,9 +70,11 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def triton_forward(y_ND, idx_RK, w_N):
-    (R, K), D = idx_RK.shape, y_ND.shape[1]
-    out = y_ND.new_empty(R, D)
-    if R:
+    *lead, K = idx_RK.shape
+    D = y_ND.shape[1]
+    out = y_ND.new_empty(*lead, D)
+    R = out.numel() // max(D, 1)
+    if R and D:
         triton, fwd, _ = _kernels()
         w = y_ND if w_N is None else w_N.contiguous()
         fwd[(R, triton.cdiv(D, BLOCK_D))](y_ND.contiguous(), idx_RK.contiguous(), w, out, D, K,
@@ -175,15 +83,15 @@ def triton_forward(y_ND, idx_RK, w_N):
 
 
 def torch_forward(y_ND, idx_RK, w_N):
-    (R, K), D = idx_RK.shape, y_ND.shape[1]
-    filled_RK = idx_RK >= 0
-    safe = torch.where(filled_RK, idx_RK, 0).flatten()
+    D = y_ND.shape[1]
+    filled = idx_RK >= 0
+    safe = torch.where(filled, idx_RK, 0)
     acc = _acc_dtype(y_ND)
-    rows_RKD = torch.where(filled_RK[..., None], y_ND.index_select(0, safe).view(R, K, D).to(acc), 0)
-    if w_N is None:
-        return rows_RKD.sum(1).to(y_ND.dtype)
-    w_RK = torch.where(filled_RK, w_N.index_select(0, safe).view(R, K).to(acc), 0)
-    return torch.bmm(w_RK.unsqueeze(1), rows_RKD).view(R, D).to(y_ND.dtype)
+    rows = y_ND.index_select(0, safe.flatten()).view(*idx_RK.shape, D).to(acc)
+    rows = torch.where(filled[..., None], rows, 0)
+    if w_N is not None:
+        rows = rows * torch.where(filled, w_N.index_select(0, safe.flatten()).view(idx_RK.shape).to(acc), 0)[..., None]
+    return rows.sum(-2).to(y_ND.dtype)
 
 
 def triton_backward(dout_RD, tok_N, w_N, y_ND, dy_dtype):
@@ -210,14 +118,16 @@ def torch_backward(dout_RD, tok_N, w_N, y_ND, dy_dtype):
 
 @torch.library.custom_op("dtensor_moe::gather_sum", mutates_args=())
 def gather_sum(y_ND: torch.Tensor, idx_RK: torch.Tensor, tok_N: torch.Tensor, w_N: torch.Tensor | None) -> torch.Tensor:
-    """[R, D]: out[r] = sum over slots k with idx_RK[r, k] >= 0 of w_N[n] * y_ND[n], n = idx_RK[r, k]
-    (w_N None: unweighted). tok_N[n] is the r whose slot reads row n (for the backward)."""
+    """[..., D] for idx of shape [..., K]: out[r] = sum over slots k with idx_RK[r, k] >= 0 of
+    w_N[n] * y_ND[n], n = idx_RK[r, k] (w_N None: unweighted); tok_N[n] is the flat r whose slot
+    reads row n (for the backward). Leading dims come out as allocated, never as a view: FSDP2
+    cannot hook the gradient of a module output that is a view."""
     return (triton_forward if policy.runs_triton(y_ND) else torch_forward)(y_ND, idx_RK, w_N)
 
 
 @gather_sum.register_fake
 def _(y_ND, idx_RK, tok_N, w_N):
-    return y_ND.new_empty(idx_RK.shape[0], y_ND.shape[1])
+    return y_ND.new_empty(*idx_RK.shape[:-1], y_ND.shape[1])
 
 
 @torch.library.custom_op("dtensor_moe::gather_sum_backward", mutates_args=())
@@ -246,7 +156,8 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, dout_RD):
     tok_N, w_N, y_ND = ctx.saved_tensors
-    dy_ND, dw_N = gather_sum_backward(dout_RD.contiguous(), tok_N, w_N, y_ND, ctx.y_dtype)
+    dout_RD = dout_RD.reshape(-1, dout_RD.shape[-1]).contiguous()
+    dy_ND, dw_N = gather_sum_backward(dout_RD, tok_N, w_N, y_ND, ctx.y_dtype)
     return dy_ND, None, None, (dw_N if y_ND is not None else None)
 
 

@@ -279,8 +279,8 @@ class ExpertDispatcher:
             return ex.move([gather_rows(y_local, ex.inv[:, 0], ex.idx[:, None])], "pairs", "back")[0]
         z_rows = torch.ops.dtensor_moe.gather_sum(y_local, ex.row_readers, ex.row_idx, ex.w_local)
         z_back = ex.move([z_rows], "rows", "back")[0]
-        out = torch.ops.dtensor_moe.gather_sum(z_back, ex.token_rows, ex.send_token, None)
-        return out.view(ex.out_shape)
+        token_rows = ex.token_rows.view(*ex.out_shape[:-1], ex.token_rows.shape[1])
+        return torch.ops.dtensor_moe.gather_sum(z_back, token_rows, ex.send_token, None)
 
     def hooks(self, ours: bool):
         """(pre, post) forward hooks for the experts module: `dispatch` before it, `combine` after.

@@ -105,13 +105,24 @@ def dp_fsdp_mesh(meshes: MoEMeshes, dims: MoEParallelDims):
     return _fsdp_mesh(meshes.dp, dims, meshes.dp.mesh_dim_names[-1])
 
 
-def _check_compile(dims: MoEParallelDims, compile: bool):
-    if compile and dims.edp * dims.dp_replicate > 1:
+def check_compile(dims: MoEParallelDims, compile, activation_checkpoint: str = "none", prefix: str = ""):
+    """What compile and activation checkpointing need, checked before any collective."""
+    if activation_checkpoint not in AC_MODES:
+        raise ValueError(f"{prefix}activation_checkpoint must be one of {list(AC_MODES)}, got {activation_checkpoint!r}")
+    if not compile:
+        return
+    if activation_checkpoint != "none":
+        # torch 2.13's AOTAutograd fails to save the DeviceMesh of DTensor weight gradients inside a
+        # compiled checkpoint region ("tensors_saved_with_vc_check").
+        raise ValueError(f"{prefix}activation_checkpoint={activation_checkpoint!r} together with {prefix}compile is not "
+                         f"supported yet; valid: {prefix}compile with activation_checkpoint 'none', or activation "
+                         "checkpointing without compile")
+    if dims.edp * dims.dp_replicate > 1:
         raise ValueError(
-            f"compile=True needs edp == dp_replicate == 1 (got edp={dims.edp}, dp_replicate={dims.dp_replicate}): "
+            f"{prefix}compile needs edp == dp_replicate == 1 (got edp={dims.edp}, dp_replicate={dims.dp_replicate}): "
             "FSDP2 shards the experts over EDP/HSDP with module hooks that torch.compile cannot trace "
-            "(dynamo-disabled in torch 2.11-2.13). Valid here: compile=False, or ep * etp = "
-            f"{dims.dp_shard * dims.cp * dims.tp} with dp_replicate = 1")
+            "(dynamo-disabled in torch 2.11-2.13). Valid here: ep * etp = "
+            f"{dims.dp_shard * dims.cp * dims.tp} with dp_replicate = 1, or no compile")
 
 
 def _moe_layers(module: nn.Module, dims: MoEParallelDims):
@@ -148,7 +159,7 @@ def parallelize_moe(
     `dims.build_meshes(...).dp`), as in torchtitan's parallelize functions. `compile`: each MoE's
     forward becomes one graph (its FSDP unit's hooks run around it); a string names the backend.
     """
-    _check_compile(dims, compile)
+    check_compile(dims, compile)
     layers = _moe_layers(module, dims)
     meshes = dims.build_meshes(device_type)
     for m, moe_plans in layers:
@@ -177,14 +188,7 @@ def parallelize_model(
     data-parallel ranks); compiled, the block's unit takes the MoE's dense weights too, so every
     FSDP hook runs outside the block's graph.
     """
-    if activation_checkpoint not in AC_MODES:
-        raise ValueError(f"activation_checkpoint must be one of {AC_MODES}, got {activation_checkpoint!r}")
-    if compile and activation_checkpoint != "none":
-        # torch 2.13's AOTAutograd fails to save the DeviceMesh of DTensor weight gradients inside a
-        # compiled checkpoint region ("tensors_saved_with_vc_check").
-        raise ValueError(f"activation_checkpoint={activation_checkpoint!r} together with compile is not supported "
-                         "yet; valid: compile with activation_checkpoint='none', or activation checkpointing eagerly")
-    _check_compile(dims, compile)
+    check_compile(dims, compile, activation_checkpoint)
     layers = _moe_layers(model, dims)
     meshes = dims.build_meshes(device_type)
     fsdp_kwargs = _fsdp_kwargs(mp_policy, reshard_after_forward)

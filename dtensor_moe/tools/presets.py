@@ -82,7 +82,7 @@ class ModelSpec:
 
 def _gqa(D: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool):
     q, kv = n_heads * head_dim, n_kv_heads * head_dim
-    w = [("attention.wq.weight", (q, D)), ("attention.wk.weight", (kv, D)), ("attention.wv.weight", (kv, D)), ("attention.wo.weight", (D, q))]
+    w = [("attention.wq.weight", (q, D)), ("attention.wk.weight", (kv, D)), ("attention.wv.weight", (kv, D)), ("attention.wo.weight", (D, q))]  # noqa: E501
     if qk_norm:
         w += [("attention.q_norm.weight", (head_dim,)), ("attention.k_norm.weight", (head_dim,))]
     return tuple(w), 2 * kv

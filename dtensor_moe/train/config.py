@@ -101,12 +101,15 @@ class TrainingConfig:
     dtype: str = "float32"  # float32 | bf16 (mixed precision: bf16 compute, fp32 params and reductions)
     seed: int = 0
     parity_tolerance: float = 1e-4
+    compile: bool = False  # torch.compile each block (fullgraph); needs edp == dp_replicate == 1
+    activation_checkpoint: str = "none"  # none | full | selective (selective recomputes no communication)
 
     def __post_init__(self):
         check_fields(self, "training.", steps=at_least(1), seq_len=at_least(1), global_batch=at_least(1), lr=above(0),
                      min_lr_ratio=Range(0, 1), warmup_steps=at_least(0), weight_decay=at_least(0),
                      max_norm=above(0), dtype=("float32", "bf16"), seed=Range(0, 2**32 - 1),
-                     parity_tolerance=at_least(0))
+                     parity_tolerance=at_least(0),
+                     activation_checkpoint=("none", "full", "selective"))
 
 
 @dataclass(frozen=True)

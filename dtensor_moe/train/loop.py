@@ -149,8 +149,12 @@ def _check(cfg: Config, world: int):
     from dtensor_moe.parallel.mesh import MoEParallelDims
     from dtensor_moe.parallel.plan import plan_moe
 
+    from dtensor_moe.parallel.parallelize import check_compile
+
     p = cfg.parallel  # types and ranges of every field were checked when the config was built
-    plan_moe(cfg.model.moe_config(), MoEParallelDims(world, dp_replicate=p.dp_replicate, ep=p.ep, etp=p.etp))
+    dims = MoEParallelDims(world, dp_replicate=p.dp_replicate, ep=p.ep, etp=p.etp)
+    plan_moe(cfg.model.moe_config(), dims)
+    check_compile(dims, cfg.training.compile, cfg.training.activation_checkpoint, "training.")
     if cfg.training.global_batch % world:
         raise ValueError(
             f"training.global_batch ({cfg.training.global_batch}) must be divisible by the data-parallel size "
@@ -162,7 +166,9 @@ def parity(cfg: Config, run_dir: str) -> tuple[int, str]:
     """Train the same model on one process with the same global batches; compare per-step loss.
 
     Returns (rc, the line that says how it went)."""
-    ref_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc=1, dp_replicate=1, ep=1, etp=1))
+    # The reference is the plain eager single process: no compile, no activation checkpointing.
+    ref_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc=1, dp_replicate=1, ep=1, etp=1),
+                      training=replace(cfg.training, compile=False, activation_checkpoint="none"))
     ref_dir = os.path.join(run_dir, "reference_1proc")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={_free_port()}"]
     cmd += ["-m", "dtensor_moe.train.loop", json.dumps(ref_cfg.to_dict()), ref_dir]
@@ -220,7 +226,8 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
     model = MoETransformer(cfg.model).to(device)
     n_params = sum(p.numel() for p in model.parameters())  # counted before sharding: the whole model
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if t.dtype == "bf16" else None
-    parallelize_model(model, dims, device_type=device.type, mp_policy=mp)
+    parallelize_model(model, dims, device_type=device.type, mp_policy=mp, compile=t.compile,
+                      activation_checkpoint=t.activation_checkpoint)
     optimizer = build_optimizer(model, t.lr, t.weight_decay)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
     batches = Batches(load_tokens(cfg.data.source, t.seed), t.seq_len, t.global_batch, t.seed, rank, world)
