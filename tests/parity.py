@@ -133,7 +133,8 @@ def check_parity(rank: int, world_size: int, case: Case) -> dict:
     errs["out"] = _err(y_r.detach(), y_ref[lo:hi].detach())
     n = case.microbatches
     # From the second microbatch on, every expert weight gradient is summed by the GEMMs themselves.
-    errs["accumulated_outside_gemm"] = float(n > 1 and fused.call_count != 3 * (n - 1))
+    # Compiled graphs leave accumulation to autograd (the in-GEMM sum reads .grad, which a graph cannot).
+    errs["accumulated_outside_gemm"] = float(n > 1 and fused.call_count != (0 if case.compile else 3 * (n - 1)))
     errs["grad:x"] = _err(x_r.grad, x_ref.grad[lo:hi] * R * n)
     for name, p in model.named_parameters():
         assert type(p).__name__ == "DTensor", name

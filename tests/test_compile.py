@@ -87,3 +87,30 @@ def test_ep2_training_compiled_and_checkpointed_matches_eager(compile, ac):
             assert m_g == m_e, (m_e, m_g)  # selective recomputation communicates nothing
         if ac == "full" and not compile:
             assert all(g > e for g, e in zip(m_g, m_e)), (m_e, m_g)  # full recomputation moves tokens again
+
+
+def opcheck_dispatch_ops(rank, world_size):
+    """torch.library.opcheck of the dispatcher's ops on a real EP group, with and without copies."""
+    from dtensor_moe import MoEParallelDims
+    from dtensor_moe.parallel.dispatch import _name, ep_move, ep_plan
+    from dtensor_moe.routing import TokenCopies
+
+    meshes = MoEParallelDims(world_size, ep=world_size).build_meshes("cpu")
+    groups = (_name(meshes.expert["ep"].get_group()), _name(meshes.expert["etp"].get_group()))
+    torch.manual_seed(rank)
+    T, K, E = 3, 2, 4
+    experts_TK = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    sorted_N, order_N = torch.sort(experts_TK.flatten(), stable=True)
+    counts_E = torch.bincount(sorted_N, minlength=E)
+    copies = TokenCopies.build(order_N, sorted_N, torch.rand(T, K, dtype=torch.float64))
+    torch.library.opcheck(ep_plan, (counts_E, copies.expert_N, copies.pair_N, T, K, *groups))
+    none = counts_E.new_empty(0)
+    torch.library.opcheck(ep_plan, (counts_E, none, none, T * K, 0, *groups))
+    C_host = ep_plan(counts_E, copies.expert_N, copies.pair_N, T, K, *groups)[0]
+    x = torch.randn(int(C_host[0, rank, :, -1].sum()), 4, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(ep_move, ([x], C_host, "rows", "there", *groups))
+    return True
+
+
+def test_dispatch_ops_pass_opcheck():
+    assert all(run_on_ranks(2, opcheck_dispatch_ops))

@@ -64,7 +64,8 @@ def weight_grad_accumulation(x_ND: torch.Tensor, w1_shape, grouped: bool, host_c
     per weight (kernels/wgrad.py; benchmarks/wgrad_probe.py, RESULTS.md)."""
     E, F_, D = w1_shape
     rows = x_ND.shape[0]
-    per_expert = host_counts_known and (not grouped or rows * F_ * D >= MIN_MACS_PER_EXPERT_GEMM * max(E, 1))
+    # The exact loop (no grouped kernel) reads the counts on the host anyway.
+    per_expert = not grouped or (host_counts_known and rows * F_ * D >= MIN_MACS_PER_EXPERT_GEMM * max(E, 1))
     triton = grouped and runs_triton(x_ND)
     if not (per_expert or triton):
         return None

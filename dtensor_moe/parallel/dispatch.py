@@ -181,8 +181,7 @@ def ep_plan(counts_E: torch.Tensor, expert_N: torch.Tensor, pair_N: torch.Tensor
     inv = inverse_permutation(idx)[:, None]
     local_counts = torch.tensor(sz.local_counts, dtype=torch.int64)
     if not K:
-        empty = idx.new_empty(0)
-        return C_host, C_mine.sum((0, 1)), local_counts, idx, inv, empty, empty.view(0, 1), idx.clone(), inv.clone()
+        return C_host, C_mine.sum((0, 1)), local_counts, idx, inv, idx.new_empty(0), idx.new_empty(0, 1), idx.clone(), inv.clone()
     n_send = sum(sz.rows.send)
     # Non-needed cells land in a dummy slot past the end: a scatter, no sort.
     token = torch.arange(T, device=dev).repeat(ep)
@@ -203,12 +202,13 @@ def _(counts_E, expert_N, pair_N, num_tokens, top_k, ep_group, etp_group):
     ctx = torch.library.get_ctx()
     topo = _Topology(ep_group, etp_group)
     E_local = counts_E.numel() // topo.ep
-    P, S, R = (ctx.new_dynamic_size() for _ in range(3))
+    P = ctx.new_dynamic_size()
     host = torch.empty(topo.etp, topo.ep, topo.ep, E_local + 1, dtype=torch.int64, device="cpu")
     i64 = counts_E.new_empty(0, dtype=torch.int64)
     if not top_k:
         return (host, i64.new_empty(E_local), host.new_empty(E_local), i64.new_empty(P), i64.new_empty(P, 1),
                 i64.new_empty(0), i64.new_empty(0, 1), i64.new_empty(P), i64.new_empty(P, 1))
+    S, R = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     return (host, i64.new_empty(E_local), host.new_empty(E_local), i64.new_empty(P), i64.new_empty(P, 1),
             i64.new_empty(S), i64.new_empty(num_tokens, topo.ep), i64.new_empty(P), i64.new_empty(R, top_k))
 

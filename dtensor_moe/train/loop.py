@@ -218,7 +218,8 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if p.device == "cuda" else "gloo")
+    # device_id binds NCCL to this rank's GPU up front (else every barrier warns that it guesses).
+    dist.init_process_group("nccl" if p.device == "cuda" else "gloo", device_id=device if p.device == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = MoEParallelDims(world, dp_replicate=p.dp_replicate, ep=p.ep, etp=p.etp)
 
