@@ -79,6 +79,9 @@ class MoE(nn.Module):
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
         cfg = self.config
+        if x_BLD.dim() < 1 or x_BLD.shape[-1] != cfg.dim or not x_BLD.is_floating_point():
+            raise ValueError(f"MoE expects [..., dim={cfg.dim}] floating-point input, got shape {tuple(x_BLD.shape)} "
+                             f"of {x_BLD.dtype}")
         x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
         weights_TK, experts_TK, scores_TE = self.router(x_TD, self.expert_bias)
         # Stable sort keeps each expert's tokens in token order: deterministic grouping. Counting

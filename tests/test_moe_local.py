@@ -157,3 +157,10 @@ def test_weight_grads_accumulate_in_the_gemm(use_kernel, min_macs, fused, monkey
         torch.testing.assert_close(w.grad, 0.25 * (refs[0][i + 1] + refs[1][i + 1]), **tol)
         torch.testing.assert_close(w.grad, held[i], rtol=0, atol=0)
         torch.testing.assert_close(got[i], 0.25 * refs[0][i + 1], **tol)
+
+
+@pytest.mark.parametrize("x", [torch.randn(2, 3, 7), torch.ones(2, 3, 8, dtype=torch.long), torch.tensor(1.0)])
+def test_forward_names_the_expected_input(x):
+    moe = MoE(MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2))
+    with pytest.raises(ValueError, match=r"MoE expects \[\.\.\., dim=8\] floating-point input, got shape"):
+        moe(x)

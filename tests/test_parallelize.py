@@ -80,3 +80,22 @@ def test_dispatch_sends_each_token_once_per_rank(etp):
         # EP=2: each token goes to both ranks and comes back from both (10 rows each way; per pair
         # it was 20). ETP=2: the 5 tokens go to both ETP peers and back (10 each way; per pair 40).
         assert rows == [10, 10], rows
+
+
+def _parallelize_twice(rank, world_size):
+    import pytest
+    from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
+
+    moe = MoE(MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2))
+    dims = MoEParallelDims(world_size, ep=2)
+    parallelize_moe(moe, dims, device_type="cpu")
+    before = {n: type(p).__name__ for n, p in moe.named_parameters()}
+    with pytest.raises(ValueError, match=r"already parallelized"):
+        parallelize_moe(moe, dims, device_type="cpu")
+    return before == {n: type(p).__name__ for n, p in moe.named_parameters()}
+
+
+def test_second_parallelize_raises_before_touching_the_module():
+    from .harness import run_on_ranks
+
+    assert all(run_on_ranks(2, _parallelize_twice))
