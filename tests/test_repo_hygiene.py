@@ -1,0 +1,70 @@
+"""What git tracks stays small: no raw benchmark dumps, traces or other big files in the repository.
+
+Sizes are those of the blobs in the index (what the next commit records), not of the working tree.
+"""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_BYTES = 200 * 1024
+# Data the package ships on purpose (the training corpora); still capped, so a bigger file is a decision.
+ALLOWED_PREFIXES = ("dtensor_moe/corpus/", "dtensor_moe/titan_data/")
+ALLOWED_MAX_BYTES = 2 * 1024 * 1024
+# benchmarks/results/ keeps small summary JSON files only (RESULTS.md sits beside it); raw per-run
+# logs, text captures and profiler traces stay on the machine that made them (see .gitignore).
+RESULTS_DIR = "benchmarks/results/"
+RESULTS_MAX_BYTES = 20 * 1024
+
+
+def _tracked_sizes() -> dict[str, int]:
+    if shutil.which("git") is None:
+        pytest.skip("git not installed")
+    ls = subprocess.run(["git", "ls-files", "-s", "-z"], cwd=ROOT, capture_output=True, text=True)
+    if ls.returncode != 0:
+        pytest.skip(f"not a git checkout: {ls.stderr.strip()}")
+    blobs = {}
+    for entry in filter(None, ls.stdout.split("\0")):
+        meta, path = entry.split("\t", 1)
+        mode, obj, _stage = meta.split()
+        if mode != "160000":  # submodules have no blob
+            blobs[path] = obj
+    check = subprocess.run(
+        ["git", "cat-file", "--batch-check=%(objectname) %(objectsize)"],
+        cwd=ROOT, input="\n".join(blobs.values()) + "\n", capture_output=True, text=True, check=True,
+    )
+    size_of = dict(line.split() for line in check.stdout.splitlines() if not line.endswith("missing"))
+    return {path: int(size_of[obj]) for path, obj in blobs.items() if obj in size_of}
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.0f} kB"
+
+
+def test_no_big_tracked_files():
+    sizes = _tracked_sizes()
+    too_big = {
+        p: n for p, n in sizes.items()
+        if n > (ALLOWED_MAX_BYTES if p.startswith(ALLOWED_PREFIXES) else MAX_BYTES)
+    }
+    listing = "\n".join(f"  {_kib(n):>8}  {p}" for p, n in sorted(too_big.items(), key=lambda kv: -kv[1]))
+    assert not too_big, (
+        f"tracked files over {_kib(MAX_BYTES)} ({_kib(ALLOWED_MAX_BYTES)} under {', '.join(ALLOWED_PREFIXES)}); "
+        f"untrack them (git rm --cached) or, for data the package needs, extend ALLOWED_PREFIXES:\n{listing}"
+    )
+
+
+def test_benchmark_results_hold_only_small_summaries():
+    sizes = _tracked_sizes()
+    bad = {
+        p: n for p, n in sizes.items()
+        if p.startswith(RESULTS_DIR) and (not p.endswith(".json") or n > RESULTS_MAX_BYTES)
+    }
+    listing = "\n".join(f"  {_kib(n):>8}  {p}" for p, n in sorted(bad.items()))
+    assert not bad, (
+        f"{RESULTS_DIR} tracks only summary .json files of at most {_kib(RESULTS_MAX_BYTES)}; raw per-run dumps "
+        f"(logs, text captures, traces, full benchmark dumps) stay untracked:\n{listing}"
+    )
