@@ -18,7 +18,7 @@ threads over a session (about 6 threads per group, 8-16 groups per folding).
 Timeouts (seconds), overridable through the environment: DTENSOR_MOE_TEST_TIMEOUT per call
 (default 600: torchtitan's Trainer on 4 ranks of a loaded 2-core machine takes minutes; a healthy
 parity case takes seconds, so this only bounds how long a real hang takes to be reported), and
-DTENSOR_MOE_TEST_START_TIMEOUT for a pool's start-up (spawn, import torch, rendezvous; default
+DTENSOR_MOE_TEST_START_TIMEOUT for a pool's start-up (start the workers, rendezvous; default
 600).
 """
 
@@ -43,6 +43,20 @@ ERROR_GRACE_S = float(os.environ.get("DTENSOR_MOE_TEST_ERROR_GRACE", "120"))
 # How many pools (distinct world sizes) stay alive at once; the least recently used one is closed
 # when a new one would exceed it. Idle workers cost no CPU but ~0.4 GB of memory each.
 MAX_POOLS = int(os.environ.get("DTENSOR_MOE_TEST_MAX_POOLS", "5"))
+
+
+# Workers fork from a forkserver that imported torch once (a pool of 8 starts in seconds instead of
+# a minute of 8 concurrent `import torch` on a loaded 2-core machine, and the imported pages are
+# shared); DTENSOR_MOE_TEST_START_METHOD=spawn starts each worker from scratch instead.
+START_METHOD = os.environ.get("DTENSOR_MOE_TEST_START_METHOD", "forkserver")
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", __name__, "dtensor_moe"]
+
+
+def _context():
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":  # modules that fail to import here are imported by the workers
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 class RankFailure(RuntimeError):
@@ -170,11 +184,13 @@ def _clear_dtensor_caches():
         dynamo.reset()
 
 
-def _worker(rank, world_size, port, tasks, results):
+def _worker(rank, world_size, port, tasks, results, environ):
     import torch
 
     torch.set_num_threads(1)
     torch.set_num_interop_threads(1)
+    os.environ.clear()  # the test process's environment now, not the forkserver's from its start
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
         world = _World(rank, world_size, port)
@@ -208,13 +224,13 @@ def _worker(rank, world_size, port, tasks, results):
 
 class RankPool:
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
-        port = _free_port()
+        port, environ = _free_port(), dict(os.environ)
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results, environ), daemon=True)
             for r in range(world_size)
         ]
         for p in self.procs:
