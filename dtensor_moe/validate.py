@@ -8,6 +8,9 @@ Every field is checked against its annotation (int, float, bool, str) first; boo
 ints are fine where a float is expected, floats must be finite. Then each named rule: a `Range`
 (bounds may name another field), a tuple of choices, or a string that only describes the valid
 values in the type error (the caller checks the range itself).
+
+The tools' inputs and command-line flags (`Hardware.gpu_mem_gib`, `--top`) use the single-value checks at
+the end, with the same type rules and messages.
 """
 
 import math
@@ -97,3 +100,27 @@ def check_fields(obj, prefix: str, **rules):
                     f"{prefix}{name} ({v}) must be <= {rule.hi} ({hi}); valid {name}: {_bound(obj, rule.lo)}..{hi}"
                 )
             raise ValueError(f"{prefix}{name} must be {rule.describe(obj)}, got {v!r}")
+
+
+def check_int(name: str, value, minimum: int = 1, maximum: int | None = None) -> None:
+    """`value` is an int in [minimum, maximum] (no upper bound when maximum is None); 64.0 is not an int."""
+    rule = Range(minimum, maximum)
+    if not (_type_ok(int, value) and rule.holds(None, value)):
+        raise ValueError(f"{name} must be {_valid(int, rule, None)}, got {value!r}")
+
+
+def check_positive(name: str, value) -> None:
+    """`value` is a finite real number > 0 (an int or a float, not a bool)."""
+    rule = above(0)
+    if not (_type_ok(float, value) and rule.holds(None, value)):
+        raise ValueError(f"{name} must be {_valid(float, rule, None)}, got {value!r}")
+
+
+def check_choice(name: str, value, choices) -> None:
+    if not (isinstance(value, str) and value in choices):
+        raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
+
+
+def check_type(name: str, value, kind: type, what: str) -> None:
+    if not isinstance(value, kind):
+        raise ValueError(f"{name} must be {what}, got {value!r}")

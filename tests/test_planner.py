@@ -199,31 +199,31 @@ NAN, INF = float("nan"), float("inf")
 
 
 @pytest.mark.parametrize("make,field,valid", [
-    (lambda: P.Hardware(64, gpu_mem_gib=0), "Hardware.gpu_mem_gib", "a positive finite number, got 0"),
-    (lambda: P.Hardware(64, gpu_mem_gib=-80.0), "Hardware.gpu_mem_gib", "a positive finite number"),
-    (lambda: P.Hardware(64, intra_bw=0), "Hardware.intra_bw", "a positive finite number"),
-    (lambda: P.Hardware(64, inter_bw=NAN), "Hardware.inter_bw", "a positive finite number, got nan"),
-    (lambda: P.Hardware(64, inter_bw=INF), "Hardware.inter_bw", "a positive finite number, got inf"),
-    (lambda: P.Hardware(64, gpu_mem_gib=True), "Hardware.gpu_mem_gib", "a positive finite number, got True"),
-    (lambda: P.Hardware(64, gpu_mem_gib="80"), "Hardware.gpu_mem_gib", "a positive finite number, got '80'"),
-    (lambda: P.Hardware(64.0), "Hardware.gpus", "an integer >= 1, got 64.0"),
-    (lambda: P.Hardware(True), "Hardware.gpus", "an integer >= 1, got True"),
-    (lambda: P.Hardware(64, gpus_per_node=0), "Hardware.gpus_per_node", "an integer >= 1, got 0"),
-    (lambda: P.Hardware(64, gpus_per_node=8.0), "Hardware.gpus_per_node", "an integer >= 1, got 8.0"),
-    (lambda: P.Workload(seq_len=4096.0), "Workload.seq_len", "an integer >= 1, got 4096.0"),
-    (lambda: P.Workload(seq_len=0), "Workload.seq_len", "an integer >= 1, got 0"),
-    (lambda: P.Workload(micro_batch=True), "Workload.micro_batch", "an integer >= 1, got True"),
+    (lambda: P.Hardware(64, gpu_mem_gib=0), "Hardware.gpu_mem_gib", "a finite number > 0, got 0"),
+    (lambda: P.Hardware(64, gpu_mem_gib=-80.0), "Hardware.gpu_mem_gib", "a finite number > 0"),
+    (lambda: P.Hardware(64, intra_bw=0), "Hardware.intra_bw", "a finite number > 0"),
+    (lambda: P.Hardware(64, inter_bw=NAN), "Hardware.inter_bw", "a finite number > 0, got nan"),
+    (lambda: P.Hardware(64, inter_bw=INF), "Hardware.inter_bw", "a finite number > 0, got inf"),
+    (lambda: P.Hardware(64, gpu_mem_gib=True), "Hardware.gpu_mem_gib", "a finite number > 0, got True"),
+    (lambda: P.Hardware(64, gpu_mem_gib="80"), "Hardware.gpu_mem_gib", "a finite number > 0, got '80'"),
+    (lambda: P.Hardware(64.0), "Hardware.gpus", "an int >= 1, got 64.0"),
+    (lambda: P.Hardware(True), "Hardware.gpus", "an int >= 1, got True"),
+    (lambda: P.Hardware(64, gpus_per_node=0), "Hardware.gpus_per_node", "an int >= 1, got 0"),
+    (lambda: P.Hardware(64, gpus_per_node=8.0), "Hardware.gpus_per_node", "an int >= 1, got 8.0"),
+    (lambda: P.Workload(seq_len=4096.0), "Workload.seq_len", "an int >= 1, got 4096.0"),
+    (lambda: P.Workload(seq_len=0), "Workload.seq_len", "an int >= 1, got 0"),
+    (lambda: P.Workload(micro_batch=True), "Workload.micro_batch", "an int >= 1, got True"),
     (lambda: P.Workload(dtype=None), "Workload.dtype", "one of ['bf16', 'fp32'], got None"),
     (lambda: P.Workload(optimizer="lion"), "Workload.optimizer", "one of ['adamw', 'sgd'], got 'lion'"),
     (lambda: P.Workload(recompute=True), "Workload.recompute", "one of ['full', 'none'], got True"),
-    (lambda: replace(MIXTRAL, dim=0), "ModelSpec.dim", "an integer >= 1, got 0"),
-    (lambda: replace(MIXTRAL, dim=4096.0), "ModelSpec.dim", "an integer >= 1, got 4096.0"),
-    (lambda: replace(MIXTRAL, vocab_size=True), "ModelSpec.vocab_size", "an integer >= 1, got True"),
-    (lambda: replace(MIXTRAL, top_k=9), "ModelSpec.top_k", "an integer in 1..8, got 9"),
-    (lambda: replace(MIXTRAL, num_shared_experts=-1), "ModelSpec.num_shared_experts", "an integer >= 0, got -1"),
-    (lambda: replace(MIXTRAL, n_dense_layers=33), "ModelSpec.n_dense_layers", "an integer in 0..32, got 33"),
-    (lambda: replace(MIXTRAL, n_dense_layers=1), "ModelSpec.dense_hidden_dim", "an integer >= 1, got 0"),
-    (lambda: replace(MIXTRAL, kv_width=0), "ModelSpec.kv_width", "an integer >= 1, got 0"),
+    (lambda: replace(MIXTRAL, dim=0), "ModelSpec.dim", "an int >= 1, got 0"),
+    (lambda: replace(MIXTRAL, dim=4096.0), "ModelSpec.dim", "an int >= 1, got 4096.0"),
+    (lambda: replace(MIXTRAL, vocab_size=True), "ModelSpec.vocab_size", "an int >= 1, got True"),
+    (lambda: replace(MIXTRAL, top_k=9), "ModelSpec.top_k", "an int in 1..8, got 9"),
+    (lambda: replace(MIXTRAL, num_shared_experts=-1), "ModelSpec.num_shared_experts", "an int >= 0, got -1"),
+    (lambda: replace(MIXTRAL, n_dense_layers=33), "ModelSpec.n_dense_layers", "an int in 0..32, got 33"),
+    (lambda: replace(MIXTRAL, n_dense_layers=1), "ModelSpec.dense_hidden_dim", "an int >= 1, got 0"),
+    (lambda: replace(MIXTRAL, kv_width=0), "ModelSpec.kv_width", "an int >= 1, got 0"),
     (lambda: replace(MIXTRAL, tie_embeddings=1), "ModelSpec.tie_embeddings", "a bool, got 1"),
     (lambda: replace(MIXTRAL, name=""), "ModelSpec.name", "a non-empty string, got ''"),
     (lambda: replace(MIXTRAL, attention=list(MIXTRAL.attention)), "ModelSpec.attention", "a tuple of (weight name, shape)"),
@@ -247,19 +247,19 @@ def _cli(argv):
 
 
 @pytest.mark.parametrize("flag,value,valid", [
-    ("--intra-bw", "0", "a positive finite number, got 0.0"),
-    ("--inter-bw", "0", "a positive finite number, got 0.0"),
-    ("--inter-bw", "-50", "a positive finite number, got -50.0"),
-    ("--intra-bw", "nan", "a positive finite number, got nan"),
-    ("--inter-bw", "inf", "a positive finite number, got inf"),
-    ("--gpu-mem", "0", "a positive finite number, got 0.0"),
-    ("--gpu-mem", "-1", "a positive finite number, got -1.0"),
-    ("--gpus-per-node", "0", "an integer >= 1, got 0"),
-    ("--gpus-per-node", "-8", "an integer >= 1, got -8"),
-    ("--seq-len", "0", "an integer >= 1, got 0"),
-    ("--micro-batch", "0", "an integer >= 1, got 0"),
-    ("--top", "-3", "an integer >= 1, got -3"),
-    ("--top", "0", "an integer >= 1, got 0"),
+    ("--intra-bw", "0", "a finite number > 0, got 0.0"),
+    ("--inter-bw", "0", "a finite number > 0, got 0.0"),
+    ("--inter-bw", "-50", "a finite number > 0, got -50.0"),
+    ("--intra-bw", "nan", "a finite number > 0, got nan"),
+    ("--inter-bw", "inf", "a finite number > 0, got inf"),
+    ("--gpu-mem", "0", "a finite number > 0, got 0.0"),
+    ("--gpu-mem", "-1", "a finite number > 0, got -1.0"),
+    ("--gpus-per-node", "0", "an int >= 1, got 0"),
+    ("--gpus-per-node", "-8", "an int >= 1, got -8"),
+    ("--seq-len", "0", "an int >= 1, got 0"),
+    ("--micro-batch", "0", "an int >= 1, got 0"),
+    ("--top", "-3", "an int >= 1, got -3"),
+    ("--top", "0", "an int >= 1, got 0"),
 ])
 def test_plan_cli_rejects_bad_flags_in_one_line(flag, value, valid):
     """Zero bandwidths used to divide by zero, `--top -3` silently dropped rows: now rc 2 and one line."""
@@ -270,7 +270,7 @@ def test_plan_cli_rejects_bad_flags_in_one_line(flag, value, valid):
 
 def test_plan_cli_gpus_flag():
     rc, _, err = _cli(["plan", "--model", "mixtral-8x7b", "--gpus", "0"])
-    assert rc == 2 and err == "dtensor-moe plan: --gpus must be an integer >= 1, got 0\n"
+    assert rc == 2 and err == "dtensor-moe plan: --gpus must be an int >= 1, got 0\n"
     rc, out, _ = _cli(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--top", "1"])
     rows = [l for l in out.splitlines() if l.strip()[:1].isdigit() and "|" in l]
     assert rc == 0 and len(rows) == 1

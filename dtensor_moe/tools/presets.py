@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dtensor_moe.config import MoEConfig
-from dtensor_moe.tools.checks import check_int, check_type
+from dtensor_moe.validate import check_int, check_type
 
 Shape = tuple[int, ...]
 

@@ -24,7 +24,7 @@ from functools import lru_cache
 
 from dtensor_moe.parallel.mesh import DENSE_AXES, EXPERT_AXES, MoEParallelDims
 from dtensor_moe.parallel.plan import ShardStep, WeightPlan, axis_sizes, owned_box, plan_moe
-from dtensor_moe.tools.checks import check_choice, check_int, check_positive
+from dtensor_moe.validate import check_choice, check_int, check_positive
 from dtensor_moe.tools.presets import ModelSpec, spec_from_model_config
 
 GiB = 2**30

@@ -3,7 +3,7 @@ and `dtensor-moe plan`'s `add_arguments` / `run`."""
 
 from dataclasses import asdict
 
-from dtensor_moe.tools.checks import check_int, check_positive
+from dtensor_moe.validate import check_int, check_positive
 from dtensor_moe.tools.planner.cost_model import (
     COMPUTE_BYTES,
     OPTIMIZER_MOMENTS,
