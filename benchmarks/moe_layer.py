@@ -31,6 +31,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, grouped_swiglu, parallelize_moe
+from dtensor_moe.router import Routing
 from dtensor_moe.train.metrics import write_json
 
 SHAPES = {  # name: (D, F, E, K, tokens per rank)
@@ -85,7 +86,7 @@ def baseline_inputs(rank, T, D, E, K, dev, dtype):
 
 
 def bypass_router(moe: MoE, weights_TK, experts_TK):
-    moe.router.forward = lambda x_TD, expert_bias=None: (weights_TK, experts_TK, None)
+    moe.router.forward = lambda x_TD, expert_bias=None: Routing(weights_TK, experts_TK, None, None)
 
 
 def build_layer(cfg, mesh, world, dev, dtype, **parallel_kwargs):

@@ -4,8 +4,9 @@ from dataclasses import dataclass
 
 from dtensor_moe.validate import Range, above, at_least, check_fields
 
-SCORE_FUNCS = ("softmax", "sigmoid")
+SCORE_FUNCS = ("softmax", "sigmoid", "topk_softmax")
 LOAD_BALANCE = ("none", "aux_loss", "aux_free_bias")
+DROP_POLICIES = ("probs", "position")
 
 # Shared with train.config.ModelConfig, whose expert hidden dim is called moe_hidden_dim.
 MOE_RULES = dict(
@@ -18,7 +19,34 @@ MOE_RULES = dict(
     load_balance=LOAD_BALANCE,
     aux_loss_coeff=at_least(0),
     bias_update_rate=at_least(0),
+    num_expert_groups=Range(1, "num_experts"),
+    num_limited_groups=Range(1, "num_expert_groups"),
+    seq_aux_loss_coeff=at_least(0),
+    z_loss_coeff=at_least(0),
+    capacity_factor="> 0, or None (no capacity limit)",
+    drop_policy=DROP_POLICIES,
 )
+
+
+def check_routing(cfg, prefix: str):
+    """The constraints between routing fields beyond MOE_RULES, for MoEConfig and the main job's
+    ModelConfig alike (after check_fields)."""
+    E, G = cfg.num_experts, cfg.num_expert_groups
+    if E % G:
+        valid = [g for g in range(1, E + 1) if E % g == 0]
+        raise ValueError(f"{prefix}num_experts ({E}) must be divisible by {prefix}num_expert_groups ({G}); "
+                         f"valid num_expert_groups: {valid}")
+    reachable = cfg.num_limited_groups * (E // G)
+    if cfg.top_k > reachable:
+        raise ValueError(f"{prefix}top_k ({cfg.top_k}) must be <= num_limited_groups * num_experts / num_expert_groups "
+                         f"({cfg.num_limited_groups} * {E} / {G} = {reachable}), the experts the kept groups hold; "
+                         f"valid top_k: 1..{reachable}")
+    cf = cfg.capacity_factor
+    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < float("inf")):
+        raise ValueError(f"{prefix}capacity_factor must be a finite number > 0, or None (no capacity limit), got {cf!r}")
+    if cfg.pad_to_capacity and cf is None:
+        raise ValueError(f"{prefix}pad_to_capacity=True needs {prefix}capacity_factor (got None); valid: set "
+                         f"capacity_factor > 0, or pad_to_capacity=False")
 
 
 @dataclass(frozen=True)
@@ -34,6 +62,19 @@ class MoEConfig:
     load_balance: str = "none"
     aux_loss_coeff: float = 1e-3
     bias_update_rate: float = 1e-3
+    # DeepSeek-V3's group-limited routing: experts in num_expert_groups equal groups, top-k only
+    # over the experts of the num_limited_groups best groups.
+    num_expert_groups: int = 1
+    num_limited_groups: int = 1
+    router_bias: bool = False  # the gate Linear has a bias (gpt-oss)
+    seq_aux_loss_coeff: float = 0.0  # DeepSeek-V3's sequence-wise balance loss
+    z_loss_coeff: float = 0.0  # router z-loss: mean over tokens of logsumexp(logits)^2
+    # Megatron's token dropping: each expert keeps at most ceil(tokens * top_k / num_experts *
+    # capacity_factor) of one rank's (token, expert) pairs.
+    capacity_factor: float | None = None
+    drop_policy: str = "probs"
+    pad_to_capacity: bool = False
 
     def __post_init__(self):
         check_fields(self, "MoEConfig.", hidden_dim=at_least(1), **MOE_RULES)
+        check_routing(self, "MoEConfig.")

@@ -83,19 +83,19 @@ class MoE(nn.Module):
             raise ValueError(f"MoE expects [..., dim={cfg.dim}] floating-point input, got shape {tuple(x_BLD.shape)} "
                              f"of {x_BLD.dtype}")
         x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
-        weights_TK, experts_TK, scores_TE = self.router(x_TD, self.expert_bias)
+        r = self.router(x_TD, self.expert_bias)
         # Stable sort keeps each expert's tokens in token order: deterministic grouping. Counting
         # on the sorted ids needs no host sync (CUDA bincount reads the max back to size its output).
-        sorted_N, order_N = torch.sort(experts_TK.flatten(), stable=True)
+        sorted_N, order_N = torch.sort(r.experts_TK.flatten(), stable=True)
         bounds = torch.arange(cfg.num_experts + 1, device=sorted_N.device, dtype=sorted_N.dtype)
         counts_E = torch.searchsorted(sorted_N, bounds).diff()
         if not _recomputing():  # activation checkpointing's second forward must not count again
             with torch.no_grad():
                 self.tokens_per_expert += counts_E
         if cfg.load_balance == "aux_loss":
-            self.aux_loss = self._aux_loss(scores_TE, self.stats.sum(counts_E.float()))
+            self.aux_loss = self._aux_loss(r.scores_TE, self.stats.sum(counts_E.float()))
 
-        y_BLD = self.experts(x_BLD, counts_E, TokenCopies.build(order_N, sorted_N, weights_TK))
+        y_BLD = self.experts(x_BLD, counts_E, TokenCopies.build(order_N, sorted_N, r.weights_TK))
         if self.shared_experts is not None:
             return y_BLD + self.shared_experts(x_BLD)
         return y_BLD
@@ -108,7 +108,7 @@ class MoE(nn.Module):
         """
         cfg = self.config
         num_tokens = global_counts_E.sum() / cfg.top_k
-        if cfg.score_func == "sigmoid":
+        if cfg.score_func == "sigmoid":  # DeepSeek-V3 measures normalized sigmoid scores
             scores_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
         f_E = global_counts_E * cfg.num_experts / (cfg.top_k * num_tokens.clamp(min=1))
         local_sum_E = scores_TE.sum(dim=0)

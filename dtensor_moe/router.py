@@ -1,4 +1,7 @@
-"""Top-k token router: a bias-free gate, softmax or sigmoid scores, optional aux-free bias."""
+"""Top-k token router: softmax, sigmoid or gpt-oss's top-k-softmax scores, optional gate bias,
+aux-free bias and DeepSeek-V3's group-limited selection."""
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -7,31 +10,63 @@ from torch import nn
 from dtensor_moe.config import MoEConfig
 
 
+@dataclass(frozen=True)
+class Routing:
+    """One routing decision. weights_TK in x's dtype; scores_TE (each token's probability per
+    expert, what the balance losses measure) and logits_TE in at least float32."""
+
+    weights_TK: torch.Tensor
+    experts_TK: torch.Tensor
+    scores_TE: torch.Tensor
+    logits_TE: torch.Tensor
+
+
+def limit_groups(select_TE: torch.Tensor, num_groups: int, num_limited: int) -> torch.Tensor:
+    """DeepSeek-V3's group limit: a group's score is the sum of its top-2 selection scores; experts
+    outside the num_limited best groups become unselectable (-inf, since biased scores may be < 0)."""
+    T, E = select_TE.shape
+    select_TGE = select_TE.view(T, num_groups, E // num_groups)
+    # Groups of one expert (allowed here, unlike DeepSeek's code) score by that expert alone.
+    group_TG = select_TGE.topk(min(2, E // num_groups), dim=-1).values.sum(dim=-1)
+    kept_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, group_TG.topk(num_limited, dim=-1).indices, True)
+    return select_TGE.masked_fill(~kept_TG[..., None], float("-inf")).view(T, E)
+
+
 class TopKRouter(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.config = config
-        self.gate = nn.Linear(config.dim, config.num_experts, bias=False)
+        self.gate = nn.Linear(config.dim, config.num_experts, bias=config.router_bias)
 
-    def forward(self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor | None = None):
-        """Returns (weights_TK in x's dtype, experts_TK, scores_TE in at least float32)."""
+    def forward(self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor | None = None) -> Routing:
         cfg = self.config
         # Routing decisions are sensitive to rounding: the gate runs in >= float32 even for bf16
         # activations, so a bf16 model routes like its float32 upcast (and like every other mesh).
         dtype = torch.promote_types(x_TD.dtype, torch.float32)
-        logits_TE = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
-        if cfg.score_func == "softmax":
-            scores_TE = torch.softmax(logits_TE, dim=-1)
-        else:
+        bias = None if self.gate.bias is None else self.gate.bias.to(dtype)
+        logits_TE = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype), bias)
+        if cfg.score_func == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
+        else:
+            scores_TE = torch.softmax(logits_TE, dim=-1)
+        # gpt-oss picks on the logits; the others on the scores.
+        select_TE = logits_TE if cfg.score_func == "topk_softmax" else scores_TE
         # The aux-free bias only steers which experts are chosen, never the combine weights (DeepSeek-V3).
-        select_TE = scores_TE if expert_bias_E is None else scores_TE + expert_bias_E
+        if expert_bias_E is not None:
+            select_TE = select_TE + expert_bias_E
+        if cfg.num_expert_groups > 1:
+            select_TE = limit_groups(select_TE, cfg.num_expert_groups, cfg.num_limited_groups)
         _, experts_TK = torch.topk(select_TE, cfg.top_k, dim=-1)
-        weights_TK = scores_TE.gather(-1, experts_TK)
-        if cfg.route_norm and cfg.top_k > 1:
-            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        if cfg.score_func == "topk_softmax":  # softmax over the K chosen logits: normalized already
+            weights_TK = torch.softmax(logits_TE.gather(-1, experts_TK), dim=-1)
+        else:
+            weights_TK = scores_TE.gather(-1, experts_TK)
+            if cfg.route_norm and cfg.top_k > 1:
+                weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
         weights_TK = weights_TK * cfg.route_scale
-        return weights_TK.to(x_TD.dtype), experts_TK, scores_TE
+        return Routing(weights_TK.to(x_TD.dtype), experts_TK, scores_TE, logits_TE)
 
     def reset_parameters(self, std: float = 0.02):
         nn.init.normal_(self.gate.weight, std=std)
+        if self.gate.bias is not None:
+            nn.init.zeros_(self.gate.bias)

@@ -45,6 +45,9 @@ class Case:
     microbatches: int = 1  # > 1: the same slice again, gradients accumulating (FSDP syncs on the last)
     nan_token: int | None = None  # this token of the global batch is NaN: it must stay isolated
     compile: bool | str = False  # parallelize_moe(compile=...): True (inductor) or a backend name
+    num_expert_groups: int = 1
+    num_limited_groups: int = 1
+    router_bias: bool = False
 
 
 def build(case: Case, world_size: int):
@@ -58,6 +61,9 @@ def build(case: Case, world_size: int):
         num_shared_experts=case.num_shared_experts,
         load_balance=case.load_balance,
         aux_loss_coeff=0.1,
+        num_expert_groups=case.num_expert_groups,
+        num_limited_groups=case.num_limited_groups,
+        router_bias=case.router_bias,
     )
     dims = MoEParallelDims(world_size, dp_replicate=case.dp_replicate, ep=case.ep, etp=case.etp)
     dtype = getattr(torch, case.dtype)

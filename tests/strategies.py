@@ -24,6 +24,9 @@ def cases(draw, world_size: int):
     dp_replicate, ep, etp = draw(foldings(world_size))
     num_experts = ep * draw(st.integers(1, 3))  # includes E == EP and E/EP not divisible by EDP
     top_k = draw(st.one_of(st.just(num_experts), st.integers(1, num_experts)))
+    # Group-limited routing: the kept groups must hold at least top_k experts.
+    groups = draw(st.sampled_from(divisors(num_experts)))
+    limited = draw(st.integers(-(-top_k // (num_experts // groups)), groups))
     batch = draw(st.lists(st.integers(0, 3), min_size=world_size, max_size=world_size))
     return Case(
         dp_replicate=dp_replicate,
@@ -36,7 +39,7 @@ def cases(draw, world_size: int):
         batch_per_rank=tuple(batch),
         seq_len=draw(st.integers(1, 3)),
         hot_expert=draw(st.one_of(st.none(), st.integers(0, num_experts - 1))),
-        score_func=draw(st.sampled_from(["softmax", "sigmoid"])),
+        score_func=draw(st.sampled_from(["softmax", "sigmoid", "topk_softmax"])),
         route_norm=draw(st.booleans()),
         num_shared_experts=draw(st.integers(0, 1)),
         load_balance=draw(st.sampled_from(["none", "aux_loss", "aux_free_bias"])),
@@ -47,4 +50,7 @@ def cases(draw, world_size: int):
         # eight, since every compiled case traces anew (the named cases compile with inductor).
         compile="aot_eager" if dp_replicate * (world_size // (dp_replicate * ep * etp)) == 1 and draw(
             st.integers(0, 7)) == 0 else False,
+        num_expert_groups=groups,
+        num_limited_groups=limited,
+        router_bias=draw(st.booleans()),
     )

@@ -25,7 +25,8 @@ def test_compiled_block_has_no_graph_breaks_and_recompiles_at_most_once():
 
     from dtensor_moe.parallel.compile import apply_compile
 
-    model = _model(n_layers=1, load_balance="aux_loss")
+    # Group-limited routing and a gate bias too: every routing feature must trace without breaks.
+    model = _model(n_layers=1, load_balance="aux_loss", num_expert_groups=2, num_limited_groups=1, router_bias=True)
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
     counters.clear()

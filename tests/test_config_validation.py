@@ -27,7 +27,31 @@ MOE = dict(dim=8, hidden_dim=8, num_experts=8, top_k=2)
         (dict(route_scale=-1.0), "MoEConfig.route_scale must be > 0, got -1.0"),
         (dict(route_scale=0), "MoEConfig.route_scale must be > 0, got 0"),
         (dict(route_norm=1), "MoEConfig.route_norm must be a bool (true or false), got 1 (int)"),
-        (dict(score_func=None), "MoEConfig.score_func must be one of ['softmax', 'sigmoid'], got None (NoneType)"),
+        (dict(score_func=None), "MoEConfig.score_func must be one of ['softmax', 'sigmoid', 'topk_softmax'], got None "
+                                "(NoneType)"),
+        (dict(num_expert_groups=3), "MoEConfig.num_experts (8) must be divisible by MoEConfig.num_expert_groups (3); "
+                                    "valid num_expert_groups: [1, 2, 4, 8]"),
+        (dict(num_expert_groups=0), "MoEConfig.num_expert_groups must be in 1..num_experts (8), got 0"),
+        (dict(num_expert_groups=16), "MoEConfig.num_expert_groups (16) must be <= num_experts (8); valid "
+                                     "num_expert_groups: 1..8"),
+        (dict(num_expert_groups=4, num_limited_groups=5), "MoEConfig.num_limited_groups (5) must be <= "
+                                                          "num_expert_groups (4); valid num_limited_groups: 1..4"),
+        (dict(num_expert_groups=4, num_limited_groups=0), "MoEConfig.num_limited_groups must be in 1..num_expert_groups "
+                                                          "(4), got 0"),
+        (dict(num_expert_groups=4, num_limited_groups=1, top_k=3), "MoEConfig.top_k (3) must be <= num_limited_groups * "
+         "num_experts / num_expert_groups (1 * 8 / 4 = 2), the experts the kept groups hold; valid top_k: 1..2"),
+        (dict(router_bias=0), "MoEConfig.router_bias must be a bool (true or false), got 0 (int)"),
+        (dict(seq_aux_loss_coeff=-1), "MoEConfig.seq_aux_loss_coeff must be >= 0, got -1"),
+        (dict(z_loss_coeff=math.nan), "MoEConfig.z_loss_coeff must be a finite number >= 0, got nan"),
+        (dict(capacity_factor=0), "MoEConfig.capacity_factor must be a finite number > 0, or None (no capacity "
+                                  "limit), got 0"),
+        (dict(capacity_factor="1"), "MoEConfig.capacity_factor must be a finite number > 0, or None (no capacity "
+                                    "limit), got '1'"),
+        (dict(capacity_factor=math.inf), "MoEConfig.capacity_factor must be a finite number > 0, or None (no capacity "
+                                         "limit), got inf"),
+        (dict(drop_policy="random"), "MoEConfig.drop_policy must be one of ['probs', 'position'], got 'random'"),
+        (dict(pad_to_capacity=True), "MoEConfig.pad_to_capacity=True needs MoEConfig.capacity_factor (got None); "
+                                     "valid: set capacity_factor > 0, or pad_to_capacity=False"),
     ],
 )
 def test_moe_config_types_and_ranges(kwargs, message):
@@ -70,6 +94,10 @@ def test_parallel_dims_types(args, kwargs, message):
         (ModelConfig, dict(norm_eps=0.0), "model.norm_eps must be > 0, got 0.0"),
         (ModelConfig, dict(max_seq_len=0), "model.max_seq_len must be >= 1, got 0"),
         (ModelConfig, dict(tie_embeddings="yes"), "model.tie_embeddings must be a bool (true or false), got 'yes' (str)"),
+        (ModelConfig, dict(num_expert_groups=3), "model.num_experts (8) must be divisible by model.num_expert_groups (3); "
+                                                 "valid num_expert_groups: [1, 2, 4, 8]"),
+        (ModelConfig, dict(capacity_factor=-1.0), "model.capacity_factor must be a finite number > 0, or None (no "
+                                                  "capacity limit), got -1.0"),
         (ParallelConfig, dict(ep=2.0), "parallel.ep must be an int >= 1, got 2.0"),
         (ParallelConfig, dict(nproc=0), "parallel.nproc must be >= 1, got 0"),
         (ParallelConfig, dict(device="tpu"), "parallel.device must be one of ['cpu', 'cuda'], got 'tpu'"),
@@ -102,6 +130,9 @@ def test_training_config_types_and_ranges(cls, kwargs, message):
                                    "(token ids 0..255)"),
         (["training.steps=ten"], "training.steps must be an int >= 1, got 'ten' (str)"),
         (["model.route_norm=True"], "model.route_norm must be a bool (true or false), got 'True' (str)"),
+        (["model.num_expert_groups=4", "model.num_limited_groups=1", "model.top_k=3"],
+         "model.top_k (3) must be <= num_limited_groups * num_experts / num_expert_groups (1 * 8 / 4 = 2), the experts "
+         "the kept groups hold; valid top_k: 1..2"),
     ],
 )
 def test_cross_section_and_override_values(overrides, message):

@@ -10,24 +10,112 @@ from dtensor_moe import MoE, MoEConfig
 from dtensor_moe.experts import grouped_swiglu
 
 
-def naive_moe(moe: MoE, x_BLD):
+def naive_route(moe: MoE, x_TD):
+    """(experts_TK, weights_TK) the straightforward way (softmax / sigmoid, one group)."""
     cfg = moe.config
-    x_TD = x_BLD.reshape(-1, cfg.dim)
     logits = x_TD @ moe.router.gate.weight.T
     scores = torch.softmax(logits, -1) if cfg.score_func == "softmax" else torch.sigmoid(logits)
     sel = scores if moe.expert_bias is None else scores + moe.expert_bias
+    top = torch.stack([torch.topk(sel[t], cfg.top_k).indices for t in range(x_TD.shape[0])]).view(-1, cfg.top_k)
+    w = scores.gather(1, top)
+    if cfg.route_norm and cfg.top_k > 1:
+        w = w / w.sum(-1, keepdim=True)
+    return top, w * cfg.route_scale
+
+
+def hf_deepseek_v3_route(moe: MoE, x_TD):
+    """transformers' DeepseekV3TopkRouter.forward (v5), ported line by line: sigmoid scores,
+    e_score_correction_bias = our expert_bias, n_group / topk_group = our groups."""
+    cfg = moe.config
+    router_logits = F.linear(x_TD, moe.router.gate.weight)  # HF upcasts to float32; the test runs in float64
+    scores = router_logits.sigmoid()
+    scores_for_choice = scores + moe.expert_bias
+    group_scores = (
+        scores_for_choice.view(-1, cfg.num_expert_groups, cfg.num_experts // cfg.num_expert_groups)
+        .topk(2, dim=-1)[0]
+        .sum(dim=-1)
+    )
+    group_idx = torch.topk(group_scores, k=cfg.num_limited_groups, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    score_mask = (
+        group_mask.unsqueeze(-1)
+        .expand(-1, cfg.num_expert_groups, cfg.num_experts // cfg.num_expert_groups)
+        .reshape(-1, cfg.num_experts)
+    )
+    scores_for_choice = scores_for_choice.masked_fill(~score_mask.bool(), float("-inf"))
+    topk_indices = torch.topk(scores_for_choice, k=cfg.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if cfg.route_norm:
+        topk_weights /= topk_weights.sum(dim=-1, keepdim=True) + 1e-20
+    return topk_indices, topk_weights * cfg.route_scale
+
+
+def hf_gpt_oss_route(moe: MoE, x_TD):
+    """transformers' GptOssTopKRouter.forward: top-k of the biased logits, softmax over the K."""
+    router_logits = F.linear(x_TD, moe.router.gate.weight, moe.router.gate.bias)
+    router_top_value, router_indices = torch.topk(router_logits, moe.config.top_k, dim=-1)
+    return router_indices, torch.nn.functional.softmax(router_top_value, dim=1) * moe.config.route_scale
+
+
+def naive_moe(moe: MoE, x_BLD, route=naive_route):
+    cfg = moe.config
+    x_TD = x_BLD.reshape(-1, cfg.dim)
+    experts_TK, weights_TK = route(moe, x_TD)
     out = torch.zeros_like(x_TD)
     for t in range(x_TD.shape[0]):
-        top = torch.topk(sel[t], cfg.top_k).indices
-        w = scores[t, top]
-        if cfg.route_norm and cfg.top_k > 1:
-            w = w / w.sum()
-        for e, we in zip(top.tolist(), w * cfg.route_scale):
+        for e, we in zip(experts_TK[t].tolist(), weights_TK[t]):
             h = F.silu(moe.experts.w1[e] @ x_TD[t]) * (moe.experts.w3[e] @ x_TD[t])
             out[t] += we * (moe.experts.w2[e] @ h)
     if moe.shared_experts is not None:
         out = out + moe.shared_experts(x_TD)
     return out.view_as(x_BLD)
+
+
+def _random_moe(**kwargs) -> MoE:
+    torch.manual_seed(0)
+    moe = MoE(MoEConfig(**{**dict(dim=8, hidden_dim=6, num_experts=4, top_k=2), **kwargs})).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    if moe.expert_bias is not None:
+        moe.expert_bias.normal_(std=0.1)
+    return moe
+
+
+@pytest.mark.parametrize("groups,limited,top_k", [(4, 2, 3), (2, 1, 2), (8, 3, 6), (4, 4, 8)])
+def test_group_limited_routing_matches_deepseek_v3(groups, limited, top_k):
+    common = dict(num_experts=16, top_k=top_k, score_func="sigmoid", route_scale=2.5, num_shared_experts=1,
+                  load_balance="aux_free_bias")
+    moe = _random_moe(**common, num_expert_groups=groups, num_limited_groups=limited)
+    x = torch.randn(4, 5, 8, dtype=torch.float64)
+    torch.testing.assert_close(moe(x), naive_moe(moe, x, hf_deepseek_v3_route), rtol=1e-12, atol=1e-12)
+    # Every token's experts lie in at most `limited` groups, and the limit changes some choices.
+    experts_TK = moe.router(x.view(-1, 8), moe.expert_bias).experts_TK
+    assert max(len(set((experts_TK[t] // (16 // groups)).tolist())) for t in range(20)) <= limited
+    if limited < groups:
+        free = _random_moe(**common)
+        free.load_state_dict(moe.state_dict())
+        assert not torch.equal(free.router(x.view(-1, 8), free.expert_bias).experts_TK.sort(-1).values,
+                               experts_TK.sort(-1).values)
+
+
+@pytest.mark.parametrize("router_bias", [True, False])
+def test_topk_softmax_matches_gpt_oss(router_bias):
+    moe = _random_moe(num_experts=6, top_k=3, score_func="topk_softmax", router_bias=router_bias)
+    assert ("router.gate.bias" in moe.state_dict()) == router_bias
+    x = torch.randn(3, 4, 8, dtype=torch.float64, requires_grad=True)
+    want = naive_moe(moe, x, hf_gpt_oss_route)
+    got = moe(x)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    params = [x, *moe.router.parameters()]
+    for a, b in zip(torch.autograd.grad(got.sum(), params), torch.autograd.grad(want.sum(), params)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_bf16_routes_in_float32_with_gate_bias():
+    moe = _random_moe(score_func="topk_softmax", router_bias=True).bfloat16()
+    r = moe.router(torch.randn(5, 8, dtype=torch.bfloat16))
+    assert r.logits_TE.dtype == r.scores_TE.dtype == torch.float32 and r.weights_TK.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])

@@ -139,13 +139,13 @@ def plan_moe(config: MoEConfig, dims: MoEParallelDims) -> tuple[WeightPlan, ...]
         local = _local_shape(shape, model_steps, sizes)
         d = fsdp_dim(local, dims.edp, prefer=(0, 3 - f_dim, f_dim))
         plans.append(_weight(name, "expert", shape, [*model_steps, ShardStep("edp", d)], ("dp_replicate",), sizes))
-    dense = [("router.gate.weight", (E, D))]
+    dense = [("router.gate.weight", (E, D))] + ([("router.gate.bias", (E,))] if config.router_bias else [])
     if config.num_shared_experts:
         Fs = F * config.num_shared_experts
         dense += [("shared_experts.w1.weight", (Fs, D)), ("shared_experts.w2.weight", (D, Fs)), ("shared_experts.w3.weight", (Fs, D))]
     dp_axis = "dp_shard" if dims.cp == 1 else "dp_shard_cp"
     for name, shape in dense:
-        d = fsdp_dim(shape, sizes[dp_axis], prefer=(0, 1))
+        d = fsdp_dim(shape, sizes[dp_axis], prefer=tuple(range(len(shape))))
         plans.append(_weight(name, "dense", shape, [ShardStep(dp_axis, d)], ("dp_replicate",), sizes))
     return tuple(plans)
 

@@ -4,7 +4,7 @@ import re
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 
-from dtensor_moe.config import MOE_RULES, MoEConfig
+from dtensor_moe.config import MOE_RULES, MoEConfig, check_routing
 from dtensor_moe.validate import Range, above, at_least, check_fields
 
 BYTE_VOCAB = 256  # both data sources are byte-level (dtensor_moe.train.data.VOCAB_SIZE)
@@ -32,6 +32,14 @@ class ModelConfig:
     load_balance: str = "none"
     aux_loss_coeff: float = 1e-3
     bias_update_rate: float = 1e-3
+    num_expert_groups: int = 1
+    num_limited_groups: int = 1
+    router_bias: bool = False
+    seq_aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    capacity_factor: float | None = None
+    drop_policy: str = "probs"
+    pad_to_capacity: bool = False
     tie_embeddings: bool = False
     max_seq_len: int = 1024
     norm_eps: float = 1e-5
@@ -39,6 +47,7 @@ class ModelConfig:
     def __post_init__(self):
         check_fields(self, "model.", vocab_size=at_least(1), n_layers=at_least(1), n_heads=at_least(1),
                      moe_hidden_dim=at_least(1), max_seq_len=at_least(1), norm_eps=above(0), **MOE_RULES)
+        check_routing(self, "model.")
         # Rotary embeddings rotate feature pairs, so the head dim must be even too.
         valid = [h for h in range(1, self.dim + 1) if self.dim % h == 0 and (self.dim // h) % 2 == 0]
         if self.dim % self.n_heads != 0:
@@ -72,6 +81,14 @@ class ModelConfig:
             load_balance=self.load_balance,
             aux_loss_coeff=self.aux_loss_coeff,
             bias_update_rate=self.bias_update_rate,
+            num_expert_groups=self.num_expert_groups,
+            num_limited_groups=self.num_limited_groups,
+            router_bias=self.router_bias,
+            seq_aux_loss_coeff=self.seq_aux_loss_coeff,
+            z_loss_coeff=self.z_loss_coeff,
+            capacity_factor=self.capacity_factor,
+            drop_policy=self.drop_policy,
+            pad_to_capacity=self.pad_to_capacity,
         )
 
 
