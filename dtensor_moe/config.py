@@ -7,6 +7,7 @@ from dtensor_moe.validate import Range, above, at_least, check_fields
 SCORE_FUNCS = ("softmax", "sigmoid", "topk_softmax")
 LOAD_BALANCE = ("none", "aux_loss", "aux_free_bias")
 DROP_POLICIES = ("probs", "position")
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 # Shared with train.config.ModelConfig, whose expert hidden dim is called moe_hidden_dim.
 MOE_RULES = dict(
@@ -25,6 +26,9 @@ MOE_RULES = dict(
     z_loss_coeff=at_least(0),
     capacity_factor="> 0, or None (no capacity limit)",
     drop_policy=DROP_POLICIES,
+    activation=ACTIVATIONS,
+    swiglu_alpha=above(0),
+    swiglu_limit=above(0),
 )
 
 
@@ -74,6 +78,13 @@ class MoEConfig:
     capacity_factor: float | None = None
     drop_policy: str = "probs"
     pad_to_capacity: bool = False
+    # Experts as gpt-oss defines them: per-expert biases on the w1/w3 outputs [E, F] and the w2
+    # output [E, D]; "clamped_swiglu": g = min(a, limit), u = clamp(b, -limit, limit),
+    # (u + 1) * g * sigmoid(alpha * g) (swiglu_alpha, swiglu_limit are read only then).
+    expert_biases: bool = False
+    activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self):
         check_fields(self, "MoEConfig.", hidden_dim=at_least(1), **MOE_RULES)

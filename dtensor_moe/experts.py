@@ -1,6 +1,9 @@
 """SwiGLU experts stored stacked, in torchtitan's GroupedExperts layout and names.
 
-w1 [E, F, D], w2 [E, D, F], w3 [E, F, D]: state dicts map one-to-one to torchtitan.
+w1 [E, F, D], w2 [E, D, F], w3 [E, F, D]: state dicts map one-to-one to torchtitan. With
+`expert_biases` (gpt-oss) also b1 [E, F], b3 [E, F] (added to the w1 / w3 outputs) and b2 [E, D]
+(added to the w2 output): torchtitan's gpt-oss mlp1_bias is b1 and b3 interleaved, its mlp2_bias b2.
+`activation` "clamped_swiglu" is gpt-oss's gate (kernels/swiglu.py).
 """
 
 import torch
@@ -9,7 +12,8 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_moe.kernels import policy
 from dtensor_moe.kernels.grouped_mm import add_weight_grad_, grouped_mm, grouped_weight_grad
-from dtensor_moe.kernels.swiglu import swiglu, swiglu_backward
+from dtensor_moe.kernels.segment_sum import expand_rows, segment_sum
+from dtensor_moe.kernels.swiglu import clamped_swiglu, clamped_swiglu_backward, swiglu, swiglu_backward
 from dtensor_moe.routing import ExpertInput, TokenCopies
 
 
@@ -55,29 +59,36 @@ def _backward_accumulates(ctx) -> bool:
         return False
 
 
-class _GroupedSwiGLU(torch.autograd.Function):
-    """y = (silu(x W1^T) * (x W3^T)) W2^T per expert, with a hand-ordered backward.
+def _with_bias(y_NO, b_EO, offs_E):
+    return y_NO if b_EO is None else y_NO + expand_rows(b_EO, offs_E, y_NO.shape[0])
 
-    `weight_grad_scale` multiplies only the weight gradients, on the smaller operand of each GEMM
-    (F-sized activations rather than D-sized tokens when F < D). In eager mode, when the weights
-    already hold gradients (gradient accumulation), `accumulate` (policy.weight_grad_accumulation)
-    adds the weight gradients into them inside the GEMMs and autograd gets None; compiled graphs
-    leave accumulation to autograd.
+
+class _GroupedSwiGLU(torch.autograd.Function):
+    """y = (gate(x W1^T + b1, x W3^T + b3)) W2^T + b2 per expert, with a hand-ordered backward.
+
+    `weight_grad_scale` multiplies only the weight (and bias) gradients, on the smaller operand of
+    each GEMM (F-sized activations rather than D-sized tokens when F < D). In eager mode, when the
+    weights already hold gradients (gradient accumulation), `accumulate`
+    (policy.weight_grad_accumulation) adds the weight gradients into them inside the GEMMs and
+    autograd gets None; compiled graphs leave accumulation to autograd. `clamp`: (alpha, limit) of
+    the clamped gate, None for silu. `add_b2` False: another rank adds b2 to these partial outputs
+    (ETP sums them), yet b2's gradient is computed here too, so every replica holds the same one.
     """
 
     @staticmethod
-    def forward(ctx, x_ND, w1, w2, w3, offs_E, weight_grad_scale, accumulate, host_counts):
+    def forward(ctx, x_ND, w1, w2, w3, offs_E, weight_grad_scale, accumulate, host_counts, b1, b2, b3, clamp, add_b2):
         # The parameters themselves are the inputs (not their to_local() views): this backward owns
         # their gradients, and a view's backward may turn a skipped gradient into zeros to add.
         w1_EFD, w2_EDF, w3_EFD = (_shard(w).to(x_ND.dtype) for w in (w1, w2, w3))
-        a_NF = grouped_mm(x_ND, w1_EFD.transpose(-2, -1), offs_E)
-        b_NF = grouped_mm(x_ND, w3_EFD.transpose(-2, -1), offs_E)
-        h_NF = swiglu(a_NF, b_NF)
-        y_ND = grouped_mm(h_NF, w2_EDF.transpose(-2, -1), offs_E)
+        b1_EF, b2_ED, b3_EF = (None if b is None else _shard(b).to(x_ND.dtype) for b in (b1, b2, b3))
+        a_NF = _with_bias(grouped_mm(x_ND, w1_EFD.transpose(-2, -1), offs_E), b1_EF, offs_E)
+        b_NF = _with_bias(grouped_mm(x_ND, w3_EFD.transpose(-2, -1), offs_E), b3_EF, offs_E)
+        h_NF = swiglu(a_NF, b_NF) if clamp is None else clamped_swiglu(a_NF, b_NF, *clamp)
+        y_ND = _with_bias(grouped_mm(h_NF, w2_EDF.transpose(-2, -1), offs_E), b2_ED if add_b2 else None, offs_E)
         # What autograd would keep but silu(a), which the backward recomputes.
         ctx.save_for_backward(x_ND, a_NF, b_NF, h_NF, w1_EFD, w2_EDF, w3_EFD, offs_E)
-        ctx.scale, ctx.accumulate, ctx.host_counts = weight_grad_scale, accumulate, host_counts
-        ctx.params = (w1, w2, w3)
+        ctx.scale, ctx.accumulate, ctx.host_counts, ctx.clamp = weight_grad_scale, accumulate, host_counts, clamp
+        ctx.params, ctx.biases = (w1, w2, w3), (b1, b2, b3)
         return y_ND
 
     @staticmethod
@@ -86,13 +97,18 @@ class _GroupedSwiGLU(torch.autograd.Function):
         scale = ctx.scale
         dy_ND = dy_ND.contiguous()
         dh_NF = grouped_mm(dy_ND, w2_EDF, offs_E)
-        da_NF, db_NF = swiglu_backward(dh_NF, a_NF, b_NF)
+        if ctx.clamp is None:
+            da_NF, db_NF = swiglu_backward(dh_NF, a_NF, b_NF)
+        else:
+            da_NF, db_NF = clamped_swiglu_backward(dh_NF, a_NF, b_NF, *ctx.clamp)
         dx_ND = grouped_mm(da_NF, w1_EFD, offs_E) + grouped_mm(db_NF, w3_EFD, offs_E)
+        dbs = [None if p is None else _like_param(segment_sum(g, offs_E) * scale, p)
+               for g, p in zip((da_NF, dy_ND, db_NF), ctx.biases)]
         grads = _existing_grads(ctx, (w1_EFD, w2_EDF, w3_EFD)) if ctx.accumulate is not None else None
         if grads is not None:
             for out, g, x in zip(grads, (da_NF, dy_ND, db_NF), (x_ND, h_NF, x_ND)):
                 add_weight_grad_(out, g, x, offs_E, scale, ctx.host_counts, ctx.accumulate(out.shape))
-            return dx_ND, None, None, None, None, None, None, None
+            return dx_ND, None, None, None, None, None, None, None, *dbs, None, None
         if scale != 1:  # on whichever operand of each weight-gradient GEMM is smaller
             F_, D = h_NF.shape[-1], x_ND.shape[-1]
             if 2 * F_ <= D:
@@ -107,31 +123,49 @@ class _GroupedSwiGLU(torch.autograd.Function):
         dw1 = grouped_weight_grad(da_NF, x_ND, offs_E)
         dw3 = grouped_weight_grad(db_NF, x_ND, offs_E)
         dws = (_like_param(dw, p) for dw, p in zip((dw1, dw2, dw3), ctx.params))
-        return dx_ND, *dws, None, None, None, None
+        return dx_ND, *dws, None, None, None, None, *dbs, None, None
 
 
 def grouped_swiglu(x_ND, counts_E, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale: float = 1.0,
-                   host_counts: list[int] | None = None) -> torch.Tensor:
+                   host_counts: list[int] | None = None, biases: tuple | None = None,
+                   clamp: tuple[float, float] | None = None, add_b2: bool = True) -> torch.Tensor:
     """Rows grouped by expert (counts_E[e] rows for expert e) through each expert's SwiGLU.
 
     The weights may be DTensors: the GEMMs run on their local shards, in x_ND's dtype.
     `host_counts`: counts_E as a host list when the caller has it without a sync (the eager
-    dispatcher does); it lets the backward add weight gradients into existing ones per expert."""
+    dispatcher does); it lets the backward add weight gradients into existing ones per expert.
+    `biases`: (b1_EF, b2_ED, b3_EF) or None; `clamp`, `add_b2`: see _GroupedSwiGLU."""
     offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
     accumulate = None
     if not torch.compiler.is_compiling():
         grouped = policy.grouped_mm_supported(x_ND, w1_EFD.shape)
         accumulate = policy.weight_grad_accumulation(x_ND, _shard(w1_EFD).shape, grouped, host_counts is not None)
-    return _GroupedSwiGLU.apply(x_ND, w1_EFD, w2_EDF, w3_EFD, offs_E, weight_grad_scale, accumulate, host_counts)
+    return _GroupedSwiGLU.apply(x_ND, w1_EFD, w2_EDF, w3_EFD, offs_E, weight_grad_scale, accumulate, host_counts,
+                                *(biases or (None, None, None)), clamp, add_b2)
 
 
 class GroupedExperts(nn.Module):
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, biases: bool = False,
+                 clamp: tuple[float, float] | None = None):
+        """`biases`: b1, b2, b3 (see the module docstring); `clamp`: (alpha, limit) of gpt-oss's
+        clamped SwiGLU, None for plain SwiGLU."""
         super().__init__()
         self.num_experts = num_experts
+        self.clamp = clamp
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        if biases:
+            self.b1 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+            self.b2 = nn.Parameter(torch.empty(num_experts, dim))
+            self.b3 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+        else:
+            self.b1 = self.b2 = self.b3 = None
+
+    @classmethod
+    def from_config(cls, config) -> "GroupedExperts":
+        clamp = (config.swiglu_alpha, config.swiglu_limit) if config.activation == "clamped_swiglu" else None
+        return cls(config.dim, config.hidden_dim, config.num_experts, config.expert_biases, clamp)
 
     def forward(self, x: torch.Tensor | ExpertInput, counts_E: torch.Tensor | None = None,
                 copies: TokenCopies | None = None) -> torch.Tensor:
@@ -139,12 +173,17 @@ class GroupedExperts(nn.Module):
         x's shape. Or, from the expert-parallel dispatcher, an `ExpertInput` (rows already grouped
         by local expert): returns one output row per input row."""
         ws = (self.w1, self.w2, self.w3)
+        biases = None if self.b1 is None else (self.b1, self.b2, self.b3)
         if isinstance(x, ExpertInput):
             return grouped_swiglu(x.x_ND, x.counts_E, *ws, weight_grad_scale=x.weight_grad_scale,
-                                  host_counts=x.host_counts)
-        y_ND = grouped_swiglu(copies.expand(x), counts_E, *ws)
+                                  host_counts=x.host_counts, biases=biases, clamp=self.clamp,
+                                  add_b2=x.adds_output_bias)
+        y_ND = grouped_swiglu(copies.expand(x), counts_E, *ws, biases=biases, clamp=self.clamp)
         return copies.combine(y_ND, x.shape)
 
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w1, self.w2, self.w3):
             nn.init.trunc_normal_(w, std=std)
+        for b in (self.b1, self.b2, self.b3):
+            if b is not None:
+                nn.init.zeros_(b)

@@ -54,7 +54,7 @@ class MoE(nn.Module):
         super().__init__()
         self.config = config
         self.router = TopKRouter(config)
-        self.experts = GroupedExperts(config.dim, config.hidden_dim, config.num_experts)
+        self.experts = GroupedExperts.from_config(config)
         self.shared_experts = (
             FeedForward(config.dim, config.hidden_dim * config.num_shared_experts)
             if config.num_shared_experts > 0

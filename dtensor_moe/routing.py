@@ -83,7 +83,9 @@ class ExpertInput:
     x_ND: this rank's rows, grouped by local expert (counts_E[e] rows for local expert e, on the
     device); host_counts: the same counts on the host when the dispatcher has them without a sync
     (eager mode), else None; weight_grad_scale: multiplies only the weight gradients (see
-    ExpertDispatcher); exchange: the dispatcher's tables for this step, read back by its combine.
+    ExpertDispatcher); exchange: the dispatcher's tables for this step, read back by its combine;
+    adds_output_bias: whether these experts add their output (w2) bias: the dispatcher sums the
+    partial outputs of an ETP group, so exactly one of its ranks adds it.
     """
 
     x_ND: torch.Tensor
@@ -91,3 +93,4 @@ class ExpertInput:
     host_counts: list[int] | None = None
     weight_grad_scale: float = 1.0
     exchange: Any = None
+    adds_output_bias: bool = True

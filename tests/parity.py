@@ -48,6 +48,8 @@ class Case:
     num_expert_groups: int = 1
     num_limited_groups: int = 1
     router_bias: bool = False
+    expert_biases: bool = False
+    activation: str = "swiglu"  # "clamped_swiglu" runs with limit 1: clamps bind at these weight scales
 
 
 def build(case: Case, world_size: int):
@@ -64,6 +66,9 @@ def build(case: Case, world_size: int):
         num_expert_groups=case.num_expert_groups,
         num_limited_groups=case.num_limited_groups,
         router_bias=case.router_bias,
+        expert_biases=case.expert_biases,
+        activation=case.activation,
+        swiglu_limit=1.0,
     )
     dims = MoEParallelDims(world_size, dp_replicate=case.dp_replicate, ep=case.ep, etp=case.etp)
     dtype = getattr(torch, case.dtype)

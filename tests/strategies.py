@@ -46,6 +46,8 @@ def cases(draw, world_size: int):
         seed=draw(st.integers(0, 2**16)),
         microbatches=draw(st.integers(1, 2)),
         nan_token=draw(st.one_of(st.none(), st.integers(0, 64))),
+        expert_biases=draw(st.booleans()),
+        activation=draw(st.sampled_from(["swiglu", "clamped_swiglu"])),
         # Compiled (dynamo + AOTAutograd, no codegen) where the experts need no FSDP unit; one draw in
         # eight, since every compiled case traces anew (the named cases compile with inductor).
         compile="aot_eager" if dp_replicate * (world_size // (dp_replicate * ep * etp)) == 1 and draw(

@@ -115,3 +115,19 @@ def opcheck_dispatch_ops(rank, world_size):
 
 def test_dispatch_ops_pass_opcheck():
     assert all(run_on_ranks(2, opcheck_dispatch_ops))
+
+
+def test_expert_gate_and_bias_ops_pass_opcheck():
+    """opcheck (fake impl, autograd registration, schema) and gradcheck of the clamped SwiGLU and the
+    per-expert bias gradient (segment_sum), empty experts included."""
+    from dtensor_moe.kernels.segment_sum import segment_sum
+    from dtensor_moe.kernels.swiglu import clamped_swiglu
+
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(6, 5, dtype=torch.float64, generator=g).mul(2).requires_grad_() for _ in range(2))
+    torch.library.opcheck(clamped_swiglu, (a, b, 1.702, 1.5))
+    torch.autograd.gradcheck(lambda a, b: clamped_swiglu(a, b, 1.702, 1.5), (a, b))
+    offs_E = torch.tensor([2, 2, 6], dtype=torch.int32)
+    torch.library.opcheck(segment_sum, (a, offs_E))
+    torch.autograd.gradcheck(lambda a: segment_sum(a, offs_E), (a,))
+    torch.testing.assert_close(segment_sum(a, offs_E), torch.stack([a[:2].sum(0), a[:0].sum(0), a[2:].sum(0)]))

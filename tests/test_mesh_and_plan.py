@@ -1,6 +1,7 @@
 """Degrees, folding and the placement plan as pure data: validation errors and the ownership invariant."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -123,6 +124,8 @@ def test_tiling_check_detects_overlap_and_holes():
     dims = MoEParallelDims(4, ep=2, etp=2)
     assert ownership(nested, dims).copies == 1
     dup = WeightPlan("w", "expert", (4, 4), (ShardStep("ep", 0),), ("dp_replicate",), (2, 4), False)
-    with pytest.raises(ValueError, match="exactly dp_replicate times"):
+    with pytest.raises(ValueError, match=r"exactly 1 times \(replicated over \['dp_replicate'\]\)"):
         ownership(dup, dims)
+    # Replicated over etp on purpose (the experts' output bias b2): each element held by both ETP ranks.
+    assert ownership(replace(dup, replicate_axes=("dp_replicate", "etp")), dims).copies == 2
     assert math.prod(nested.local_shape) == 8

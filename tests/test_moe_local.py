@@ -65,8 +65,17 @@ def naive_moe(moe: MoE, x_BLD, route=naive_route):
     out = torch.zeros_like(x_TD)
     for t in range(x_TD.shape[0]):
         for e, we in zip(experts_TK[t].tolist(), weights_TK[t]):
-            h = F.silu(moe.experts.w1[e] @ x_TD[t]) * (moe.experts.w3[e] @ x_TD[t])
-            out[t] += we * (moe.experts.w2[e] @ h)
+            ex = moe.experts
+            a, b = ex.w1[e] @ x_TD[t], ex.w3[e] @ x_TD[t]
+            if cfg.expert_biases:
+                a, b = a + ex.b1[e], b + ex.b3[e]
+            if cfg.activation == "clamped_swiglu":  # transformers' GptOssExperts._apply_gate
+                g, u = a.clamp(max=cfg.swiglu_limit), b.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
+                h = (u + 1) * (g * torch.sigmoid(g * cfg.swiglu_alpha))
+            else:
+                h = F.silu(a) * b
+            y = ex.w2[e] @ h
+            out[t] += we * (y + ex.b2[e] if cfg.expert_biases else y)
     if moe.shared_experts is not None:
         out = out + moe.shared_experts(x_TD)
     return out.view_as(x_BLD)
@@ -129,6 +138,24 @@ def test_moe_matches_naive_loop(score_func, top_k, shared, route_norm):
         torch.nn.init.normal_(p, std=0.5)
     x = torch.randn(3, 5, 8, dtype=torch.float64)
     torch.testing.assert_close(moe(x), naive_moe(moe, x), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("biases,activation", [(True, "swiglu"), (False, "clamped_swiglu"), (True, "clamped_swiglu")])
+def test_gpt_oss_experts_match_naive_loop(biases, activation):
+    """Expert biases and the clamped SwiGLU (limit 1: both clamps bind at these scales), outputs
+    and every gradient against autograd through the per-token loop."""
+    torch.manual_seed(0)
+    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, expert_biases=biases, activation=activation,
+                    swiglu_limit=1.0)
+    moe = MoE(cfg).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    g = torch.randn(3, 5, 8, dtype=torch.float64)
+    got = torch.autograd.grad(moe(x), list(moe.parameters()), g)
+    want = torch.autograd.grad(naive_moe(moe, x), list(moe.parameters()), g)
+    for (name, _), a, b in zip(moe.named_parameters(), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_aux_free_bias_steers_selection_not_weights():

@@ -39,6 +39,9 @@ NAMED = {
     # Second microbatch: expert weight gradients are added into .grad by the GEMMs themselves.
     "ep4_accumulate": (4, Case(1, 4, 1, 8, 2, 8, 6, (2, 1, 0, 3), microbatches=2)),
     "edp2_ep2_etp2_accumulate": (8, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3, 1, 2, 1, 1), microbatches=3)),
+    # gpt-oss experts: b1/b3 F-sharded on ETP, b2 replicated there and added by one ETP rank.
+    "gpt_oss_experts_edp2_ep2_etp2": (8, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3, 1, 2, 1, 1), expert_biases=True,
+                                              activation="clamped_swiglu", microbatches=2)),
 }
 
 
@@ -80,6 +83,8 @@ COMPILED = {
     "compiled_single_process": (1, Case(1, 1, 1, 4, 2, 8, 6, (3,), load_balance="aux_loss", compile=True)),
     "compiled_ep2": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 1), num_shared_experts=1, compile=True)),
     "compiled_ep2_etp2": (4, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3), load_balance="aux_free_bias", compile=True)),
+    "compiled_gpt_oss_experts_ep2_etp2": (4, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3), expert_biases=True,
+                                                  activation="clamped_swiglu", compile=True)),
     "nan_token_ep2": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 2), load_balance="aux_loss", nan_token=1)),
     "nan_token_ep2_etp2": (4, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3), nan_token=4)),
 }

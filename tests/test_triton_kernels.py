@@ -89,6 +89,13 @@ for n in [0, 7, 5000]:
     da, db = swiglu_kernel.triton_backward(dh, a, b)
     torch.testing.assert_close(da, a_.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(db, b_.grad, rtol=1e-5, atol=1e-6)
+    # The clamped gate (gpt-oss) against its torch path, inputs spread past the limit on both sides.
+    a, b = a * 3, b * 3
+    h = swiglu_kernel.torch_clamped_forward(a, b, 1.702, 2.0)
+    torch.testing.assert_close(swiglu_kernel.triton_forward(a, b, (1.702, 2.0)), h, rtol=1e-5, atol=1e-6)
+    for got, want in zip(swiglu_kernel.triton_backward(dh, a, b, (1.702, 2.0)),
+                         swiglu_kernel.torch_clamped_backward(dh, a, b, 1.702, 2.0)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 print("ok")
 """
 

@@ -1,9 +1,13 @@
-"""The SwiGLU gate between the experts' GEMMs: `dtensor_moe::swiglu` and its backward.
+"""The SwiGLU gates between the experts' GEMMs: `dtensor_moe::swiglu`, `dtensor_moe::clamped_swiglu`
+and their backwards.
 
-Forward h = silu(a) * b; backward da = dh * b * silu'(a), db = dh * silu(a), silu(a) recomputed
-rather than kept. On CUDA one Triton pass each way (torch needs two forward, three backward, and
-keeps silu(a)); elsewhere torch ops, exact in the inputs' dtype. Math in fp32 on the Triton path.
-Tests run the Triton launchers on CPU under TRITON_INTERPRET=1.
+swiglu: h = silu(a) * b; backward da = dh * b * silu'(a), db = dh * silu(a), silu(a) recomputed
+rather than kept. clamped_swiglu (gpt-oss): g = min(a, limit), u = clamp(b, -limit, limit),
+h = (u + 1) * g * sigmoid(alpha * g); a clamped input gets no gradient (torch's clamp convention:
+the bounds themselves pass it). On CUDA one Triton pass each way (torch needs two forward, three
+backward, and keeps silu(a)); elsewhere torch ops, exact in the inputs' dtype, in transformers'
+GptOssExperts order. Math in fp32 on the Triton path. Tests run the Triton launchers on CPU under
+TRITON_INTERPRET=1.
 """
 
 import functools
@@ -22,45 +26,62 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def swiglu_fwd(a_ptr, b_ptr, h_ptr, n, BLOCK: tl.constexpr):
+    def swiglu_fwd(a_ptr, b_ptr, h_ptr, n, alpha, limit, CLAMPED: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        h = a * tl.sigmoid(a) * b
+        if CLAMPED:
+            g = tl.minimum(a, limit)
+            h = (tl.minimum(tl.maximum(b, -limit), limit) + 1.0) * g * tl.sigmoid(alpha * g)
+        else:
+            h = a * tl.sigmoid(a) * b
         tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def swiglu_bwd(dh_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, BLOCK: tl.constexpr):
+    def swiglu_bwd(dh_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, alpha, limit, CLAMPED: tl.constexpr,
+                   BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(a)
-        silu = a * sig
-        da = dh * b * (sig + silu * (1.0 - sig))
+        if CLAMPED:
+            g = tl.minimum(a, limit)
+            u = tl.minimum(tl.maximum(b, -limit), limit)
+            sig = tl.sigmoid(alpha * g)
+            da = tl.where(a <= limit, dh * (u + 1.0) * (sig + alpha * g * sig * (1.0 - sig)), 0.0)
+            db = tl.where((b >= -limit) & (b <= limit), dh * g * sig, 0.0)
+        else:
+            sig = tl.sigmoid(a)
+            silu = a * sig
+            da = dh * b * (sig + silu * (1.0 - sig))
+            db = dh * silu
         tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=mask)
-        tl.store(db_ptr + offs, (dh * silu).to(db_ptr.dtype.element_ty), mask=mask)
+        tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
 
     return triton, swiglu_fwd, swiglu_bwd
 
 
-def triton_forward(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def triton_forward(a: torch.Tensor, b: torch.Tensor, clamp: tuple[float, float] | None = None) -> torch.Tensor:
+    """`clamp`: (alpha, limit) of the clamped gate, None for silu(a) * b."""
     triton, fwd, _ = _kernels()
     a, b = a.contiguous(), b.contiguous()
     h = torch.empty_like(a)
     if a.numel():
-        fwd[(triton.cdiv(a.numel(), BLOCK),)](a, b, h, a.numel(), BLOCK=BLOCK)
+        fwd[(triton.cdiv(a.numel(), BLOCK),)](a, b, h, a.numel(), *(clamp or (1.0, 0.0)), CLAMPED=clamp is not None,
+                                              BLOCK=BLOCK)
     return h
 
 
-def triton_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def triton_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    clamp: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     triton, _, bwd = _kernels()
     a, b = a.contiguous(), b.contiguous()
     da, db = torch.empty_like(a), torch.empty_like(b)
     if a.numel():
-        bwd[(triton.cdiv(a.numel(), BLOCK),)](dh.contiguous(), a, b, da, db, a.numel(), BLOCK=BLOCK)
+        bwd[(triton.cdiv(a.numel(), BLOCK),)](dh.contiguous(), a, b, da, db, a.numel(), *(clamp or (1.0, 0.0)),
+                                              CLAMPED=clamp is not None, BLOCK=BLOCK)
     return da, db
 
 
@@ -99,3 +120,54 @@ def _backward(ctx, dh):
 
 
 swiglu.register_autograd(_backward, setup_context=_setup)
+
+
+def torch_clamped_forward(a: torch.Tensor, b: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    g = a.clamp(max=limit)
+    return (b.clamp(-limit, limit) + 1) * (g * torch.sigmoid(g * alpha))
+
+
+def torch_clamped_backward(dh, a, b, alpha: float, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    g = a.clamp(max=limit)
+    sig = torch.sigmoid(g * alpha)
+    dg = dh * (b.clamp(-limit, limit) + 1) * (sig + alpha * g * sig * (1 - sig))
+    return dg * (a <= limit), dh * g * sig * ((b >= -limit) & (b <= limit))
+
+
+@torch.library.custom_op("dtensor_moe::clamped_swiglu", mutates_args=())
+def clamped_swiglu(a: torch.Tensor, b: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """h = (clamp(b, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(a, limit) (gpt-oss)."""
+    if policy.runs_triton(a):
+        return triton_forward(a, b, (alpha, limit))
+    return torch_clamped_forward(a, b, alpha, limit)
+
+
+@clamped_swiglu.register_fake
+def _(a, b, alpha, limit):
+    return torch.empty_like(a)
+
+
+@torch.library.custom_op("dtensor_moe::clamped_swiglu_backward", mutates_args=())
+def clamped_swiglu_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float,
+                            limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(da, db) of clamped_swiglu."""
+    if policy.runs_triton(a):
+        return triton_backward(dh, a, b, (alpha, limit))
+    return torch_clamped_backward(dh, a, b, alpha, limit)
+
+
+@clamped_swiglu_backward.register_fake
+def _(dh, a, b, alpha, limit):
+    return torch.empty_like(a), torch.empty_like(b)
+
+
+def _clamped_setup(ctx, inputs, output):
+    a, b, ctx.alpha, ctx.limit = inputs
+    ctx.save_for_backward(a, b)
+
+
+def _clamped_backward(ctx, dh):
+    return *clamped_swiglu_backward(dh, *ctx.saved_tensors, ctx.alpha, ctx.limit), None, None
+
+
+clamped_swiglu.register_autograd(_clamped_backward, setup_context=_clamped_setup)

@@ -252,6 +252,7 @@ class ExpertDispatcher:
     def __init__(self, ep_group, etp_group, grad_divisor: float):
         self.grad_divisor = float(grad_divisor)
         self.groups = (_name(ep_group), _name(etp_group))
+        self.adds_output_bias = dist.get_rank(etp_group) == 0
         self.in_flight: list[ExpertInput] = []
 
     def dispatch(self, x: torch.Tensor, counts_E: torch.Tensor, copies: TokenCopies | None = None) -> ExpertInput:
@@ -271,7 +272,8 @@ class ExpertDispatcher:
             none = counts_E.new_empty(0, dtype=torch.int64)
             ex = _Exchange(ep_plan(counts_E, none, none, x.shape[0], 0, *self.groups), None, x.shape, self.groups)
             x_local = gather_rows(ex.move([x], "pairs", "there")[0], ex.idx, ex.inv)
-        return ExpertInput(x_local, ex.local_counts_E, ex.local_counts_host, 1.0 / self.grad_divisor, ex)
+        return ExpertInput(x_local, ex.local_counts_E, ex.local_counts_host, 1.0 / self.grad_divisor, ex,
+                           self.adds_output_bias)
 
     def combine(self, y_local: torch.Tensor, inp: ExpertInput) -> torch.Tensor:
         ex = inp.exchange

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils.hooks import RemovableHandle
 
 from dtensor_moe.parallel.compile import AC_MODES, apply_activation_checkpointing, apply_compile
@@ -73,7 +73,7 @@ def shard_moe_layer(
     for wp in experts_plans:
         attr = wp.name.rsplit(".", 1)[1]
         param = getattr(experts, attr)
-        placements = [Shard(wp.step_on("ep").dim), Shard(wp.step_on("etp").dim)]
+        placements = [Shard(s.dim) if s else Replicate() for s in (wp.step_on("ep"), wp.step_on("etp"))]
         # src_data_rank=None: every rank already holds the same full (or meta) weight, so slice locally.
         dt = distribute_tensor(param.data, ep_etp, placements, src_data_rank=None)
         setattr(experts, attr, nn.Parameter(dt, requires_grad=param.requires_grad))

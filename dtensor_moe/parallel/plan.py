@@ -4,8 +4,9 @@ Plain data. `parallelize_moe` applies it, the ownership checks and the CLI (`pla
 read it; nothing else decides placements.
 
 Expert weights shard in this order: EP splits experts (dim 0), ETP splits the expert hidden dim F
-(w1/w3 dim 1, w2 dim 2), then FSDP2 splits the local slice over EDP along a dim chosen so that no
-padding is needed, replicated over dp_replicate (HSDP). Dense weights (router, shared experts) are
+(w1/w3 dim 1, w2 dim 2, the biases b1/b3 dim 1; b2 [E, D] has no F and is replicated over ETP), then
+FSDP2 splits the local slice over EDP along a dim chosen so that no padding is needed, replicated
+over dp_replicate (HSDP). Dense weights (router, shared experts) are
 FSDP-sharded over the data-parallel ranks.
 """
 
@@ -134,11 +135,17 @@ def plan_moe(config: MoEConfig, dims: MoEParallelDims) -> tuple[WeightPlan, ...]
     sizes = axis_sizes(dims)
     E, F, D = config.num_experts, config.hidden_dim, config.dim
     plans = []
-    for name, shape, f_dim in (("experts.w1", (E, F, D), 1), ("experts.w2", (E, D, F), 2), ("experts.w3", (E, F, D), 1)):
-        model_steps = [ShardStep("ep", 0), ShardStep("etp", f_dim)]
+    experts = [("experts.w1", (E, F, D), 1), ("experts.w2", (E, D, F), 2), ("experts.w3", (E, F, D), 1)]
+    if config.expert_biases:
+        # b2 is added after ETP's sum of partial outputs: every ETP rank holds all of it (and adds it once).
+        experts += [("experts.b1", (E, F), 1), ("experts.b2", (E, D), None), ("experts.b3", (E, F), 1)]
+    for name, shape, f_dim in experts:
+        model_steps = [ShardStep("ep", 0)] + ([ShardStep("etp", f_dim)] if f_dim is not None else [])
         local = _local_shape(shape, model_steps, sizes)
-        d = fsdp_dim(local, dims.edp, prefer=(0, 3 - f_dim, f_dim))
-        plans.append(_weight(name, "expert", shape, [*model_steps, ShardStep("edp", d)], ("dp_replicate",), sizes))
+        prefer = (0, 3 - f_dim, f_dim) if len(shape) == 3 else (0, 1)
+        d = fsdp_dim(local, dims.edp, prefer=prefer)
+        replicate = ("dp_replicate",) if f_dim is not None else ("dp_replicate", "etp")
+        plans.append(_weight(name, "expert", shape, [*model_steps, ShardStep("edp", d)], replicate, sizes))
     dense = [("router.gate.weight", (E, D))] + ([("router.gate.bias", (E,))] if config.router_bias else [])
     if config.num_shared_experts:
         Fs = F * config.num_shared_experts
@@ -164,7 +171,7 @@ def owned_box(wp: WeightPlan, dims: MoEParallelDims, rank: int) -> tuple[slice, 
 class Ownership:
     name: str
     numel: int
-    copies: int  # how many ranks hold each element (must be dp_replicate everywhere)
+    copies: int  # how many ranks hold each element (the product of the replicate axes' sizes, everywhere)
     max_rank_numel: int
     min_rank_numel: int
     shard_factor: int  # product of the shard degrees applied: EP*ETP*EDP for experts
@@ -180,22 +187,25 @@ class Ownership:
 def ownership(wp: WeightPlan, dims: MoEParallelDims) -> Ownership:
     """Counts, from the plan alone, how many ranks hold each element of the weight.
 
-    Raises ValueError if any element is held by a number of ranks other than dp_replicate
-    (double sharding or a hole)."""
+    Raises ValueError if any element is held by a number of ranks other than the product of the
+    replicate axes' sizes (double sharding or a hole)."""
     sizes = axis_sizes(dims)
+    want = math.prod(sizes[a] for a in wp.replicate_axes)
     vols, total = [], 0
-    # Each element is held dp_replicate times iff the boxes of every replica tile the tensor and
-    # the volumes of all ranks' boxes add up to numel * dp_replicate (no rank duplicates another).
-    groups: dict[int, list] = {}
+    # Each element is held `want` times iff the boxes of every replica tile the tensor and the
+    # volumes of all ranks' boxes add up to numel * want (no rank duplicates another).
+    groups: dict[tuple, list] = {}
     for r in range(dims.world_size):
         box = owned_box(wp, dims, r)
         vol = math.prod(s.stop - s.start for s in box)
         vols.append(vol)
         total += vol
-        groups.setdefault(rank_coords(dims, r)["dp_replicate"], []).append(box)
+        coords = rank_coords(dims, r)
+        groups.setdefault(tuple(coords[a] for a in wp.replicate_axes), []).append(box)
     copies, rem = divmod(total, wp.numel)
-    if rem or copies != dims.dp_replicate or not all(_tiles(b, wp.global_shape) for b in groups.values()):
-        raise ValueError(f"{wp.name}: placement plan does not cover each element exactly dp_replicate times")
+    if rem or copies != want or not all(_tiles(b, wp.global_shape) for b in groups.values()):
+        raise ValueError(f"{wp.name}: placement plan does not cover each element exactly {want} times "
+                         f"(replicated over {list(wp.replicate_axes)})")
     factor = math.prod(sizes[s.axis] for s in wp.steps)
     return Ownership(wp.name, wp.numel, copies, max(vols), min(vols), factor)
 

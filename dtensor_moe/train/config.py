@@ -40,6 +40,10 @@ class ModelConfig:
     capacity_factor: float | None = None
     drop_policy: str = "probs"
     pad_to_capacity: bool = False
+    expert_biases: bool = False
+    activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     tie_embeddings: bool = False
     max_seq_len: int = 1024
     norm_eps: float = 1e-5
@@ -89,6 +93,10 @@ class ModelConfig:
             capacity_factor=self.capacity_factor,
             drop_policy=self.drop_policy,
             pad_to_capacity=self.pad_to_capacity,
+            expert_biases=self.expert_biases,
+            activation=self.activation,
+            swiglu_alpha=self.swiglu_alpha,
+            swiglu_limit=self.swiglu_limit,
         )
 
 
