@@ -85,15 +85,15 @@ def _rows(run_dir):
 
 
 def test_checkpoint_resume_same_mesh_bit_exact_and_other_mesh_close(tmp_path):
+    # 4 ranks EDP2 x EP2 (FSDP-sharded optimizer state), then 2 ranks EP2: the 8-rank foldings reshard in
+    # test_checkpoint.py; here the launcher's --resume path is what is tested, at half the processes.
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
-    base = ["train", "--steps", "6", "training.warmup_steps=2"]
-    assert main([*base, "--config", "configs/tiny_cpu.toml", "--run-dir", str(a), "--checkpoint-every", "3"]) == 0
+    base = ["train", "--config", "configs/tiny_cpu.toml", "--steps", "6", "training.warmup_steps=2", "parallel.etp=1"]
+    assert main([*base, "--nproc", "4", "--run-dir", str(a), "--checkpoint-every", "3"]) == 0
     ckpt3 = a / "checkpoints" / "step_00000003"
     assert (ckpt3 / ".metadata").is_file() and (a / "checkpoints" / "step_00000006").is_dir()
-    assert main([*base, "--config", "configs/tiny_cpu.toml", "--run-dir", str(b), "--resume", str(ckpt3)]) == 0
-    # Another mesh and world size: 8 ranks EDP2xEP2xETP2 -> 4 ranks EP4.
-    other_mesh = ["--nproc", "4", "parallel.ep=4"]
-    assert main([*base, "--config", "configs/tiny_cpu_ep_only.toml", "--run-dir", str(c), "--resume", str(ckpt3), *other_mesh]) == 0
+    assert main([*base, "--nproc", "4", "--run-dir", str(b), "--resume", str(ckpt3)]) == 0
+    assert main([*base, "--nproc", "2", "--run-dir", str(c), "--resume", str(ckpt3)]) == 0
     full, same, other = _rows(a), _rows(b), _rows(c)
     assert [r["step"] for r in same] == [4, 5, 6]
     assert [r["loss"] for r in same] == [r["loss"] for r in full[3:]]  # bit-exact on the same mesh
