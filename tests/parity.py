@@ -1,7 +1,9 @@
 """Worker-side check: a parallelized MoE against the single-process reference, on every rank.
 
 Runs inside harness workers. Every rank builds the same float64 reference MoE and the same global
-batch (the concatenation of all ranks' batches), parallelizes a copy, runs its own slice, and
+batch (the concatenation of all data-parallel groups' batches), parallelizes a copy, runs its own
+slice (under cp and tp its part of each of its group's sequences, as sequence parallelism hands
+the MoE), and
 compares output, input gradient, every parameter gradient, load-balancing statistics and the
 ownership of every weight slice against the reference.
 """
@@ -33,8 +35,8 @@ class Case:
     top_k: int
     dim: int
     hidden_dim: int
-    batch_per_rank: tuple[int, ...]  # sequences per rank (0 allowed)
-    seq_len: int = 3
+    batch_per_rank: tuple[int, ...]  # sequences per data-parallel group: per rank when cp = tp = 1 (0 allowed)
+    seq_len: int = 3  # a multiple of cp * tp: each of those ranks takes seq_len / (cp * tp) of every sequence
     hot_expert: int | None = None  # route (almost) every token to this expert
     score_func: str = "softmax"
     route_norm: bool = True
@@ -50,6 +52,8 @@ class Case:
     router_bias: bool = False
     expert_biases: bool = False
     activation: str = "swiglu"  # "clamped_swiglu" runs with limit 1: clamps bind at these weight scales
+    cp: int = 1
+    tp: int = 1
 
 
 def build(case: Case, world_size: int):
@@ -70,7 +74,7 @@ def build(case: Case, world_size: int):
         activation=case.activation,
         swiglu_limit=1.0,
     )
-    dims = MoEParallelDims(world_size, dp_replicate=case.dp_replicate, ep=case.ep, etp=case.etp)
+    dims = MoEParallelDims(world_size, dp_replicate=case.dp_replicate, cp=case.cp, tp=case.tp, ep=case.ep, etp=case.etp)
     dtype = getattr(torch, case.dtype)
     g = torch.Generator().manual_seed(case.seed)
     ref = MoE(cfg).to(dtype)
@@ -107,14 +111,12 @@ def check_parity(rank: int, world_size: int, case: Case) -> dict:
     model = copy.deepcopy(ref)
     full = {n: p.detach().clone() for n, p in ref.named_parameters()}
     R = world_size
-    lo = sum(case.batch_per_rank[:rank])
-    hi = lo + case.batch_per_rank[rank]
+    mine = _slice(case, dims, rank)
 
     # Reference: one process, the concatenated batch, loss = mean over ranks of each rank's loss.
     x_ref = x.clone().requires_grad_(True)
     y_ref = ref(x_ref)
-    bounds = [sum(case.batch_per_rank[:r]) for r in range(R + 1)]
-    loss_ref = sum((y_ref[bounds[r] : bounds[r + 1]] * grad_out[bounds[r] : bounds[r + 1]]).sum() for r in range(R)) / R
+    loss_ref = sum((y_ref[_slice(case, dims, r)] * grad_out[_slice(case, dims, r)]).sum() for r in range(R)) / R
     if cfg.load_balance == "aux_loss":
         loss_ref = loss_ref + ref.aux_loss
     loss_ref.backward()
@@ -129,24 +131,24 @@ def check_parity(rank: int, world_size: int, case: Case) -> dict:
         assert local.shape == want.shape, (wp.name, tuple(local.shape), tuple(want.shape))
         errs[f"own:{wp.name}"] = _err(local, want)
         ownership(wp, dims)
-    x_r = x[lo:hi].clone().requires_grad_(True)
+    x_r = x[mine].clone().requires_grad_(True)
     counted = mock.patch.object(experts_mod, "add_weight_grad_", wraps=experts_mod.add_weight_grad_)
     with counted as fused:
         for mb in range(case.microbatches):
             model.set_requires_gradient_sync(mb == case.microbatches - 1)
             y_r = model(x_r)
-            loss_r = (y_r * grad_out[lo:hi]).sum()
+            loss_r = (y_r * grad_out[mine]).sum()
             if cfg.load_balance == "aux_loss":
                 loss_r = loss_r + model.aux_loss
                 errs["aux_loss"] = _err(model.aux_loss.detach(), ref.aux_loss.detach())
             loss_r.backward()
 
-    errs["out"] = _err(y_r.detach(), y_ref[lo:hi].detach())
+    errs["out"] = _err(y_r.detach(), y_ref[mine].detach())
     n = case.microbatches
     # From the second microbatch on, every expert weight gradient is summed by the GEMMs themselves.
     # Compiled graphs leave accumulation to autograd (the in-GEMM sum reads .grad, which a graph cannot).
     errs["accumulated_outside_gemm"] = float(n > 1 and fused.call_count != (0 if case.compile else 3 * (n - 1)))
-    errs["grad:x"] = _err(x_r.grad, x_ref.grad[lo:hi] * R * n)
+    errs["grad:x"] = _err(x_r.grad, x_ref.grad[mine] * R * n)
     for name, p in model.named_parameters():
         assert type(p).__name__ == "DTensor", name
         errs[f"grad:{name}"] = _err(p.grad.full_tensor(), ref.get_parameter(name).grad * n)
@@ -156,6 +158,16 @@ def check_parity(rank: int, world_size: int, case: Case) -> dict:
         ref.update_expert_bias()
         errs["expert_bias"] = _err(model.expert_bias, ref.expert_bias)
     return errs
+
+
+def _slice(case: Case, dims: MoEParallelDims, rank: int) -> tuple[slice, slice]:
+    """(sequences, positions) of the global batch that `rank` holds."""
+    c = dims.dense_coords(rank)
+    group = c["dp_replicate"] * dims.dp_shard + c["dp_shard"]
+    lo = sum(case.batch_per_rank[:group])
+    part = case.seq_len // (dims.cp * dims.tp)
+    first = (c["cp"] * dims.tp + c["tp"]) * part
+    return slice(lo, lo + case.batch_per_rank[group]), slice(first, first + part)
 
 
 def parallelize_with_bad_input(rank: int, world_size: int, kind: str):

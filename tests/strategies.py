@@ -9,25 +9,34 @@ from .parity import Case
 WORLD_SIZES = (1, 2, 4, 6, 8)
 
 
+def _degree(n: int):
+    """A divisor of n, 1 about half the time (most draws keep exercising the expert axes alone)."""
+    return st.one_of(st.just(1), st.sampled_from(divisors(n)))
+
+
 @st.composite
 def foldings(draw, world_size: int):
-    """(dp_replicate, ep, etp) with edp = world / (dp_replicate * ep * etp): every factorization."""
+    """(dp_replicate, cp, tp, ep, etp) with dp_shard = world / (dp_replicate * cp * tp) and
+    edp = world / (dp_replicate * ep * etp): every factorization of both meshes."""
     dp_replicate = draw(st.sampled_from(divisors(world_size)))
     rest = world_size // dp_replicate
+    cp = draw(_degree(rest))
+    tp = draw(_degree(rest // cp))
     ep = draw(st.sampled_from(divisors(rest)))
     etp = draw(st.sampled_from(divisors(rest // ep)))
-    return dp_replicate, ep, etp
+    return dp_replicate, cp, tp, ep, etp
 
 
 @st.composite
 def cases(draw, world_size: int):
-    dp_replicate, ep, etp = draw(foldings(world_size))
+    dp_replicate, cp, tp, ep, etp = draw(foldings(world_size))
     num_experts = ep * draw(st.integers(1, 3))  # includes E == EP and E/EP not divisible by EDP
     top_k = draw(st.one_of(st.just(num_experts), st.integers(1, num_experts)))
     # Group-limited routing: the kept groups must hold at least top_k experts.
     groups = draw(st.sampled_from(divisors(num_experts)))
     limited = draw(st.integers(-(-top_k // (num_experts // groups)), groups))
-    batch = draw(st.lists(st.integers(0, 3), min_size=world_size, max_size=world_size))
+    dp_groups = world_size // (cp * tp)  # data-parallel groups: each its own sequences
+    batch = draw(st.lists(st.integers(0, 3), min_size=dp_groups, max_size=dp_groups))
     return Case(
         dp_replicate=dp_replicate,
         ep=ep,
@@ -37,7 +46,9 @@ def cases(draw, world_size: int):
         dim=draw(st.sampled_from([4, 6, 8])),
         hidden_dim=etp * draw(st.integers(1, 3)),
         batch_per_rank=tuple(batch),
-        seq_len=draw(st.integers(1, 3)),
+        seq_len=cp * tp * draw(st.integers(1, 3 if cp * tp == 1 else 2)),
+        cp=cp,
+        tp=tp,
         hot_expert=draw(st.one_of(st.none(), st.integers(0, num_experts - 1))),
         score_func=draw(st.sampled_from(["softmax", "sigmoid", "topk_softmax"])),
         route_norm=draw(st.booleans()),

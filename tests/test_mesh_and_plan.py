@@ -44,7 +44,7 @@ def test_bad_degrees_raise_clear_errors(kwargs, match):
     [
         (dict(num_experts=6), dict(ep=4), r"num_experts \(6\) must be divisible by ep \(4\).*valid ep for this world: \[1, 2\]"),
         (dict(hidden_dim=6), dict(etp=4), r"hidden_dim \(6\) must be divisible by etp \(4\).*valid etp with ep=1: \[1, 2\]"),
-        (dict(), dict(tp=2), r"tp=2: tensor parallelism of the MoE input is not supported"),
+        (dict(num_experts=6), dict(tp=2, ep=4), r"num_experts \(6\) must be divisible by ep \(4\).*valid ep for this world: \[1, 2\]"),
     ],
 )
 def test_bad_model_for_mesh_raises(cfg, dims, match):
@@ -71,6 +71,8 @@ def test_bad_config_raises(kwargs, match):
 def plan_inputs(draw):
     world = draw(st.sampled_from([1, 2, 4, 6, 8, 12, 16, 32, 64]))
     rep = draw(st.sampled_from(divisors(world)))
+    cp = draw(st.sampled_from(divisors(world // rep)))
+    tp = draw(st.sampled_from(divisors(world // rep // cp)))
     ep = draw(st.sampled_from(divisors(world // rep)))
     etp = draw(st.sampled_from(divisors(world // rep // ep)))
     E = ep * draw(st.integers(1, 5))
@@ -78,7 +80,7 @@ def plan_inputs(draw):
     D = draw(st.integers(1, 12))
     shared = draw(st.integers(0, 2))
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=1, num_shared_experts=shared)
-    return cfg, MoEParallelDims(world, dp_replicate=rep, ep=ep, etp=etp)
+    return cfg, MoEParallelDims(world, dp_replicate=rep, cp=cp, tp=tp, ep=ep, etp=etp)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True, database=None)

@@ -37,6 +37,9 @@ NAMED = {
     "top_k_equals_E": (4, Case(1, 2, 1, 4, 4, 8, 6, (2, 0, 1, 2), load_balance="aux_free_bias")),
     "all_ranks_empty_but_one": (4, Case(1, 4, 1, 4, 2, 8, 6, (0, 0, 3, 0))),
     "world6_ep3_etp2": (6, Case(1, 3, 2, 6, 2, 8, 6, (1, 2, 0, 1, 2, 1))),
+    # Sequence-parallel input: each TP / CP rank holds its part of its group's sequences.
+    "tp2_ep2": (4, Case(1, 2, 1, 4, 2, 8, 6, (2, 1), seq_len=4, tp=2, load_balance="aux_loss", num_shared_experts=1)),
+    "cp2_tp2_etp2_hsdp2": (8, Case(2, 1, 2, 4, 2, 8, 6, (2, 1), seq_len=4, cp=2, tp=2, load_balance="aux_free_bias")),
     "single_process": (1, Case(1, 1, 1, 4, 2, 8, 6, (3,), load_balance="aux_loss")),
     # Second microbatch: expert weight gradients are added into .grad by the GEMMs themselves.
     "ep4_accumulate": (4, Case(1, 4, 1, 8, 2, 8, 6, (2, 1, 0, 3), microbatches=2)),

@@ -119,6 +119,16 @@ TINY = ["train", "--config", "configs/tiny_cpu.toml"]
         (["--keep-last", "0"], "--keep-last must be >= 1 (checkpoints kept on disk), got 0"),
         (["model.top_k=2.5"], "model.top_k must be an int in 1..num_experts (8), got 2.5"),
         (["parallel.ep=3"], "ep * etp = 3*2 must divide dp_shard * cp * tp = 8"),
+        (["parallel.tp=3"], "model.n_heads (4) must be divisible by parallel.tp (3) so each TP rank owns whole heads; "
+                            "valid tp: [1, 2, 4]"),
+        (["parallel.cp=2", "parallel.tp=2", "training.seq_len=6"],
+         "training.seq_len (6) must be divisible by parallel.cp * parallel.tp (2*2)"),
+        (["parallel.tp=2", "model.tie_embeddings=true"], "parallel.tp=2 needs model.tie_embeddings = false"),
+        (["parallel.cp=4", "parallel.tp=4"], "dp_replicate * cp * tp = 1*4*4 = 16 must divide world_size 8"),
+        (["parallel.tp=2", "parallel.ep=4", "training.compile=true"],
+         "training.compile with tp=2, cp=1 is not supported yet"),
+        (["parallel.cp=2", "parallel.tp=2", "training.global_batch=5"],
+         "training.global_batch (5) must be divisible by the data-parallel size (2)"),
     ],
 )
 def test_launcher_rejects_bad_input_in_one_line(tmp_path, capsys, argv, message):

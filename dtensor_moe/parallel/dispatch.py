@@ -213,7 +213,9 @@ def _(counts_E, expert_N, pair_N, num_tokens, top_k, ep_group, etp_group):
             i64.new_empty(S), i64.new_empty(num_tokens, topo.ep), i64.new_empty(P), i64.new_empty(R, top_k))
 
 
-class _ScaleGrad(torch.autograd.Function):
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient scaled (the loss conventions of two parallel groups differ)."""
+
     @staticmethod
     def forward(ctx, x, scale):
         ctx.scale = scale
@@ -302,11 +304,11 @@ class ExpertDispatcher:
         def pre_foreign(module, args):
             inp = self.dispatch(*args)
             self.in_flight.append(inp)
-            x_local = _ScaleGrad.apply(inp.x_ND, self.grad_divisor) if self.grad_divisor != 1 else inp.x_ND
+            x_local = ScaleGrad.apply(inp.x_ND, self.grad_divisor) if self.grad_divisor != 1 else inp.x_ND
             return x_local, inp.counts_E
 
         def post_foreign(module, args, out):
             if self.grad_divisor != 1:
-                out = _ScaleGrad.apply(out, 1.0 / self.grad_divisor)
+                out = ScaleGrad.apply(out, 1.0 / self.grad_divisor)
             return self.combine(out, self.in_flight.pop())
         return pre_foreign, post_foreign

@@ -3,6 +3,10 @@
 Dense mesh  (dp_replicate, dp_shard, cp, tp)
 Expert mesh (dp_replicate, edp, ep, etp), with edp * ep * etp == dp_shard * cp * tp.
 ETP is innermost, then EP, so those groups are consecutive ranks and stay inside a node.
+
+Under sequence parallelism every TP rank holds its own slice of each sequence and under CP every CP
+rank its own part of it, so an MoE layer sees different tokens on every rank of a dp_replicate
+replica: its router and shared experts are data-parallel over dp_shard * cp * tp (`moe_dp_axis`).
 """
 
 from dataclasses import dataclass
@@ -75,12 +79,17 @@ class MoEParallelDims:
         return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     @property
+    def moe_dp_axis(self) -> str:
+        """The flattened axis an MoE's dense weights are sharded on: every rank with its own tokens."""
+        return "dp_shard" + "_cp" * (self.cp > 1) + "_tp" * (self.tp > 1)
+
+    @property
     def expert_shape(self) -> tuple[int, ...]:
         return (self.dp_replicate, self.edp, self.ep, self.etp)
 
     @property
     def dp(self) -> int:
-        """Ranks that see different tokens (data-parallel, including context-parallel shards)."""
+        """Ranks that see different sequences (data-parallel, including context-parallel shards)."""
         return self.dp_replicate * self.dp_shard * self.cp
 
     def expert_coords(self, rank: int) -> dict[str, int]:
@@ -110,6 +119,8 @@ class MoEMeshes:
     dense: "DeviceMesh"
     expert: "DeviceMesh"
     dp: "DeviceMesh"  # (dp_replicate, dp_shard_cp): where dense weights are FSDP-sharded
+    tp: "DeviceMesh"  # dense tensor parallelism, on the same root mesh as `dp` (FSDP2 composes them)
+    moe_dp: "DeviceMesh"  # (dp_replicate, moe_dp_axis): an MoE's dense weights and statistics
 
 
 _MESH_CACHE: dict = {}
@@ -132,10 +143,14 @@ def _build(dims: MoEParallelDims, device_type: str) -> MoEMeshes:
     dense = DeviceMesh(device_type, ranks.view(dims.dense_shape), mesh_dim_names=DENSE_AXES)
     expert = DeviceMesh(device_type, ranks.view(dims.expert_shape), mesh_dim_names=EXPERT_AXES)
     if dims.cp == 1:
-        dp = dense["dp_replicate", "dp_shard"]
+        dp, tp = dense["dp_replicate", "dp_shard"], dense["tp"]
     else:
         # Context-parallel shards see different tokens, so dense weights are sharded over them too.
         dp_shape = (dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp)
-        dp = DeviceMesh(device_type, ranks.view(dp_shape), mesh_dim_names=("dp_replicate", "dp_shard_cp", "tp"))
-        dp = dp["dp_replicate", "dp_shard_cp"]
-    return MoEMeshes(dense=dense, expert=expert, dp=dp)
+        root = DeviceMesh(device_type, ranks.view(dp_shape), mesh_dim_names=("dp_replicate", "dp_shard_cp", "tp"))
+        dp, tp = root["dp_replicate", "dp_shard_cp"], root["tp"]
+    moe_dp = dp
+    if dims.tp > 1:
+        moe_shape = (dims.dp_replicate, dims.world_size // dims.dp_replicate)
+        moe_dp = DeviceMesh(device_type, ranks.view(moe_shape), mesh_dim_names=("dp_replicate", dims.moe_dp_axis))
+    return MoEMeshes(dense=dense, expert=expert, dp=dp, tp=tp, moe_dp=moe_dp)

@@ -15,6 +15,8 @@ from dtensor_moe.experts import GroupedExperts
 from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
 from dtensor_moe.moe import MoE
 from dtensor_moe.parallel.plan import WeightPlan, plan_moe
+from dtensor_moe.parallel.context_parallel import apply_cp, check_cp_model
+from dtensor_moe.parallel.tensor_parallel import apply_tp, check_tp_model, scale_moe_gradients
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def shard_moe_layer(
             shard_placement_fn=_placement_fn(moe, experts_plans),
             **fsdp_kwargs,
         )
-    fully_shard(moe, mesh=dp_fsdp_mesh(meshes, dims), shard_placement_fn=_placement_fn(moe, dense_plans),
+    fully_shard(moe, mesh=_fsdp_mesh(meshes.moe_dp, dims, dims.moe_dp_axis), shard_placement_fn=_placement_fn(moe, dense_plans),
                 ignored_params=ignored, **fsdp_kwargs)
 
 
@@ -123,6 +125,15 @@ def check_compile(dims: MoEParallelDims, compile, activation_checkpoint: str = "
             "FSDP2 shards the experts over EDP/HSDP with module hooks that torch.compile cannot trace "
             "(dynamo-disabled in torch 2.11-2.13). Valid here: ep * etp = "
             f"{dims.dp_shard * dims.cp * dims.tp} with dp_replicate = 1, or no compile")
+
+
+def check_model_parallel(dims: MoEParallelDims, compile, prefix: str = ""):
+    """What dense TP and CP need of parallelize_model's other options, checked before any collective."""
+    if compile and dims.tp * dims.cp > 1:
+        # A compiled block is one FSDP unit on the dense mesh, but under TP the MoE's dense weights
+        # shard over tp too (another mesh), and CP's K/V all-gather is a DTensor redistribute.
+        raise ValueError(f"{prefix}compile with tp={dims.tp}, cp={dims.cp} is not supported yet; valid: compile with "
+                         "tp = cp = 1, or tp/cp without compile")
 
 
 def _moe_layers(module: nn.Module, dims: MoEParallelDims):
@@ -164,7 +175,7 @@ def parallelize_moe(
     meshes = dims.build_meshes(device_type)
     for m, moe_plans in layers:
         shard_moe_layer(m, moe_plans, dims, meshes, _fsdp_kwargs(mp_policy, reshard_after_forward))
-        m.stats = DataParallelStats(meshes.dp)
+        m.stats = DataParallelStats(meshes.moe_dp)
         if compile:
             apply_compile(m, compile)
     return module
@@ -187,14 +198,30 @@ def parallelize_model(
     Eagerly each MoE is its own FSDP unit (experts over EDP, router and shared experts over the
     data-parallel ranks); compiled, the block's unit takes the MoE's dense weights too, so every
     FSDP hook runs outside the block's graph.
+
+    `dims.tp > 1`: the main job's model gets dense tensor parallelism with sequence parallelism
+    (parallel/tensor_parallel.py), FSDP2 then shards its weights over the data-parallel ranks too
+    (2-D). `dims.cp > 1`: each rank holds a contiguous part of every sequence; attention gathers
+    the keys and values over cp (parallel/context_parallel.py).
     """
     check_compile(dims, compile, activation_checkpoint)
+    check_model_parallel(dims, compile)
+    if dims.tp > 1:
+        check_tp_model(model, dims.tp)
+    if dims.cp > 1:
+        check_cp_model(model, dims.cp)
     layers = _moe_layers(model, dims)
     meshes = dims.build_meshes(device_type)
     fsdp_kwargs = _fsdp_kwargs(mp_policy, reshard_after_forward)
     for m, moe_plans in layers:
         shard_moe_layer(m, moe_plans, dims, meshes, None if compile else fsdp_kwargs)
-        m.stats = DataParallelStats(meshes.dp)
+        m.stats = DataParallelStats(meshes.moe_dp)
+        if dims.tp > 1:
+            scale_moe_gradients(m, dims.tp)
+    if dims.tp > 1:
+        apply_tp(model, meshes.tp)
+    if dims.cp > 1:
+        apply_cp(model, meshes.dense["cp"])
     experts = {p for m, _ in layers for p in m.experts.parameters()} if compile else None
     kwargs = {"mesh": dp_fsdp_mesh(meshes, dims)}
     if mp_policy is not None:

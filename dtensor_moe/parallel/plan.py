@@ -6,8 +6,10 @@ read it; nothing else decides placements.
 Expert weights shard in this order: EP splits experts (dim 0), ETP splits the expert hidden dim F
 (w1/w3 dim 1, w2 dim 2, the biases b1/b3 dim 1; b2 [E, D] has no F and is replicated over ETP), then
 FSDP2 splits the local slice over EDP along a dim chosen so that no padding is needed, replicated
-over dp_replicate (HSDP). Dense weights (router, shared experts) are
-FSDP-sharded over the data-parallel ranks.
+over dp_replicate (HSDP). Dense weights (router, shared experts) are FSDP-sharded over every rank
+with its own tokens (`MoEParallelDims.moe_dp_axis`: data-parallel, CP and, under sequence
+parallelism, TP ranks): they stay whole over tp, so the MoE's input needs no all-gather over tp and
+its output no reduce-scatter.
 """
 
 import math
@@ -81,11 +83,6 @@ def _validate(config: MoEConfig, dims: MoEParallelDims):
             f"hidden_dim ({F}) must be divisible by etp ({dims.etp}) so each ETP rank owns an equal F slice; "
             f"valid etp with ep={dims.ep}: {valid}"
         )
-    if dims.tp > 1:
-        raise ValueError(
-            f"tp={dims.tp}: tensor parallelism of the MoE input is not supported by parallelize_moe yet; "
-            f"use etp for expert tensor parallelism and tp=1 (fold the ranks into dp_shard)"
-        )
 
 
 def _local_shape(global_shape, steps, sizes) -> tuple[int, ...]:
@@ -103,6 +100,8 @@ def axis_sizes(dims: MoEParallelDims) -> dict[str, int]:
         "dp_shard_cp": dims.dp_shard * dims.cp,
         "cp": dims.cp,
         "tp": dims.tp,
+        "dp_shard_tp": dims.dp_shard * dims.tp,
+        "dp_shard_cp_tp": dims.dp_shard * dims.cp * dims.tp,
         "edp": dims.edp,
         "ep": dims.ep,
         "etp": dims.etp,
@@ -112,6 +111,8 @@ def axis_sizes(dims: MoEParallelDims) -> dict[str, int]:
 def rank_coords(dims: MoEParallelDims, rank: int) -> dict[str, int]:
     c = {**dims.dense_coords(rank), **dims.expert_coords(rank)}
     c["dp_shard_cp"] = c["dp_shard"] * dims.cp + c["cp"]
+    c["dp_shard_tp"] = c["dp_shard"] * dims.tp + c["tp"]
+    c["dp_shard_cp_tp"] = c["dp_shard_cp"] * dims.tp + c["tp"]
     return c
 
 
@@ -150,7 +151,7 @@ def plan_moe(config: MoEConfig, dims: MoEParallelDims) -> tuple[WeightPlan, ...]
     if config.num_shared_experts:
         Fs = F * config.num_shared_experts
         dense += [("shared_experts.w1.weight", (Fs, D)), ("shared_experts.w2.weight", (D, Fs)), ("shared_experts.w3.weight", (Fs, D))]
-    dp_axis = "dp_shard" if dims.cp == 1 else "dp_shard_cp"
+    dp_axis = dims.moe_dp_axis
     for name, shape in dense:
         d = fsdp_dim(shape, sizes[dp_axis], prefer=tuple(range(len(shape))))
         plans.append(_weight(name, "dense", shape, [ShardStep(dp_axis, d)], ("dp_replicate",), sizes))
@@ -225,3 +226,26 @@ def _tiles(boxes, shape) -> bool:
             return False
         grid *= len(ivals)
     return grid == len(nonempty)
+
+
+# Dense tensor parallelism with sequence parallelism for the main job's model (torchtitan's apply_tp):
+# (module path, style) pairs, applied by parallel/tensor_parallel.py. Between blocks the activations are
+# sequence-sharded over tp; attention gathers the sequence and splits the heads; the MoE takes its own
+# sequence slice as it is. Styles:
+#   embedding      rows (vocab) sharded, replicated token ids in, sequence-sharded out
+#   sequence       weights replicated, runs on the local sequence slice (norms)
+#   sequence_local the same, handing a plain tensor on (the MoE takes local tokens)
+#   gather_seq     all-gathers the sequence at the module's input
+#   colwise        output features sharded (whole heads: n_heads % tp == 0)
+#   rowwise        input features sharded, output reduce-scattered back to sequence slices
+#   head           output features sharded, sequence-sharded in, logits replicated out
+TP_ROOT_PLAN = (("tok_embeddings", "embedding"), ("norm", "sequence"), ("output", "head"))
+TP_BLOCK_PLAN = (
+    ("attention_norm", "sequence"),
+    ("attention", "gather_seq"),
+    ("attention.wq", "colwise"),
+    ("attention.wk", "colwise"),
+    ("attention.wv", "colwise"),
+    ("attention.wo", "rowwise"),
+    ("ffn_norm", "sequence_local"),
+)

@@ -136,7 +136,7 @@ PRESETS: dict[str, ModelSpec] = {
 
 
 def spec_from_model_config(cfg, name: str = "config") -> ModelSpec:
-    """The shapes of `dtensor_moe.train.model.MoETransformer(cfg)` (fused wqkv, every layer an MoE)."""
+    """The shapes of `dtensor_moe.train.model.MoETransformer(cfg)` (wq, wk, wv, wo; every layer an MoE)."""
     D = cfg.dim
     return ModelSpec(
         name=name,
@@ -147,7 +147,7 @@ def spec_from_model_config(cfg, name: str = "config") -> ModelSpec:
         top_k=cfg.top_k,
         moe_hidden_dim=cfg.moe_hidden_dim,
         num_shared_experts=cfg.num_shared_experts,
-        attention=(("attention.wqkv.weight", (3 * D, D)), ("attention.wo.weight", (D, D))),
+        attention=tuple((f"attention.{w}.weight", (D, D)) for w in ("wq", "wk", "wv", "wo")),
         kv_width=2 * D,
         tie_embeddings=cfg.tie_embeddings,
     )

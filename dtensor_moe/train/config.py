@@ -107,10 +107,12 @@ class ParallelConfig:
     dp_replicate: int = 1
     ep: int = 1
     etp: int = 1
+    tp: int = 1  # dense tensor parallelism of attention, sequence-parallel between blocks
+    cp: int = 1  # context parallelism: each rank a contiguous part of every sequence
 
     def __post_init__(self):
         check_fields(self, "parallel.", nproc=at_least(1), device=("cpu", "cuda"), dp_replicate=at_least(1),
-                     ep=at_least(1), etp=at_least(1))
+                     ep=at_least(1), etp=at_least(1), tp=at_least(1), cp=at_least(1))
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,17 @@ class Config:
                 f"training.seq_len ({t.seq_len}) must be <= model.max_seq_len ({m.max_seq_len}); "
                 f"valid seq_len: 1..{m.max_seq_len} (or raise model.max_seq_len)"
             )
+        p = self.parallel
+        if m.n_heads % p.tp:
+            raise ValueError(f"model.n_heads ({m.n_heads}) must be divisible by parallel.tp ({p.tp}) so each TP rank "
+                             f"owns whole heads; valid tp: {[d for d in range(1, m.n_heads + 1) if m.n_heads % d == 0]}")
+        if t.seq_len % (p.cp * p.tp):
+            raise ValueError(f"training.seq_len ({t.seq_len}) must be divisible by parallel.cp * parallel.tp "
+                             f"({p.cp}*{p.tp}): every CP rank holds an equal part of each sequence and every TP rank "
+                             f"an equal slice of that; e.g. seq_len {[p.cp * p.tp * k for k in (8, 16, 32)]}")
+        if p.tp > 1 and m.tie_embeddings:
+            raise ValueError(f"parallel.tp={p.tp} needs model.tie_embeddings = false (the embedding is sharded by "
+                             "vocabulary rows, the head by output features); valid: tie_embeddings = false, or tp = 1")
         if m.vocab_size < BYTE_VOCAB:
             raise ValueError(
                 f"model.vocab_size ({m.vocab_size}) must be >= {BYTE_VOCAB}: data.source={self.data.source!r} "

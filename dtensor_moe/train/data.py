@@ -1,7 +1,8 @@
 """Training data that needs no download: the shipped corpus (byte-level) or a synthetic stream.
 
 The global batch of a step is a pure function of (seed, step); each data-parallel rank takes its
-own contiguous slice of it, so the global batch is identical for every mesh.
+own contiguous slice of it, so the global batch is identical for every mesh. Under context
+parallelism each CP rank takes its contiguous part of every sequence of its slice.
 """
 
 from importlib import resources
@@ -40,18 +41,23 @@ def load_tokens(source: str, seed: int = 0) -> torch.Tensor:
 
 
 class Batches:
-    def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int, dp_rank: int, dp_size: int):
+    def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int, dp_rank: int, dp_size: int,
+                 cp_rank: int = 0, cp: int = 1):
         if global_batch % dp_size != 0:
             valid = [b for b in range(dp_size, 4 * dp_size + 1, dp_size)]
             raise ValueError(
                 f"training.global_batch ({global_batch}) must be divisible by the data-parallel size ({dp_size}); "
                 f"e.g. {valid}"
             )
+        if seq_len % cp:
+            raise ValueError(f"training.seq_len ({seq_len}) must be divisible by parallel.cp ({cp})")
         if tokens.numel() <= seq_len + 1:
             raise ValueError(f"training.seq_len ({seq_len}) must be shorter than the corpus ({tokens.numel()} tokens)")
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
         self.local = global_batch // dp_size
         self.lo = dp_rank * self.local
+        part = seq_len // cp
+        self.cols = slice(cp_rank * part, (cp_rank + 1) * part)
 
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs_BL, targets_BL) of this rank at `step`."""
@@ -60,4 +66,4 @@ class Batches:
         starts = starts[self.lo : self.lo + self.local]
         idx_BL = starts[:, None] + torch.arange(self.seq_len + 1)
         seq = self.tokens[idx_BL]
-        return seq[:, :-1], seq[:, 1:]
+        return seq[:, :-1][:, self.cols], seq[:, 1:][:, self.cols]

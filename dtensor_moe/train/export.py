@@ -5,8 +5,7 @@ Keys are the model's own state-dict FQNs, so they map one-to-one to torchtitan's
 
     tok_embeddings.weight                    [V, D]
     layers.{i}.attention_norm.weight         [D]
-    layers.{i}.attention.wqkv.weight         [3D, D]
-    layers.{i}.attention.wo.weight           [D, D]
+    layers.{i}.attention.w{q,k,v,o}.weight   [D, D]
     layers.{i}.ffn_norm.weight               [D]
     layers.{i}.moe.router.gate.weight        [E, D]
     layers.{i}.moe.experts.w1 / w3           [E, F, D]   experts stacked on dim 0

@@ -146,20 +146,28 @@ def _resume_target(args, cfg: Config, run_dir: str):
 
 def _check(cfg: Config, world: int):
     """Every config error, raised before any process group or collective exists."""
-    from dtensor_moe.parallel.mesh import MoEParallelDims
     from dtensor_moe.parallel.plan import plan_moe
 
-    from dtensor_moe.parallel.parallelize import check_compile
+    from dtensor_moe.parallel.parallelize import check_compile, check_model_parallel
 
     p = cfg.parallel  # types and ranges of every field were checked when the config was built
-    dims = MoEParallelDims(world, dp_replicate=p.dp_replicate, ep=p.ep, etp=p.etp)
+    dims = _dims(cfg, world)
     plan_moe(cfg.model.moe_config(), dims)
     check_compile(dims, cfg.training.compile, cfg.training.activation_checkpoint, "training.")
-    if cfg.training.global_batch % world:
+    check_model_parallel(dims, cfg.training.compile, "training.")
+    dp = world // (p.cp * p.tp)  # ranks with different sequences; CP and TP ranks split each sequence
+    if cfg.training.global_batch % dp:
         raise ValueError(
             f"training.global_batch ({cfg.training.global_batch}) must be divisible by the data-parallel size "
-            f"({world}); e.g. {[world * k for k in (1, 2, 4)]}"
+            f"({dp}); e.g. {[dp * k for k in (1, 2, 4)]}"
         )
+
+
+def _dims(cfg: Config, world: int):
+    from dtensor_moe.parallel.mesh import MoEParallelDims
+
+    p = cfg.parallel
+    return MoEParallelDims(world, dp_replicate=p.dp_replicate, cp=p.cp, tp=p.tp, ep=p.ep, etp=p.etp)
 
 
 def parity(cfg: Config, run_dir: str) -> tuple[int, str]:
@@ -167,7 +175,7 @@ def parity(cfg: Config, run_dir: str) -> tuple[int, str]:
 
     Returns (rc, the line that says how it went)."""
     # The reference is the plain eager single process: no compile, no activation checkpointing.
-    ref_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc=1, dp_replicate=1, ep=1, etp=1),
+    ref_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc=1, dp_replicate=1, ep=1, etp=1, tp=1, cp=1),
                       training=replace(cfg.training, compile=False, activation_checkpoint="none"))
     ref_dir = os.path.join(run_dir, "reference_1proc")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={_free_port()}"]
@@ -203,7 +211,6 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from dtensor_moe.train.data import Batches, load_tokens
-    from dtensor_moe.parallel.mesh import MoEParallelDims
     from dtensor_moe.train.metrics import RunWriter, local_state_bytes, peak_memory_bytes
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
@@ -212,6 +219,8 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
 
     # The grad-norm all-reduce over the 3-axis expert mesh is one scalar per axis; not worth a warning per rank.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    # Under TP the logits are the head's replicated DTensor output as a local view; only the loss reads them.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoETransformer\) returned a view tensor")
     p, t = cfg.parallel, cfg.training
     if p.device == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -221,7 +230,7 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
     # device_id binds NCCL to this rank's GPU up front (else every barrier warns that it guesses).
     dist.init_process_group("nccl" if p.device == "cuda" else "gloo", device_id=device if p.device == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dims = MoEParallelDims(world, dp_replicate=p.dp_replicate, ep=p.ep, etp=p.etp)
+    dims = _dims(cfg, world)
 
     torch.manual_seed(t.seed)  # same full weights on every rank before sharding
     model = MoETransformer(cfg.model).to(device)
@@ -231,7 +240,11 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
                       activation_checkpoint=t.activation_checkpoint)
     optimizer = build_optimizer(model, t.lr, t.weight_decay)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
-    batches = Batches(load_tokens(cfg.data.source, t.seed), t.seq_len, t.global_batch, t.seed, rank, world)
+    # TP ranks read the same sequences (the embedding splits them); CP ranks each their part of them.
+    coords = dims.dense_coords(rank)
+    batches = Batches(load_tokens(cfg.data.source, t.seed), t.seq_len, t.global_batch, t.seed,
+                      coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"], dims.dp_replicate * dims.dp_shard,
+                      cp_rank=coords["cp"], cp=dims.cp)
 
     ckpt = _checkpointing(args, run_dir, t.steps)
     start = ckpt.resume(model, optimizer, scheduler) if ckpt else 0

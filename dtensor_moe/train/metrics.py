@@ -115,9 +115,11 @@ def summary_lines(summary: dict, run_dir: str, parity_line: str | None = None) -
         f"tokens, {t['dtype']}",
     ]
     hsdp = f"HSDP{mesh['dp_replicate']} x " if mesh["dp_replicate"] > 1 else ""
+    cp, tp = mesh.get("cp", 1), mesh.get("tp", 1)
+    dense = f"FSDP{mesh['dp_shard'] * cp}" + (f" (CP{cp})" if cp > 1 else "") + (f" x TP{tp}" if tp > 1 else "")
     lines.append(
         f"mesh     {summary['world_size']} ranks on {summary['device']}: experts {hsdp}EDP{mesh['edp']} x EP{mesh['ep']} x "
-        f"ETP{mesh['etp']}, dense weights {hsdp}FSDP{mesh['dp_shard']}"
+        f"ETP{mesh['etp']}, dense weights {hsdp}{dense}"
     )
     if summary["final_loss"] is not None:
         lines.append(f"loss     {summary['final_loss']:.4f} after step {t['steps']}")

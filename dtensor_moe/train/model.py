@@ -8,30 +8,44 @@ from dtensor_moe.moe import MoE
 from dtensor_moe.train.config import ModelConfig
 
 
-def _rope(x_BHLK: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding on the last dim (K = head dim)."""
-    L, K = x_BHLK.shape[-2], x_BHLK.shape[-1]
+def rope(x_BHLK: torch.Tensor, positions_L: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding on the last dim (K = head dim) at the given token positions."""
+    K = x_BHLK.shape[-1]
     # At least fp32 (bf16 angles are too coarse); fp64 models get fp64 angles, so a float64 check is exact.
     dtype = torch.promote_types(x_BHLK.dtype, torch.float32)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, K, 2, device=x_BHLK.device, dtype=dtype) / K))
-    angles_LK = torch.outer(torch.arange(L, device=x_BHLK.device, dtype=dtype), inv_freq)
+    angles_LK = torch.outer(positions_L.to(dtype), inv_freq)
     cos, sin = angles_LK.cos().to(x_BHLK.dtype), angles_LK.sin().to(x_BHLK.dtype)
     x1, x2 = x_BHLK[..., 0::2], x_BHLK[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
 
+class CausalAttention(nn.Module):
+    """RoPE and causal softmax attention of one whole sequence (a module, as torchtitan's
+    `inner_attention`, so that context parallelism can swap in its own)."""
+
+    def forward(self, q_BHLK, k_BHLK, v_BHLK):
+        positions_L = torch.arange(q_BHLK.shape[-2], device=q_BHLK.device)
+        return F.scaled_dot_product_attention(rope(q_BHLK, positions_L), rope(k_BHLK, positions_L), v_BHLK, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.wqkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
+        self.head_dim = cfg.dim // cfg.n_heads
+        # Separate projections (torchtitan's names): tensor parallelism splits each one by heads.
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.inner_attention = CausalAttention()
 
     def forward(self, x_BLD):
-        B, L, D = x_BLD.shape
-        q, k, v = self.wqkv(x_BLD).view(B, L, 3, self.n_heads, D // self.n_heads).permute(2, 0, 3, 1, 4)
-        o_BHLK = F.scaled_dot_product_attention(_rope(q), _rope(k), v, is_causal=True)
-        return self.wo(o_BHLK.transpose(1, 2).reshape(B, L, D))
+        B, L, _ = x_BLD.shape
+        # -1 heads: the local head count where tensor parallelism splits the heads over ranks.
+        q, k, v = (w(x_BLD).view(B, L, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        o_BHLK = self.inner_attention(q, k, v)
+        return self.wo(o_BHLK.transpose(1, 2).reshape(B, L, -1))
 
 
 class Block(nn.Module):
@@ -61,7 +75,8 @@ class MoETransformer(nn.Module):
         nn.init.normal_(self.tok_embeddings.weight, std=0.02)
         std_out = 0.02 / (2 * self.config.n_layers) ** 0.5
         for block in self.layers:
-            nn.init.normal_(block.attention.wqkv.weight, std=0.02)
+            for w in (block.attention.wq, block.attention.wk, block.attention.wv):
+                nn.init.normal_(w.weight, std=0.02)
             nn.init.normal_(block.attention.wo.weight, std=std_out)
             block.moe.reset_parameters(std=std_out)
         if self.output is not None:
@@ -72,8 +87,8 @@ class MoETransformer(nn.Module):
         for block in self.layers:
             h_BLD = block(h_BLD)
         h_BLD = self.norm(h_BLD)
-        w_VD = self.tok_embeddings.weight if self.output is None else self.output.weight
-        return F.linear(h_BLD, w_VD)
+        # The head as a module call when untied, so tensor parallelism's hooks on it run.
+        return F.linear(h_BLD, self.tok_embeddings.weight) if self.output is None else self.output(h_BLD)
 
     def aux_loss(self) -> torch.Tensor | float:
         """Sum of the MoE layers' load-balancing losses from the last forward (0 when disabled)."""

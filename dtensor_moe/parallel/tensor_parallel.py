@@ -1,0 +1,69 @@
+"""Dense tensor parallelism with sequence parallelism: plan.py's TP plan as DTensor parallel styles.
+
+Only `parallelize_module` styles move activations (no hand-written collectives). Sequence
+parallelism hands each TP rank its own slice of every sequence between blocks, so an MoE there is
+data-parallel over tp: see `scale_moe_gradients` for the one thing that changes around it.
+"""
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from dtensor_moe.parallel.dispatch import ScaleGrad
+from dtensor_moe.parallel.plan import TP_BLOCK_PLAN, TP_ROOT_PLAN
+
+_STYLES = {
+    "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "sequence": lambda: SequenceParallel(),
+    "sequence_local": lambda: SequenceParallel(use_local_output=True),
+    "gather_seq": lambda: PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(output_layouts=Shard(1)),
+    "head": lambda: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+}
+
+
+def check_tp_model(model: nn.Module, tp: int):
+    """What the TP plan needs from the model, checked before any collective."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "tie_embeddings", False):
+        raise ValueError(f"tp={tp} with model.tie_embeddings = true is not supported (the embedding is sharded by "
+                         "vocabulary rows, the head by output features); valid: tie_embeddings = false, or tp = 1")
+    missing = [p for p, _ in TP_ROOT_PLAN if not _has(model, p)]
+    missing += [f"layers.{i}.{p}" for i, b in enumerate(getattr(model, "layers", ())) for p, _ in TP_BLOCK_PLAN
+                if not _has(b, p)]
+    if missing or cfg is None:
+        raise ValueError(f"tp={tp} needs the main job's model (dtensor_moe.train.model.MoETransformer); "
+                         f"missing modules {missing or ['config']}")
+    if cfg.n_heads % tp:
+        raise ValueError(f"model.n_heads ({cfg.n_heads}) must be divisible by tp ({tp}) so each TP rank owns whole heads; "
+                         f"valid tp: {[d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]}")
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def apply_tp(model: nn.Module, tp_mesh) -> None:
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {p: _STYLES[s]() for p, s in TP_BLOCK_PLAN})
+    parallelize_module(model, tp_mesh, {p: _STYLES[s]() for p, s in TP_ROOT_PLAN})
+
+
+def scale_moe_gradients(moe: nn.Module, tp: int) -> None:
+    """The loss is replicated over tp (each TP rank's loss is its data-parallel group's loss), so
+    TP-sharded weights sum their gradients over tp; an MoE treats the tp ranks as data-parallel and
+    averages over them, as over every rank with its own tokens. Its output gradient is scaled by tp
+    to match that convention, and its input gradient back by 1/tp."""
+    moe.register_forward_pre_hook(lambda _, args: (ScaleGrad.apply(args[0], 1.0 / tp), *args[1:]))
+    moe.register_forward_hook(lambda _, args, out: ScaleGrad.apply(out, float(tp)))
