@@ -1,0 +1,16 @@
+"""Hugging Face MoE weights in and out: Qwen3-MoE, Mixtral, DeepSeek-V3 and gpt-oss.
+
+`from_hf_block(block)`: our `MoE` from a transformers sparse-MoE module. `load_hf_moe(moe, reader,
+family, prefix, dims)`: one layer from a checkpoint, each rank reading only its own slices
+(`SafetensorsReader`). `to_hf(state, family, prefix)`: our layer's tensors under their keys.
+`moe_config_from_hf(config)`: a layer's `MoEConfig`. Files: reader.py (lazy reads), layout.py (expert
+layouts), families.py (key names, configs), convert.py (both directions), block.py, checkpoint.py.
+"""
+
+from dtensor_moe.hf.block import from_hf_block
+from dtensor_moe.hf.convert import layer_prefix, load_hf_moe, to_hf
+from dtensor_moe.hf.families import FAMILIES, family, moe_config_from_hf
+from dtensor_moe.hf.reader import SafetensorsReader, StateDictReader
+
+__all__ = ["FAMILIES", "SafetensorsReader", "StateDictReader", "family", "from_hf_block", "layer_prefix", "load_hf_moe",
+           "moe_config_from_hf", "to_hf"]

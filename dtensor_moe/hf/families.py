@@ -1,0 +1,141 @@
+"""The Hugging Face MoE families we map: their key names, which decoder layers are MoE, and their
+configuration as a `MoEConfig`.
+
+Keys are relative to the MoE block (`model.layers.{i}.mlp.` on disk; Mixtral's checkpoints say
+`block_sparse_moe.`, its transformers 5 modules `mlp.`). Read from transformers 5.x's modeling files:
+Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, DeepseekV3MoE, GptOssMLP.
+"""
+
+from dataclasses import dataclass
+from typing import Callable
+
+from dtensor_moe.config import MoEConfig
+from dtensor_moe.hf.layout import Fused, GptOss, PerExpert
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # config.json's model_type
+    blocks: tuple[str, ...]  # the MoE block's name in a decoder layer: as save_pretrained writes it first
+    direct: dict  # our MoE name -> their key, for tensors that map one-to-one (boxes pass through)
+    per_expert: tuple[str, str, str] | None  # (gate, up, down) names of the per-expert layout, if it has one
+    config: Callable[[Callable], MoEConfig]  # get(field, default) of their config -> ours
+    moe_layers: Callable[[Callable], list[int]]
+
+    def layout(self, keys: set[str], prefix: str, num_hidden: int):
+        """The expert layout the keys under `prefix` use."""
+        if self.per_expert is None:
+            return GptOss(prefix)
+        if f"{prefix}experts.gate_up_proj" in keys:
+            return Fused(prefix, num_hidden)
+        return PerExpert(prefix, *self.per_expert)
+
+
+def _silu(get, model_type: str):
+    act = get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{model_type}: hidden_act={act!r} is not supported; our experts are SwiGLU, valid: 'silu'")
+
+
+def _normed(get, model_type: str, top_k: int, norm: bool) -> bool:
+    # transformers normalizes even a single choice (weight 1); our route_norm leaves top_k=1 as is.
+    if norm and top_k == 1:
+        raise ValueError(f"{model_type}: norm_topk_prob with num_experts_per_tok=1 (every weight 1.0) is not "
+                         "supported; valid: num_experts_per_tok >= 2, or norm_topk_prob false")
+    return norm
+
+
+def _qwen3_experts(get) -> int:
+    # The Hub's config.json says num_experts; transformers 5 writes its alias num_local_experts.
+    n = get("num_experts", None)
+    return get("num_local_experts") if n is None else n
+
+
+def _qwen3(get) -> MoEConfig:
+    _silu(get, "qwen3_moe")
+    K = get("num_experts_per_tok")
+    return MoEConfig(dim=get("hidden_size"), hidden_dim=get("moe_intermediate_size"), num_experts=_qwen3_experts(get),
+                     top_k=K, route_norm=_normed(get, "qwen3_moe", K, get("norm_topk_prob", False)))
+
+
+def _qwen3_layers(get) -> list[int]:
+    skip, step = set(get("mlp_only_layers", None) or []), get("decoder_sparse_step", 1)
+    return [i for i in range(get("num_hidden_layers")) if i not in skip and _qwen3_experts(get) > 0 and (i + 1) % step == 0]
+
+
+def _mixtral(get) -> MoEConfig:
+    _silu(get, "mixtral")
+    if get("router_jitter_noise", 0.0):
+        raise ValueError(f"mixtral: router_jitter_noise={get('router_jitter_noise', 0.0)} (random input scaling in "
+                         "training) is not supported; valid: 0")
+    K = get("num_experts_per_tok")
+    return MoEConfig(dim=get("hidden_size"), hidden_dim=get("intermediate_size"), num_experts=get("num_local_experts"),
+                     top_k=K, route_norm=_normed(get, "mixtral", K, True))
+
+
+def _deepseek_v3(get) -> MoEConfig:
+    _silu(get, "deepseek_v3")
+    K = get("num_experts_per_tok")
+    # e_score_correction_bias is the aux-loss-free bias: the buffer exists only with that balancing.
+    return MoEConfig(dim=get("hidden_size"), hidden_dim=get("moe_intermediate_size"),
+                     num_experts=get("n_routed_experts"), top_k=K, score_func="sigmoid",
+                     route_norm=_normed(get, "deepseek_v3", K, get("norm_topk_prob", True)),
+                     route_scale=float(get("routed_scaling_factor", 1.0)), num_shared_experts=get("n_shared_experts", 0),
+                     load_balance="aux_free_bias", num_expert_groups=get("n_group", 1),
+                     num_limited_groups=get("topk_group", 1))
+
+
+def _gpt_oss(get) -> MoEConfig:
+    return MoEConfig(dim=get("hidden_size"), hidden_dim=get("intermediate_size"), num_experts=get("num_local_experts"),
+                     top_k=get("num_experts_per_tok"), score_func="topk_softmax", router_bias=True, expert_biases=True,
+                     activation="clamped_swiglu", swiglu_alpha=float(get("swiglu_alpha", 1.702)),
+                     swiglu_limit=float(get("swiglu_limit", 7.0)))
+
+
+def _all_layers(get) -> list[int]:
+    return list(range(get("num_hidden_layers")))
+
+
+def _after_dense(get) -> list[int]:
+    return list(range(get("first_k_dense_replace", 0), get("num_hidden_layers")))
+
+
+_SHARED = {"shared_experts.w1.weight": "shared_experts.gate_proj.weight",
+           "shared_experts.w3.weight": "shared_experts.up_proj.weight",
+           "shared_experts.w2.weight": "shared_experts.down_proj.weight"}
+
+FAMILIES = {f.model_type: f for f in (
+    Family("qwen3_moe", ("mlp",), {"router.gate.weight": "gate.weight"}, ("gate_proj", "up_proj", "down_proj"),
+           _qwen3, _qwen3_layers),
+    Family("mixtral", ("block_sparse_moe", "mlp"), {"router.gate.weight": "gate.weight"}, ("w1", "w3", "w2"),
+           _mixtral, _all_layers),
+    Family("deepseek_v3", ("mlp",), {"router.gate.weight": "gate.weight", "expert_bias": "gate.e_score_correction_bias",
+                                     **_SHARED}, ("gate_proj", "up_proj", "down_proj"), _deepseek_v3, _after_dense),
+    Family("gpt_oss", ("mlp",), {"router.gate.weight": "router.weight", "router.gate.bias": "router.bias"}, None,
+           _gpt_oss, _all_layers),
+)}
+
+
+def family(model_type: str) -> Family:
+    if model_type not in FAMILIES:
+        raise ValueError(f"Hugging Face model_type {model_type!r} is not supported; valid: {sorted(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def getter(hf_config) -> Callable:
+    """get(field, default) over a transformers config object or config.json's dict; a missing
+    field without a default is a ValueError naming it."""
+    missing = object()
+
+    def get(name, default=missing):
+        v = hf_config.get(name, default) if isinstance(hf_config, dict) else getattr(hf_config, name, default)
+        if v is missing:
+            raise ValueError(f"Hugging Face config has no {name!r}")
+        return v
+    return get
+
+
+def moe_config_from_hf(hf_config) -> MoEConfig:
+    """The `MoEConfig` of one MoE layer of a transformers config (object or config.json dict)."""
+    get = getter(hf_config)
+    return family(get("model_type")).config(get)

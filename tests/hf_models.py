@@ -1,0 +1,47 @@
+"""Tiny transformers models of the four Hugging Face MoE families, random weights, float64."""
+
+import torch
+
+LAYERS = 2
+# transformers picks grouped_mm for the experts by default, which takes no float64: their per-expert loop.
+EXPERTS = "eager"
+LIMIT = 1.0  # gpt-oss's swiglu_limit: small enough that both clamps bind at these weight scales
+
+
+def hf_config(model_type: str):
+    import transformers as tf
+
+    attn = dict(vocab_size=32, hidden_size=8, num_hidden_layers=LAYERS, num_attention_heads=2)
+    if model_type == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**attn, num_key_value_heads=1, head_dim=4, moe_intermediate_size=6, intermediate_size=12,
+                                 num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+    if model_type == "mixtral":
+        return tf.MixtralConfig(**attn, num_key_value_heads=1, intermediate_size=6, num_local_experts=4,
+                                num_experts_per_tok=2)
+    if model_type == "deepseek_v3":  # 8 experts in 4 groups, 2 kept; layer 0 dense
+        return tf.DeepseekV3Config(**attn, num_key_value_heads=2, moe_intermediate_size=6, intermediate_size=12,
+                                   n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+                                   routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=4,
+                                   qk_rope_head_dim=2, qk_nope_head_dim=2, v_head_dim=4)
+    return tf.GptOssConfig(**attn, num_key_value_heads=1, head_dim=4, intermediate_size=6, num_local_experts=4,
+                           num_experts_per_tok=2, swiglu_limit=LIMIT, layer_types=["full_attention"] * LAYERS)
+
+
+def hf_model(model_type: str, seed: int = 0):
+    """The model in float64 with every weight and buffer random (transformers zeroes biases and
+    the correction bias, which would leave their mapping untested)."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    model = tf.AutoModelForCausalLM.from_config(hf_config(model_type), experts_implementation=EXPERTS).double()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        corrections = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+        for t in [*model.parameters(), *corrections]:
+            t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype) * (0.5 if t.dim() > 1 else 0.1))
+    return model.eval()
+
+
+def moe_block(model, model_type: str):
+    """The last decoder layer's MoE block (layer 0 of the DeepSeek-V3 model is dense)."""
+    return model.model.layers[LAYERS - 1].mlp
