@@ -22,6 +22,7 @@ fp32 reference, and one profiled step per layer (where the time goes). Baseline 
 import argparse
 import copy
 import gc
+import json
 import re
 import time
 
@@ -44,7 +45,7 @@ SHAPES = {  # name: (D, F, E, K, tokens per rank)
 MESHES = {"ep2": dict(ep=2), "local": None, "etp2": dict(etp=2), "edp2": {}}  # local: one GPU, no parallelism
 TARGET_RATIO = {"deepseek": 1.3, "qwen": 1.3, "mixtral": 1.0, "e64": 1.0}
 TARGET_PEAK_FRACTION = {"deepseek": 0.5}
-NUMERICS_TOL = 3e-2  # max |bf16 path - fp32 reference| / max |reference|
+NUMERICS_TOL = {"bf16": 3e-2, "fp8": 0.2}  # max |path - fp32 reference| / max |reference|; fp8: e4m3 rowwise
 TITAN_LINE = re.compile(
     r"titan0\.3\.0 EP=(\d+) D=(\d+) F=(\d+) E=(\d+) K=(\d+) T/rank=(\d+): fwd\+bwd ([\d.]+) ms, (\d+) TFLOP/s"
 )
@@ -113,6 +114,7 @@ def check_numerics(cfg, mesh, rank, world, T, dev, dtype) -> dict:
         scores_TK, experts_TK = torch.softmax(torch.randn(n * T, cfg.num_experts), -1).topk(cfg.top_k, -1)
         grad_out = torch.randn(n * T, cfg.dim)
     model = copy.deepcopy(ref).to(dtype)
+    ref.experts.precision = "bf16"  # the reference's GEMMs in fp32
     if MESHES[mesh] is not None:
         parallelize_moe(model, MoEParallelDims(world, **MESHES[mesh]), device_type=dev.type)
     bypass_router(ref, scores_TK, experts_TK)
@@ -136,7 +138,7 @@ def check_numerics(cfg, mesh, rank, world, T, dev, dtype) -> dict:
 def numerics_config(cfg: MoEConfig) -> MoEConfig:
     """Same E, K and routing pattern, smaller D/F so the fp32 reference fits beside the layer."""
     return MoEConfig(dim=min(cfg.dim, 1024), hidden_dim=min(cfg.hidden_dim, 512), num_experts=cfg.num_experts,
-                     top_k=cfg.top_k, load_balance="none")
+                     top_k=cfg.top_k, load_balance="none", expert_precision=cfg.expert_precision)
 
 
 KERNEL_KINDS = (("all-to-all", ("nccl",)), ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "gemv", "wgrad_accumulate")),
@@ -264,12 +266,12 @@ def progress(rank, *what):
         print(f"[{time.perf_counter() - _T0:6.1f}s]", *what, flush=True)
 
 
-def bench_layer(name, mesh, args, dev, world, rank, dtype, peak) -> dict | None:
+def bench_layer(name, mesh, args, dev, world, rank, dtype, peak, precision="bf16") -> dict | None:
     D, F, E, K, T = SHAPES[name]
     local = MESHES[mesh] is None
     if local and rank != 0:
         return None
-    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K, load_balance="none")
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K, load_balance="none", expert_precision=precision)
     progress(rank, name, mesh, "numerics check")
     numerics = check_numerics(numerics_config(cfg), mesh, rank, world, min(T, 2048), dev, dtype)
     if dev.type == "cuda":
@@ -283,7 +285,8 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak) -> dict | None:
         moe(x).float().sum().backward()
 
     flops = 18 * D * F * T * K
-    out = {"shape": name, "mesh": mesh, "D": D, "F": F, "E": E, "K": K, "T": T, "numerics": numerics}
+    out = {"shape": name, "mesh": mesh, "precision": precision, "D": D, "F": F, "E": E, "K": K, "T": T,
+           "numerics": numerics}
     progress(rank, name, mesh, "timing")
     if not local:
         def train_step():  # one microbatch of a training step: fresh gradients, FSDP's reductions
@@ -300,6 +303,15 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak) -> dict | None:
     out["peak_mem_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     out["tflops"] = flops / (out["ms"] / 1e3) / 1e12
     out["pct_dense_peak"] = 100 * out["tflops"] / peak
+    if precision == "fp8":  # the steady state reuses the memoized FP8 weights; this re-quantizes them each step
+        ws = [getattr(moe.experts, n) for n in ("w1", "w2", "w3")]
+
+        def requant_step():
+            for w in ws:
+                torch.autograd.graph.increment_version(w)
+            step()
+
+        out["requant_ms"] = host_timed_ms(requant_step, dev, max(3, args.iters // 2), 1, barrier=not local)
     if mesh in args.profile_meshes:
         progress(rank, name, mesh, "profile")
         trace = f"{args.trace_dir}/{name}_{mesh}_rank{rank}.json" if args.trace_dir and rank == 0 else None
@@ -327,6 +339,27 @@ def read_titan(path) -> dict:
     return found
 
 
+def attach_gemm_rates(row, rates):
+    """fwd / dgrad / wgrad TFLOP/s of the experts' GEMMs alone at this shape (expert_gemms.py, one GPU),
+    in the row's precision: fwd = x@w1, x@w3, h@w2; dgrad = dy@w2, da@w1, db@w3; wgrad the three weights'."""
+    D, F = row["D"], row["F"]
+    got = {(r["gemm"], r["I"], r["O"]): r for r in rates if r["shape"] == row["shape"]}
+    if not got or row["mesh"] != "local":
+        return
+    p = row["precision"]
+    for gemm, (twice, once) in {"fwd": ((D, F), (F, D)), "dgrad": ((F, D), (D, F)), "wgrad": ((D, F), (F, D))}.items():
+        a, b = got[(gemm, *twice)], got[(gemm, *once)]
+        flops = 3 * 2 * a["rows_per_expert"] * a["E"] * D * F
+        row[f"{gemm}_tflops"] = flops / ((2 * a[f"{p}_ms"] + b[f"{p}_ms"]) / 1e3) / 1e12
+
+
+def attach_bf16_ratio(rows):
+    base = {(r["shape"], r["mesh"]): r["ms"] for r in rows if r["precision"] == "bf16"}
+    for r in rows:
+        b = base.get((r["shape"], r["mesh"]))
+        r["vs_bf16"] = b / r["ms"] if b else None
+
+
 def attach_baseline(row, titan):
     ep = 1 if row["mesh"] == "local" else 2
     base = titan.get((ep, row["D"], row["F"], row["E"], row["K"], row["T"]))
@@ -347,9 +380,15 @@ def targets(rows) -> list[dict]:
             want = 100 * TARGET_PEAK_FRACTION[r["shape"]]
             out.append({"what": f"{r['shape']} ep2 % dense peak", "want": want, "got": r["pct_dense_peak"],
                         "ok": r["pct_dense_peak"] >= want})
-    if rows:
-        worst = max(max(r["numerics"].values()) for r in rows)
-        out.append({"what": "numerics max rel err", "want": NUMERICS_TOL, "got": worst, "ok": worst <= NUMERICS_TOL})
+    for p in NUMERICS_TOL:
+        errs = [max(r["numerics"].values()) for r in rows if r["precision"] == p]
+        if errs:
+            out.append({"what": f"{p} numerics max rel err", "want": NUMERICS_TOL[p], "got": max(errs),
+                        "ok": max(errs) <= NUMERICS_TOL[p]})
+    for r in rows:
+        if r["precision"] == "fp8" and r.get("vs_bf16") is not None:
+            out.append({"what": f"{r['shape']} {r['mesh']} fp8 / bf16 layer", "want": 1.0, "got": r["vs_bf16"],
+                        "ok": r["vs_bf16"] >= 1.0})
     return out
 
 
@@ -358,13 +397,16 @@ def fmt(v, spec):
 
 
 def row_cells(r) -> tuple:
-    return (r["shape"], r["mesh"], fmt(r["ms"], ".2f"), fmt(r["host_ms"], ".2f"), fmt(r["tflops"], ".0f"), fmt(r["pct_dense_peak"], ".0f"),
+    gemms = "/".join(fmt(r.get(f"{g}_tflops"), ".0f") for g in ("fwd", "dgrad", "wgrad"))
+    return (r["shape"], r["mesh"], r["precision"], fmt(r.get("vs_bf16"), ".2f"), gemms, fmt(r.get("requant_ms"), ".2f"),
+            fmt(r["ms"], ".2f"), fmt(r["host_ms"], ".2f"), fmt(r["tflops"], ".0f"), fmt(r["pct_dense_peak"], ".0f"),
             fmt(r.get("titan_tflops"), ".0f"), fmt(r.get("ratio"), ".2f"), fmt(r.get("step_ms"), ".2f"),
             fmt(r.get("a2a_gbps_in_step"), ".0f"), fmt(r.get("a2a_ceiling_gbps"), ".0f"),
             fmt(r["gemm_ceiling_tflops"], ".0f"), fmt(max(r["numerics"].values()), ".1e"), fmt(r["peak_mem_gib"], ".1f"))
 
 
-HEAD = ("shape", "mesh", "ms", "host ms", "TFLOP/s", "%peak", "titan", "ratio", "step ms", "a2a GB/s", "a2a ceil",
+HEAD = ("shape", "mesh", "prec", "x bf16", "fwd/dgrad/wgrad", "requant ms", "ms", "host ms", "TFLOP/s", "%peak", "titan",
+        "ratio", "step ms", "a2a GB/s", "a2a ceil",
         "gemm ceil", "num err", "GiB")
 
 
@@ -397,6 +439,9 @@ def main():
     ap.add_argument("--trace-dir", default=None, help="write each profiled step's Chrome trace (rank 0) here")
     ap.add_argument("--budget-s", type=float, default=0, help="skip the remaining layers after this many seconds")
     ap.add_argument("--titan-log", default=None, help="titan_anchor.py output for the baseline columns")
+    ap.add_argument("--precisions", nargs="+", default=["bf16"], choices=("bf16", "fp8"),
+                    help="expert_precision of the layers: a row each, side by side")
+    ap.add_argument("--gemm-rates", default=None, help="expert_gemms.py JSON: the per-GEMM columns (local rows)")
     ap.add_argument("--out", required=True, help="JSON results (written by rank 0)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -414,22 +459,28 @@ def main():
     progress(rank, "dense peak")
     peak = dense_peak_tflops(dev, args.iters)
     titan = read_titan(args.titan_log)
+    rates = []
+    if args.gemm_rates:
+        with open(args.gemm_rates) as f:
+            rates = json.load(f)["gemms"]
     res = {"torch": torch.__version__, "world": world, "dtype": str(dtype),
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "dense_peak_tflops": peak, "rows": [], "skipped": []}
     # Mesh-major order: the EP=2 rows the targets are judged on come first if the budget runs out.
     for mesh in args.meshes:
-        for name in args.shapes:
+        for name, precision in ((n, p) for n in args.shapes for p in args.precisions):
             stop = [args.budget_s > 0 and time.perf_counter() - t0 > args.budget_s]
             dist.broadcast_object_list(stop, src=0)  # every rank takes the same branch
             if stop[0]:
-                res["skipped"].append(f"{name} {mesh}")
+                res["skipped"].append(f"{name} {mesh} {precision}")
                 continue
-            row = bench_layer(name, mesh, args, dev, world, rank, dtype, peak)
+            row = bench_layer(name, mesh, args, dev, world, rank, dtype, peak, precision)
             if row is not None:
                 row["gemm_ceiling_tflops"] = gemm_ceiling(name, mesh, dev, args.iters)
                 attach_baseline(row, titan)
+                attach_gemm_rates(row, rates)
                 res["rows"].append(row)
+                attach_bf16_ratio(res["rows"])
             dist.barrier()
             if rank == 0 and row is not None:  # partial results survive a time limit
                 progress(rank, "| " + " | ".join(row_cells(row)) + " |")

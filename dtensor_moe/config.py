@@ -8,6 +8,7 @@ SCORE_FUNCS = ("softmax", "sigmoid", "topk_softmax")
 LOAD_BALANCE = ("none", "aux_loss", "aux_free_bias")
 DROP_POLICIES = ("probs", "position")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
+EXPERT_PRECISIONS = ("bf16", "fp8")
 
 # Shared with train.config.ModelConfig, whose expert hidden dim is called moe_hidden_dim.
 MOE_RULES = dict(
@@ -29,6 +30,8 @@ MOE_RULES = dict(
     activation=ACTIVATIONS,
     swiglu_alpha=above(0),
     swiglu_limit=above(0),
+    # The routed experts' GEMMs: "fp8" runs them in FP8 e4m3 where it is faster (kernels/fp8.py, policy.py).
+    expert_precision=EXPERT_PRECISIONS,
 )
 
 
@@ -85,6 +88,8 @@ class MoEConfig:
     activation: str = "swiglu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # FP8 experts (kernels/fp8.py): "bf16" | "fp8"
+    expert_precision: str = "bf16"
 
     def __post_init__(self):
         check_fields(self, "MoEConfig.", hidden_dim=at_least(1), **MOE_RULES)

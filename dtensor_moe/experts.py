@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dtensor_moe.kernels import policy
-from dtensor_moe.kernels.grouped_mm import add_weight_grad_, grouped_mm, grouped_weight_grad
+from dtensor_moe.kernels.grouped_mm import add_weight_grad_, mm, weight_grad
 from dtensor_moe.kernels.segment_sum import expand_rows, segment_sum
 from dtensor_moe.kernels.swiglu import clamped_swiglu, clamped_swiglu_backward, swiglu, swiglu_backward
 from dtensor_moe.routing import ExpertInput, TokenCopies
@@ -76,39 +76,41 @@ class _GroupedSwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_ND, w1, w2, w3, offs_E, weight_grad_scale, accumulate, host_counts, b1, b2, b3, clamp, add_b2):
+    def forward(ctx, x_ND, w1, w2, w3, offs_E, weight_grad_scale, accumulate, host_counts, b1, b2, b3, clamp, add_b2,
+                precision):
         # The parameters themselves are the inputs (not their to_local() views): this backward owns
         # their gradients, and a view's backward may turn a skipped gradient into zeros to add.
         w1_EFD, w2_EDF, w3_EFD = (_shard(w).to(x_ND.dtype) for w in (w1, w2, w3))
         b1_EF, b2_ED, b3_EF = (None if b is None else _shard(b).to(x_ND.dtype) for b in (b1, b2, b3))
-        a_NF = _with_bias(grouped_mm(x_ND, w1_EFD.transpose(-2, -1), offs_E), b1_EF, offs_E)
-        b_NF = _with_bias(grouped_mm(x_ND, w3_EFD.transpose(-2, -1), offs_E), b3_EF, offs_E)
+        a_NF = _with_bias(mm(x_ND, w1_EFD.transpose(-2, -1), offs_E, precision), b1_EF, offs_E)
+        b_NF = _with_bias(mm(x_ND, w3_EFD.transpose(-2, -1), offs_E, precision), b3_EF, offs_E)
         h_NF = swiglu(a_NF, b_NF) if clamp is None else clamped_swiglu(a_NF, b_NF, *clamp)
-        y_ND = _with_bias(grouped_mm(h_NF, w2_EDF.transpose(-2, -1), offs_E), b2_ED if add_b2 else None, offs_E)
+        y_ND = _with_bias(mm(h_NF, w2_EDF.transpose(-2, -1), offs_E, precision), b2_ED if add_b2 else None, offs_E)
         # What autograd would keep but silu(a), which the backward recomputes.
         ctx.save_for_backward(x_ND, a_NF, b_NF, h_NF, w1_EFD, w2_EDF, w3_EFD, offs_E)
         ctx.scale, ctx.accumulate, ctx.host_counts, ctx.clamp = weight_grad_scale, accumulate, host_counts, clamp
+        ctx.precision = precision
         ctx.params, ctx.biases = (w1, w2, w3), (b1, b2, b3)
         return y_ND
 
     @staticmethod
     def backward(ctx, dy_ND):
         x_ND, a_NF, b_NF, h_NF, w1_EFD, w2_EDF, w3_EFD, offs_E = ctx.saved_tensors
-        scale = ctx.scale
+        scale, precision = ctx.scale, ctx.precision
         dy_ND = dy_ND.contiguous()
-        dh_NF = grouped_mm(dy_ND, w2_EDF, offs_E)
+        dh_NF = mm(dy_ND, w2_EDF, offs_E, precision, "dgrad")
         if ctx.clamp is None:
             da_NF, db_NF = swiglu_backward(dh_NF, a_NF, b_NF)
         else:
             da_NF, db_NF = clamped_swiglu_backward(dh_NF, a_NF, b_NF, *ctx.clamp)
-        dx_ND = grouped_mm(da_NF, w1_EFD, offs_E) + grouped_mm(db_NF, w3_EFD, offs_E)
+        dx_ND = mm(da_NF, w1_EFD, offs_E, precision, "dgrad") + mm(db_NF, w3_EFD, offs_E, precision, "dgrad")
         dbs = [None if p is None else _like_param(segment_sum(g, offs_E) * scale, p)
                for g, p in zip((da_NF, dy_ND, db_NF), ctx.biases)]
         grads = _existing_grads(ctx, (w1_EFD, w2_EDF, w3_EFD)) if ctx.accumulate is not None else None
         if grads is not None:
             for out, g, x in zip(grads, (da_NF, dy_ND, db_NF), (x_ND, h_NF, x_ND)):
                 add_weight_grad_(out, g, x, offs_E, scale, ctx.host_counts, ctx.accumulate(out.shape))
-            return dx_ND, None, None, None, None, None, None, None, *dbs, None, None
+            return dx_ND, None, None, None, None, None, None, None, *dbs, None, None, None
         if scale != 1:  # on whichever operand of each weight-gradient GEMM is smaller
             F_, D = h_NF.shape[-1], x_ND.shape[-1]
             if 2 * F_ <= D:
@@ -119,39 +121,42 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 h_NF = h_NF * scale
             else:
                 dy_ND = dy_ND * scale
-        dw2 = grouped_weight_grad(dy_ND, h_NF, offs_E)
-        dw1 = grouped_weight_grad(da_NF, x_ND, offs_E)
-        dw3 = grouped_weight_grad(db_NF, x_ND, offs_E)
+        dw2 = weight_grad(dy_ND, h_NF, offs_E, precision)
+        dw1 = weight_grad(da_NF, x_ND, offs_E, precision)
+        dw3 = weight_grad(db_NF, x_ND, offs_E, precision)
         dws = (_like_param(dw, p) for dw, p in zip((dw1, dw2, dw3), ctx.params))
-        return dx_ND, *dws, None, None, None, None, *dbs, None, None
+        return dx_ND, *dws, None, None, None, None, *dbs, None, None, None
 
 
 def grouped_swiglu(x_ND, counts_E, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale: float = 1.0,
                    host_counts: list[int] | None = None, biases: tuple | None = None,
-                   clamp: tuple[float, float] | None = None, add_b2: bool = True) -> torch.Tensor:
+                   clamp: tuple[float, float] | None = None, add_b2: bool = True, precision: str = "bf16") -> torch.Tensor:
     """Rows grouped by expert (counts_E[e] rows for expert e) through each expert's SwiGLU.
 
     The weights may be DTensors: the GEMMs run on their local shards, in x_ND's dtype.
     `host_counts`: counts_E as a host list when the caller has it without a sync (the eager
     dispatcher does); it lets the backward add weight gradients into existing ones per expert.
-    `biases`: (b1_EF, b2_ED, b3_EF) or None; `clamp`, `add_b2`: see _GroupedSwiGLU."""
+    `biases`: (b1_EF, b2_ED, b3_EF) or None; `clamp`, `add_b2`: see _GroupedSwiGLU. `precision` "fp8":
+    the GEMMs where kernels/policy.py picks FP8 (MoEConfig.expert_precision)."""
     offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
     accumulate = None
     if not torch.compiler.is_compiling():
         grouped = policy.grouped_mm_supported(x_ND, w1_EFD.shape)
-        accumulate = policy.weight_grad_accumulation(x_ND, _shard(w1_EFD).shape, grouped, host_counts is not None)
+        accumulate = policy.weight_grad_accumulation(x_ND, _shard(w1_EFD).shape, grouped, host_counts is not None,
+                                                     precision)
     return _GroupedSwiGLU.apply(x_ND, w1_EFD, w2_EDF, w3_EFD, offs_E, weight_grad_scale, accumulate, host_counts,
-                                *(biases or (None, None, None)), clamp, add_b2)
+                                *(biases or (None, None, None)), clamp, add_b2, precision)
 
 
 class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, biases: bool = False,
-                 clamp: tuple[float, float] | None = None):
+                 clamp: tuple[float, float] | None = None, precision: str = "bf16"):
         """`biases`: b1, b2, b3 (see the module docstring); `clamp`: (alpha, limit) of gpt-oss's
-        clamped SwiGLU, None for plain SwiGLU."""
+        clamped SwiGLU, None for plain SwiGLU; `precision`: MoEConfig.expert_precision."""
         super().__init__()
         self.num_experts = num_experts
         self.clamp = clamp
+        self.precision = precision
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
@@ -165,7 +170,8 @@ class GroupedExperts(nn.Module):
     @classmethod
     def from_config(cls, config) -> "GroupedExperts":
         clamp = (config.swiglu_alpha, config.swiglu_limit) if config.activation == "clamped_swiglu" else None
-        return cls(config.dim, config.hidden_dim, config.num_experts, config.expert_biases, clamp)
+        return cls(config.dim, config.hidden_dim, config.num_experts, config.expert_biases, clamp,
+                   config.expert_precision)
 
     def forward(self, x: torch.Tensor | ExpertInput, counts_E: torch.Tensor | None = None,
                 copies: TokenCopies | None = None) -> torch.Tensor:
@@ -177,8 +183,9 @@ class GroupedExperts(nn.Module):
         if isinstance(x, ExpertInput):
             return grouped_swiglu(x.x_ND, x.counts_E, *ws, weight_grad_scale=x.weight_grad_scale,
                                   host_counts=x.host_counts, biases=biases, clamp=self.clamp,
-                                  add_b2=x.adds_output_bias)
-        y_ND = grouped_swiglu(copies.expand(x), counts_E, *ws, biases=biases, clamp=self.clamp)
+                                  add_b2=x.adds_output_bias, precision=self.precision)
+        y_ND = grouped_swiglu(copies.expand(x), counts_E, *ws, biases=biases, clamp=self.clamp,
+                              precision=self.precision)
         return copies.combine(y_ND, x.shape)
 
     def reset_parameters(self, std: float = 0.02):

@@ -1,5 +1,7 @@
 """Hypothesis strategies shared by the property tests: meshes, shapes and routing skews."""
 
+from dataclasses import replace
+
 from hypothesis import strategies as st
 
 from dtensor_moe.parallel.mesh import divisors
@@ -37,7 +39,7 @@ def cases(draw, world_size: int):
     limited = draw(st.integers(-(-top_k // (num_experts // groups)), groups))
     dp_groups = world_size // (cp * tp)  # data-parallel groups: each its own sequences
     batch = draw(st.lists(st.integers(0, 3), min_size=dp_groups, max_size=dp_groups))
-    return Case(
+    case = Case(
         dp_replicate=dp_replicate,
         ep=ep,
         etp=etp,
@@ -67,3 +69,10 @@ def cases(draw, world_size: int):
         num_limited_groups=limited,
         router_bias=draw(st.booleans()),
     )
+    # FP8 experts one draw in four where the quantization blocks are the reference's, i.e. pure EP: ETP
+    # splits the rows the forward's w2 and h scales span, and data parallelism (replicas, EDP) splits an
+    # expert's tokens, which the weight gradient's scales span; those layers round differently
+    # (tests/test_fp8.py bounds FP8 against fp32 instead).
+    if ep == world_size and cp * tp == 1 and not case.compile and draw(st.integers(0, 3)) == 0:
+        case = replace(case, expert_precision="fp8")
+    return case

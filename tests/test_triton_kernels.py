@@ -96,6 +96,31 @@ for n in [0, 7, 5000]:
     for got, want in zip(swiglu_kernel.triton_backward(dh, a, b, (1.702, 2.0)),
                          swiglu_kernel.torch_clamped_backward(dh, a, b, 1.702, 2.0)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+# fp8: the two quantization kernels' indexing, padding and scales against the torch path. The values
+# are e4m3 codes with amax 448 per scaled span, so no rounding happens: the interpreter rounds
+# float32 -> e4m3 wrongly at exponent carries (126.8 -> 64); CUDA's rounding is checked on the GPU.
+from dtensor_moe.kernels import fp8
+
+def codes(*shape):
+    return torch.randn(*shape).mul(100).clamp(-448, 448).to(fp8.FP8).float()
+
+for M, K in [(5, 40), (3, 1030), (0, 16)]:
+    x = codes(M, K)
+    x[:, 0] = 448
+    a, b = both(lambda: fp8.quantize_rows(x))
+    assert torch.equal(a[0].float(), b[0].float()) and torch.equal(a[1], b[1])
+    assert torch.equal(a[0].float(), x)
+offs = torch.tensor([5, 5, 22], dtype=torch.int32)
+x, w = codes(22, 70), codes(3, 20, 70)
+x[[0, 5]] = 448
+w[:, 0] = -448
+for t, layout, args in [(x, "token_cols", (offs,)), (w, "weight_cols", (None,))]:
+    a, b = both(lambda: fp8._quantize(t, layout, *args))
+    assert torch.equal(a[1], b[1])
+    valid = torch.ones(b[0].shape, dtype=torch.bool)  # token_cols leaves the tail after the last block unset
+    if layout == "token_cols":
+        valid[:, int(b[2][-1]):] = False
+    assert torch.equal(a[0].float()[valid], b[0].float()[valid])
 print("ok")
 """
 

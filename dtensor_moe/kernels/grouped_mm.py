@@ -7,7 +7,7 @@ loop reads them on the host, inside the op, so a compiled graph never holds that
 
 import torch
 
-from dtensor_moe.kernels import policy, wgrad
+from dtensor_moe.kernels import fp8, policy, wgrad
 
 
 def _blocks(offs_E: torch.Tensor) -> list[int]:
@@ -62,3 +62,19 @@ def add_weight_grad_(out_EOI: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tens
 @add_weight_grad_.register_fake
 def _(out_EOI, g_NO, x_NI, offs_E, alpha, host_counts, method):
     return None
+
+
+def mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs_E: torch.Tensor, precision: str = "bf16",
+       gemm: str = "fwd") -> torch.Tensor:
+    """grouped_mm, or its FP8 form (kernels/fp8.py) where policy.gemm_precision picks it for this
+    `gemm` ("fwd" or "dgrad") of an expert layer in `precision`."""
+    if policy.gemm_precision(precision, gemm, x_NI, *w_EIO.shape) == "fp8":
+        return fp8.grouped_mm(x_NI, w_EIO, offs_E)
+    return grouped_mm(x_NI, w_EIO, offs_E)
+
+
+def weight_grad(g_NO: torch.Tensor, x_NI: torch.Tensor, offs_E: torch.Tensor, precision: str = "bf16") -> torch.Tensor:
+    """grouped_weight_grad, or its FP8 form where the policy picks it."""
+    if policy.gemm_precision(precision, "wgrad", x_NI, offs_E.shape[0], x_NI.shape[1], g_NO.shape[1]) == "fp8":
+        return fp8.grouped_weight_grad(g_NO, x_NI, offs_E)
+    return grouped_weight_grad(g_NO, x_NI, offs_E)

@@ -5,6 +5,9 @@ all-to-all) and the exact per-expert loop where no grouped-GEMM kernel takes the
 """
 
 import functools
+import json
+import math
+import os
 
 import torch
 
@@ -55,7 +58,8 @@ MIN_MACS_PER_EXPERT_GEMM = 2**32
 CUBLAS_WIDE_MIN_ROWS = 2048
 
 
-def weight_grad_accumulation(x_ND: torch.Tensor, w1_shape, grouped: bool, host_counts_known: bool):
+def weight_grad_accumulation(x_ND: torch.Tensor, w1_shape, grouped: bool, host_counts_known: bool,
+                             precision: str = "bf16"):
     """How a backward adds weight gradients into existing ones, or None where autograd accumulates.
 
     Returns `method(out_shape) -> "per_expert" | "triton"`. One cuBLAS addmm_ per expert (needs the
@@ -64,6 +68,8 @@ def weight_grad_accumulation(x_ND: torch.Tensor, w1_shape, grouped: bool, host_c
     per weight (kernels/wgrad.py; benchmarks/wgrad_probe.py, RESULTS.md)."""
     E, F_, D = w1_shape
     rows = x_ND.shape[0]
+    if any(gemm_precision(precision, "wgrad_acc", x_ND, E, I, O) == "fp8" for I, O in ((D, F_), (F_, D))):
+        return None  # the FP8 GEMM writes a fresh gradient, which autograd adds
     # The exact loop (no grouped kernel) reads the counts on the host anyway.
     per_expert = not grouped or (host_counts_known and rows * F_ * D >= MIN_MACS_PER_EXPERT_GEMM * max(E, 1))
     triton = grouped and runs_triton(x_ND)
@@ -77,6 +83,46 @@ def weight_grad_accumulation(x_ND: torch.Tensor, w1_shape, grouped: bool, host_c
         return "triton"
 
     return method
+
+
+# Measured bf16 and FP8 rates of each expert GEMM (benchmarks/expert_gemms.py on one H200: CUDA-event
+# medians, FP8 including the fused quantization of its activation operands; how and when is in the file).
+FP8_RATES = os.path.join(os.path.dirname(__file__), "fp8_rates.json")
+
+
+@functools.cache
+def _fp8_rates(path: str) -> tuple:
+    with open(path) as f:
+        return tuple(json.load(f)["gemms"])
+
+
+@functools.cache
+def fp8_gemms_available(device: torch.device) -> bool:
+    """torch._scaled_grouped_mm's rowwise FP8 kernels (sm90) and Triton for the quantization."""
+    return (hasattr(torch, "_scaled_grouped_mm") and torch.cuda.get_device_capability(device) == (9, 0)
+            and triton_available())
+
+
+def gemm_precision(precision: str, gemm: str, x: torch.Tensor, E: int, I: int, O: int) -> str:
+    """"fp8" or "bf16" for one expert GEMM ("fwd", "dgrad", "wgrad", "wgrad_acc": into an existing
+    gradient) of E experts, reduced dim I (wgrad: the weight's [O, I]), over x's rows.
+
+    Off CUDA an "fp8" layer always runs the FP8 emulation (its numerics are what CPU tests check).
+    On CUDA, FP8 only where it measured faster than bf16 at the same GEMM and (I, O), the nearest
+    measured rows per expert (log scale): FP8 is never chosen where it was not seen to win."""
+    if precision != "fp8":
+        return "bf16"
+    if not x.is_cuda:
+        return "fp8"
+    if x.dtype != torch.bfloat16 or I % 16 or O % 16 or not fp8_gemms_available(x.device):
+        return "bf16"
+    rows = max(x.shape[0] / max(E, 1), 1)
+    rates = [r for r in _fp8_rates(os.environ.get("DTENSOR_MOE_FP8_RATES", FP8_RATES))
+             if r["gemm"] == gemm and r["I"] == I and r["O"] == O]
+    if not rates:
+        return "bf16"
+    near = min(rates, key=lambda r: abs(math.log2(r["rows_per_expert"] / rows)))
+    return "fp8" if near["fp8_tflops"] > near["bf16_tflops"] else "bf16"
 
 
 HOST_SYNCS = {"split_sizes": 0, "exact_loop": 0}

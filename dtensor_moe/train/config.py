@@ -44,6 +44,8 @@ class ModelConfig:
     activation: str = "swiglu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # FP8 experts (MoEConfig.expert_precision): "bf16" | "fp8"
+    expert_precision: str = "bf16"
     tie_embeddings: bool = False
     max_seq_len: int = 1024
     norm_eps: float = 1e-5
@@ -97,6 +99,7 @@ class ModelConfig:
             activation=self.activation,
             swiglu_alpha=self.swiglu_alpha,
             swiglu_limit=self.swiglu_limit,
+            expert_precision=self.expert_precision,
         )
 
 
