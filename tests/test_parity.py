@@ -90,6 +90,10 @@ COMPILED = {
     "compiled_ep2_etp2": (4, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3), load_balance="aux_free_bias", compile=True)),
     "compiled_gpt_oss_experts_ep2_etp2": (4, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3), expert_biases=True,
                                                   activation="clamped_swiglu", compile=True)),
+    # Experts FSDP-sharded: the layer compiles with graph breaks around their FSDP unit.
+    "compiled_edp2_ep2": (4, Case(1, 2, 1, 4, 2, 8, 6, (2, 1, 0, 3), load_balance="aux_loss", microbatches=2,
+                                  compile="aot_eager")),
+    "compiled_hsdp2_ep2": (4, Case(2, 2, 1, 4, 2, 8, 6, (1, 2, 3, 0), num_shared_experts=1, compile="aot_eager")),
     "nan_token_ep2": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 2), load_balance="aux_loss", nan_token=1)),
     "nan_token_ep2_etp2": (4, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3), nan_token=4)),
 }
@@ -97,6 +101,6 @@ COMPILED = {
 
 @pytest.mark.parametrize("name", COMPILED)
 def test_compiled_and_non_finite(name):
-    """torch.compile(fullgraph=True, inductor) of the parallelized layer equals the 1-process
+    """torch.compile (fullgraph=True without EDP / HSDP) of the parallelized layer equals the 1-process
     reference in float64; a NaN token changes only its own outputs and gradients."""
     assert_parity(*COMPILED[name])

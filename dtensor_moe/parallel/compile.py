@@ -53,11 +53,12 @@ def apply_activation_checkpointing(module: nn.Module, mode: str) -> nn.Module:
 _NO_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
 
-def apply_compile(module: nn.Module, compile: bool | str = True) -> nn.Module:
-    """Compiles `module.forward` as one graph (fullgraph=True: a graph break is an error); a string
-    `compile` names the torch.compile backend (e.g. "aot_eager": the same tracing, no codegen)."""
+def apply_compile(module: nn.Module, compile: bool | str = True, fullgraph: bool = True) -> nn.Module:
+    """Compiles `module.forward`, as one graph unless `fullgraph` is False (then graph breaks are
+    allowed: around FSDP hooks inside it); a string `compile` names the torch.compile backend
+    (e.g. "aot_eager": the same tracing, no codegen)."""
     backend = compile if isinstance(compile, str) else "inductor"
-    compiled = torch.compile(module.forward, fullgraph=True, backend=backend)
+    compiled = torch.compile(module.forward, fullgraph=fullgraph, backend=backend)
     if not hasattr(torch._dynamo.config, _NO_REPLAY):
         module.forward = compiled
         return module

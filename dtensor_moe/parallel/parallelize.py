@@ -58,6 +58,7 @@ def shard_moe_layer(
     meshes: MoEMeshes,
     fsdp_kwargs: dict | None,
     grad_divisor: float | None = None,
+    dense_unit: bool = True,
 ):
     """Apply `plans` (names relative to `moe`) to one MoE layer of any model family.
 
@@ -65,7 +66,8 @@ def shard_moe_layer(
     owns them, and FSDP2 shards them over EDP (HSDP over dp_replicate) and the dense weights over
     the data-parallel ranks, each along the plan's dim. `grad_divisor`: see ExpertDispatcher.
     `fsdp_kwargs` None: no FSDP units here; the caller's unit around the layer takes its dense
-    weights (compiled blocks, whose FSDP hooks must stay outside the graph).
+    weights (compiled blocks, whose FSDP hooks must stay outside the graph). `dense_unit` False:
+    only the experts' unit (EDP / HSDP), the dense weights again left to the caller's unit.
     """
     experts_plans = tuple(wp for wp in plans if wp.role == "expert")
     dense_plans = tuple(wp for wp in plans if wp.role == "dense")
@@ -98,8 +100,9 @@ def shard_moe_layer(
             shard_placement_fn=_placement_fn(moe, experts_plans),
             **fsdp_kwargs,
         )
-    fully_shard(moe, mesh=_fsdp_mesh(meshes.moe_dp, dims, dims.moe_dp_axis), shard_placement_fn=_placement_fn(moe, dense_plans),
-                ignored_params=ignored, **fsdp_kwargs)
+    if dense_unit:
+        fully_shard(moe, mesh=_fsdp_mesh(meshes.moe_dp, dims, dims.moe_dp_axis), shard_placement_fn=_placement_fn(moe, dense_plans),
+                    ignored_params=ignored, **fsdp_kwargs)
 
 
 def dp_fsdp_mesh(meshes: MoEMeshes, dims: MoEParallelDims):
@@ -107,7 +110,14 @@ def dp_fsdp_mesh(meshes: MoEMeshes, dims: MoEParallelDims):
     return _fsdp_mesh(meshes.dp, dims, meshes.dp.mesh_dim_names[-1])
 
 
-def check_compile(dims: MoEParallelDims, compile, activation_checkpoint: str = "none", prefix: str = ""):
+def experts_fsdp_sharded(dims: MoEParallelDims) -> bool:
+    """Whether the experts are FSDP-sharded (EDP or HSDP): their FSDP unit's hooks then run inside a
+    compiled block, which torch 2.11-2.13 cannot trace (FSDP2's hooks are dynamo-disabled), so the
+    block compiles with graph breaks around the experts instead of as one graph."""
+    return dims.edp * dims.dp_replicate > 1
+
+
+def check_compile(activation_checkpoint: str, compile, prefix: str = ""):
     """What compile and activation checkpointing need, checked before any collective."""
     if activation_checkpoint not in AC_MODES:
         raise ValueError(f"{prefix}activation_checkpoint must be one of {list(AC_MODES)}, got {activation_checkpoint!r}")
@@ -119,12 +129,6 @@ def check_compile(dims: MoEParallelDims, compile, activation_checkpoint: str = "
         raise ValueError(f"{prefix}activation_checkpoint={activation_checkpoint!r} together with {prefix}compile is not "
                          f"supported yet; valid: {prefix}compile with activation_checkpoint 'none', or activation "
                          "checkpointing without compile")
-    if dims.edp * dims.dp_replicate > 1:
-        raise ValueError(
-            f"{prefix}compile needs edp == dp_replicate == 1 (got edp={dims.edp}, dp_replicate={dims.dp_replicate}): "
-            "FSDP2 shards the experts over EDP/HSDP with module hooks that torch.compile cannot trace "
-            "(dynamo-disabled in torch 2.11-2.13). Valid here: ep * etp = "
-            f"{dims.dp_shard * dims.cp * dims.tp} with dp_replicate = 1, or no compile")
 
 
 def check_model_parallel(dims: MoEParallelDims, compile, prefix: str = ""):
@@ -170,14 +174,14 @@ def parallelize_moe(
     `dims.build_meshes(...).dp`), as in torchtitan's parallelize functions. `compile`: each MoE's
     forward becomes one graph (its FSDP unit's hooks run around it); a string names the backend.
     """
-    check_compile(dims, compile)
+    check_compile("none", compile)
     layers = _moe_layers(module, dims)
     meshes = dims.build_meshes(device_type)
     for m, moe_plans in layers:
         shard_moe_layer(m, moe_plans, dims, meshes, _fsdp_kwargs(mp_policy, reshard_after_forward))
         m.stats = DataParallelStats(meshes.moe_dp)
         if compile:
-            apply_compile(m, compile)
+            apply_compile(m, compile, fullgraph=not experts_fsdp_sharded(dims))
     return module
 
 
@@ -197,14 +201,15 @@ def parallelize_model(
 
     Eagerly each MoE is its own FSDP unit (experts over EDP, router and shared experts over the
     data-parallel ranks); compiled, the block's unit takes the MoE's dense weights too, so every
-    FSDP hook runs outside the block's graph.
+    FSDP hook runs outside the block's graph, except the experts' own unit under EDP / HSDP (see
+    `experts_fsdp_sharded`).
 
     `dims.tp > 1`: the main job's model gets dense tensor parallelism with sequence parallelism
     (parallel/tensor_parallel.py), FSDP2 then shards its weights over the data-parallel ranks too
     (2-D). `dims.cp > 1`: each rank holds a contiguous part of every sequence; attention gathers
     the keys and values over cp (parallel/context_parallel.py).
     """
-    check_compile(dims, compile, activation_checkpoint)
+    check_compile(activation_checkpoint, compile)
     check_model_parallel(dims, compile)
     if dims.tp > 1:
         check_tp_model(model, dims.tp)
@@ -213,8 +218,10 @@ def parallelize_model(
     layers = _moe_layers(model, dims)
     meshes = dims.build_meshes(device_type)
     fsdp_kwargs = _fsdp_kwargs(mp_policy, reshard_after_forward)
+    fullgraph = not experts_fsdp_sharded(dims)
     for m, moe_plans in layers:
-        shard_moe_layer(m, moe_plans, dims, meshes, None if compile else fsdp_kwargs)
+        shard_moe_layer(m, moe_plans, dims, meshes, None if compile and fullgraph else fsdp_kwargs,
+                        dense_unit=not compile)
         m.stats = DataParallelStats(meshes.moe_dp)
         if dims.tp > 1:
             scale_moe_gradients(m, dims.tp)
@@ -222,14 +229,15 @@ def parallelize_model(
         apply_tp(model, meshes.tp)
     if dims.cp > 1:
         apply_cp(model, meshes.dense["cp"])
-    experts = {p for m, _ in layers for p in m.experts.parameters()} if compile else None
+    # Compiled single-owner experts (no EDP / HSDP) are in no FSDP unit (eagerly the MoE's unit ignores them).
+    experts = {p for m, _ in layers for p in m.experts.parameters()} if compile and fullgraph else None
     kwargs = {"mesh": dp_fsdp_mesh(meshes, dims)}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for block in model.layers:
         apply_activation_checkpointing(block, activation_checkpoint)
         if compile:
-            apply_compile(block, compile)
+            apply_compile(block, compile, fullgraph=fullgraph)
         fully_shard(block, reshard_after_forward=reshard_after_forward, ignored_params=experts, **kwargs)
     # The root's parameters are needed again right after forward (loss head), so keep them gathered.
     fully_shard(model, reshard_after_forward=False, ignored_params=experts, **kwargs)

@@ -153,7 +153,7 @@ def _check(cfg: Config, world: int):
     p = cfg.parallel  # types and ranges of every field were checked when the config was built
     dims = _dims(cfg, world)
     plan_moe(cfg.model.moe_config(), dims)
-    check_compile(dims, cfg.training.compile, cfg.training.activation_checkpoint, "training.")
+    check_compile(cfg.training.activation_checkpoint, cfg.training.compile, "training.")
     check_model_parallel(dims, cfg.training.compile, "training.")
     dp = world // (p.cp * p.tp)  # ranks with different sequences; CP and TP ranks split each sequence
     if cfg.training.global_batch % dp:
