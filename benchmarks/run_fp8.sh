@@ -18,7 +18,7 @@ timeout 260 python3 -m torch.distributed.run --standalone --nproc-per-node 1 ben
   | grep -v '^ ' | tee -a "$LOG"
 for p in bf16 fp8; do
   timeout 110 python3 -m dtensor_moe.cli train --config configs/gpu_2x.toml --run-dir "/tmp/runs/$p" parallel.nproc=1 \
-    parallel.ep=1 training.steps=200 model.expert_precision=$p 2>&1 | grep -v 'it/s\]' | tail -n 12 | tee -a "$LOG"
+    parallel.ep=1 training.steps=200 model.expert_precision=$p 2>&1 | grep -v 'step/s' | tail -n 40 | tee -a "$LOG"
   cp "/tmp/runs/$p/loss.png" "$OUT/loss_$p.png"
 done
 python3 - "$OUT/train_fp8_vs_bf16.json" <<'PY' 2>&1 | tee -a "$LOG"

@@ -129,9 +129,10 @@ def quantize_cols(x_NC: torch.Tensor, starts_G: torch.Tensor, ends_G: torch.Tens
         rows = x_NC[a:b].float()
         inv, s[g] = _scale_inv(rows.abs().amax(0) if b > a else x_NC.new_zeros(C))
         n = -(-(b - a) // pad) * pad
-        block = torch.zeros(n, C)
+        block = torch.zeros(n, C, device=x_NC.device)
         block[: b - a] = rows * inv
-        at = g * group_stride + dst + torch.arange(C)[None, :] * col_stride + torch.arange(n)[:, None]
+        at = (g * group_stride + dst + torch.arange(C, device=x_NC.device)[None, :] * col_stride
+              + torch.arange(n, device=x_NC.device)[:, None])
         flat[at.flatten()] = block.clamp(-FP8_MAX, FP8_MAX).to(FP8).flatten()
     return q, s
 
