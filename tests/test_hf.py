@@ -125,3 +125,65 @@ def test_parallel_layer_from_checkpoint_matches_transformers(model_type, ep, etp
     for r in per_rank:
         assert r["out"] < TOL and r["grad_x"] < TOL, per_rank
         assert r["read"] == r["owned"] < r["layer"], per_rank
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_cli_import_then_export_hf_gives_back_the_checkpoint_layers(model_type, checkpoints, tmp_path):
+    """import --hf: every MoE layer in our names; export --hf of that: bit for bit what save_pretrained
+    wrote for those layers, and the family's MoE config fields as in its config.json."""
+    from safetensors.torch import load_file
+
+    from dtensor_moe import cli
+    from dtensor_moe.hf import family, layer_prefix
+
+    src = checkpoints[model_type]
+    assert cli.main(["import", "--hf", str(src), str(tmp_path / "ours")]) == 0
+    ours = load_file(tmp_path / "ours" / "model.safetensors")
+    layers = [LAYERS - 1] if model_type == "deepseek_v3" else list(range(LAYERS))
+    assert {k.split(".moe.")[0] for k in ours} == {f"layers.{i}" for i in layers}
+    assert cli.main(["export", str(tmp_path / "ours"), "--hf", str(tmp_path / "theirs")]) == 0
+    theirs = load_file(tmp_path / "theirs" / "model.safetensors")
+    hf = load_file(src / "model.safetensors")
+    prefixes = tuple(layer_prefix(set(hf), family(model_type), i) for i in layers)
+    assert set(theirs) == {k for k in hf if k.startswith(prefixes)}
+    for k, v in theirs.items():
+        assert torch.equal(v, hf[k]), k
+    fields = json.loads((tmp_path / "theirs" / "config.json").read_text())
+    hf_config = json.loads((src / "config.json").read_text())
+    assert all(hf_config.get(k, v) == v for k, v in fields.items() if k not in ("sha256", "moe_layers", "num_experts")), fields
+
+
+def test_cli_hf_refuses_bad_input_in_one_line(checkpoints, tmp_path, capsys):
+    """No silent replacement, a corrupted import is named, and a main-job model a family cannot
+    express is refused naming the fields; one that it can is written under its keys."""
+    import dataclasses
+
+    from safetensors.torch import load_file, save_file
+
+    from dtensor_moe import cli
+    from dtensor_moe.train.config import ModelConfig
+    from dtensor_moe.train.model import MoETransformer
+
+    out = tmp_path / "ours"
+    assert cli.main(["import", "--hf", str(checkpoints["qwen3_moe"]), str(out)]) == 0
+    before = (out / "model.safetensors").read_bytes()
+    assert cli.main(["import", "--hf", str(checkpoints["qwen3_moe"]), str(out)]) == 2
+    assert capsys.readouterr().err == (f"dtensor-moe import: {out} already holds ['model.safetensors', 'config.json']; "
+                                       "pass --force to replace them, or choose another directory\n")
+    assert (out / "model.safetensors").read_bytes() == before
+    (out / "model.safetensors").write_bytes(before[:-8] + b"\0" * 8)
+    assert cli.main(["export", str(out), "--hf", str(tmp_path / "x")]) == 2
+    assert "model.safetensors is corrupted (sha256 differs from config.json)" in capsys.readouterr().err
+
+    cfg = ModelConfig(vocab_size=32, dim=8, n_layers=1, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=6)
+    main = tmp_path / "main"
+    main.mkdir()
+    save_file(MoETransformer(cfg).state_dict(), main / "model.safetensors")
+    (main / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    assert cli.main(["export", str(main), "--hf", str(tmp_path / "oss"), "--model-type", "gpt_oss"]) == 2
+    assert capsys.readouterr().err.startswith("dtensor-moe export: this MoE layer cannot be written as gpt_oss: "
+                                              "score_func='softmax' (as gpt_oss: 'topk_softmax'), router_bias=False")
+    assert cli.main(["export", str(main), "--hf", str(tmp_path / "qwen"), "--model-type", "qwen3_moe"]) == 0
+    keys = set(load_file(tmp_path / "qwen" / "model.safetensors"))
+    assert keys == {"model.layers.0.mlp.gate.weight"} | {f"model.layers.0.mlp.experts.{e}.{n}_proj.weight"
+                                                          for e in range(4) for n in ("gate", "up", "down")}

@@ -52,6 +52,20 @@ def _read(reader, fam: Family, layout, prefix: str, name: str, box) -> torch.Ten
     return t
 
 
+def read_hf_moe(reader, fam: Family, prefix: str, shapes: dict[str, tuple], boxes: dict | None = None) -> dict:
+    """Our tensors (name -> global shape in `shapes`) of the layer under `prefix`, each only its box
+    in `boxes` (whole where absent), in the checkpoint's dtype."""
+    layout = fam.layout(reader.keys(), prefix, shapes["experts.w1"][1])
+    boxes = boxes or {}
+    return {name: _read(reader, fam, layout, prefix, name, boxes.get(name, full_box(shape))) for name, shape in shapes.items()}
+
+
+def moe_shapes(config) -> dict[str, tuple]:
+    """The global shape of every tensor of an `MoE` with `config`, allocating nothing."""
+    with torch.device("meta"):
+        return {n: tuple(t.shape) for n, t in _tensors(MoE(config)).items()}
+
+
 @torch.no_grad()
 def load_hf_moe(moe: MoE, reader, fam: Family, prefix: str, dims: MoEParallelDims | None = None) -> MoE:
     """Fills `moe` (plain, or parallelized by `parallelize_moe` with `dims`; then on every rank,
@@ -60,11 +74,10 @@ def load_hf_moe(moe: MoE, reader, fam: Family, prefix: str, dims: MoEParallelDim
     if dims is not None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         boxes = {wp.name: owned_box(wp, dims, rank) for wp in plan_moe(moe.config, dims)}
-    layout = fam.layout(reader.keys(), prefix, moe.config.hidden_dim)
-    for name, target in _tensors(moe).items():
-        local = target.to_local() if isinstance(target, DTensor) else target
-        box = boxes.get(name, full_box(target.shape))
-        local.copy_(_read(reader, fam, layout, prefix, name, box))
+    targets = _tensors(moe)
+    read = read_hf_moe(reader, fam, prefix, {n: tuple(t.shape) for n, t in targets.items()}, boxes)
+    for name, target in targets.items():
+        (target.to_local() if isinstance(target, DTensor) else target).copy_(read[name])
     return moe
 
 

@@ -21,6 +21,7 @@ class Family:
     per_expert: tuple[str, str, str] | None  # (gate, up, down) names of the per-expert layout, if it has one
     config: Callable[[Callable], MoEConfig]  # get(field, default) of their config -> ours
     moe_layers: Callable[[Callable], list[int]]
+    fields: Callable[[MoEConfig], dict]  # ours -> their config's MoE fields (the inverse of `config`)
 
     def layout(self, keys: set[str], prefix: str, num_hidden: int):
         """The expert layout the keys under `prefix` use."""
@@ -92,6 +93,27 @@ def _gpt_oss(get) -> MoEConfig:
                      swiglu_limit=float(get("swiglu_limit", 7.0)))
 
 
+def _qwen3_fields(c: MoEConfig) -> dict:
+    return dict(hidden_size=c.dim, moe_intermediate_size=c.hidden_dim, num_experts=c.num_experts,
+                num_experts_per_tok=c.top_k, norm_topk_prob=c.route_norm)
+
+
+def _mixtral_fields(c: MoEConfig) -> dict:
+    return dict(hidden_size=c.dim, intermediate_size=c.hidden_dim, num_local_experts=c.num_experts,
+                num_experts_per_tok=c.top_k)
+
+
+def _deepseek_v3_fields(c: MoEConfig) -> dict:
+    return dict(hidden_size=c.dim, moe_intermediate_size=c.hidden_dim, n_routed_experts=c.num_experts,
+                num_experts_per_tok=c.top_k, norm_topk_prob=c.route_norm, routed_scaling_factor=c.route_scale,
+                n_shared_experts=c.num_shared_experts, n_group=c.num_expert_groups, topk_group=c.num_limited_groups)
+
+
+def _gpt_oss_fields(c: MoEConfig) -> dict:
+    return dict(hidden_size=c.dim, intermediate_size=c.hidden_dim, num_local_experts=c.num_experts,
+                num_experts_per_tok=c.top_k, swiglu_alpha=c.swiglu_alpha, swiglu_limit=c.swiglu_limit)
+
+
 def _all_layers(get) -> list[int]:
     return list(range(get("num_hidden_layers")))
 
@@ -106,13 +128,14 @@ _SHARED = {"shared_experts.w1.weight": "shared_experts.gate_proj.weight",
 
 FAMILIES = {f.model_type: f for f in (
     Family("qwen3_moe", ("mlp",), {"router.gate.weight": "gate.weight"}, ("gate_proj", "up_proj", "down_proj"),
-           _qwen3, _qwen3_layers),
+           _qwen3, _qwen3_layers, _qwen3_fields),
     Family("mixtral", ("block_sparse_moe", "mlp"), {"router.gate.weight": "gate.weight"}, ("w1", "w3", "w2"),
-           _mixtral, _all_layers),
+           _mixtral, _all_layers, _mixtral_fields),
     Family("deepseek_v3", ("mlp",), {"router.gate.weight": "gate.weight", "expert_bias": "gate.e_score_correction_bias",
-                                     **_SHARED}, ("gate_proj", "up_proj", "down_proj"), _deepseek_v3, _after_dense),
+                                     **_SHARED}, ("gate_proj", "up_proj", "down_proj"), _deepseek_v3, _after_dense,
+           _deepseek_v3_fields),
     Family("gpt_oss", ("mlp",), {"router.gate.weight": "router.weight", "router.gate.bias": "router.bias"}, None,
-           _gpt_oss, _all_layers),
+           _gpt_oss, _all_layers, _gpt_oss_fields),
 )}
 
 
@@ -139,3 +162,30 @@ def moe_config_from_hf(hf_config) -> MoEConfig:
     """The `MoEConfig` of one MoE layer of a transformers config (object or config.json dict)."""
     get = getter(hf_config)
     return family(get("model_type")).config(get)
+
+
+# What a layer computes; the balancing fields (aux loss, bias update rate) are training choices.
+_ROUTING_AND_EXPERTS = ("dim", "hidden_dim", "num_experts", "top_k", "score_func", "route_norm", "route_scale",
+                        "num_shared_experts", "num_expert_groups", "num_limited_groups", "router_bias",
+                        "expert_biases", "activation", "swiglu_alpha", "swiglu_limit")
+
+
+def hf_fields(fam: Family, config: MoEConfig) -> dict:
+    """Their config's MoE fields for our `config`; a ValueError naming every field the family cannot
+    express (e.g. sigmoid scores as Qwen3-MoE, shared experts as Mixtral)."""
+    fields = {"model_type": fam.model_type, "hidden_act": "silu", **fam.fields(config)}
+    back = fam.config(getter(fields))
+    diff = [f"{n}={getattr(config, n)!r} (as {fam.model_type}: {getattr(back, n)!r})"
+            for n in _ROUTING_AND_EXPERTS if getattr(config, n) != getattr(back, n)]
+    if diff:
+        raise ValueError(f"this MoE layer cannot be written as {fam.model_type}: {', '.join(diff)}; valid model types: "
+                         f"{[t for t, f in FAMILIES.items() if _expresses(f, config)]}")
+    return fields
+
+
+def _expresses(fam: Family, config: MoEConfig) -> bool:
+    try:
+        back = fam.config(getter({"model_type": fam.model_type, **fam.fields(config)}))
+    except ValueError:
+        return False
+    return all(getattr(config, n) == getattr(back, n) for n in _ROUTING_AND_EXPERTS)

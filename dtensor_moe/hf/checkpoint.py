@@ -1,0 +1,116 @@
+"""`dtensor-moe import --hf` / `export --hf`: the MoE layers of a Hugging Face checkpoint as a file
+in our layout, and back under the family's keys.
+
+import --hf HF_DIR OUT: OUT/model.safetensors holds `layers.{i}.moe.<our name>` for every MoE
+decoder layer i (read layer by layer, lazily), OUT/config.json the family, the layers, our
+`MoEConfig` and the file's sha256. export --hf SRC OUT: SRC is such a directory or a `dtensor-moe
+export` of the main job (its config.json a ModelConfig; then `--model-type` names the family); OUT
+gets model.safetensors under the family's keys (what save_pretrained writes for those layers; the
+main job's other weights have no Hugging Face counterpart and stay out) and config.json with the
+family's MoE config fields. Both refuse to replace existing files without --force, check the
+source's sha256 first, and write under temporary names renamed into place.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dtensor_moe.config import MoEConfig
+from dtensor_moe.hf.convert import layer_prefix, moe_shapes, read_hf_moe, to_hf
+from dtensor_moe.hf.families import FAMILIES, family, getter, hf_fields, moe_config_from_hf
+from dtensor_moe.hf.reader import SafetensorsReader
+
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _json(path: Path) -> dict:
+    if not path.is_file():
+        raise ValueError(f"no {path.name} in {path.parent}")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def _write(out_dir, tensors: dict, config: dict, force: bool) -> Path:
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {str(out)!r} is a file; give a directory for {WEIGHTS} and {CONFIG}")
+    existing = [n for n in (WEIGHTS, CONFIG) if (out / n).exists()]
+    if existing and not force:
+        raise ValueError(f"{out} already holds {existing}; pass --force to replace them, or choose another directory")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / f".{WEIGHTS}.tmp", metadata={"format": "pt"})
+    config = {**config, "sha256": _sha256(out / f".{WEIGHTS}.tmp")}
+    (out / f".{CONFIG}.tmp").write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(out / f".{WEIGHTS}.tmp", out / WEIGHTS)
+    os.replace(out / f".{CONFIG}.tmp", out / CONFIG)
+    return out / WEIGHTS
+
+
+def import_hf(hf_dir, out_dir, force: bool = False) -> Path:
+    hf_dir = Path(hf_dir)
+    hf_config = _json(hf_dir / CONFIG)
+    get = getter(hf_config)
+    fam = family(get("model_type"))
+    config = moe_config_from_hf(hf_config)
+    reader = SafetensorsReader(hf_dir)
+    shapes = moe_shapes(config)
+    layers = fam.moe_layers(get)
+    tensors = {}
+    for i in layers:
+        layer = read_hf_moe(reader, fam, layer_prefix(reader.keys(), fam, i), shapes)
+        tensors.update({f"layers.{i}.moe.{n}": t.contiguous() for n, t in layer.items()})
+    return _write(out_dir, tensors, {"hf_model_type": fam.model_type, "moe_layers": layers,
+                                     "moe": dataclasses.asdict(config)}, force)
+
+
+def _source(src: Path, model_type: str | None) -> tuple[str, MoEConfig, list[int]]:
+    cfg = _json(src / CONFIG)
+    if "hf_model_type" in cfg:  # written by import --hf
+        if model_type not in (None, cfg["hf_model_type"]):
+            raise ValueError(f"{src} holds {cfg['hf_model_type']} layers; --model-type {model_type} differs")
+        if _sha256(src / WEIGHTS) != cfg.get("sha256"):
+            raise ValueError(f"{src / WEIGHTS} is corrupted (sha256 differs from {CONFIG})")
+        return cfg["hf_model_type"], MoEConfig(**cfg["moe"]), list(cfg["moe_layers"])
+    from dtensor_moe.train.config import ModelConfig
+
+    if model_type is None:
+        raise ValueError(f"{src} is the main job's export; name the Hugging Face family with --model-type "
+                         f"(valid: {sorted(FAMILIES)})")
+    model = ModelConfig.from_dict(cfg)
+    return model_type, model.moe_config(), list(range(model.n_layers))
+
+
+def export_hf(src, out_dir, model_type: str | None = None, force: bool = False) -> Path:
+    """`src`: an import --hf or export directory, or a main-job checkpoint (exported first, to a
+    temporary directory)."""
+    src = Path(src)
+    if not (src / WEIGHTS).is_file():
+        import tempfile
+
+        from dtensor_moe.train.export import export_checkpoint
+
+        with tempfile.TemporaryDirectory() as tmp:
+            export_checkpoint(src, tmp)
+            return export_hf(tmp, out_dir, model_type, force)
+    model_type, config, layers = _source(src, model_type)
+    fam = family(model_type)
+    fields = hf_fields(fam, config)
+    names = list(moe_shapes(config))
+    out = {}
+    with safe_open(src / WEIGHTS, framework="pt") as f:
+        for i in layers:
+            state = {n: f.get_tensor(f"layers.{i}.moe.{n}") for n in names}
+            out.update(to_hf(state, fam, f"model.layers.{i}.{fam.blocks[0]}."))
+    return _write(out_dir, out, {**fields, "moe_layers": layers}, force)
