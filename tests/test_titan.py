@@ -35,6 +35,8 @@ LOSS_ATOL = 1e-4
 GRAD_NORM_RTOL = 1e-4
 GRAD_RTOL = 2e-2
 _LOAD_ONLY = ("--checkpoint.enable", "--checkpoint.load_only")  # load the seed, write nothing
+# torchtitan's --compile.enable on its blocks (dynamo + AOTAutograd; no codegen: a CPU C++ build costs minutes).
+_COMPILED = ("--compile.enable", "--compile.backend", "aot_eager", "--training.steps", "3")
 # The launcher test's torchrun (2 ranks, 3 steps): ~30 s alone, minutes on a loaded 2-core machine.
 LAUNCHER_TIMEOUT_S = 1.5 * float(os.environ.get("DTENSOR_MOE_TEST_TIMEOUT", "600"))
 
@@ -94,6 +96,7 @@ def runs(tmp_path_factory):
         "root": root,
         "ours_ep2_etp2": etp,
         "ours_ep2": run_on_ranks(WORLD, _train, _ours(root / "ep", 2, 1, *seed))[0],
+        "ours_ep2_compiled": run_on_ranks(WORLD, _train, _ours(root / "epc", 2, 1, *seed, *_COMPILED))[0],
         "titan_ep2": run_on_ranks(WORLD, _train, [*titan, "--parallelism.expert_parallel_degree", "2"])[0],
         # torchtitan without EP: every rank runs every expert, FSDP only (gradients only, one step).
         "titan_fsdp": run_on_ranks(WORLD, _train, [*titan, "--training.steps", "1"])[0],
@@ -127,6 +130,14 @@ def test_gradients_match_unparallelized_experts(runs):
 def test_loss_parity_with_titan_ep(runs):
     _assert_same_grads(runs["ours_ep2"]["grads"], runs["titan_ep2"]["grads"])
     _assert_same_steps(runs["ours_ep2"]["log"], runs["titan_ep2"]["log"])
+
+
+def test_compiled_blocks_match_eager(runs):
+    compiled, eager = runs["ours_ep2_compiled"]["log"], runs["ours_ep2"]["log"]
+    assert len(compiled) == 3
+    for (step, loss_c, gn_c), (_, loss_e, gn_e) in zip(compiled, eager):
+        assert abs(loss_c - loss_e) < LOSS_ATOL and abs(gn_c - gn_e) < GRAD_NORM_RTOL * gn_e, (step, loss_c, loss_e)
+    _assert_same_grads(runs["ours_ep2_compiled"]["grads"], runs["ours_ep2"]["grads"])
 
 
 def test_loss_parity_etp2_vs_etp1(runs):

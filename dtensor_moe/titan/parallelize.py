@@ -19,6 +19,7 @@ from torchtitan.models.deepseek_v3.mtp import apply_fsdp_to_mtp_decoder
 from torchtitan.tools.utils import device_type
 
 from dtensor_moe.config import MoEConfig
+from dtensor_moe.parallel.compile import apply_compile
 from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.parallel.parallelize import dp_fsdp_mesh, shard_moe_layer
 from dtensor_moe.parallel.plan import WeightPlan, plan_moe
@@ -72,8 +73,6 @@ def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_co
             "parallelize_titan needs dtensor_moe.titan's Trainer (it carries the expert degrees): "
             "use `--module dtensor_moe.titan --config <one of its config functions>`"
         )
-    if compile_config.enable and "model" in compile_config.components:
-        raise ValueError("compile.enable with 'model' in compile.components is not supported by dtensor_moe.titan yet")
     dims = parallel_dims.moe
     moes = [b.moe for b in _blocks(model) if getattr(b, "moe_enabled", False)]
     plans = [titan_plan(m, dims) for m in moes]  # every check before the first collective
@@ -92,6 +91,11 @@ def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_co
 
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
+    if compile_config.enable and "model" in compile_config.components:
+        # torchtitan compiles each block with fullgraph=True; here the experts' FSDP2 unit (and the
+        # dispatcher's hooks around torchtitan's experts) sit inside the block: breaks around them.
+        for block in _blocks(model):
+            apply_compile(block, compile_config.backend, fullgraph=False)
     apply_fsdp = apply_fsdp_to_mtp_decoder if hasattr(model, "mtp_layers") else apply_fsdp_to_decoder
     apply_fsdp(
         model,
