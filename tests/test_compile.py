@@ -25,8 +25,9 @@ def test_compiled_block_has_no_graph_breaks_and_recompiles_at_most_once():
 
     from dtensor_moe.parallel.compile import apply_compile
 
-    # Group-limited routing and a gate bias too: every routing feature must trace without breaks.
-    model = _model(n_layers=1, load_balance="aux_loss", num_expert_groups=2, num_limited_groups=1, router_bias=True)
+    # Group-limited routing, a gate bias and gpt-oss's experts too: every feature must trace without breaks.
+    model = _model(n_layers=1, load_balance="aux_loss", num_expert_groups=2, num_limited_groups=1, router_bias=True,
+                   expert_biases=True, activation="clamped_swiglu", swiglu_limit=1.0)
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
     counters.clear()
