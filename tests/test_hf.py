@@ -78,18 +78,14 @@ def test_to_hf_writes_save_pretrained_keys_and_round_trips(model_type, checkpoin
         assert torch.equal(v, moe.state_dict()[k]), k
 
 
-def parallel_vs_transformers(rank, world_size, ckpt_dir, model_type, ep, etp):
+def parallel_from_checkpoint(rank, world_size, ckpt_dir, model_type, ep, etp, x, dy, y_ref, grad_x_ref):
     """One rank: the layer parallelized by our plan, loaded lazily from the checkpoint, on this rank's
-    slice of the batch, against transformers' model (from_pretrained) on the whole batch."""
+    slice of the batch, against transformers' block on the whole batch (run by the test process)."""
     import math
-
-    from transformers import AutoModelForCausalLM
 
     from dtensor_moe import MoE, MoEParallelDims, owned_box, parallelize_moe, plan_moe
     from dtensor_moe.hf import SafetensorsReader, family, layer_prefix, load_hf_moe, moe_config_from_hf
 
-    model = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=torch.float64, experts_implementation=EXPERTS)
-    block = moe_block(model, model_type)
     cfg = moe_config_from_hf(json.loads((ckpt_dir / "config.json").read_text()))
     dims = MoEParallelDims(world_size, ep=ep, etp=etp)
     moe = parallelize_moe(MoE(cfg).double(), dims, device_type="cpu")
@@ -105,23 +101,29 @@ def parallel_vs_transformers(rank, world_size, ckpt_dir, model_type, ep, etp):
     owned += 0 if moe.expert_bias is None else moe.expert_bias.numel()
     layer = sum(math.prod(reader.shape(k)) for k in reader.keys() if k.startswith(prefix))
 
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(2 * world_size, 3, 8, generator=g, dtype=torch.float64)
-    dy = torch.randn(2 * world_size, 3, 8, generator=g, dtype=torch.float64)
-    mine = slice(2 * rank, 2 * rank + 2)
-    x_ref = x.clone().requires_grad_(True)
-    y_ref = _forward(block, x_ref)
-    y_ref.backward(dy)
+    n = x.shape[0] // world_size
+    mine = slice(n * rank, n * rank + n)
     x_r = x[mine].clone().requires_grad_(True)
     y_r = moe(x_r)
     y_r.backward(dy[mine])
-    return dict(out=_rel(y_r.detach(), y_ref[mine].detach()), grad_x=_rel(x_r.grad, x_ref.grad[mine]),
+    return dict(out=_rel(y_r.detach(), y_ref[mine]), grad_x=_rel(x_r.grad, grad_x_ref[mine]),
                 read=reader.elements_read, owned=owned, layer=layer)
 
 
 @pytest.mark.parametrize("model_type,ep,etp", [(m, 2, 2) for m in FAMILIES] + [("gpt_oss", 2, 1)])
 def test_parallel_layer_from_checkpoint_matches_transformers(model_type, ep, etp, checkpoints):
-    per_rank = run_on_ranks(4, parallel_vs_transformers, checkpoints[model_type], model_type, ep, etp)
+    """The reference is the block of transformers' from_pretrained of the same checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[model_type], dtype=torch.float64, experts_implementation=EXPERTS)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 3, 8, generator=g, dtype=torch.float64)
+    dy = torch.randn(8, 3, 8, generator=g, dtype=torch.float64)
+    x_ref = x.clone().requires_grad_(True)
+    y_ref = _forward(moe_block(model, model_type), x_ref)
+    y_ref.backward(dy)
+    per_rank = run_on_ranks(4, parallel_from_checkpoint, checkpoints[model_type], model_type, ep, etp, x, dy,
+                            y_ref.detach(), x_ref.grad)
     for r in per_rank:
         assert r["out"] < TOL and r["grad_x"] < TOL, per_rank
         assert r["read"] == r["owned"] < r["layer"], per_rank
