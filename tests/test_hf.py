@@ -189,3 +189,22 @@ def test_cli_hf_refuses_bad_input_in_one_line(checkpoints, tmp_path, capsys):
     keys = set(load_file(tmp_path / "qwen" / "model.safetensors"))
     assert keys == {"model.layers.0.mlp.gate.weight"} | {f"model.layers.0.mlp.experts.{e}.{n}_proj.weight"
                                                           for e in range(4) for n in ("gate", "up", "down")}
+
+
+def test_reader_follows_the_shard_index(tmp_path):
+    """A checkpoint save_pretrained split into shards (model.safetensors.index.json) reads like the
+    single file: every key, any box, each shard opened once."""
+    from safetensors.torch import load_file
+
+    from dtensor_moe.hf import SafetensorsReader
+
+    model = hf_model("qwen3_moe")
+    model.save_pretrained(tmp_path / "one")
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="4KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    one, reader = load_file(tmp_path / "one" / "model.safetensors"), SafetensorsReader(tmp_path / "sharded")
+    assert reader.keys() == set(one)
+    for k, v in one.items():
+        box = tuple(slice(n // 3, n) for n in v.shape)
+        assert torch.equal(reader.read(k, box), v[box]), k
+    assert len(reader._open) == len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
