@@ -166,3 +166,15 @@ def test_fp8_ep2_close_to_fp32_reference():
 def test_expert_precision_validated(bad):
     with pytest.raises(ValueError, match="expert_precision"):
         MoEConfig(dim=8, hidden_dim=8, num_experts=2, top_k=1, expert_precision=bad)
+
+
+def test_policy_picks_fp8_only_where_measured_faster():
+    from dtensor_moe.kernels.policy import fp8_measured_faster
+
+    # The committed H200 table (kernels/fp8_rates.json): FP8 forward and input-gradient GEMMs won at
+    # the DeepSeek-like and Mixtral-like shapes, lost at D2048 F768 and D4096 F1536; FP8 weight
+    # gradients lost everywhere.
+    assert fp8_measured_faster("fwd", 7168, 2048, 256) and fp8_measured_faster("dgrad", 14336, 4096, 2048)
+    assert not fp8_measured_faster("fwd", 2048, 768, 1024) and not fp8_measured_faster("dgrad", 4096, 1536, 1536)
+    assert not any(fp8_measured_faster(g, 7168, 2048, 256) for g in ("wgrad", "wgrad_acc"))
+    assert not fp8_measured_faster("fwd", 7168, 2048 // 2, 256)  # an unmeasured (I, O), e.g. under ETP: bf16

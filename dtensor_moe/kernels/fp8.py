@@ -4,7 +4,7 @@ Each GEMM operand is quantized along the GEMM's reduced dim with one fp32 scale 
 other dims, the rowwise scaling `torch._scaled_grouped_mm` runs on sm90: q = clamp(t * 448 / amax,
 +-448) in float8_e4m3fn and s = amax / 448, so t ~ q * s; the GEMM multiplies the products by both
 scales and writes bf16. Two layouts:
-  rows: [M, K] -> q [M, K], s [M] (amax over each row): the forward's x, h and weights, the dgrad's dy, da, db;
+  rows: [N, I] -> q [N, I], s [N] (amax over each row): the forward's x, h and weights, the dgrad's dy, da, db;
   cols: groups of rows -> q transposed, each group's rows contiguous, s [G, C] (amax over a group's
         rows per column): the dgrad's weights (each expert's [R, C] block as [C, R]) and the wgrad's
         tokens (each expert's row block, zero-padded to a multiple of 16 rows so that every block
@@ -37,15 +37,15 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def quantize_rows(x_ptr, q_ptr, s_ptr, K, BLOCK: tl.constexpr):
-        m = tl.program_id(0).to(tl.int64)
+    def quantize_rows(x_ptr, q_ptr, s_ptr, I, BLOCK: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
-        mask = offs < K
-        x = tl.load(x_ptr + m * K + offs, mask=mask, other=0.0).to(tl.float32)
+        mask = offs < I
+        x = tl.load(x_ptr + n * I + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)  # AMAX_FLOOR
         q = tl.clamp(x * (448.0 / amax), -448.0, 448.0)  # FP8_MAX
-        tl.store(q_ptr + m * K + offs, q.to(tl.float8e4nv), mask=mask)
-        tl.store(s_ptr + m, amax / 448.0)
+        tl.store(q_ptr + n * I + offs, q.to(tl.float8e4nv), mask=mask)
+        tl.store(s_ptr + n, amax / 448.0)
 
     @triton.jit
     def quantize_cols(x_ptr, q_ptr, s_ptr, starts_ptr, ends_ptr, dsts_ptr, C, SG, SC,
@@ -86,25 +86,25 @@ def _scale_inv(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.library.custom_op("dtensor_moe::fp8_quantize_rows", mutates_args=())
-def quantize_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [M, K] e4m3, s [M] fp32) with x ~ q * s[:, None]: one scale per row."""
-    x_MK = x_MK.contiguous()
-    M, K = x_MK.shape
-    if policy.runs_triton(x_MK):
-        q = torch.empty(M, K, device=x_MK.device, dtype=FP8)
-        s = torch.empty(M, device=x_MK.device, dtype=torch.float32)
-        if M and K:
+def quantize_rows(x_NI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [N, I] e4m3, s [N] fp32) with x ~ q * s[:, None]: one scale per row, over the reduced dim I."""
+    x_NI = x_NI.contiguous()
+    N, I = x_NI.shape
+    if policy.runs_triton(x_NI):
+        q = torch.empty(N, I, device=x_NI.device, dtype=FP8)
+        s = torch.empty(N, device=x_NI.device, dtype=torch.float32)
+        if N and I:
             triton, kernel, _ = _kernels()
-            block = triton.next_power_of_2(K)
-            kernel[(M,)](x_MK, q, s, K, BLOCK=block, num_warps=max(1, min(16, block // 512)))
+            block = triton.next_power_of_2(I)
+            kernel[(N,)](x_NI, q, s, I, BLOCK=block, num_warps=max(1, min(16, block // 512)))
         return q, s
-    inv, s = _scale_inv(x_MK.abs().amax(-1) if K else x_MK.new_zeros(M))
-    return (x_MK.float() * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
+    inv, s = _scale_inv(x_NI.abs().amax(-1) if I else x_NI.new_zeros(N))
+    return (x_NI.float() * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
 
 
 @quantize_rows.register_fake
-def _(x_MK):
-    return x_MK.new_empty(x_MK.shape, dtype=FP8), x_MK.new_empty(x_MK.shape[0], dtype=torch.float32)
+def _(x_NI):
+    return x_NI.new_empty(x_NI.shape, dtype=FP8), x_NI.new_empty(x_NI.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("dtensor_moe::fp8_quantize_cols", mutates_args=())
@@ -150,7 +150,7 @@ def _padded_offsets(offs_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _quantize(t: torch.Tensor, layout: str, offs_E: torch.Tensor | None):
-    if layout == "rows":  # [..., K] along K
+    if layout == "rows":  # [..., I] along I
         q, s = quantize_rows(t.reshape(-1, t.shape[-1]))
         return q.view(t.shape), s.view(t.shape[:-1])
     if layout == "weight_cols":  # [E, R, C] along R -> q [E, C, R], s [E, C]

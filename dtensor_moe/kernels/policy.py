@@ -116,13 +116,19 @@ def gemm_precision(precision: str, gemm: str, x: torch.Tensor, E: int, I: int, O
         return "fp8"
     if x.dtype != torch.bfloat16 or I % 16 or O % 16 or not fp8_gemms_available(x.device):
         return "bf16"
-    rows = max(x.shape[0] / max(E, 1), 1)
+    return "fp8" if fp8_measured_faster(gemm, I, O, x.shape[0] / max(E, 1)) else "bf16"
+
+
+def fp8_measured_faster(gemm: str, I: int, O: int, rows_per_expert: float) -> bool:
+    """Whether FP8 beat bf16 in the table (DTENSOR_MOE_FP8_RATES overrides its path) at this GEMM and
+    (I, O), at the measured rows per expert nearest on a log scale; False for an unmeasured (I, O)."""
     rates = [r for r in _fp8_rates(os.environ.get("DTENSOR_MOE_FP8_RATES", FP8_RATES))
              if r["gemm"] == gemm and r["I"] == I and r["O"] == O]
     if not rates:
-        return "bf16"
+        return False
+    rows = max(rows_per_expert, 1)
     near = min(rates, key=lambda r: abs(math.log2(r["rows_per_expert"] / rows)))
-    return "fp8" if near["fp8_tflops"] > near["bf16_tflops"] else "bf16"
+    return near["fp8_tflops"] > near["bf16_tflops"]
 
 
 HOST_SYNCS = {"split_sizes": 0, "exact_loop": 0}
