@@ -40,7 +40,7 @@ def test_moe_layer_smoke(tmp_path):
         assert rows[mesh]["ratio"] == rows[mesh]["tflops"] / 7 and rows[mesh]["step_ms"] > 0
     assert rows["local"]["ratio"] is None  # no EP=1 baseline line given
     assert rows["ep2"]["profile"]["top"] and rows["ep2"]["a2a_ceiling_gbps"] > 0 and "a2a_ceiling_gbps" not in rows["edp2"]
-    assert any(t["what"] == "numerics max rel err" and t["ok"] for t in res["targets"])
+    assert any(t["what"] == "bf16 numerics max rel err" and t["ok"] for t in res["targets"])
 
 
 def test_memory_smoke(tmp_path):
