@@ -44,6 +44,10 @@ NAMED = {
     # Second microbatch: expert weight gradients are added into .grad by the GEMMs themselves.
     "ep4_accumulate": (4, Case(1, 4, 1, 8, 2, 8, 6, (2, 1, 0, 3), microbatches=2)),
     "edp2_ep2_etp2_accumulate": (8, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3, 1, 2, 1, 1), microbatches=3)),
+    # FP8 experts (CPU emulation): pure EP quantizes exactly the reference's rows and expert blocks.
+    "ep2_fp8_accumulate": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 1), microbatches=2, expert_precision="fp8")),
+    "ep4_fp8": (4, Case(1, 4, 1, 8, 2, 16, 32, (2, 1, 0, 3), load_balance="aux_loss", expert_biases=True,
+                        expert_precision="fp8")),
     # gpt-oss experts: b1/b3 F-sharded on ETP, b2 replicated there and added by one ETP rank.
     "gpt_oss_experts_edp2_ep2_etp2": (8, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3, 1, 2, 1, 1), expert_biases=True,
                                               activation="clamped_swiglu", microbatches=2)),
