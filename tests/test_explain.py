@@ -103,6 +103,29 @@ def test_cli_bad_folding_names_constraint():
     assert "Valid ep" in err.getvalue()
 
 
+@pytest.mark.parametrize("flag,value,valid", [
+    ("--experts", "0", "an int >= 1, got 0"),
+    ("--hidden-dim", "0", "an int >= 1, got 0"),
+    ("--dim", "-8", "an int >= 1, got -8"),
+    ("--world", "0", "an int >= 1, got 0"),
+    ("--shared-experts", "-1", "an int >= 0, got -1"),
+])
+def test_cli_bad_flags_are_named_as_typed(flag, value, valid):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main([*README_ARGS, flag, value]) == 2
+    assert err.getvalue() == f"dtensor-moe explain: {flag} must be {valid}\n" and out.getvalue() == ""
+
+
+def test_png_into_a_missing_directory_is_refused_before_any_output(tmp_path):
+    path = tmp_path / "no_such_dir" / "grid.png"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main([*README_ARGS, "--png", str(path)]) == 2
+    assert err.getvalue() == f"dtensor-moe explain: --png {str(path)!r}: directory {str(path.parent)!r} does not exist\n"
+    assert out.getvalue() == ""
+
+
 def test_readme_shows_current_output():
     """docs/plan_explain.md holds the 8-rank EDP2 x EP2 x ETP2 explain output verbatim, and its picture."""
     out = io.StringIO()

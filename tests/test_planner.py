@@ -307,6 +307,14 @@ def test_config_toml(tmp_path):
         resolve(str(path))
 
 
+def test_malformed_config_toml_names_the_file_and_line(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[model]\ndim = 64\nn_heads = 4e\n")
+    rc, out, err = _cli(["plan", "--model", str(path), "--gpus", "8"])
+    assert rc == 2 and out == ""
+    assert err.startswith(f"dtensor-moe plan: config file '{path}' is not valid TOML: ") and "(at line 3" in err, err
+
+
 def _fake_pg_main(rank: int):
     """Runs in a fresh process: the fake process group at 16,384 ranks, meshes, plan and ownership."""
     import torch.distributed as dist

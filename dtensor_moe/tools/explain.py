@@ -6,11 +6,13 @@ order) once per weight, each rank coloured by the slice it holds; ranks of one c
 Without matplotlib, `--png` prints a one-line note on stderr and the text alone (exit status 0).
 """
 
+import os
 import sys
 
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.parallel.plan import WeightPlan, owned_box, plan_moe, rank_coords
+from dtensor_moe.validate import check_int
 
 Box = tuple[tuple[int, int], ...]
 
@@ -128,8 +130,19 @@ def add_arguments(p):
     p.add_argument("--png", metavar="FILE", help="also draw the rank grid coloured by slice held")
 
 
+def _check_flags(args):
+    """The flags by their own names (MoEConfig's messages would say num_experts for --experts)."""
+    for flag in ("world", "ep", "etp", "dp_replicate", "cp", "experts", "dim", "hidden_dim", "shared_experts"):
+        check_int("--" + flag.replace("_", "-"), getattr(args, flag), minimum=0 if flag == "shared_experts" else 1)
+    if args.png:
+        parent = os.path.dirname(os.path.abspath(args.png))
+        if not os.path.isdir(parent):
+            raise ValueError(f"--png {args.png!r}: directory {parent!r} does not exist")
+
+
 def run(args) -> int:
     try:
+        _check_flags(args)
         config = MoEConfig(dim=args.dim, hidden_dim=args.hidden_dim, num_experts=args.experts, top_k=1,
                            num_shared_experts=args.shared_experts)
         dims = MoEParallelDims(args.world, dp_replicate=args.dp_replicate, cp=args.cp, ep=args.ep, etp=args.etp)

@@ -7,7 +7,6 @@ config.json (Hugging Face); the multi-token-prediction module of DeepSeek-V3 is 
 counts the main model only).
 """
 
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,10 +158,9 @@ def _config_dirs() -> list[Path]:
 
 
 def load_config(path: Path) -> ModelSpec:
-    from dtensor_moe.train.config import ModelConfig
+    from dtensor_moe.train.config import ModelConfig, read_toml
 
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
+    data = read_toml(str(path))  # a malformed file is named, with tomllib's line
     if "model" not in data:
         raise ValueError(f"{path}: a training config needs a [model] table (fields of dtensor_moe.train.model.ModelConfig)")
     return spec_from_model_config(ModelConfig.from_dict(data["model"]), name=path.stem)

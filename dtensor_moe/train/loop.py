@@ -73,8 +73,8 @@ def run(args) -> int:
     under_torchrun = "LOCAL_RANK" in os.environ
     try:
         cfg, run_dir = _resolve(args)
+        _check_run_args(args, cfg, run_dir)  # torch-free: a bad flag is reported before torch is imported
         _check(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun else cfg.parallel.nproc)
-        _check_run_args(args, cfg, run_dir)
         if under_torchrun and args.parity:
             raise ValueError("--parity needs the local launcher: run `dtensor-moe train` without torchrun")
         if args.resume is not None and not under_torchrun:
