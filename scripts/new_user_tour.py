@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's dtensor_moe, as the CLI subprocesses get through PYTHONPATH
 VALID = re.compile(r"must be|must equal|valid|one of|expects|expected| in \[|needs|pass --|not found|is a file|is a directory|"
                    r"nothing left|already")
 TIMEOUT_S = 240.0
@@ -234,7 +235,7 @@ def api_cases(tour: Tour, ckpt_ready):
     state = {k: v.clone() for k, v in other.state_dict().items()}
     opt = torch.optim.AdamW(other.parameters())
     api(tour, "API checkpoint", "load(step_4 saved with top_k=2, model with top_k=1)",
-        lambda: load(step_dir(tour.pristine, 4), other, opt), ["top_k", "step_00000004"],
+        lambda: load(step_dir(tour.pristine, 4), other, opt), ["top_k", "step_00000004"], valid=False,
         after=lambda: "" if all(torch.equal(v, state[k]) for k, v in other.state_dict().items()) else "model was modified")
 
 
@@ -268,12 +269,12 @@ def run_cli(argv, cwd, timeout=TIMEOUT_S):
     return rc, err, out, time.perf_counter() - t0
 
 
-_USAGE = re.compile(r"^(usage:|\s)")
-
-
 def message_lines(stderr: str) -> list[str]:
-    """stderr without argparse's usage block (which precedes its one `error:` line)."""
-    return [line for line in stderr.splitlines() if line.strip() and not _USAGE.match(line)]
+    """stderr's non-empty lines without argparse's usage block (which precedes its one `error:` line)."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    if lines and lines[0].startswith("usage:"):
+        lines = lines[next((i for i, ln in enumerate(lines) if ": error: " in ln), 0):]
+    return lines
 
 
 def cli(tour: Tour, area: str, tried: str, argv, fields, *, valid: bool = True, guard=(), run_dir=None,
@@ -374,7 +375,7 @@ def config_cases(tour: Tour, jobs):
                      {"run_dir": str(run_dir)}))
     jobs.append((cli, tour, "CLI", "dtensor-moe trian (typo)", ["trian"], ["trian", "train"], {}))
     PL = "CLI plan/explain"
-    for tried, argv, fields in [
+    for case in [
         ("plan --gpus 0", ["plan", "--model", "tiny_cpu", "--gpus", "0"], ["--gpus"]),
         ("plan --gpus eight", ["plan", "--model", "tiny_cpu", "--gpus", "eight"], ["--gpus", "eight"]),
         ("plan --inter-bw 0", ["plan", "--model", "tiny_cpu", "--gpus", "16", "--inter-bw", "0"], ["--inter-bw"]),
@@ -387,10 +388,12 @@ def config_cases(tour: Tour, jobs):
         ("explain --experts 6 --ep 4", ["explain", "--world", "8", "--ep", "4", "--experts", "6"], ["ep", "experts"]),
         ("explain --experts 0", ["explain", "--world", "2", "--experts", "0"], ["--experts"]),
         ("explain --hidden-dim 0", ["explain", "--world", "2", "--experts", "4", "--hidden-dim", "0"], ["--hidden-dim"]),
-        ("explain --png into a missing directory", ["explain", "--world", "2", "--experts", "4", "--png",
-                                                    str(s / "no_such_dir" / "grid.png")], ["--png", "no_such_dir"]),
+        ("explain --png into a missing directory",
+         ["explain", "--world", "2", "--experts", "4", "--png", str(s / "no_such_dir" / "grid.png")],
+         ["--png", "no_such_dir", "does not exist"], {"valid": False}),
     ]:
-        jobs.append((cli, tour, PL, tried, argv, fields, {}))
+        tried, argv, fields, *kw = case
+        jobs.append((cli, tour, PL, tried, argv, fields, kw[0] if kw else {}))
 
 
 # --- checkpoints: one tiny 2-rank run, then faults on copies of its checkpoints --------------------
@@ -582,7 +585,7 @@ def killed_rank_case(tour: Tour) -> Result:
     ended_after = time.perf_counter() - killed_at
     (s / "killed.stderr").write_text(err)
     lines = message_lines(err)
-    r.message = next((ln.strip() for ln in lines if "SIGKILL" in ln), lines[-1] if lines else "")
+    r.message = next((ln.strip() for ln in lines if "SIGKILL" in ln), "")
     r.outcome = "timeout" if rc is None else f"rc {rc}"
     if victim is None:
         r.verdict, r.why = "unclear", "never caught a save in progress; no rank killed"
