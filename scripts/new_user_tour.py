@@ -344,7 +344,9 @@ def config_cases(tour: Tour, jobs):
     train("data.source=wikipedia", ["data.source=wikipedia"], ["data.source", "synthetic"])
     train("model.dim=60 (head dim 15, odd)", ["model.dim=60"], ["model.n_heads", "even"])
     train("model.vocab_size=100 (byte data needs 256)", ["model.vocab_size=100"], ["model.vocab_size", "256"])
-    train("training.compile=true on EDP2 x EP2 x ETP2", ["training.compile=true"], ["compile", "edp"])
+    train("training.compile=true with activation_checkpoint=full", ["training.compile=true",
+          "training.activation_checkpoint=full"], ["training.activation_checkpoint", "compile"])
+    train("parallel.tp=3 on 8 ranks", ["parallel.tp=3"], ["tp", "8"])
     train("training.activation_checkpoint=some", ["training.activation_checkpoint=some"],
           ["training.activation_checkpoint", "selective"])
     train("model.n_head=4 (unknown key)", ["model.n_head=4"], ["n_head", "n_heads"])
@@ -506,6 +508,10 @@ def checkpoint_cases(tour: Tour, jobs):
     jobs.append((cli, tour, C, "import a model.safetensors of random bytes",
                  ["import", str(garbage / "model.safetensors"), str(s / "imp_garbage")], ["model.safetensors"],
                  {"valid": False}))
+    jobs.append((cli, tour, C, "import --hf from a missing directory", ["import", "--hf", str(s / "no_hf"), str(s / "imp_hf")],
+                 ["no_hf"], {"valid": False}))
+    jobs.append((cli, tour, C, "export CKPT with neither OUT nor --hf", ["export", str(tour.pristine / step4)],
+                 ["OUT", "--hf"], {"absent": ["--force"]}))
     (s / "out_is_file").write_text("x\n")
     jobs.append((cli, tour, C, "export onto a path that is a file",
                  ["export", str(tour.pristine / step4), str(s / "out_is_file")], ["out_is_file", "file"],

@@ -126,6 +126,15 @@ def test_export_of_a_damaged_checkpoint_names_it(one_process_export, tmp_path, c
     assert not (tmp_path / "out2").exists()
 
 
+@pytest.mark.parametrize("argv,message", [
+    ([], "export CKPT needs an output: OUT (a directory for model.safetensors and config.json) or --hf OUT_DIR"),
+    (["out", "--force"], "--model-type and --force go with --hf; export CKPT OUT takes neither"),
+])
+def test_export_without_output_or_with_hf_only_flags_says_which(tmp_path, capsys, argv, message):
+    assert cli.main(["export", str(tmp_path / "ckpt"), *argv]) == 2
+    assert capsys.readouterr().err == f"dtensor-moe export: {message}\n"
+
+
 @pytest.mark.parametrize(
     "setup,message",
     [

@@ -150,8 +150,10 @@ def _export(args) -> Path:
         if args.out is not None:
             raise ValueError(f"export --hf writes to its OUT_DIR ({args.hf}); drop the second positional ({args.out})")
         return export_hf(args.ckpt, args.hf, args.model_type, args.force)
-    if args.out is None or args.model_type is not None or args.force:
-        raise ValueError("export CKPT OUT takes the output directory and no --model-type / --force (those go with --hf)")
+    if args.out is None:
+        raise ValueError(f"export CKPT needs an output: OUT (a directory for {WEIGHTS} and {CONFIG}) or --hf OUT_DIR")
+    if args.model_type is not None or args.force:
+        raise ValueError("--model-type and --force go with --hf; export CKPT OUT takes neither")
     return export_checkpoint(args.ckpt, args.out)
 
 
