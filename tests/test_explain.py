@@ -21,6 +21,7 @@ CASES = [
     (README_CONFIG, MoEParallelDims(8, ep=2, etp=2)),  # EDP2 x EP2 x ETP2
     (MoEConfig(dim=6, hidden_dim=4, num_experts=2, top_k=1), MoEParallelDims(8, dp_replicate=2, ep=2)),
     (MoEConfig(dim=5, hidden_dim=6, num_experts=3, top_k=1, num_shared_experts=2), MoEParallelDims(12, cp=2, ep=3, etp=2)),
+    (README_CONFIG, MoEParallelDims(8, cp=2, tp=2, ep=2, etp=2)),  # the MoE's dense weights over dp_shard_cp_tp
 ]
 
 
@@ -63,6 +64,15 @@ def test_grid_colours_are_slices(config, dims):
         held = [boxes[idx] for row in grid[:per_replica] for idx in row if all(hi > lo for lo, hi in boxes[idx])]
         assert len(set(held)) == len(held)
         assert all(grid[i] == grid[i % per_replica] for i in range(len(grid)))
+
+
+def test_text_shows_the_dense_axes():
+    dims = MoEParallelDims(8, cp=2, tp=2, ep=2, etp=2)
+    text = X.describe(README_CONFIG, dims)
+    rows = [line.split() for line in text.splitlines() if re.match(r"^\s+\d+ \|", line)]
+    assert [(int(r[-2]), int(r[-1])) for r in rows] == [(dims.dense_coords(i)["cp"], dims.dense_coords(i)["tp"]) for i in range(8)]
+    assert "dense TP (sequence-parallel between blocks), groups 0-1 2-3 4-5 6-7:" in text
+    assert "attention.wq=colwise" in text and "shard over dp_shard_cp_tp" in text
 
 
 def test_png(tmp_path):

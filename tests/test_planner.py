@@ -66,6 +66,7 @@ MESHES = [
     (8, dict(dp_replicate=2, ep=2, etp=2)),
     (8, dict(ep=4)),  # EDP2 x EP4: one expert per EP rank, so EDP shards D
     (8, dict(cp=2, ep=2, etp=2)),  # dense weights shard over dp_shard_cp
+    (4, dict(tp=2, ep=2)),  # attention, embedding, head split over tp; norms replicated; router over dp_shard_tp
 ]
 
 
@@ -162,7 +163,7 @@ def test_plan_ranks_fitting_candidates_and_explains():
     assert keys == sorted(keys)
     for c in cands:  # every candidate is a folding plan_moe accepts
         plan_moe(spec.moe_config(), c.dims)
-        assert c.dims.tp == 1 and c.dims.edp * c.dims.ep * c.dims.etp == c.dims.dp_shard * c.dims.cp
+        assert c.dims.edp * c.dims.ep * c.dims.etp == c.dims.dp_shard * c.dims.cp * c.dims.tp
     best = fits[0]
     # Within one node every byte stays intra-node.
     if best.dims.ep * best.dims.etp <= 8:

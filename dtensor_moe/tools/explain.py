@@ -3,6 +3,9 @@
 Text: per weight its placement on each mesh axis, its local shape, and the ranks holding each slice.
 `--png`: the rank grid (rows: dp_replicate x edp, columns: ep x etp, i.e. the expert mesh in rank
 order) once per weight, each rank coloured by the slice it holds; ranks of one colour hold copies.
+One more panel draws the dense mesh over the same ranks (rows: dp_replicate x dp_shard, columns:
+cp x tp), coloured by the sequences a rank reads: CP and TP ranks of one row split those sequences.
+Under tp > 1 the text also lists the dense TP plan (which modules split how) and the TP groups.
 Without matplotlib, `--png` prints a one-line note on stderr and the text alone (exit status 0).
 """
 
@@ -11,7 +14,7 @@ import sys
 
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.parallel.plan import WeightPlan, owned_box, plan_moe, rank_coords
+from dtensor_moe.parallel.plan import TP_BLOCK_PLAN, TP_ROOT_PLAN, WeightPlan, owned_box, plan_moe, rank_coords
 from dtensor_moe.validate import check_int
 
 Box = tuple[tuple[int, int], ...]
@@ -64,11 +67,18 @@ def describe(config: MoEConfig, dims: MoEParallelDims) -> str:
         f"MoE: {config.num_experts} experts, dim {config.dim}, hidden {config.hidden_dim}, "
         f"{config.num_shared_experts} shared expert(s). ETP ranks are consecutive, then EP, then EDP.",
         "",
-        f"{'rank':>5} | {'dp_replicate':>12} {'edp':>4} {'ep':>4} {'etp':>4} | {'dp_shard':>8} {'cp':>3}",
+        f"{'rank':>5} | {'dp_replicate':>12} {'edp':>4} {'ep':>4} {'etp':>4} | {'dp_shard':>8} {'cp':>3} {'tp':>3}",
     ]
     for r in range(dims.world_size):
         c = rank_coords(dims, r)
-        lines.append(f"{r:>5} | {c['dp_replicate']:>12} {c['edp']:>4} {c['ep']:>4} {c['etp']:>4} | {c['dp_shard']:>8} {c['cp']:>3}")
+        lines.append(f"{r:>5} | {c['dp_replicate']:>12} {c['edp']:>4} {c['ep']:>4} {c['etp']:>4} | {c['dp_shard']:>8} "
+                     f"{c['cp']:>3} {c['tp']:>3}")
+    if dims.tp > 1:
+        groups = [list(range(g, g + dims.tp)) for g in range(0, dims.world_size, dims.tp)]
+        lines += ["", f"dense TP (sequence-parallel between blocks), groups {' '.join(fmt_ranks(g) for g in groups)}:",
+                  "  " + ", ".join(f"{m}={s}" for m, s in TP_ROOT_PLAN),
+                  "  per block: " + ", ".join(f"{m}={s}" for m, s in TP_BLOCK_PLAN),
+                  f"  each MoE takes its rank's sequence slice; its dense weights shard over {dims.moe_dp_axis}"]
     for wp in plans:
         placements = ", ".join(f"{a}={p}" for a, p in wp.placements().items())
         lines += [
@@ -91,8 +101,8 @@ def save_png(config: MoEConfig, dims: MoEParallelDims, path: str):
     import matplotlib.pyplot as plt
 
     plans = plan_moe(config, dims)
-    ncols = min(3, len(plans))
-    nrows = -(-len(plans) // ncols)
+    ncols = min(3, len(plans) + 1)
+    nrows = -(-(len(plans) + 1) // ncols)
     rows, cols = dims.world_size // (dims.ep * dims.etp), dims.ep * dims.etp
     fig, axes = plt.subplots(nrows, ncols, figsize=(ncols * max(3.0, 0.9 * cols + 1), nrows * max(2.5, 0.7 * rows + 1.2)), squeeze=False)
     for ax, wp in zip(axes.flat, plans):
@@ -109,12 +119,31 @@ def save_png(config: MoEConfig, dims: MoEParallelDims, path: str):
         ax.set_xticks(range(cols))
         ax.set_yticks(range(rows))
         ax.tick_params(labelsize=6)
-    for ax in list(axes.flat)[len(plans) :]:
+    _dense_panel(list(axes.flat)[len(plans)], dims, plt)
+    for ax in list(axes.flat)[len(plans) + 1 :]:
         ax.axis("off")
     fig.suptitle(f"world {dims.world_size}: colour = slice held (same colour = copies over dp_replicate)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _dense_panel(ax, dims: MoEParallelDims, plt):
+    """The dense mesh in rank order: a row per data-parallel group, its CP x TP ranks across."""
+    cols = dims.cp * dims.tp
+    rows = dims.world_size // cols
+    ax.imshow([[row] * cols for row in range(rows)], cmap=plt.get_cmap("tab20" if rows <= 20 else "viridis", rows),
+              vmin=-0.5, vmax=rows - 0.5, aspect="auto")
+    if rows * cols <= 256:
+        for i in range(rows):
+            for j in range(cols):
+                ax.text(j, i, f"r{i * cols + j}\ncp{j // dims.tp} tp{j % dims.tp}", ha="center", va="center", fontsize=6)
+    ax.set_title("dense mesh: colour = sequences read\n(cp parts, tp slices of each)", fontsize=7)
+    ax.set_xlabel(f"cp x tp = {dims.cp} x {dims.tp}", fontsize=7)
+    ax.set_ylabel(f"dp_replicate x dp_shard = {dims.dp_replicate} x {dims.dp_shard}", fontsize=7)
+    ax.set_xticks(range(cols))
+    ax.set_yticks(range(rows))
+    ax.tick_params(labelsize=6)
 
 
 def add_arguments(p):
@@ -123,6 +152,7 @@ def add_arguments(p):
     p.add_argument("--etp", type=int, default=1)
     p.add_argument("--dp-replicate", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1, help="dense tensor parallelism (sequence-parallel)")
     p.add_argument("--experts", type=int, required=True)
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--hidden-dim", type=int, default=8, help="expert hidden dim F")
@@ -132,7 +162,7 @@ def add_arguments(p):
 
 def _check_flags(args):
     """The flags by their own names (MoEConfig's messages would say num_experts for --experts)."""
-    for flag in ("world", "ep", "etp", "dp_replicate", "cp", "experts", "dim", "hidden_dim", "shared_experts"):
+    for flag in ("world", "ep", "etp", "dp_replicate", "cp", "tp", "experts", "dim", "hidden_dim", "shared_experts"):
         check_int("--" + flag.replace("_", "-"), getattr(args, flag), minimum=0 if flag == "shared_experts" else 1)
     if args.png:
         parent = os.path.dirname(os.path.abspath(args.png))
@@ -145,7 +175,7 @@ def run(args) -> int:
         _check_flags(args)
         config = MoEConfig(dim=args.dim, hidden_dim=args.hidden_dim, num_experts=args.experts, top_k=1,
                            num_shared_experts=args.shared_experts)
-        dims = MoEParallelDims(args.world, dp_replicate=args.dp_replicate, cp=args.cp, ep=args.ep, etp=args.etp)
+        dims = MoEParallelDims(args.world, dp_replicate=args.dp_replicate, cp=args.cp, tp=args.tp, ep=args.ep, etp=args.etp)
         print(describe(config, dims))
     except ValueError as e:
         print(f"dtensor-moe explain: {e}", file=sys.stderr)

@@ -3,7 +3,7 @@
 - `cost_model`: inputs (`Workload`, `Hardware`), FSDP units and rank 0's footprint from the
   placement plan, memory per rank, bytes sent per step split intra-/inter-node, and
   `predicted_state_bytes` (the training loop's check of the planner against measured bytes).
-- `search`: enumerate the tp=1 foldings, evaluate each (`Candidate`), rank them (`plan`).
+- `search`: enumerate the foldings (dense tp within a node), evaluate each (`Candidate`), rank them (`plan`).
 - `report`: the table, the top choice in plain words, JSON, and the CLI's `add_arguments` / `run`.
 
 Torch-free: planning a preset imports neither torch nor the training code.

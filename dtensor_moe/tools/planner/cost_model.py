@@ -1,9 +1,10 @@
 """The planner's cost model: what one folding costs a rank in memory and in bytes sent per step.
 
 Every number comes from the placement plan: MoE weights from `plan_moe`, the other weights from
-what `parallelize_model` does to them (FSDP2 Shard(0) over the same data-parallel axis the plan
-uses for the router), and which ranks form each group from the mesh order in `mesh.py` (ETP
-innermost, then EP, then EDP).
+what `parallelize_model` does to them (under tp every 2-D weight split over tp -- attention by heads,
+embedding and head by vocabulary -- and 1-D ones replicated; then FSDP2 Shard(0) over the dense
+data-parallel axis, dp_shard or dp_shard_cp), and which ranks form each group from the mesh order in
+`mesh.py` (ETP innermost, then EP, then EDP; TP innermost in the dense mesh).
 
 Model of one training step of one micro-batch per rank:
 - memory per rank (rank 0, which holds the largest slices): fp32 sharded params, fp32 sharded
@@ -13,14 +14,18 @@ Model of one training step of one micro-batch per rank:
   unsharded grads in compute and reduce dtype); and an activation estimate.
 - bytes each rank sends per step: EP all-to-all and ETP gather/reduce-scatter of routed tokens
   (uniform routing, pairwise), FSDP all-gather (twice per block: forward and backward) and
-  reduce-scatter (fp32), HSDP all-reduce over dp_replicate, ring-attention K/V passes under CP.
+  reduce-scatter (fp32), HSDP all-reduce over dp_replicate, K/V all-gather passes under CP, and
+  sequence parallelism's all-gather / reduce-scatter of each block's attention input and output
+  under TP. Between blocks a rank holds seq_len / (cp * tp) tokens of each sequence; attention works
+  on seq_len / cp of them with n_heads / tp heads.
   Pairwise traffic is split by how many group peers share the rank's node; ring traffic by how
   many ring hops cross a node boundary (ranks r, r' share a node iff r // G == r' // G).
 """
 
 import math
 from dataclasses import dataclass, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
+from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import DENSE_AXES, EXPERT_AXES, MoEParallelDims
 from dtensor_moe.parallel.plan import ShardStep, WeightPlan, axis_sizes, owned_box, plan_moe
@@ -89,26 +94,52 @@ class Unit:
 
 
 def _fsdp_plan(name: str, shape: tuple[int, ...], dims: MoEParallelDims, axis: str) -> WeightPlan:
-    """What `fully_shard` in parallelize_model does to a weight outside the MoE: Shard(0) over `axis`."""
-    wp = WeightPlan(name, "dense", shape, (ShardStep(axis, 0),), ("dp_replicate",), shape, False)
+    """What parallelize_model does to a weight outside the MoE: under tp a 2-D weight is split over
+    tp (1-D ones replicated), then `fully_shard` takes Shard(0) of the local slice over `axis`."""
+    split = dims.tp > 1 and len(shape) == 2
+    steps = (ShardStep("tp", 0),) * split + (ShardStep(axis, 0),)
+    replicate = ("dp_replicate",) + ("tp",) * (dims.tp > 1 and not split)
+    wp = WeightPlan(name, "dense", shape, steps, replicate, shape, False)
     local = tuple(s.stop - s.start for s in owned_box(wp, dims, 0))
-    return replace(wp, local_shape=local, padded=shape[0] % axis_sizes(dims)[axis] != 0)
+    before = -(-shape[0] // dims.tp) if split else shape[0]
+    return replace(wp, local_shape=local, padded=before % axis_sizes(dims)[axis] != 0)
 
 
 @lru_cache(maxsize=4096)
-def _outer_plans(spec: ModelSpec, dense_dims: MoEParallelDims, axis: str):
-    """Plans of the non-MoE weights; they depend on the dense folding only, so cached across ep/etp."""
+def _outer_plans(spec: ModelSpec, world: int, dp_replicate: int, cp: int, tp: int, axis: str):
+    """Plans of the non-MoE weights; they depend on the dense folding only, so cached across ep/etp
+    (keyed on the degrees: building a MoEParallelDims per folding costs more than the plans)."""
+    dense_dims = MoEParallelDims(world, dp_replicate=dp_replicate, cp=cp, tp=tp)
+
     def plans(ws):
         return tuple(_fsdp_plan(n, s, dense_dims, axis) for n, s in ws)
 
     return plans(spec.root_weights()), plans(spec.layer_weights(dense_ffn=True)), plans(spec.layer_weights(dense_ffn=False))
 
 
+@lru_cache(maxsize=64)
+def _moe_config(spec: ModelSpec):
+    return spec.moe_config()  # validated at construction: once per model, not once per folding
+
+
+_MOE_PLANS: dict[tuple, tuple[WeightPlan, ...]] = {}
+
+
+def _moe_plans(spec: ModelSpec, dims: MoEParallelDims) -> tuple[WeightPlan, ...]:
+    """plan_moe reads only the sizes of the axes it shards over: cached on them across foldings."""
+    key = (spec, dims.ep, dims.etp, dims.edp, dims.moe_dp_axis, dims.dp_shard * dims.cp * dims.tp)
+    if key not in _MOE_PLANS:
+        if len(_MOE_PLANS) > 16384:
+            _MOE_PLANS.clear()
+        _MOE_PLANS[key] = tuple(plan_moe(_moe_config(spec), dims))
+    return _MOE_PLANS[key]
+
+
 def fsdp_units(spec: ModelSpec, dims: MoEParallelDims) -> tuple[Unit, ...]:
-    moe_plans = tuple(plan_moe(spec.moe_config(), dims))
-    # The plan shards the router over the data-parallel axis; parallelize_model uses the same mesh.
-    dp_axis = next(wp for wp in moe_plans if wp.role == "dense").fsdp_step.axis
-    root, dense_block, moe_block = _outer_plans(spec, replace(dims, ep=1, etp=1), dp_axis)
+    moe_plans = _moe_plans(spec, dims)
+    # parallelize_model's mesh for the dense weights (MoEMeshes.dp); the MoE's own axis includes tp.
+    dp_axis = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
+    root, dense_block, moe_block = _outer_plans(spec, dims.world_size, dims.dp_replicate, dims.cp, dims.tp, dp_axis)
     units = [Unit("root", 1, root, 1)]  # parallelize_model keeps the root gathered after forward
     if spec.n_dense_layers:
         units.append(Unit("dense block", spec.n_dense_layers, dense_block, 2))
@@ -130,7 +161,7 @@ class Footprint:
     gathered_root: int  # unsharded elements of the root unit
     gathered_block: int  # unsharded elements of the largest block unit (EP x ETP slice for experts)
 
-    @property
+    @cached_property
     def held(self) -> int:
         return sum(n for _, _, n in self.sharded)
 
@@ -138,9 +169,10 @@ class Footprint:
 def footprint(units, dims: MoEParallelDims) -> Footprint:
     sharded: dict[tuple[str, int], int] = {}
     gathered = {}
+    sizes = axis_sizes(dims)
     for u in units:
         # FSDP all-gathers every shard padded to rank 0's (the largest) size.
-        gathered[u.name] = sum(math.prod(wp.local_shape) * axis_sizes(dims)[wp.fsdp_step.axis] for wp in u.plans)
+        gathered[u.name] = sum(math.prod(wp.local_shape) * sizes[wp.fsdp_step.axis] for wp in u.plans)
         for wp in u.plans:
             key = (wp.fsdp_step.axis, u.gathers_per_step)
             sharded[key] = sharded.get(key, 0) + u.count * math.prod(wp.local_shape)
@@ -181,7 +213,8 @@ def state_bytes(held: int, tensors: int, work: Workload) -> tuple[int, int, int]
 
 
 def tokens_per_rank(work: Workload, dims: MoEParallelDims) -> int:
-    return work.micro_batch * work.seq_len // dims.cp
+    """Tokens a rank holds between blocks (and routes through each MoE): its CP part, its TP slice."""
+    return work.micro_batch * work.seq_len // (dims.cp * dims.tp)
 
 
 def activation_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload) -> float:
@@ -192,12 +225,13 @@ def activation_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload) -> 
     the combine keeps the experts' D-wide outputs of those pairs for the routing weights' gradient.
     """
     T, b, D, k = tokens_per_rank(work, dims), work.compute_bytes, spec.dim, spec.top_k
+    # Attention sees the whole CP part of the sequence (tp times T tokens) with 1/tp of the heads.
     attn = sum(s[0] + s[-1] for _, s in spec.attention if len(s) == 2)
-    common = 3 * D + attn  # two norm inputs and the residual, plus attention
+    common = T * b * 3 * D + T * b * attn  # two norm inputs and the residual, plus attention
     moe = k * (2 * dims.etp * D + 3 * spec.moe_hidden_dim) + 3 * spec.moe_hidden_dim * spec.num_shared_experts
-    moe_layer = T * b * (common + moe) + T * spec.num_experts * 4  # fp32 router scores
-    dense_layer = T * b * (common + 3 * spec.dense_hidden_dim)
-    logits = T * spec.vocab_size * (b + 8)  # logits, fp32 copy for the loss, its gradient
+    moe_layer = common + T * b * moe + T * spec.num_experts * 4  # fp32 router scores
+    dense_layer = common + T * b * 3 * spec.dense_hidden_dim
+    logits = T * dims.tp * spec.vocab_size * (b + 8)  # logits (replicated over tp), fp32 copy for the loss, its gradient
     if work.recompute == "full":  # block inputs, plus one block's activations while it is recomputed
         biggest = max(moe_layer if spec.n_moe_layers else 0, dense_layer if spec.n_dense_layers else 0)
         return spec.n_layers * T * D * b + biggest + logits
@@ -234,6 +268,8 @@ def mesh_geometry(dims: MoEParallelDims) -> dict[str, tuple[int, int]]:
             geo[axis] = (size, stride)
             stride *= size
     geo["dp_shard_cp"] = (dims.dp_shard * dims.cp, geo["cp"][1])  # the flattened (dp_shard, cp) pair
+    # The MoE's dense axis: every rank of a replica (tp is innermost, so consecutive ranks).
+    geo["dp_shard_tp"] = geo["dp_shard_cp_tp"] = (dims.dp_shard * dims.cp * dims.tp, 1)
     return geo
 
 
@@ -256,8 +292,7 @@ def ring_inter_fraction(size: int, stride: int, G: int) -> float:
     return 0.0 if nodes == 1 else nodes / size
 
 
-@dataclass(frozen=True)
-class Traffic:
+class Traffic(NamedTuple):  # a tuple: built a dozen times per folding, tens of thousands of foldings
     intra: float
     inter: float
 
@@ -291,13 +326,30 @@ def comm_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_
     rows = 2 * distinct_ranks(spec.num_experts, spec.top_k, dims.ep)
     routed = (2 + recompute) * T * rows * spec.dim * b * spec.n_moe_layers
     r = dims.dp_replicate
+    # Sequence parallelism: each block's attention all-gathers its input and reduce-scatters its output
+    # (the reverses in backward, again when recomputing); the embedding and the head once each way.
+    seq = ((4 + 2 * recompute) * spec.n_layers + 4) * (dims.tp - 1) * T * spec.dim * b
     return {
         "ep_all_to_all": pair("ep", routed * (dims.ep - 1) / dims.ep),
         "etp_gather_scatter": pair("etp", routed * (dims.etp - 1)),
+        "tp_sequence": ring("tp", seq),
+        # The K/V of the CP part (tp * T tokens, 1/tp of the heads) pass to every CP peer.
         "cp_ring_kv": ring("cp", (3 + recompute) * (dims.cp - 1) * T * spec.kv_width * b * spec.n_layers),
-        "fsdp_all_gather": _sum(ring(a, g * (geo[a][0] - 1) * n * b) for a, g, n in fp.sharded),
-        "fsdp_reduce_scatter": _sum(ring(a, (geo[a][0] - 1) * n * REDUCE_BYTES) for a, _, n in fp.sharded),
+        **_fsdp_traffic(fp.sharded, tuple(geo[a] for a, _, _ in fp.sharded), G, b),
         "hsdp_all_reduce": ring("dp_replicate", 2 * (r - 1) / r * fp.held * REDUCE_BYTES),
+    }
+
+
+@lru_cache(maxsize=16384)
+def _fsdp_traffic(sharded, geometry, G: int, b: int) -> dict[str, Traffic]:
+    """FSDP's all-gathers and reduce-scatters: the same for every folding with this footprint and
+    geometry of its axes (most of a large search), so cached."""
+    def ring(size_stride, total):
+        return _split(total, ring_inter_fraction(*size_stride, G)) if total else Traffic(0, 0)
+
+    return {
+        "fsdp_all_gather": _sum(ring(ss, g * (ss[0] - 1) * n * b) for (_, g, n), ss in zip(sharded, geometry)),
+        "fsdp_reduce_scatter": _sum(ring(ss, (ss[0] - 1) * n * REDUCE_BYTES) for (_, _, n), ss in zip(sharded, geometry)),
     }
 
 

@@ -27,18 +27,18 @@ def _size(x: float, base: int) -> str:
 
 
 def table(cands: list[Candidate]) -> str:
-    cols = ("#", "dp_rep", "dp_shard", "cp", "edp", "ep", "etp", "params", "grads", "optim", "gather", "activ",
+    cols = ("#", "dp_rep", "dp_shard", "cp", "tp", "edp", "ep", "etp", "params", "grads", "optim", "gather", "activ",
             "total", "intra/step", "inter/step", "comm ms", "us/token")
     rows = [cols]
     for i, c in enumerate(cands, 1):
         d, m = c.dims, c.memory
         mem = [_size(v, 1024) for v in (m.params, m.grads, m.optimizer, m.gathered, m.activations, m.total)]
-        rows.append((str(i), *(str(v) for v in (d.dp_replicate, d.dp_shard, d.cp, d.edp, d.ep, d.etp)), *mem,
+        rows.append((str(i), *(str(v) for v in (d.dp_replicate, d.dp_shard, d.cp, d.tp, d.edp, d.ep, d.etp)), *mem,
                      _size(c.intra, 1000), _size(c.inter, 1000), f"{c.comm_time_s * 1e3:.1f}", f"{c.time_per_token * 1e6:.2f}"))
     widths = [max(len(r[j]) for r in rows) for j in range(len(cols))]
     # Bars between the dense axes, the expert axes, memory and traffic.
     return "\n".join(
-        " ".join(v.rjust(w) + (" |" if j in (3, 6, 12, 14) else "") for j, (v, w) in enumerate(zip(r, widths))) for r in rows
+        " ".join(v.rjust(w) + (" |" if j in (4, 7, 13, 15) else "") for j, (v, w) in enumerate(zip(r, widths))) for r in rows
     )
 
 
@@ -53,14 +53,16 @@ def explain_choice(spec: ModelSpec, best: Candidate, runner_up: Candidate | None
     biggest = max(parts, key=parts.get)
     lines = [
         f"Top choice: ep={d.ep}, etp={d.etp}, edp={d.edp} for the experts; dp_replicate={d.dp_replicate}, "
-        f"dp_shard={d.dp_shard}, cp={d.cp} for the dense weights.",
+        f"dp_shard={d.dp_shard}, cp={d.cp}, tp={d.tp} for the dense weights.",
         f"- Each rank holds {E // d.ep} of the {E} experts"
         + (" whole (etp=1: no expert tensor parallelism, so no token gather inside an expert)." if d.etp == 1
            else f", each split {d.etp} ways along its hidden dim over {d.etp} neighbouring ranks (ETP)."),
-        f"- EDP is not DP: the {d.dp_shard * d.cp} data-parallel ranks of a replica fold into "
+        f"- EDP is not DP: the {d.dp_shard * d.cp * d.tp} ranks of a replica with their own tokens fold into "
         f"edp x ep x etp = {d.edp} x {d.ep} x {d.etp}; "
         + (f"FSDP shards each EP x ETP slice over the {d.edp} EDP ranks" if d.edp > 1 else "EP x ETP alone shard the experts (edp=1)")
         + (f", and {d.dp_replicate} replicas (HSDP) all-reduce the sharded gradients." if d.dp_replicate > 1 else "."),
+        *([f"- Dense TP={d.tp} (sequence-parallel): attention split by heads over {d.tp} neighbouring ranks, each of "
+           f"which routes its own {best.tokens} tokens through the MoE."] if d.tp > 1 else []),
         f"- An EP group spans {ep_nodes} node(s) of {G} GPUs: "
         + (f"{a2a.intra / a2a_total:.0%} of the all-to-all bytes stay inside a node." if a2a_total else "no all-to-all traffic."),
         f"- Memory per rank: {_size(m.total, 1024)} of {hw.gpu_mem_gib:g} GiB; the largest part is {biggest} "
@@ -71,7 +73,7 @@ def explain_choice(spec: ModelSpec, best: Candidate, runner_up: Candidate | None
     if runner_up is not None:
         r = runner_up.dims
         lines.append(
-            f"- Runner-up ep={r.ep}, etp={r.etp}, edp={r.edp}, dp_replicate={r.dp_replicate}, cp={r.cp} costs "
+            f"- Runner-up ep={r.ep}, etp={r.etp}, edp={r.edp}, dp_replicate={r.dp_replicate}, cp={r.cp}, tp={r.tp} costs "
             f"{runner_up.time_per_token / best.time_per_token:.2f}x the communication time per token "
             f"({_size(runner_up.inter, 1000)} inter-node vs {_size(best.inter, 1000)})."
         )
@@ -84,7 +86,7 @@ def candidate_dict(c: Candidate) -> dict:
         "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp,
         "edp": d.edp, "ep": d.ep, "etp": d.etp,
         "memory_bytes": {**asdict(c.memory), "total": c.memory.total},
-        "comm_bytes": {k: asdict(v) for k, v in c.comm.items()},
+        "comm_bytes": {k: v._asdict() for k, v in c.comm.items()},
         "comm_time_s": c.comm_time_s, "tokens_per_rank": c.tokens, "fits": c.fits,
     }
 

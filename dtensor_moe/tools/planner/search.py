@@ -1,9 +1,10 @@
 """The planner's search: enumerate the foldings, cost each with the cost model, rank them.
 
-Only tp=1 foldings are enumerated: `plan_moe` rejects tp > 1 (parallelize_moe does not shard the
-MoE input over TP), so those ranks fold into dp_shard/etp; `plan_moe` stays the judge of which
-foldings are valid. Ranking: the foldings that fit in GPU memory first, by communication time per
-token (intra / intra_bw + inter / inter_bw, nothing overlapped); then the rest by memory.
+Dense TP stays inside a node with the CP group it splits the sequence with (cp * tp divides
+gpus_per_node, seq_len % (cp * tp) == 0); the experts never split over tp (their tensor parallelism is etp, folded over the
+same ranks). `plan_moe` stays the judge of which foldings are valid. Ranking: the foldings that fit
+in GPU memory first, by communication time per token (intra / intra_bw + inter / inter_bw, nothing
+overlapped); then the rest by memory.
 """
 
 from dataclasses import dataclass
@@ -24,10 +25,7 @@ from dtensor_moe.tools.planner.cost_model import (
 )
 from dtensor_moe.tools.presets import ModelSpec
 
-TP_NOTE = (
-    "tp=1 only: plan_moe rejects tp > 1 (parallelize_moe does not shard the MoE input over TP); "
-    "tensor parallelism of experts is etp"
-)
+TP_NOTE = "dense tp (sequence-parallel) with its cp x tp group inside a node; the experts' tensor parallelism is etp"
 
 
 @dataclass(frozen=True)
@@ -52,30 +50,34 @@ class Candidate:
         return sum(t.inter for t in self.comm.values())
 
 
-def foldings(world: int, spec: ModelSpec, work: Workload):
-    """Every MoEParallelDims with tp=1 that could be valid. The divisibility filters only prune the
-    search (cp must split the sequence); plan_moe remains the judge of validity."""
+def foldings(world: int, spec: ModelSpec, work: Workload, gpus_per_node: int = 8):
+    """Every MoEParallelDims that could be valid. The divisibility filters only prune the search (cp
+    and tp must split the sequence, a CP x TP group with tp > 1 stays in a node); plan_moe remains the judge
+    of validity."""
     moe = spec.moe_config()
     world_divs = divisors(world)
     for dp_rep in world_divs:
         rest = world // dp_rep
         rest_divs = [d for d in world_divs if rest % d == 0]
         for cp in rest_divs:
-            if work.seq_len % cp:
-                continue
-            for ep in rest_divs:
-                if moe.num_experts % ep:
+            for tp in rest_divs:
+                # tp > 1 only with the sequence's whole CP x TP group in one node (both all-gather
+                # activations every layer); that also keeps the search within ~1.5x of tp = 1 alone.
+                if (rest // cp) % tp or work.seq_len % (cp * tp) or (tp > 1 and gpus_per_node % (cp * tp)):
                     continue
-                for etp in rest_divs:
-                    if (rest // ep) % etp == 0 and moe.hidden_dim % etp == 0:
-                        yield MoEParallelDims(world, dp_replicate=dp_rep, cp=cp, ep=ep, etp=etp)
+                for ep in rest_divs:
+                    if moe.num_experts % ep:
+                        continue
+                    for etp in rest_divs:
+                        if (rest // ep) % etp == 0 and moe.hidden_dim % etp == 0:
+                            yield MoEParallelDims(world, dp_replicate=dp_rep, cp=cp, tp=tp, ep=ep, etp=etp)
 
 
 def footprint_key(dims: MoEParallelDims) -> tuple:
     """What rank 0's footprint depends on: the sizes of the axes the plan shards over (dp_shard*cp,
-    ep, etp and so edp) and whether the dense axis is dp_shard or dp_shard_cp. tests/test_planner.py
+    tp, ep, etp and so edp) and whether the dense axis is dp_shard or dp_shard_cp. tests/test_planner.py
     checks this against a fresh plan for every folding of a smaller world."""
-    return dims.dp_shard * dims.cp, dims.cp > 1, dims.ep, dims.etp
+    return dims.dp_shard * dims.cp, dims.cp > 1, dims.tp, dims.ep, dims.etp
 
 
 def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware, fp: Footprint | None = None) -> Candidate:
@@ -90,7 +92,7 @@ def plan(spec: ModelSpec, work: Workload, hw: Hardware) -> list[Candidate]:
     """All valid candidates: those that fit first, by communication time per token; then the rest by memory."""
     footprints: dict[tuple, Footprint | None] = {}
     cands = []
-    for dims in foldings(hw.gpus, spec, work):
+    for dims in foldings(hw.gpus, spec, work, hw.gpus_per_node):
         key = footprint_key(dims)
         if key not in footprints:
             try:
