@@ -6,9 +6,11 @@ w1 [E, F, D], w2 [E, D, F], w3 [E, F, D]: state dicts map one-to-one to torchtit
 `activation` "clamped_swiglu" is gpt-oss's gate (kernels/swiglu.py).
 """
 
+import math
+
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from dtensor_moe.kernels import policy
 from dtensor_moe.kernels.grouped_mm import add_weight_grad_, mm, weight_grad
@@ -21,6 +23,35 @@ def _shard(w: torch.Tensor) -> torch.Tensor:
     # Parallelized weights are DTensors; the dispatcher already brought this rank the tokens
     # of exactly the slice it holds, so the GEMM runs on the local shard.
     return w.to_local() if isinstance(w, DTensor) else w
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, scale):
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+def gather_for_compute(w: torch.Tensor) -> torch.Tensor:
+    """A weight on the whole expert mesh (compiled layers under EDP / HSDP: parallelize's
+    `experts_unit` False) as this rank's (ep, etp) slice: all-gathered over the data-parallel axes
+    in the forward, its gradient summed over them and reduce-scattered back in the backward, both
+    inside the graph (FSDP2 does the same with hooks that torch.compile cannot trace). FSDP2
+    averages over those ranks; so does the gradient here. Other weights pass through."""
+    if not isinstance(w, DTensor):
+        return w
+    data = [i for i, n in enumerate(w.device_mesh.mesh_dim_names or ()) if n not in ("ep", "etp")]
+    if not data:
+        return w
+    gathered, grads = list(w.placements), list(w.placements)
+    for i in data:
+        gathered[i], grads[i] = Replicate(), Partial()
+    local = w.redistribute(placements=gathered).to_local(grad_placements=grads)
+    return _ScaleGrad.apply(local, 1 / math.prod([w.device_mesh.size(i) for i in data]))
 
 
 def _like_param(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -138,6 +169,9 @@ def grouped_swiglu(x_ND, counts_E, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale: fl
     dispatcher does); it lets the backward add weight gradients into existing ones per expert.
     `biases`: (b1_EF, b2_ED, b3_EF) or None; `clamp`, `add_b2`: see _GroupedSwiGLU. `precision` "fp8":
     the GEMMs where kernels/policy.py picks FP8 (MoEConfig.expert_precision)."""
+    w1_EFD, w2_EDF, w3_EFD = (gather_for_compute(w) for w in (w1_EFD, w2_EDF, w3_EFD))
+    if biases is not None:
+        biases = tuple(None if b is None else gather_for_compute(b) for b in biases)
     offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
     accumulate = None
     if not torch.compiler.is_compiling():

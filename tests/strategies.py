@@ -61,8 +61,8 @@ def cases(draw, world_size: int):
         nan_token=draw(st.one_of(st.none(), st.integers(0, 64))),
         expert_biases=draw(st.booleans()),
         activation=draw(st.sampled_from(["swiglu", "clamped_swiglu"])),
-        # Compiled (dynamo + AOTAutograd, no codegen; under EDP / HSDP with graph breaks around the experts'
-        # FSDP unit); one draw in eight, since every compiled case traces anew (named cases use inductor).
+        # Compiled (dynamo + AOTAutograd, no codegen; fullgraph on every folding); one draw in eight, since
+        # every compiled case traces anew (the named cases use inductor).
         compile="aot_eager" if draw(st.integers(0, 7)) == 0 else False,
         num_expert_groups=groups,
         num_limited_groups=limited,

@@ -92,8 +92,8 @@ def test_ep2_training_compiled_and_checkpointed_matches_eager(compile, ac):
 
 
 def test_training_compiled_with_experts_fsdp_sharded_matches_eager():
-    """EDP2 x EP2: the experts' FSDP unit sits inside each compiled block, which then compiles with
-    graph breaks around it; losses equal eager's."""
+    """EDP2 x EP2: compiled blocks gather the experts over EDP inside the graph (no FSDP unit, no graph
+    break); losses equal eager's, whose experts are FSDP2 units."""
     eager = run_on_ranks(4, train_steps, 2, False, "none")
     got = run_on_ranks(4, train_steps, 2, "aot_eager", "none")
     for (l_e, _), (l_g, _) in zip(eager, got):

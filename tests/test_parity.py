@@ -94,7 +94,7 @@ COMPILED = {
     "compiled_ep2_etp2": (4, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3), load_balance="aux_free_bias", compile=True)),
     "compiled_gpt_oss_experts_ep2_etp2": (4, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3), expert_biases=True,
                                                   activation="clamped_swiglu", compile=True)),
-    # Experts FSDP-sharded: the layer compiles with graph breaks around their FSDP unit.
+    # Experts sharded over EDP / replicated over HSDP: gathered and reduce-scattered inside the graph.
     "compiled_edp2_ep2": (4, Case(1, 2, 1, 4, 2, 8, 6, (2, 1, 0, 3), load_balance="aux_loss", microbatches=2,
                                   compile="aot_eager")),
     "compiled_hsdp2_ep2": (4, Case(2, 2, 1, 4, 2, 8, 6, (1, 2, 3, 0), num_shared_experts=1, compile="aot_eager")),
@@ -105,6 +105,6 @@ COMPILED = {
 
 @pytest.mark.parametrize("name", COMPILED)
 def test_compiled_and_non_finite(name):
-    """torch.compile (fullgraph=True without EDP / HSDP) of the parallelized layer equals the 1-process
+    """torch.compile(fullgraph=True) of the parallelized layer equals the 1-process
     reference in float64; a NaN token changes only its own outputs and gradients."""
     assert_parity(*COMPILED[name])

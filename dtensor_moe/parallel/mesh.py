@@ -9,6 +9,7 @@ rank its own part of it, so an MoE layer sees different tokens on every rank of 
 replica: its router and shared experts are data-parallel over dp_shard * cp * tp (`moe_dp_axis`).
 """
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -121,6 +122,17 @@ class MoEMeshes:
     dp: "DeviceMesh"  # (dp_replicate, dp_shard_cp): where dense weights are FSDP-sharded
     tp: "DeviceMesh"  # dense tensor parallelism, on the same root mesh as `dp` (FSDP2 composes them)
     moe_dp: "DeviceMesh"  # (dp_replicate, moe_dp_axis): an MoE's dense weights and statistics
+
+    @functools.cached_property
+    def expert_by_plan(self) -> "DeviceMesh":
+        """The expert mesh with its axes in the plan's order of application (dp_replicate, ep, etp,
+        edp): DTensor splits a dim sharded by several mesh axes left to right, so EDP then chunks
+        each EP rank's experts as FSDP2 would. Built on first use (a collective), by compiled layers
+        whose experts gather over EDP inside the graph."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh(self.expert.device_type, self.expert.mesh.permute(0, 2, 3, 1),
+                          mesh_dim_names=("dp_replicate", "ep", "etp", "edp"))
 
 
 _MESH_CACHE: dict = {}

@@ -58,7 +58,7 @@ def shard_moe_layer(
     meshes: MoEMeshes,
     fsdp_kwargs: dict | None,
     grad_divisor: float | None = None,
-    dense_unit: bool = True,
+    experts_unit: bool = True,
 ):
     """Apply `plans` (names relative to `moe`) to one MoE layer of any model family.
 
@@ -66,22 +66,26 @@ def shard_moe_layer(
     owns them, and FSDP2 shards them over EDP (HSDP over dp_replicate) and the dense weights over
     the data-parallel ranks, each along the plan's dim. `grad_divisor`: see ExpertDispatcher.
     `fsdp_kwargs` None: no FSDP units here; the caller's unit around the layer takes its dense
-    weights (compiled blocks, whose FSDP hooks must stay outside the graph). `dense_unit` False:
-    only the experts' unit (EDP / HSDP), the dense weights again left to the caller's unit.
+    weights (compiled blocks, whose FSDP hooks must stay outside the graph). `experts_unit` False
+    (compiled layers): no FSDP unit for the experts; under EDP / HSDP their weights are DTensors on the whole
+    expert mesh, gathered over EDP in the forward and their gradients reduce-scattered back, both
+    DTensor redistributions inside the graph (experts.gather_for_compute).
     """
     experts_plans = tuple(wp for wp in plans if wp.role == "expert")
     dense_plans = tuple(wp for wp in plans if wp.role == "dense")
     owner_name = experts_plans[0].name.rsplit(".", 1)[0]
     experts = moe.get_submodule(owner_name)
     ep_etp = meshes.expert["ep", "etp"]
+    ours = isinstance(experts, GroupedExperts)  # takes ExpertInput and the weight-gradient scale
+    in_graph = ours and not experts_unit and experts_fsdp_sharded(dims)
+    weight_mesh = meshes.expert_by_plan if in_graph else ep_etp
     for wp in experts_plans:
         attr = wp.name.rsplit(".", 1)[1]
         param = getattr(experts, attr)
-        placements = [Shard(s.dim) if s else Replicate() for s in (wp.step_on("ep"), wp.step_on("etp"))]
+        placements = [Shard(s.dim) if s else Replicate() for s in map(wp.step_on, weight_mesh.mesh_dim_names)]
         # src_data_rank=None: every rank already holds the same full (or meta) weight, so slice locally.
-        dt = distribute_tensor(param.data, ep_etp, placements, src_data_rank=None)
+        dt = distribute_tensor(param.data, weight_mesh, placements, src_data_rank=None)
         setattr(experts, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
-    ours = isinstance(experts, GroupedExperts)  # takes ExpertInput and the weight-gradient scale
     if dims.ep * dims.etp > 1:
         divisor = dims.ep * dims.etp if grad_divisor is None else grad_divisor
         d = ExpertDispatcher(ep_etp.get_group("ep"), ep_etp.get_group("etp"), divisor)
@@ -92,7 +96,7 @@ def shard_moe_layer(
         return
     # With no expert data-parallel axis every expert slice has one owner: FSDP on a 1-rank mesh
     # would only copy the weights in and out around each use (~60 ms per step at DeepSeek scale).
-    ignored = set(experts.parameters()) if ours and dims.edp * dims.dp_replicate == 1 else None
+    ignored = set(experts.parameters()) if ours and (in_graph or not experts_fsdp_sharded(dims)) else None
     if ignored is None:
         fully_shard(
             experts,
@@ -100,9 +104,8 @@ def shard_moe_layer(
             shard_placement_fn=_placement_fn(moe, experts_plans),
             **fsdp_kwargs,
         )
-    if dense_unit:
-        fully_shard(moe, mesh=_fsdp_mesh(meshes.moe_dp, dims, dims.moe_dp_axis), shard_placement_fn=_placement_fn(moe, dense_plans),
-                    ignored_params=ignored, **fsdp_kwargs)
+    fully_shard(moe, mesh=_fsdp_mesh(meshes.moe_dp, dims, dims.moe_dp_axis), shard_placement_fn=_placement_fn(moe, dense_plans),
+                ignored_params=ignored, **fsdp_kwargs)
 
 
 def dp_fsdp_mesh(meshes: MoEMeshes, dims: MoEParallelDims):
@@ -111,9 +114,7 @@ def dp_fsdp_mesh(meshes: MoEMeshes, dims: MoEParallelDims):
 
 
 def experts_fsdp_sharded(dims: MoEParallelDims) -> bool:
-    """Whether the experts are FSDP-sharded (EDP or HSDP): their FSDP unit's hooks then run inside a
-    compiled block, which torch 2.11-2.13 cannot trace (FSDP2's hooks are dynamo-disabled), so the
-    block compiles with graph breaks around the experts instead of as one graph."""
+    """Whether the experts are sharded or replicated over data-parallel ranks (EDP or HSDP)."""
     return dims.edp * dims.dp_replicate > 1
 
 
@@ -178,10 +179,11 @@ def parallelize_moe(
     layers = _moe_layers(module, dims)
     meshes = dims.build_meshes(device_type)
     for m, moe_plans in layers:
-        shard_moe_layer(m, moe_plans, dims, meshes, _fsdp_kwargs(mp_policy, reshard_after_forward))
+        shard_moe_layer(m, moe_plans, dims, meshes, _fsdp_kwargs(mp_policy, reshard_after_forward),
+                        experts_unit=not compile)
         m.stats = DataParallelStats(meshes.moe_dp)
         if compile:
-            apply_compile(m, compile, fullgraph=not experts_fsdp_sharded(dims))
+            apply_compile(m, compile)
     return module
 
 
@@ -201,8 +203,8 @@ def parallelize_model(
 
     Eagerly each MoE is its own FSDP unit (experts over EDP, router and shared experts over the
     data-parallel ranks); compiled, the block's unit takes the MoE's dense weights too, so every
-    FSDP hook runs outside the block's graph, except the experts' own unit under EDP / HSDP (see
-    `experts_fsdp_sharded`).
+    FSDP hook runs outside the block's graph, and under EDP / HSDP the experts gather their weights
+    inside it (see shard_moe_layer's `experts_unit`).
 
     `dims.tp > 1`: the main job's model gets dense tensor parallelism with sequence parallelism
     (parallel/tensor_parallel.py), FSDP2 then shards its weights over the data-parallel ranks too
@@ -218,10 +220,8 @@ def parallelize_model(
     layers = _moe_layers(model, dims)
     meshes = dims.build_meshes(device_type)
     fsdp_kwargs = _fsdp_kwargs(mp_policy, reshard_after_forward)
-    fullgraph = not experts_fsdp_sharded(dims)
     for m, moe_plans in layers:
-        shard_moe_layer(m, moe_plans, dims, meshes, None if compile and fullgraph else fsdp_kwargs,
-                        dense_unit=not compile)
+        shard_moe_layer(m, moe_plans, dims, meshes, None if compile else fsdp_kwargs, experts_unit=not compile)
         m.stats = DataParallelStats(meshes.moe_dp)
         if dims.tp > 1:
             scale_moe_gradients(m, dims.tp)
@@ -229,15 +229,15 @@ def parallelize_model(
         apply_tp(model, meshes.tp)
     if dims.cp > 1:
         apply_cp(model, meshes.dense["cp"])
-    # Compiled single-owner experts (no EDP / HSDP) are in no FSDP unit (eagerly the MoE's unit ignores them).
-    experts = {p for m, _ in layers for p in m.experts.parameters()} if compile and fullgraph else None
+    # Compiled experts are in no FSDP unit (eagerly the MoE's own units take care of them).
+    experts = {p for m, _ in layers for p in m.experts.parameters()} if compile else None
     kwargs = {"mesh": dp_fsdp_mesh(meshes, dims)}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     for block in model.layers:
         apply_activation_checkpointing(block, activation_checkpoint)
         if compile:
-            apply_compile(block, compile, fullgraph=fullgraph)
+            apply_compile(block, compile)
         fully_shard(block, reshard_after_forward=reshard_after_forward, ignored_params=experts, **kwargs)
     # The root's parameters are needed again right after forward (loss head), so keep them gathered.
     fully_shard(model, reshard_after_forward=False, ignored_params=experts, **kwargs)

@@ -131,7 +131,7 @@ class TrainingConfig:
     dtype: str = "float32"  # float32 | bf16 (mixed precision: bf16 compute, fp32 params and reductions)
     seed: int = 0
     parity_tolerance: float = 1e-4
-    compile: bool = False  # torch.compile each block (one graph; under EDP/HSDP with breaks around the experts' unit)
+    compile: bool = False  # torch.compile each block, one graph (experts gather over EDP inside it)
     activation_checkpoint: str = "none"  # none | full | selective (selective recomputes no communication)
 
     def __post_init__(self):

@@ -60,12 +60,9 @@ def _worker_argv(args, run_dir: str) -> list[str]:
     return argv + list(args.overrides) + nproc
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# torchrun's standalone rendezvous binds a free port itself: a port picked here and bound later by
+# torchrun can be taken in between by another job on the machine (EADDRINUSE).
+_TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
 def run(args) -> int:
@@ -95,7 +92,7 @@ def run(args) -> int:
             print(console_summary(run_dir))
         return 0
     n = cfg.parallel.nproc
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", f"--master-port={_free_port()}"]
+    cmd = [*_TORCHRUN, f"--nproc-per-node={n}"]
     cmd += ["-m", "dtensor_moe.cli", "train", *_worker_argv(args, run_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), LAUNCHED: "1"}
     rc = subprocess.call(cmd, env=env)
@@ -178,7 +175,7 @@ def parity(cfg: Config, run_dir: str) -> tuple[int, str]:
     ref_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc=1, dp_replicate=1, ep=1, etp=1, tp=1, cp=1),
                       training=replace(cfg.training, compile=False, activation_checkpoint="none"))
     ref_dir = os.path.join(run_dir, "reference_1proc")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", f"--master-port={_free_port()}"]
+    cmd = [*_TORCHRUN, "--nproc-per-node=1"]
     cmd += ["-m", "dtensor_moe.train.loop", json.dumps(ref_cfg.to_dict()), ref_dir]
     rc = subprocess.call(cmd)
     if rc != 0:
