@@ -489,14 +489,14 @@ def checkpoint_cases(tour: Tour, jobs):
                   "accepted_check": _exported_step(s / "out_fallback", "2")}))
     root = _copy(tour, "c_nomanifest")
     (root / step4 / "manifest.json").unlink()
-    jobs.append((cli, tour, C, "export step_4 with manifest.json deleted (loads unverified, with a note)",
-                 ["export", str(root / step4), str(s / "out_nomanifest")], ["manifest.json", "unverified"],
-                 {"expect_rc": 0, "valid": False, "guard": [str(root)], "accepted_check": _exported_like(ref4, "4")}))
+    jobs.append((cli, tour, C, "export step_4 with manifest.json deleted (refused; the opt-in is named)",
+                 ["export", str(root / step4), str(s / "out_nomanifest")], [step4, "manifest.json", "DTENSOR_MOE_ALLOW_UNVERIFIED"],
+                 {"valid": False, "guard": [str(root)]}))
     root = _copy(tour, "c_nomanifest_flip")
     (root / step4 / "manifest.json").unlink()
     _flip(root / step4 / "__0_0.distcp")
     jobs.append((cli, tour, C, "export step_4 with manifest.json deleted and __0_0.distcp flipped",
-                 ["export", str(root / step4), str(s / "out_nomanifest_flip")], [step4, "__0_0.distcp"],
+                 ["export", str(root / step4), str(s / "out_nomanifest_flip")], [step4, "manifest.json"],
                  {"valid": False, "guard": [str(root)]}))
     root = _copy(tour, "c_import")
     jobs.append((cli, tour, C, "import onto existing step_4 (model + optimizer) without --force",

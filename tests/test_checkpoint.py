@@ -322,19 +322,25 @@ def test_damaged_step_fails_naming_step_and_file_and_leaves_model_alone(tmp_path
     assert _unchanged(model, before) == [] and not opt.state
 
 
-def test_failed_read_of_unverified_checkpoint_leaves_model_alone(tmp_path, capsys):
-    """Without a manifest (older saves) DCP's own error is translated, and nothing was swapped in."""
+def test_checkpoint_without_manifest_is_refused_unless_allowed(tmp_path, capsys, monkeypatch):
+    """A missing manifest is refused (its bytes cannot be checked); with the opt-in for older saves,
+    DCP's own error on a damaged file is translated, and nothing was swapped in either way."""
     _saved_steps(tmp_path, steps=(1,))
     ckpt = step_dir(tmp_path, 1)
     (ckpt / MANIFEST).unlink()
     _truncate(ckpt / "__0_0.distcp")
     model, opt, _ = build(1, None, seed=1)
     before = _state(model)
+    with pytest.raises(CheckpointError, match=r"step_00000001 cannot be loaded: manifest.json is missing.*"
+                                              r"DTENSOR_MOE_ALLOW_UNVERIFIED=1 loads"):
+        load(ckpt, model, opt)
+    assert _unchanged(model, before) == []
+    monkeypatch.setenv("DTENSOR_MOE_ALLOW_UNVERIFIED", "1")
     # CheckpointException derives from BaseException; what escapes here is a ValueError subclass.
     with pytest.raises(CheckpointError, match=r"step_00000001 cannot be read: rank 0: RuntimeError"):
         load(ckpt, model, opt)
     assert _unchanged(model, before) == []
-    assert "step_00000001 has no manifest.json (saved by an older version); loading it unverified" in capsys.readouterr().err
+    assert "step_00000001 has no manifest.json (DTENSOR_MOE_ALLOW_UNVERIFIED=1); loading it unverified" in capsys.readouterr().err
 
 
 def test_root_falls_back_to_newest_intact_step_and_says_so(tmp_path, capsys):

@@ -60,6 +60,7 @@ from torch.distributed.checkpoint.state_dict import (
 TRAIN_STATE = "train_state.pt"
 MODEL_CONFIG = "model_config.json"
 MANIFEST = "manifest.json"
+ALLOW_UNVERIFIED = "DTENSOR_MOE_ALLOW_UNVERIFIED"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _MAX_LISTED = 10
 
@@ -154,7 +155,9 @@ def _digests(directory: Path, names: list[str]) -> tuple[dict[str, str], list[st
 def verify(ckpt) -> str | None:
     """None if every file of `ckpt` matches its manifest, else what is wrong (collective when distributed).
 
-    A checkpoint without a manifest (saved before manifests existed) passes with a one-line note.
+    A checkpoint without a manifest is a problem too (its bytes cannot be checked), unless
+    ALLOW_UNVERIFIED is set in the environment (for checkpoints saved before manifests existed): then
+    it passes with a one-line note.
     """
     ckpt = Path(ckpt)
     try:
@@ -162,7 +165,10 @@ def verify(ckpt) -> str | None:
         sizes = {name: int(entry["bytes"]) for name, entry in files.items()}
         shas = {name: str(entry["sha256"]) for name, entry in files.items()}
     except FileNotFoundError:
-        _note(f"checkpoint: {ckpt.name} has no {MANIFEST} (saved by an older version); loading it unverified")
+        if os.environ.get(ALLOW_UNVERIFIED) != "1":
+            return (f"{MANIFEST} is missing, so its files cannot be checked (every save writes one); "
+                    f"{ALLOW_UNVERIFIED}=1 loads a checkpoint saved before manifests existed, unverified")
+        _note(f"checkpoint: {ckpt.name} has no {MANIFEST} ({ALLOW_UNVERIFIED}=1); loading it unverified")
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
