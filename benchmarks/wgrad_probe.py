@@ -13,9 +13,10 @@ import argparse
 
 import torch
 
-from dtensor_moe import wgrad_kernel
+from dtensor_moe.kernels import wgrad as wgrad_kernel
 from dtensor_moe.kernels.grouped_mm import add_weight_grad_, grouped_weight_grad
 from dtensor_moe.train.metrics import write_json
+from expert_gemms import cuda_ms  # run from benchmarks/ or as benchmarks/wgrad_probe.py
 
 SHAPES = {  # per rank at EP=2: D, F, local experts, routed rows
     "deepseek": (7168, 2048, 128, 8192 * 8),
@@ -25,20 +26,6 @@ SHAPES = {  # per rank at EP=2: D, F, local experts, routed rows
 }
 CONFIGS = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 4, 3),
            (128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 256, 32, 8, 5), (256, 128, 32, 8, 5), (64, 256, 64, 4, 4)]
-
-
-def median_ms(fn, iters):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def rel(a, b) -> float:
@@ -78,7 +65,7 @@ def main():
                 try:
                     fn()
                     err = rel(out, ref)
-                    ms = median_ms(fn, args.iters)
+                    ms = cuda_ms(fn, args.iters, warmup=1)
                 except Exception as e:  # a config that does not compile or fit: report it, go on
                     print(f"{shape} {orient} {name}: {type(e).__name__}: {str(e)[:200]}")
                     continue

@@ -16,24 +16,13 @@ from dtensor_moe.kernels import policy
 from dtensor_moe.kernels.grouped_mm import add_weight_grad_, mm, weight_grad
 from dtensor_moe.kernels.segment_sum import expand_rows, segment_sum
 from dtensor_moe.kernels.swiglu import clamped_swiglu, clamped_swiglu_backward, swiglu, swiglu_backward
-from dtensor_moe.routing import ExpertInput, TokenCopies
+from dtensor_moe.routing import ExpertInput, ScaleGrad, TokenCopies
 
 
 def _shard(w: torch.Tensor) -> torch.Tensor:
     # Parallelized weights are DTensors; the dispatcher already brought this rank the tokens
     # of exactly the slice it holds, so the GEMM runs on the local shard.
     return w.to_local() if isinstance(w, DTensor) else w
-
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, scale):
-        ctx.scale = scale
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.scale, None
 
 
 def gather_for_compute(w: torch.Tensor) -> torch.Tensor:
@@ -51,7 +40,7 @@ def gather_for_compute(w: torch.Tensor) -> torch.Tensor:
     for i in data:
         gathered[i], grads[i] = Replicate(), Partial()
     local = w.redistribute(placements=gathered).to_local(grad_placements=grads)
-    return _ScaleGrad.apply(local, 1 / math.prod([w.device_mesh.size(i) for i in data]))
+    return ScaleGrad.apply(local, 1 / math.prod([w.device_mesh.size(i) for i in data]))
 
 
 def _like_param(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

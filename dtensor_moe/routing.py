@@ -94,3 +94,16 @@ class ExpertInput:
     weight_grad_scale: float = 1.0
     exchange: Any = None
     adds_output_bias: bool = True
+
+
+class ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient scaled (the loss conventions of two parallel groups differ)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dtensor_moe.kernels import policy
-from dtensor_moe.routing import ExpertInput, TokenCopies, gather_rows, inverse_permutation
+from dtensor_moe.routing import ExpertInput, ScaleGrad, TokenCopies, gather_rows, inverse_permutation
 
 _GROUPS: "weakref.WeakValueDictionary[str, dist.ProcessGroup]" = weakref.WeakValueDictionary()
 # torch 2.13 names all_gather_single in place of the deprecated all_gather_into_tensor (2.11 has only that).
@@ -211,19 +211,6 @@ def _(counts_E, expert_N, pair_N, num_tokens, top_k, ep_group, etp_group):
     S, R = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     return (host, i64.new_empty(E_local), host.new_empty(E_local), i64.new_empty(P), i64.new_empty(P, 1),
             i64.new_empty(S), i64.new_empty(num_tokens, topo.ep), i64.new_empty(P), i64.new_empty(R, top_k))
-
-
-class ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient scaled (the loss conventions of two parallel groups differ)."""
-
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
 
 
 class _Exchange:

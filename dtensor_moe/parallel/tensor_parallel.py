@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dtensor_moe.parallel.dispatch import ScaleGrad
+from dtensor_moe.routing import ScaleGrad
 from dtensor_moe.parallel.plan import TP_BLOCK_PLAN, TP_ROOT_PLAN
 
 _STYLES = {
