@@ -14,7 +14,7 @@ from dtensor_moe.router import TopKRouter
 from dtensor_moe.routing import TokenCopies
 
 
-def _recomputing() -> bool:
+def recomputing() -> bool:
     """Whether this forward is eager activation checkpointing's recomputation (it runs inside
     backward). Compiled graphs recompute inside the backward graph, which never replays mutations."""
     if torch.compiler.is_compiling():
@@ -89,7 +89,7 @@ class MoE(nn.Module):
         sorted_N, order_N = torch.sort(r.experts_TK.flatten(), stable=True)
         bounds = torch.arange(cfg.num_experts + 1, device=sorted_N.device, dtype=sorted_N.dtype)
         counts_E = torch.searchsorted(sorted_N, bounds).diff()
-        if not _recomputing():  # activation checkpointing's second forward must not count again
+        if not recomputing():  # activation checkpointing's second forward must not count again
             with torch.no_grad():
                 self.tokens_per_expert += counts_E
         if cfg.load_balance == "aux_loss":

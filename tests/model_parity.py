@@ -80,5 +80,5 @@ def check_model_parity(rank: int, world_size: int, case: ModelCase) -> dict:
             m.update_expert_bias()
     if cfg.load_balance == "aux_free_bias":
         errs["expert_bias"] = max((a.moe.expert_bias - b.moe.expert_bias).abs().max().item()
-                                  for a, b in zip(model.layers, ref.layers))
+                                  for a, b in zip(model.layers.values(), ref.layers.values()))
     return errs

@@ -31,11 +31,11 @@ def test_compiled_block_has_no_graph_breaks_and_recompiles_at_most_once():
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
     counters.clear()
-    block = apply_compile(model.layers[0])
+    block = apply_compile(model.layers["0"])
     for step, T in enumerate([3, 5, 2, 7, 4]):
         x = torch.randn(2, T, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
         outs = []
-        for b in (block, eager.layers[0]):
+        for b in (block, eager.layers["0"]):
             xx = x.clone().requires_grad_(True)
             (b(xx).square().sum() + b.moe.aux_loss).backward()
             outs.append((xx.grad, [p.grad.clone() for p in b.parameters()]))

@@ -40,6 +40,15 @@ def test_tiny_cpu_run_falls_and_matches_one_process(tmp_path, capsys):
         (["parallel.ep=3"], r"ep \* etp = 3\*2 must divide"),
         (["training.global_batch=12", "parallel.ep=1", "parallel.etp=1"], None),
         (["modelx.dim=3"], r"must look like section.key=value"),
+        (["parallel.pp=3"], r"pp \(3\) must divide world_size 8"),
+        (["parallel.pp=2", "model.tie_embeddings=true"], r"tie_embeddings=true is not supported with parallel.pp > 1"),
+        (["parallel.pp=2", "parallel.microbatches=1"], r"microbatches \(1\) must be >= parallel.pp \(2\) for pp_schedule '1f1b'"),
+        (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], r"model.n_layers \(2\) must be >= the pipeline stages \(4"),
+        (["parallel.pp_schedule=zb"], r"parallel.pp_schedule must be one of \['gpipe', '1f1b', 'interleaved_1f1b'\]"),
+        (["parallel.pp=2", "parallel.microbatches=3", "parallel.pp_schedule=gpipe"],
+         r"global_batch \(16\) must be divisible by the data-parallel size \(4\) times parallel.microbatches \(3\) = 12"),
+        (["parallel.pp=2", "model.n_layers=4", "parallel.microbatches=5", "parallel.pp_schedule=interleaved_1f1b"],
+         r"microbatches \(5\) must be a multiple of max\(1, microbatches // pp\) = 2"),
     ],
 )
 def test_config_errors(overrides, match):

@@ -35,8 +35,8 @@ class ContextParallelAttention(nn.Module):
 
 def check_cp_model(model: nn.Module, cp: int):
     """Every attention must be the main job's CausalAttention, which this module knows how to split."""
-    blocks = getattr(model, "layers", ())
-    bad = [i for i, b in enumerate(blocks) if not isinstance(getattr(getattr(b, "attention", None), "inner_attention", None),
+    blocks = getattr(model, "layers", {})
+    bad = [i for i, b in blocks.items() if not isinstance(getattr(getattr(b, "attention", None), "inner_attention", None),
                                                              CausalAttention)]
     if bad or not blocks:
         raise ValueError(f"cp={cp} needs the main job's model (dtensor_moe.train.model.MoETransformer): blocks {bad} "
@@ -44,5 +44,5 @@ def check_cp_model(model: nn.Module, cp: int):
 
 
 def apply_cp(model: nn.Module, cp_mesh) -> None:
-    for block in model.layers:
+    for block in model.layers.values():
         block.attention.inner_attention = ContextParallelAttention(cp_mesh)

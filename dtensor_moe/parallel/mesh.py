@@ -7,6 +7,9 @@ ETP is innermost, then EP, so those groups are consecutive ranks and stay inside
 Under sequence parallelism every TP rank holds its own slice of each sequence and under CP every CP
 rank its own part of it, so an MoE layer sees different tokens on every rank of a dp_replicate
 replica: its router and shared experts are data-parallel over dp_shard * cp * tp (`moe_dp_axis`).
+Pipeline parallelism is outermost: world = pp * stage_size, each pipeline stage holds
+`stage_size` consecutive ranks, and both meshes above are meshes of one stage (coordinates,
+plans and ownership are per stage; `pp_coord` says which stage a rank is in).
 """
 
 import functools
@@ -19,6 +22,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 DENSE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+# Pipeline schedules (torch.distributed.pipelining) -> stages each rank holds.
+PP_STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
 EXPERT_AXES = ("dp_replicate", "edp", "ep", "etp")
 
 
@@ -35,29 +40,35 @@ class MoEParallelDims:
     tp: int = 1
     ep: int = 1
     etp: int = 1
+    pp: int = 1
 
     def __post_init__(self):
         # Types only (the descriptions go into the type error); the checks below say what folds.
         check_fields(self, "MoEParallelDims.", dp_shard="-1 (the rest of the world) or >= 1",
-                     **{n: ">= 1" for n in ("world_size", "dp_replicate", "cp", "tp", "ep", "etp")})
-        w = self.world_size
-        if w < 1:
-            raise ValueError(f"world_size must be >= 1, got {w}")
-        for name in ("dp_replicate", "cp", "tp", "ep", "etp"):
+                     **{n: ">= 1" for n in ("world_size", "dp_replicate", "cp", "tp", "ep", "etp", "pp")})
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        for name in ("dp_replicate", "cp", "tp", "ep", "etp", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.world_size % self.pp:
+            raise ValueError(f"pp ({self.pp}) must divide world_size {self.world_size} (pipeline stages of equal "
+                             f"size); valid pp: {divisors(self.world_size)}")
+        # Everything below folds the ranks of one pipeline stage.
+        w = self.stage_size
+        of = f"world_size {w}" if self.pp == 1 else f"the {w} ranks of a pipeline stage (world_size / pp)"
         if self.dp_shard == 0 or self.dp_shard < -1:
             raise ValueError(f"dp_shard must be >= 1 or -1 (the rest of the world), got {self.dp_shard}")
         fixed = self.dp_replicate * self.cp * self.tp
         if w % fixed != 0:
             raise ValueError(
                 f"dp_replicate * cp * tp = {self.dp_replicate}*{self.cp}*{self.tp} = {fixed} must divide "
-                f"world_size {w}; valid values for that product: {divisors(w)}"
+                f"{of}; valid values for that product: {divisors(w)}"
             )
         dp_shard = w // fixed if self.dp_shard == -1 else self.dp_shard
         if dp_shard * fixed != w:
             raise ValueError(
-                f"dp_replicate * dp_shard * cp * tp must equal world_size {w}, got "
+                f"dp_replicate * dp_shard * cp * tp must equal {of}, got "
                 f"{self.dp_replicate}*{dp_shard}*{self.cp}*{self.tp} = {dp_shard * fixed}; "
                 f"valid dp_shard here: {w // fixed} (or -1)"
             )
@@ -70,6 +81,14 @@ class MoEParallelDims:
                 f"(edp, ep, etp) folds over the same ranks as the dense (dp_shard, cp, tp). "
                 f"Valid ep: {divisors(folded)}; valid (ep, etp) pairs: {pairs}"
             )
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage: dp_replicate * dp_shard * cp * tp."""
+        return self.world_size // self.pp
+
+    def pp_coord(self, rank: int) -> int:
+        return rank // self.stage_size
 
     @property
     def edp(self) -> int:
@@ -94,10 +113,10 @@ class MoEParallelDims:
         return self.dp_replicate * self.dp_shard * self.cp
 
     def expert_coords(self, rank: int) -> dict[str, int]:
-        return _coords(rank, EXPERT_AXES, self.expert_shape)
+        return _coords(rank % self.stage_size, EXPERT_AXES, self.expert_shape)
 
     def dense_coords(self, rank: int) -> dict[str, int]:
-        return _coords(rank, DENSE_AXES, self.dense_shape)
+        return _coords(rank % self.stage_size, DENSE_AXES, self.dense_shape)
 
     def build_meshes(self, device_type: str = "cuda") -> "MoEMeshes":
         """Creates the process groups (collective); cached so repeated calls reuse them."""
@@ -122,6 +141,7 @@ class MoEMeshes:
     dp: "DeviceMesh"  # (dp_replicate, dp_shard_cp): where dense weights are FSDP-sharded
     tp: "DeviceMesh"  # dense tensor parallelism, on the same root mesh as `dp` (FSDP2 composes them)
     moe_dp: "DeviceMesh"  # (dp_replicate, moe_dp_axis): an MoE's dense weights and statistics
+    pp: "DeviceMesh | None"  # this rank's pipeline (one rank per stage); None when pp == 1
 
     @functools.cached_property
     def expert_by_plan(self) -> "DeviceMesh":
@@ -152,17 +172,28 @@ def _build(dims: MoEParallelDims, device_type: str) -> MoEMeshes:
             f"({dist.get_world_size()})"
         )
     ranks = torch.arange(dims.world_size)
-    dense = DeviceMesh(device_type, ranks.view(dims.dense_shape), mesh_dim_names=DENSE_AXES)
-    expert = DeviceMesh(device_type, ranks.view(dims.expert_shape), mesh_dim_names=EXPERT_AXES)
+
+    def stage_mesh(shape, names):
+        """The `shape` mesh, or with pp > 1 the (pp, *shape) mesh over the world (group creation is
+        collective over every rank): slicing any of `names` out of it gives this rank's stage's
+        submesh, with the root shared (FSDP2 composes with TP only on one root)."""
+        if dims.pp == 1:
+            return DeviceMesh(device_type, ranks.view(shape), mesh_dim_names=names)
+        return DeviceMesh(device_type, ranks.view(dims.pp, *shape), mesh_dim_names=("pp", *names))
+
+    dense_root, expert_root = stage_mesh(dims.dense_shape, DENSE_AXES), stage_mesh(dims.expert_shape, EXPERT_AXES)
+    dense, expert = (dense_root, expert_root) if dims.pp == 1 else (dense_root[DENSE_AXES], expert_root[EXPERT_AXES])
+    pp = None if dims.pp == 1 else dense_root["pp"]
     if dims.cp == 1:
-        dp, tp = dense["dp_replicate", "dp_shard"], dense["tp"]
+        dp, tp = dense_root["dp_replicate", "dp_shard"], dense_root["tp"]
     else:
         # Context-parallel shards see different tokens, so dense weights are sharded over them too.
         dp_shape = (dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp)
-        root = DeviceMesh(device_type, ranks.view(dp_shape), mesh_dim_names=("dp_replicate", "dp_shard_cp", "tp"))
+        root = stage_mesh(dp_shape, ("dp_replicate", "dp_shard_cp", "tp"))
         dp, tp = root["dp_replicate", "dp_shard_cp"], root["tp"]
     moe_dp = dp
     if dims.tp > 1:
-        moe_shape = (dims.dp_replicate, dims.world_size // dims.dp_replicate)
-        moe_dp = DeviceMesh(device_type, ranks.view(moe_shape), mesh_dim_names=("dp_replicate", dims.moe_dp_axis))
-    return MoEMeshes(dense=dense, expert=expert, dp=dp, tp=tp, moe_dp=moe_dp)
+        moe_shape = (dims.dp_replicate, dims.stage_size // dims.dp_replicate)
+        root = stage_mesh(moe_shape, ("dp_replicate", dims.moe_dp_axis))
+        moe_dp = root if dims.pp == 1 else root["dp_replicate", dims.moe_dp_axis]
+    return MoEMeshes(dense=dense, expert=expert, dp=dp, tp=tp, moe_dp=moe_dp, pp=pp)

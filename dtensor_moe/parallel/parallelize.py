@@ -234,7 +234,8 @@ def parallelize_model(
     kwargs = {"mesh": dp_fsdp_mesh(meshes, dims)}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
-    for block in model.layers:
+    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for block in blocks:
         apply_activation_checkpointing(block, activation_checkpoint)
         if compile:
             apply_compile(block, compile)

@@ -196,7 +196,7 @@ def ownership(wp: WeightPlan, dims: MoEParallelDims) -> Ownership:
     # Each element is held `want` times iff the boxes of every replica tile the tensor and the
     # volumes of all ranks' boxes add up to numel * want (no rank duplicates another).
     groups: dict[tuple, list] = {}
-    for r in range(dims.world_size):
+    for r in range(dims.stage_size):
         box = owned_box(wp, dims, r)
         vol = math.prod(s.stop - s.start for s in box)
         vols.append(vol)

@@ -27,7 +27,7 @@ def _box(wp: WeightPlan, dims: MoEParallelDims, rank: int) -> Box:
 def slice_holders(wp: WeightPlan, dims: MoEParallelDims) -> dict[Box, list[int]]:
     """Each distinct slice -> the ranks holding it, in order of first holder."""
     out: dict[Box, list[int]] = {}
-    for r in range(dims.world_size):
+    for r in range(dims.stage_size):
         out.setdefault(_box(wp, dims, r), []).append(r)
     return out
 
@@ -39,7 +39,7 @@ def rank_grid(wp: WeightPlan, dims: MoEParallelDims) -> tuple[list[list[int]], l
     boxes = list(slice_holders(wp, dims))
     index = {b: i for i, b in enumerate(boxes)}
     cols = dims.ep * dims.etp
-    rows = dims.world_size // cols
+    rows = dims.stage_size // cols
     grid = [[index[_box(wp, dims, row * cols + col)] for col in range(cols)] for row in range(rows)]
     return grid, boxes
 
@@ -69,7 +69,7 @@ def describe(config: MoEConfig, dims: MoEParallelDims) -> str:
         "",
         f"{'rank':>5} | {'dp_replicate':>12} {'edp':>4} {'ep':>4} {'etp':>4} | {'dp_shard':>8} {'cp':>3} {'tp':>3}",
     ]
-    for r in range(dims.world_size):
+    for r in range(dims.stage_size):
         c = rank_coords(dims, r)
         lines.append(f"{r:>5} | {c['dp_replicate']:>12} {c['edp']:>4} {c['ep']:>4} {c['etp']:>4} | {c['dp_shard']:>8} "
                      f"{c['cp']:>3} {c['tp']:>3}")
@@ -103,7 +103,7 @@ def save_png(config: MoEConfig, dims: MoEParallelDims, path: str):
     plans = plan_moe(config, dims)
     ncols = min(3, len(plans) + 1)
     nrows = -(-(len(plans) + 1) // ncols)
-    rows, cols = dims.world_size // (dims.ep * dims.etp), dims.ep * dims.etp
+    rows, cols = dims.stage_size // (dims.ep * dims.etp), dims.ep * dims.etp
     fig, axes = plt.subplots(nrows, ncols, figsize=(ncols * max(3.0, 0.9 * cols + 1), nrows * max(2.5, 0.7 * rows + 1.2)), squeeze=False)
     for ax, wp in zip(axes.flat, plans):
         grid, boxes = rank_grid(wp, dims)

@@ -2,7 +2,10 @@
 
 Every parameter is a complete n-D DTensor (experts on the expert mesh, dense weights on the dp
 mesh), so DCP saves each rank's slice with its global offsets and loads into any other mesh or
-world size, a single process included. There is no hand-written sharded format.
+world size, a single process included. There is no hand-written sharded format. A pipeline stage
+(`pipeline_stage` set: the model's parts on this rank, under the whole model's names) saves its
+own weights and loads its own from any checkpoint of the same model config, so checkpoints also
+reshard across stage splits (pp=2 -> pp=1 -> pp=2).
 
 API (call on every rank, with the same arguments):
 
@@ -391,6 +394,8 @@ def _check_compatible(ckpt: Path, metadata, model: nn.Module, model_sd: dict, wa
         for k, md in metadata.state_dict_metadata.items()
         if k.startswith("model.") and isinstance(md, TensorStorageMetadata)
     }
+    if getattr(model, "pipeline_stage", False):  # the other stages' weights are not this rank's to load
+        saved = {k: v for k, v in saved.items() if k in model_sd}
     problems = describe_mismatch(saved, {k: tuple(v.shape) for k, v in model_sd.items()}, "checkpoint")
     # Fields that keep every shape (n_heads, top_k, score_func, ...) still change what the weights mean.
     cfg_diff = describe_config_diff(saved_config(ckpt), model)

@@ -5,6 +5,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 
 from dtensor_moe.config import MOE_RULES, MoEConfig, check_routing
+from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK
 from dtensor_moe.validate import Range, above, at_least, check_fields
 
 BYTE_VOCAB = 256  # both data sources are byte-level (dtensor_moe.train.data.VOCAB_SIZE)
@@ -112,10 +113,19 @@ class ParallelConfig:
     etp: int = 1
     tp: int = 1  # dense tensor parallelism of attention, sequence-parallel between blocks
     cp: int = 1  # context parallelism: each rank a contiguous part of every sequence
+    pp: int = 1  # pipeline stages (outermost: world = pp * dp_replicate * dp_shard * cp * tp)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (2 stages per rank)
+    # Per step; the gradient is accumulated over them (also with pp = 1). 0: one per pipeline stage.
+    microbatches: int = 0
 
     def __post_init__(self):
         check_fields(self, "parallel.", nproc=at_least(1), device=("cpu", "cuda"), dp_replicate=at_least(1),
-                     ep=at_least(1), etp=at_least(1), tp=at_least(1), cp=at_least(1))
+                     ep=at_least(1), etp=at_least(1), tp=at_least(1), cp=at_least(1), pp=at_least(1),
+                     pp_schedule=tuple(PP_STAGES_PER_RANK), microbatches=at_least(0))
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches or self.pp * (PP_STAGES_PER_RANK[self.pp_schedule] if self.pp > 1 else 1)
 
 
 @dataclass(frozen=True)

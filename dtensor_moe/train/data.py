@@ -1,8 +1,9 @@
 """Training data that needs no download: the shipped corpus (byte-level) or a synthetic stream.
 
-The global batch of a step is a pure function of (seed, step); each data-parallel rank takes its
-own contiguous slice of it, so the global batch is identical for every mesh. Under context
-parallelism each CP rank takes its contiguous part of every sequence of its slice.
+The global batch of a step is a pure function of (seed, step), so it is identical for every mesh.
+It is `microbatches` contiguous microbatches; each data-parallel rank takes its own contiguous
+slice of every microbatch, so its rows, split into `microbatches` chunks, are its share of each.
+Under context parallelism each CP rank takes its contiguous part of every sequence of its slice.
 """
 
 from importlib import resources
@@ -40,22 +41,25 @@ def load_tokens(source: str, seed: int = 0) -> torch.Tensor:
     raise ValueError(f"data.source must be 'corpus' or 'synthetic', got {source!r}")
 
 
+def check_global_batch(global_batch: int, dp_size: int, microbatches: int = 1):
+    n = dp_size * microbatches
+    if global_batch % n != 0:
+        what = f"the data-parallel size ({dp_size})" + (f" times parallel.microbatches ({microbatches}) = {n}"
+                                                         if microbatches > 1 else "")
+        raise ValueError(f"training.global_batch ({global_batch}) must be divisible by {what}; "
+                         f"e.g. {[n * k for k in (1, 2, 4)]}")
+
+
 class Batches:
     def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int, dp_rank: int, dp_size: int,
-                 cp_rank: int = 0, cp: int = 1):
-        if global_batch % dp_size != 0:
-            valid = [b for b in range(dp_size, 4 * dp_size + 1, dp_size)]
-            raise ValueError(
-                f"training.global_batch ({global_batch}) must be divisible by the data-parallel size ({dp_size}); "
-                f"e.g. {valid}"
-            )
+                 cp_rank: int = 0, cp: int = 1, microbatches: int = 1):
+        check_global_batch(global_batch, dp_size, microbatches)
         if seq_len % cp:
             raise ValueError(f"training.seq_len ({seq_len}) must be divisible by parallel.cp ({cp})")
         if tokens.numel() <= seq_len + 1:
             raise ValueError(f"training.seq_len ({seq_len}) must be shorter than the corpus ({tokens.numel()} tokens)")
         self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
-        self.local = global_batch // dp_size
-        self.lo = dp_rank * self.local
+        self.microbatches, self.dp_size, self.dp_rank = microbatches, dp_size, dp_rank
         part = seq_len // cp
         self.cols = slice(cp_rank * part, (cp_rank + 1) * part)
 
@@ -63,7 +67,7 @@ class Batches:
         """(inputs_BL, targets_BL) of this rank at `step`."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(0, self.tokens.numel() - self.seq_len - 1, (self.global_batch,), generator=g)
-        starts = starts[self.lo : self.lo + self.local]
+        starts = starts.view(self.microbatches, self.dp_size, -1)[:, self.dp_rank].flatten()
         idx_BL = starts[:, None] + torch.arange(self.seq_len + 1)
         seq = self.tokens[idx_BL]
         return seq[:, :-1][:, self.cols], seq[:, 1:][:, self.cols]

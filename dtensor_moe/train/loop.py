@@ -146,25 +146,24 @@ def _check(cfg: Config, world: int):
     from dtensor_moe.parallel.plan import plan_moe
 
     from dtensor_moe.parallel.parallelize import check_compile, check_model_parallel
+    from dtensor_moe.parallel.pipeline import check_pipeline
+    from dtensor_moe.train.data import check_global_batch
 
-    p = cfg.parallel  # types and ranges of every field were checked when the config was built
+    p, m = cfg.parallel, cfg.model  # types and ranges of every field were checked when the config was built
     dims = _dims(cfg, world)
-    plan_moe(cfg.model.moe_config(), dims)
+    plan_moe(m.moe_config(), dims)
     check_compile(cfg.training.activation_checkpoint, cfg.training.compile, "training.")
     check_model_parallel(dims, cfg.training.compile, "training.")
-    dp = world // (p.cp * p.tp)  # ranks with different sequences; CP and TP ranks split each sequence
-    if cfg.training.global_batch % dp:
-        raise ValueError(
-            f"training.global_batch ({cfg.training.global_batch}) must be divisible by the data-parallel size "
-            f"({dp}); e.g. {[dp * k for k in (1, 2, 4)]}"
-        )
+    check_pipeline(dims, p.pp_schedule, p.num_microbatches, m.n_layers, m.tie_embeddings, cfg.training.compile)
+    # CP and TP ranks split each sequence; the other ranks read different sequences.
+    check_global_batch(cfg.training.global_batch, dims.dp_replicate * dims.dp_shard, p.num_microbatches)
 
 
 def _dims(cfg: Config, world: int):
     from dtensor_moe.parallel.mesh import MoEParallelDims
 
     p = cfg.parallel
-    return MoEParallelDims(world, dp_replicate=p.dp_replicate, cp=p.cp, tp=p.tp, ep=p.ep, etp=p.etp)
+    return MoEParallelDims(world, dp_replicate=p.dp_replicate, cp=p.cp, tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp)
 
 
 def parity(cfg: Config, run_dir: str) -> tuple[int, str]:
@@ -172,7 +171,9 @@ def parity(cfg: Config, run_dir: str) -> tuple[int, str]:
 
     Returns (rc, the line that says how it went)."""
     # The reference is the plain eager single process: no compile, no activation checkpointing.
-    ref_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc=1, dp_replicate=1, ep=1, etp=1, tp=1, cp=1),
+    # It accumulates gradients over the same microbatches (each MoE's load-balancing loss is per microbatch).
+    ref_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc=1, dp_replicate=1, ep=1, etp=1, tp=1, cp=1, pp=1,
+                                            microbatches=cfg.parallel.num_microbatches),
                       training=replace(cfg.training, compile=False, activation_checkpoint="none"))
     ref_dir = os.path.join(run_dir, "reference_1proc")
     cmd = [*_TORCHRUN, "--nproc-per-node=1"]
@@ -204,7 +205,6 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
     """The training loop, run by every rank (environment set by torchrun)."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from dtensor_moe.train.data import Batches, load_tokens
@@ -212,6 +212,7 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
     from dtensor_moe.parallel.parallelize import parallelize_model
+    from dtensor_moe.parallel.pipeline import Pipeline, cross_entropy, stage_view
     from dtensor_moe.parallel.plan import plan_moe
 
     # The grad-norm all-reduce over the 3-axis expert mesh is one scalar per axis; not worth a warning per rank.
@@ -233,15 +234,34 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
     model = MoETransformer(cfg.model).to(device)
     n_params = sum(p.numel() for p in model.parameters())  # counted before sharding: the whole model
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if t.dtype == "bf16" else None
-    parallelize_model(model, dims, device_type=device.type, mp_policy=mp, compile=t.compile,
-                      activation_checkpoint=t.activation_checkpoint)
+
+    def parallelize(module):
+        parallelize_model(module, dims, device_type=device.type, mp_policy=mp, compile=t.compile,
+                          activation_checkpoint=t.activation_checkpoint)
+
+    pp_group = None
+    if p.pp > 1:
+        pp_mesh = dims.build_meshes(device.type).pp
+        pp_group = pp_mesh.get_group()
+        act_dtype = torch.bfloat16 if t.dtype == "bf16" else torch.get_default_dtype()
+        pipe = Pipeline(model, pp_mesh, p.pp_schedule, p.num_microbatches,
+                        t.global_batch // (dims.dp_replicate * dims.dp_shard), t.seq_len // dims.cp, act_dtype, device,
+                        parallelize)
+        parts, forward_backward = pipe.parts, pipe.step
+    else:
+        parallelize(model)
+        parts, forward_backward = [model], _accumulating(model, p.num_microbatches, cross_entropy)
+    del model  # with pp > 1 each stage holds a copy of its own layers
+    # One module with the original parameter names over this rank's stages: optimizer and checkpoints.
+    model = stage_view(parts)
     optimizer = build_optimizer(model, t.lr, t.weight_decay)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
-    # TP ranks read the same sequences (the embedding splits them); CP ranks each their part of them.
+    # TP ranks read the same sequences (the embedding splits them); CP ranks each their part of them;
+    # pipeline stages the same as every other stage.
     coords = dims.dense_coords(rank)
     batches = Batches(load_tokens(cfg.data.source, t.seed), t.seq_len, t.global_batch, t.seed,
                       coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"], dims.dp_replicate * dims.dp_shard,
-                      cp_rank=coords["cp"], cp=dims.cp)
+                      cp_rank=coords["cp"], cp=dims.cp, microbatches=p.num_microbatches)
 
     ckpt = _checkpointing(args, run_dir, t.steps)
     start = ckpt.resume(model, optimizer, scheduler) if ckpt else 0
@@ -251,27 +271,28 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
     for step in range(start, t.steps):
         t0 = time.perf_counter()
         inputs_BL, targets_BL = (b.to(device) for b in batches(step))
-        logits_BLV = model(inputs_BL)
-        ce = F.cross_entropy(logits_BLV.flatten(0, 1).float(), targets_BL.flatten())
-        aux = model.aux_loss()
-        (ce + aux).backward()
-        grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
+        ce, aux = forward_backward(inputs_BL, targets_BL)
+        grad_norm = clip_grad_norm_(model.parameters(), t.max_norm, pp_group)
         optimizer.step()
         if step == t.steps - 1:
             state = local_state_bytes(model, optimizer)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        model.update_expert_bias()
+        for part in parts:
+            part.update_expert_bias()
         # One small all-gather per step for loss, aux loss and each rank's peak memory (float64
         # holds byte counts exactly). Ranks' batches are equal-sized: the mean of means is the global mean.
-        local = torch.tensor([ce.item(), float(aux), peak_memory_bytes(device)], dtype=torch.float64, device=device)
+        # Stages are outermost: the cross-entropy is the last stage's, the aux loss sums over stages.
+        local = torch.tensor([ce, aux, peak_memory_bytes(device)], dtype=torch.float64, device=device)
         gathered = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(gathered, local)
         per_rank = torch.stack(gathered).cpu()
+        per_stage = per_rank.view(dims.pp, dims.stage_size, -1)
         dt = time.perf_counter() - t0
         if writer:
             writer.step({
-                "step": step + 1, "loss": per_rank[:, 0].mean().item(), "aux_loss": per_rank[:, 1].mean().item(),
+                "step": step + 1, "loss": per_stage[-1, :, 0].mean().item(),
+                "aux_loss": per_stage[:, :, 1].mean(1).sum().item(),
                 "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
                 "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                 "peak_mem_per_rank_gib": (per_rank[:, 2] / 2**30).tolist(),
@@ -303,6 +324,24 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
         })
     dist.barrier()  # no rank tears down gloo while a peer still talks to it
     dist.destroy_process_group()
+
+
+def _accumulating(model, microbatches: int, loss_fn):
+    """Forward and backward of every microbatch in turn (gradient accumulation), the objective of
+    the pipeline schedules: mean over microbatches of (loss + the MoE layers' aux loss)."""
+
+    import torch
+
+    def forward_backward(inputs_BL, targets_BL) -> tuple[float, float]:
+        ce_sum = aux_sum = 0.0
+        for x_BL, y_BL in zip(inputs_BL.tensor_split(microbatches), targets_BL.tensor_split(microbatches)):
+            ce = loss_fn(model(x_BL), y_BL)
+            aux = model.aux_loss()
+            ((ce + aux) / microbatches).backward()
+            ce_sum, aux_sum = ce_sum + ce.item(), aux_sum + float(torch.as_tensor(aux).detach())
+        return ce_sum / microbatches, aux_sum / microbatches
+
+    return forward_backward
 
 
 class _Checkpointing:

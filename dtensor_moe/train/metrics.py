@@ -117,8 +117,9 @@ def summary_lines(summary: dict, run_dir: str, parity_line: str | None = None) -
     hsdp = f"HSDP{mesh['dp_replicate']} x " if mesh["dp_replicate"] > 1 else ""
     cp, tp = mesh.get("cp", 1), mesh.get("tp", 1)
     dense = f"FSDP{mesh['dp_shard'] * cp}" + (f" (CP{cp})" if cp > 1 else "") + (f" x TP{tp}" if tp > 1 else "")
+    pp = f"PP{mesh['pp']} stages, each: " if mesh.get("pp", 1) > 1 else ""
     lines.append(
-        f"mesh     {summary['world_size']} ranks on {summary['device']}: experts {hsdp}EDP{mesh['edp']} x EP{mesh['ep']} x "
+        f"mesh     {summary['world_size']} ranks on {summary['device']}: {pp}experts {hsdp}EDP{mesh['edp']} x EP{mesh['ep']} x "
         f"ETP{mesh['etp']}, dense weights {hsdp}{dense}"
     )
     if summary["final_loss"] is not None:

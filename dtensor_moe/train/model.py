@@ -62,11 +62,15 @@ class Block(nn.Module):
 
 
 class MoETransformer(nn.Module):
+    """`layers` is keyed by layer index (ModuleDict): a pipeline stage keeps a subset under the same
+    names, so checkpoints reshard across stage splits. A stage may lack `tok_embeddings` (it takes
+    hidden states) or `norm` and `output` (it returns hidden states); forward skips what is absent."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.reset_parameters()
@@ -74,7 +78,7 @@ class MoETransformer(nn.Module):
     def reset_parameters(self):
         nn.init.normal_(self.tok_embeddings.weight, std=0.02)
         std_out = 0.02 / (2 * self.config.n_layers) ** 0.5
-        for block in self.layers:
+        for block in self.layers.values():
             for w in (block.attention.wq, block.attention.wk, block.attention.wv):
                 nn.init.normal_(w.weight, std=0.02)
             nn.init.normal_(block.attention.wo.weight, std=std_out)
@@ -83,17 +87,19 @@ class MoETransformer(nn.Module):
             nn.init.normal_(self.output.weight, std=self.config.dim**-0.5)
 
     def forward(self, tokens_BL: torch.Tensor) -> torch.Tensor:
-        h_BLD = self.tok_embeddings(tokens_BL)
-        for block in self.layers:
+        h_BLD = tokens_BL if self.tok_embeddings is None else self.tok_embeddings(tokens_BL)
+        for block in self.layers.values():
             h_BLD = block(h_BLD)
+        if self.norm is None:  # a pipeline stage before the last returns hidden states
+            return h_BLD
         h_BLD = self.norm(h_BLD)
         # The head as a module call when untied, so tensor parallelism's hooks on it run.
-        return F.linear(h_BLD, self.tok_embeddings.weight) if self.output is None else self.output(h_BLD)
+        return F.linear(h_BLD, self.tok_embeddings.weight) if self.config.tie_embeddings else self.output(h_BLD)
 
     def aux_loss(self) -> torch.Tensor | float:
         """Sum of the MoE layers' load-balancing losses from the last forward (0 when disabled)."""
-        return sum(b.moe.aux_loss for b in self.layers if b.moe.aux_loss is not None) or 0.0
+        return sum(b.moe.aux_loss for b in self.layers.values() if b.moe.aux_loss is not None) or 0.0
 
     def update_expert_bias(self):
-        for block in self.layers:
+        for block in self.layers.values():
             block.moe.update_expert_bias()

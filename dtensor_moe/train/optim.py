@@ -39,8 +39,13 @@ def global_grad_norm(params) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.tensor(0.0)
 
 
-def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
+    """`pp_group`: the pipeline stages of this rank (each holds other parameters); their norms combine too."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params)
+    if pp_group is not None:
+        norm = norm**2
+        torch.distributed.all_reduce(norm, group=pp_group)
+        norm = norm.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=False)
     return norm

@@ -1,0 +1,174 @@
+"""Pipeline parallelism: split a model's `layers` into stages run by torch.distributed.pipelining.
+
+Stage s of S holds a contiguous run of layers (the first stage also `tok_embeddings`, the last
+`norm` and `output`); a rank holds stages rank, rank + pp, ... (one stage, or `STAGES_PER_RANK`
+for the interleaved schedule). Each stage is a pruned copy of the model with the original
+parameter names, parallelized by the caller's function on the meshes of its pipeline stage.
+
+The objective is the single-process one with gradient accumulation over the same microbatches:
+mean over microbatches of (cross-entropy + every MoE layer's load-balancing loss). The schedule's
+loss function sees only the cross-entropy on the last stage, so each MoE's loss is attached to
+its output (`_AttachLoss`): its gradient (weight 1 per microbatch; the schedule divides every
+gradient by the microbatch count) enters in the backward of the stage that produced it.
+"""
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from dtensor_moe.moe import MoE, recomputing
+from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK as STAGES_PER_RANK
+from dtensor_moe.parallel.mesh import MoEParallelDims
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+def check_pipeline(dims: MoEParallelDims, schedule: str, microbatches: int, n_layers: int, tie_embeddings: bool,
+                   compile: bool | str = False, prefix: str = "parallel."):
+    """What the pipeline needs, checked before any collective (nothing when dims.pp == 1)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"{prefix}pp_schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
+    pp = dims.pp
+    if pp == 1:
+        return
+    if dims.tp > 1:
+        # Sequence-parallel activations leave a block as DTensors; the stages exchange plain tensors.
+        raise ValueError(f"{prefix}pp > 1 together with {prefix}tp > 1 is not supported yet; valid: tp = 1 with pp, "
+                         "or pp = 1 with tp")
+    stages = pp * STAGES_PER_RANK[schedule]
+    if n_layers < stages:
+        raise ValueError(f"model.n_layers ({n_layers}) must be >= the pipeline stages ({stages} = {prefix}pp {pp} x "
+                         f"{STAGES_PER_RANK[schedule]} per rank for {schedule!r}): every stage holds a layer; valid "
+                         f"{prefix}pp here: {[p for p in range(1, n_layers + 1) if p * STAGES_PER_RANK[schedule] <= n_layers]}")
+    if tie_embeddings:
+        raise ValueError(f"model.tie_embeddings=true is not supported with {prefix}pp > 1 (the embedding and the "
+                         "output head live on different stages); valid: model.tie_embeddings=false, or pp=1")
+    if compile:
+        raise ValueError(f"training.compile is not supported with {prefix}pp > 1 yet (each MoE's load-balancing loss "
+                         "is attached to its output by a module hook); valid: compile=false, or pp=1")
+    if schedule == "1f1b" and microbatches < pp:
+        raise ValueError(f"{prefix}microbatches ({microbatches}) must be >= {prefix}pp ({pp}) for pp_schedule '1f1b'; "
+                         f"valid: {list(range(pp, 4 * pp + 1))}, ... or pp_schedule 'gpipe'")
+    if schedule == "interleaved_1f1b":
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            valid = [m for m in range(1, 4 * pp + 1) if m % max(1, m // pp) == 0]
+            raise ValueError(f"{prefix}microbatches ({microbatches}) must be a multiple of max(1, microbatches // pp) "
+                             f"= {rounds} for pp_schedule 'interleaved_1f1b'; valid up to {4 * pp}: {valid}")
+
+
+def stage_layers(n_layers: int, num_stages: int) -> list[list[int]]:
+    """Contiguous layer ids per stage, as even as possible (the first stages take the remainder)."""
+    base, extra = divmod(n_layers, num_stages)
+    out, lo = [], 0
+    for s in range(num_stages):
+        hi = lo + base + (s < extra)
+        out.append(list(range(lo, hi)))
+        lo = hi
+    return out
+
+
+def split_stage(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
+    """A copy of `model` with only these layers (original names) and the ends this stage owns."""
+    part = copy.deepcopy(model)
+    keep = {str(i) for i in layer_ids}
+    for name in [n for n in part.layers if n not in keep]:
+        del part.layers[name]
+    if not first:
+        part.tok_embeddings = None
+    if not last:
+        part.norm = part.output = None
+    part.pipeline_stage = True  # holds part of the model: checkpoints hold the other stages' weights too
+    return part
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Identity on `y` (a copy: FSDP warns about a unit returning a view); backward also gives `loss`
+    the gradient 1, as if it were added to the objective."""
+
+    @staticmethod
+    def forward(ctx, y, loss):
+        ctx.loss_shape = loss.shape
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return grad_y, grad_y.new_ones(ctx.loss_shape)
+
+
+class Pipeline:
+    """This rank's stages and the schedule; `step` runs one global batch (all microbatches)."""
+
+    def __init__(self, model: nn.Module, pp_mesh, schedule: str, microbatches: int, local_batch: int,
+                 seq_len: int, activation_dtype: torch.dtype, device: torch.device,
+                 parallelize: Callable[[nn.Module], None]):
+        pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+        num_stages = pp * STAGES_PER_RANK[schedule]
+        layers = stage_layers(len(model.layers), num_stages)
+        self.microbatches = microbatches
+        self.parts, stages = [], []
+        self._aux: list[torch.Tensor] = []
+        mb, L = local_batch // microbatches, seq_len
+        cfg = model.config
+        for s in range(rank, num_stages, pp):
+            first, last = s == 0, s == num_stages - 1
+            part = split_stage(model, layers[s], first, last)
+            for m in part.modules():
+                if isinstance(m, MoE):
+                    m.register_forward_hook(self._attach_aux)
+            parallelize(part)
+            # Static stage metadata: torch's dynamic inference would run an extra forward and backward,
+            # counting tokens per expert twice.
+            # (requires_grad says that gradients flow back through the stage boundary.)
+            x = torch.zeros(mb, L, dtype=torch.long, device=device) if first else \
+                torch.empty(mb, L, cfg.dim, dtype=activation_dtype, device=device, requires_grad=True)
+            y = torch.empty(mb, L, cfg.vocab_size if last else cfg.dim, dtype=activation_dtype, device=device,
+                            requires_grad=True)
+            stages.append(PipelineStage(part, s, num_stages, device, input_args=x, output_args=y,
+                                        group=pp_mesh.get_group()))
+            self.parts.append(part)
+        self.has_first = stages[0].is_first
+        self.has_last = stages[-1].is_last
+        cls = SCHEDULES[schedule]
+        self.schedule = cls(stages if STAGES_PER_RANK[schedule] > 1 else stages[0], n_microbatches=microbatches,
+                            loss_fn=cross_entropy, scale_grads=True)
+
+    def _attach_aux(self, moe: MoE, args, y):
+        if moe.aux_loss is None:
+            return None
+        if not recomputing():
+            self._aux.append(moe.aux_loss.detach())
+        return _AttachLoss.apply(y, moe.aux_loss)
+
+    def step(self, inputs_BL: torch.Tensor, targets_BL: torch.Tensor) -> tuple[float, float]:
+        """Forward and backward of every microbatch. Returns this rank's (cross-entropy, aux loss),
+        each the mean over microbatches: the cross-entropy on the last stage (else 0), the aux loss
+        summed over this rank's stages' MoE layers (the caller sums it over stages)."""
+        self._aux.clear()
+        losses: list[torch.Tensor] = []
+        self.schedule.step(inputs_BL if self.has_first else None, target=targets_BL if self.has_last else None,
+                           losses=losses, return_outputs=False)
+        ce = sum(float(x.detach()) for x in losses) / self.microbatches if self.has_last else 0.0
+        return ce, float(sum(self._aux)) / self.microbatches
+
+
+def stage_view(parts: list[nn.Module]) -> nn.Module:
+    """One module over this rank's stages with the whole model's parameter names (for the optimizer
+    and checkpoints): the single part itself, or a container of the parts' layers and ends."""
+    if len(parts) == 1:
+        return parts[0]
+    view = nn.Module()
+    view.config, view.pipeline_stage = parts[0].config, True
+    view.layers = nn.ModuleDict({n: b for part in parts for n, b in part.layers.items()})
+    for name in ("tok_embeddings", "norm", "output"):
+        setattr(view, name, next((getattr(p, name) for p in parts if getattr(p, name) is not None), None))
+    return view
+
+
+def cross_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
+    # At least fp32 (bf16 logits are too coarse for the loss); fp64 stays fp64, so a float64 check is exact.
+    dtype = torch.promote_types(logits_BLV.dtype, torch.float32)
+    return torch.nn.functional.cross_entropy(logits_BLV.flatten(0, 1).to(dtype), targets_BL.flatten())
