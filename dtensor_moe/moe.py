@@ -4,10 +4,13 @@ It knows nothing about parallelism. `parallelize_moe` swaps `stats` for a reduce
 data-parallel ranks and wraps `experts` with the expert-parallel dispatcher.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtensor_moe.capacity import kept_pairs
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.experts import GroupedExperts
 from dtensor_moe.router import TopKRouter
@@ -24,11 +27,18 @@ def recomputing() -> bool:
 
 
 class LocalStats:
-    """Load-balancing statistics on one process: the batch is all the data there is."""
+    """Load-balancing statistics on one process: the batch is all the data there is.
+
+    `sum`: over every rank holding different tokens. `sequence_sum`: per-sequence statistics
+    (leading dim = the rows of x_BLD) over the ranks holding pieces of the same sequences; the
+    identity while every rank holds whole sequences."""
 
     num_ranks = 1
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def sequence_sum(self, t: torch.Tensor) -> torch.Tensor:
         return t
 
 
@@ -68,7 +78,10 @@ class MoE(nn.Module):
         else:
             self.expert_bias = None
         self.stats = LocalStats()
+        # The last forward's balance losses, each the global-batch value (None when disabled).
         self.aux_loss: torch.Tensor | None = None
+        self.seq_aux_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02):
@@ -94,28 +107,67 @@ class MoE(nn.Module):
                 self.tokens_per_expert += counts_E
         if cfg.load_balance == "aux_loss":
             self.aux_loss = self._aux_loss(r.scores_TE, self.stats.sum(counts_E.float()))
+        if cfg.seq_aux_loss_coeff:
+            self.seq_aux_loss = self._seq_aux_loss(r.scores_TE, r.experts_TK, x_BLD.shape)
+        if cfg.z_loss_coeff:
+            self.z_loss = self._z_loss(r.logits_TE)
 
-        y_BLD = self.experts(x_BLD, counts_E, TokenCopies.build(order_N, sorted_N, r.weights_TK))
+        weights_TK = r.weights_TK
+        if cfg.capacity_factor is not None:
+            # Statistics and balance losses above see what the router asked for, before dropping.
+            keep_TK = kept_pairs(weights_TK, r.experts_TK, counts_E, cfg.capacity_factor, cfg.drop_policy)
+            weights_TK = weights_TK * keep_TK
+        y_BLD = self.experts(x_BLD, counts_E, TokenCopies.build(order_N, sorted_N, weights_TK))
         if self.shared_experts is not None:
             return y_BLD + self.shared_experts(x_BLD)
         return y_BLD
 
-    def _aux_loss(self, scores_TE: torch.Tensor, global_counts_E: torch.Tensor) -> torch.Tensor:
-        """DeepSeek's batch-level balance loss sum_e f_e * P_e over the *global* batch.
+    def losses(self) -> list[torch.Tensor]:
+        """The enabled balance losses of the last forward (aux, sequence-wise, z), to add to the loss."""
+        return [t for t in (self.aux_loss, self.seq_aux_loss, self.z_loss) if t is not None]
 
-        Each rank returns the global value; its gradient is this rank's share scaled so that the
-        mean over ranks (the data-parallel loss convention) has exactly the global gradient.
-        """
+    def _global(self, local: torch.Tensor, scale) -> torch.Tensor:
+        """scale * (sum of `local` over the ranks) on every rank, with this rank's share of the
+        gradient scaled so that the mean over ranks (the data-parallel loss convention) has exactly
+        the global gradient."""
+        mine = local * scale * self.stats.num_ranks
+        return mine + (self.stats.sum(local.detach()) * scale - mine).detach()
+
+    def _balance_scores(self, scores_TE: torch.Tensor) -> torch.Tensor:
+        if self.config.score_func == "sigmoid":  # DeepSeek-V3 measures normalized sigmoid scores
+            return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores_TE
+
+    def _aux_loss(self, scores_TE: torch.Tensor, global_counts_E: torch.Tensor) -> torch.Tensor:
+        """DeepSeek's batch-level balance loss sum_e f_e * P_e over the *global* batch."""
         cfg = self.config
-        num_tokens = global_counts_E.sum() / cfg.top_k
-        if cfg.score_func == "sigmoid":  # DeepSeek-V3 measures normalized sigmoid scores
-            scores_TE = scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
-        f_E = global_counts_E * cfg.num_experts / (cfg.top_k * num_tokens.clamp(min=1))
-        local_sum_E = scores_TE.sum(dim=0)
-        scale = cfg.aux_loss_coeff / num_tokens.clamp(min=1)
-        local = (f_E * local_sum_E).sum() * scale * self.stats.num_ranks
-        global_value = (f_E * self.stats.sum(local_sum_E.detach())).sum() * scale
-        return local + (global_value - local).detach()
+        num_tokens = (global_counts_E.sum() / cfg.top_k).clamp(min=1)
+        f_E = global_counts_E * cfg.num_experts / (cfg.top_k * num_tokens)
+        return self._global((f_E * self._balance_scores(scores_TE).sum(dim=0)).sum(), cfg.aux_loss_coeff / num_tokens)
+
+    def _seq_aux_loss(self, scores_TE: torch.Tensor, experts_TK: torch.Tensor, shape) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss, mean over the global batch's sequences of
+        sum_e f_be * P_be, f_be = E / (K * L_b) * (tokens of b routed to e), P_be = mean over b's
+        tokens of the (normalized) scores; sequences are the rows of x_BLD."""
+        cfg = self.config
+        E, K = cfg.num_experts, cfg.top_k
+        B, L = math.prod(shape[:-2]), (shape[-2] if len(shape) > 1 else 1)
+        p_BLE = self._balance_scores(scores_TE).view(B, L, E)
+        # Per sequence: tokens per expert, and its length, both over every piece of the sequence.
+        counts_BE = p_BLE.new_zeros(B, E).scatter_add_(1, experts_TK.reshape(B, L * K), p_BLE.new_ones(B, L * K))
+        whole = self.stats.sequence_sum(torch.cat([counts_BE, p_BLE.new_full((B, 1), L)], dim=1))
+        counts_BE, length_B1 = whole[:, :E], whole[:, E:].clamp(min=1)
+        f_BE = counts_BE * E / (K * length_B1)
+        # Linear in this piece's score sums once f is known: the pieces' terms add up to the sequence's.
+        local = (f_BE * p_BLE.sum(dim=1) / length_B1).sum()
+        num_sequences = self.stats.sum((L / length_B1).sum()).clamp(min=1)  # each sequence once over its pieces
+        return self._global(local, cfg.seq_aux_loss_coeff / num_sequences)
+
+    def _z_loss(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        """Router z-loss (ST-MoE): mean over the global batch's tokens of logsumexp(logits)^2."""
+        local = torch.logsumexp(logits_TE, dim=-1).square().sum()
+        num_tokens = self.stats.sum(logits_TE.new_full((), logits_TE.shape[0])).clamp(min=1)
+        return self._global(local, self.config.z_loss_coeff / num_tokens)
 
     @torch.no_grad()
     def global_tokens_per_expert(self) -> torch.Tensor:

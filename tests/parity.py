@@ -55,6 +55,10 @@ class Case:
     cp: int = 1
     tp: int = 1
     expert_precision: str = "bf16"  # "fp8": both sides quantize the same rows (CPU emulation), so parity stays tight
+    seq_aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    capacity_factor: float | None = None
+    drop_policy: str = "probs"
 
 
 def build(case: Case, world_size: int):
@@ -75,6 +79,10 @@ def build(case: Case, world_size: int):
         activation=case.activation,
         swiglu_limit=1.0,
         expert_precision=case.expert_precision,
+        seq_aux_loss_coeff=case.seq_aux_loss_coeff,
+        z_loss_coeff=case.z_loss_coeff,
+        capacity_factor=case.capacity_factor,
+        drop_policy=case.drop_policy,
     )
     dims = MoEParallelDims(world_size, dp_replicate=case.dp_replicate, cp=case.cp, tp=case.tp, ep=case.ep, etp=case.etp)
     dtype = getattr(torch, case.dtype)
@@ -118,9 +126,17 @@ def check_parity(rank: int, world_size: int, case: Case) -> dict:
     # Reference: one process, the concatenated batch, loss = mean over ranks of each rank's loss.
     x_ref = x.clone().requires_grad_(True)
     y_ref = ref(x_ref)
-    loss_ref = sum((y_ref[_slice(case, dims, r)] * grad_out[_slice(case, dims, r)]).sum() for r in range(R)) / R
-    if cfg.load_balance == "aux_loss":
-        loss_ref = loss_ref + ref.aux_loss
+    if cfg.capacity_factor is None:
+        outs = [y_ref[_slice(case, dims, r)] for r in range(R)]
+    else:
+        # Capacity is per rank's tokens: the reference output runs each rank's slice on its own; the
+        # balance losses and statistics stay the whole batch's (they see the choices before dropping).
+        losses, counts = (ref.aux_loss, ref.seq_aux_loss, ref.z_loss), ref.tokens_per_expert.clone()
+        outs = [ref(x_ref[_slice(case, dims, r)]) for r in range(R)]
+        (ref.aux_loss, ref.seq_aux_loss, ref.z_loss) = losses
+        ref.tokens_per_expert.copy_(counts)
+    loss_ref = sum((outs[r] * grad_out[_slice(case, dims, r)]).sum() for r in range(R)) / R
+    loss_ref = loss_ref + sum(ref.losses())
     loss_ref.backward()
 
     if case.compile:
@@ -140,12 +156,13 @@ def check_parity(rank: int, world_size: int, case: Case) -> dict:
             model.set_requires_gradient_sync(mb == case.microbatches - 1)
             y_r = model(x_r)
             loss_r = (y_r * grad_out[mine]).sum()
-            if cfg.load_balance == "aux_loss":
-                loss_r = loss_r + model.aux_loss
-                errs["aux_loss"] = _err(model.aux_loss.detach(), ref.aux_loss.detach())
+            loss_r = loss_r + sum(model.losses())
+            for name in ("aux_loss", "seq_aux_loss", "z_loss"):
+                if getattr(ref, name) is not None:
+                    errs[name] = _err(getattr(model, name).detach(), getattr(ref, name).detach())
             loss_r.backward()
 
-    errs["out"] = _err(y_r.detach(), y_ref[mine].detach())
+    errs["out"] = _err(y_r.detach(), outs[rank].detach())
     n = case.microbatches
     # From the second microbatch on, every expert weight gradient is summed by the GEMMs themselves.
     # Compiled graphs leave accumulation to autograd (the in-GEMM sum reads .grad, which a graph cannot),

@@ -67,6 +67,10 @@ def cases(draw, world_size: int):
         num_expert_groups=groups,
         num_limited_groups=limited,
         router_bias=draw(st.booleans()),
+        seq_aux_loss_coeff=draw(st.sampled_from([0.0, 0.3])),
+        z_loss_coeff=draw(st.sampled_from([0.0, 0.01])),
+        capacity_factor=draw(st.sampled_from([None, None, 0.5, 1.0])),
+        drop_policy=draw(st.sampled_from(["probs", "position"])),
     )
     # FP8 experts one draw in four where the quantization blocks are the reference's, i.e. pure EP: ETP
     # splits the rows the forward's w2 and h scales span, and data parallelism (replicas, EDP) splits an

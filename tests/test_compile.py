@@ -25,9 +25,10 @@ def test_compiled_block_has_no_graph_breaks_and_recompiles_at_most_once():
 
     from dtensor_moe.parallel.compile import apply_compile
 
-    # Group-limited routing, a gate bias and gpt-oss's experts too: every feature must trace without breaks.
+    # Every feature (groups, gate bias, gpt-oss's experts, all three balance losses, capacity) must trace without breaks.
     model = _model(n_layers=1, load_balance="aux_loss", num_expert_groups=2, num_limited_groups=1, router_bias=True,
-                   expert_biases=True, activation="clamped_swiglu", swiglu_limit=1.0)
+                   expert_biases=True, activation="clamped_swiglu", swiglu_limit=1.0, seq_aux_loss_coeff=0.1,
+                   z_loss_coeff=0.01, capacity_factor=1.0)
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
     counters.clear()
@@ -37,7 +38,7 @@ def test_compiled_block_has_no_graph_breaks_and_recompiles_at_most_once():
         outs = []
         for b in (block, eager.layers["0"]):
             xx = x.clone().requires_grad_(True)
-            (b(xx).square().sum() + b.moe.aux_loss).backward()
+            (b(xx).square().sum() + sum(b.moe.losses())).backward()
             outs.append((xx.grad, [p.grad.clone() for p in b.parameters()]))
         torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-12, atol=1e-12)
         for a, e in zip(outs[0][1], outs[1][1]):

@@ -1,5 +1,6 @@
 """The unparallelized MoE (the reference every parallel test trusts) against a naive per-token loop."""
 
+import math
 from unittest import mock
 
 import pytest
@@ -279,3 +280,67 @@ def test_forward_names_the_expected_input(x):
     moe = MoE(MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2))
     with pytest.raises(ValueError, match=r"MoE expects \[\.\.\., dim=8\] floating-point input, got shape"):
         moe(x)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid", "topk_softmax"])
+def test_sequence_aux_and_z_losses_match_their_definitions(score_func):
+    """DeepSeek-V3's sequence-wise loss (eqs. 17-20), per row of x_BLD, averaged over rows; the
+    ST-MoE z-loss averaged over tokens; values and router gradients."""
+    moe = _random_moe(num_experts=6, top_k=2, score_func=score_func, seq_aux_loss_coeff=0.3, z_loss_coeff=0.02)
+    B, L, E, K = 3, 5, 6, 2
+    x = torch.randn(B, L, 8, dtype=torch.float64)
+    moe(x)
+    w = moe.router.gate.weight
+    logits = x @ w.T
+    s = torch.sigmoid(logits) if score_func == "sigmoid" else torch.softmax(logits, -1)
+    s_norm = s / s.sum(-1, keepdim=True)
+    seq = 0.0
+    for b in range(B):
+        chosen = moe.router(x[b]).experts_TK
+        f = torch.stack([(chosen == e).sum() for e in range(E)]).double() * E / (K * L)
+        seq = seq + (f * s_norm[b].mean(0)).sum()
+    seq = 0.3 * seq / B
+    z = 0.02 * torch.logsumexp(logits, -1).square().mean()
+    for got, want in ((moe.seq_aux_loss, seq), (moe.z_loss, z)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(torch.autograd.grad(got, w, retain_graph=True)[0], torch.autograd.grad(want, w, retain_graph=True)[0],
+                                   rtol=1e-12, atol=1e-12)
+    assert moe.aux_loss is None and len(moe.losses()) == 2
+
+
+def megatron_keep(weights_TK, experts_TK, num_experts, capacity_factor, drop_policy):
+    """Each expert's pairs in token order ("position") or by descending weight ("probs", ties in
+    token order); the first ceil(T * K / E * capacity_factor) are kept."""
+    T, K = weights_TK.shape
+    C = math.ceil(T * K / num_experts * capacity_factor)
+    keep = torch.zeros(T, K, dtype=torch.bool)
+    for e in range(num_experts):
+        pairs = [(t, k) for t in range(T) for k in range(K) if experts_TK[t, k] == e]
+        if drop_policy == "probs":
+            pairs.sort(key=lambda p: -weights_TK[p].item())
+        for p in pairs[:C]:
+            keep[p] = True
+    return keep
+
+
+@pytest.mark.parametrize("drop_policy", ["probs", "position"])
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 4.0])
+def test_capacity_drops_exactly_megatrons_pairs(drop_policy, capacity_factor):
+    moe = _random_moe(num_experts=4, top_k=2, num_shared_experts=1, capacity_factor=capacity_factor,
+                      drop_policy=drop_policy)
+    with torch.no_grad():  # most tokens prefer expert 1: it overflows
+        moe.router.gate.weight[1] += 2.0
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+
+    def dropped_route(m, x_TD):
+        experts_TK, weights_TK = naive_route(m, x_TD)
+        keep = megatron_keep(weights_TK, experts_TK, 4, capacity_factor, drop_policy)
+        dropped_route.n = int((~keep).sum())
+        return experts_TK, weights_TK * keep
+
+    want = naive_moe(moe, x, dropped_route)
+    torch.testing.assert_close(moe(x), want, rtol=1e-12, atol=1e-12)
+    assert (dropped_route.n > 0) == (capacity_factor < 4.0)
+    w = moe.router.gate.weight
+    torch.testing.assert_close(torch.autograd.grad(moe(x).sum(), w)[0], torch.autograd.grad(want.sum(), w)[0],
+                               rtol=1e-12, atol=1e-12)

@@ -27,8 +27,11 @@ def assert_parity(world_size: int, case: Case):
 
 NAMED = {
     "edp2_ep2_etp2": (8, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3, 1, 2, 1, 1))),
-    "hsdp2_ep2_etp2": (8, Case(2, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3, 1, 2, 1, 1), load_balance="aux_loss")),
-    "hsdp2_edp2_ep2": (8, Case(2, 2, 1, 6, 3, 8, 6, (1, 1, 2, 0, 1, 2, 1, 1), num_shared_experts=1)),
+    "hsdp2_ep2_etp2": (8, Case(2, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3, 1, 2, 1, 1), load_balance="aux_loss",
+                               seq_aux_loss_coeff=0.3, z_loss_coeff=0.01)),
+    # Capacity 0.5: at most half the pairs fit, each rank drops some (the reference: per rank's slice).
+    "hsdp2_edp2_ep2": (8, Case(2, 2, 1, 6, 3, 8, 6, (1, 1, 2, 0, 1, 2, 1, 1), num_shared_experts=1,
+                               capacity_factor=0.5, drop_policy="position")),
     "ep8": (8, Case(1, 8, 1, 8, 2, 8, 6, (1, 2, 0, 1, 1, 3, 1, 1))),
     "edp8": (8, Case(1, 1, 1, 4, 2, 8, 6, (1, 2, 0, 1, 1, 3, 1, 1))),
     "etp8": (8, Case(1, 1, 8, 4, 2, 8, 16, (1, 2, 0, 1, 1, 3, 1, 1))),
@@ -38,11 +41,16 @@ NAMED = {
     "all_ranks_empty_but_one": (4, Case(1, 4, 1, 4, 2, 8, 6, (0, 0, 3, 0))),
     "world6_ep3_etp2": (6, Case(1, 3, 2, 6, 2, 8, 6, (1, 2, 0, 1, 2, 1))),
     # Sequence-parallel input: each TP / CP rank holds its part of its group's sequences.
-    "tp2_ep2": (4, Case(1, 2, 1, 4, 2, 8, 6, (2, 1), seq_len=4, tp=2, load_balance="aux_loss", num_shared_experts=1)),
-    "cp2_tp2_etp2_hsdp2": (8, Case(2, 1, 2, 4, 2, 8, 6, (2, 1), seq_len=4, cp=2, tp=2, load_balance="aux_free_bias")),
+    # Sequences split over TP (and CP) ranks: the sequence-wise loss sums each sequence's pieces.
+    "tp2_ep2": (4, Case(1, 2, 1, 4, 2, 8, 6, (2, 1), seq_len=4, tp=2, load_balance="aux_loss", num_shared_experts=1,
+                        seq_aux_loss_coeff=0.3, z_loss_coeff=0.01)),
+    "cp2_tp2_etp2_hsdp2": (8, Case(2, 1, 2, 4, 2, 8, 6, (2, 1), seq_len=4, cp=2, tp=2, load_balance="aux_free_bias",
+                                   seq_aux_loss_coeff=0.3, capacity_factor=1.0)),
     "single_process": (1, Case(1, 1, 1, 4, 2, 8, 6, (3,), load_balance="aux_loss")),
     # Second microbatch: expert weight gradients are added into .grad by the GEMMs themselves.
-    "ep4_accumulate": (4, Case(1, 4, 1, 8, 2, 8, 6, (2, 1, 0, 3), microbatches=2)),
+    # Groups aligned with EP ranks (two experts each), gpt-oss's router.
+    "ep4_accumulate": (4, Case(1, 4, 1, 8, 2, 8, 6, (2, 1, 0, 3), microbatches=2, num_expert_groups=4,
+                               num_limited_groups=2, score_func="topk_softmax", router_bias=True)),
     "edp2_ep2_etp2_accumulate": (8, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3, 1, 2, 1, 1), microbatches=3)),
     # FP8 experts (CPU emulation): pure EP quantizes exactly the reference's rows and expert blocks.
     "ep2_fp8_accumulate": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 1), microbatches=2, expert_precision="fp8")),
@@ -89,8 +97,9 @@ def test_bad_input_raises_on_every_rank_without_hanging(kind, match):
 
 
 COMPILED = {
-    "compiled_single_process": (1, Case(1, 1, 1, 4, 2, 8, 6, (3,), load_balance="aux_loss", compile=True)),
-    "compiled_ep2": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 1), num_shared_experts=1, compile=True)),
+    "compiled_single_process": (1, Case(1, 1, 1, 4, 2, 8, 6, (3,), load_balance="aux_loss", compile=True,
+                                        seq_aux_loss_coeff=0.3, z_loss_coeff=0.01, num_expert_groups=2)),
+    "compiled_ep2": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 1), num_shared_experts=1, compile=True, capacity_factor=0.5)),
     "compiled_ep2_etp2": (4, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3), load_balance="aux_free_bias", compile=True)),
     "compiled_gpt_oss_experts_ep2_etp2": (4, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3), expert_biases=True,
                                                   activation="clamped_swiglu", compile=True)),

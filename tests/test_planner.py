@@ -405,3 +405,26 @@ def test_distinct_ranks_matches_sampled_routing():
         ranks_per_token = torch.zeros(20000, ep).scatter_(1, experts_TK // (E // ep), 1.0).sum(1)
         assert abs(ranks_per_token.mean().item() - distinct_ranks(E, K, ep)) < 0.02, (E, K, ep)
     assert distinct_ranks(256, 8, 1) == 1.0
+    # Group-limited: `limited` groups uniformly, then K experts uniformly among theirs; groups inside
+    # ranks (8 groups / ep 4), ranks inside groups (2 / 4), one group per rank (DeepSeek-V3 at ep 8).
+    for E, K, ep, G, M in [(16, 4, 4, 8, 3), (16, 3, 4, 2, 1), (256, 8, 8, 8, 4)]:
+        kept_TG = torch.rand(20000, G, generator=g).argsort(-1) < M
+        pool_TE = kept_TG.repeat_interleave(E // G, dim=1)
+        experts_TK = torch.rand(20000, E, generator=g).masked_fill(~pool_TE, -1).topk(K, -1).indices
+        ranks_per_token = torch.zeros(20000, ep).scatter_(1, experts_TK // (E // ep), 1.0).sum(1)
+        assert abs(ranks_per_token.mean().item() - distinct_ranks(E, K, ep, G, M)) < 0.02, (E, K, ep, G, M)
+        assert ranks_per_token.max() <= M * max(1, ep // G)
+    assert distinct_ranks(256, 8, 8, 8, 4) < 4 < distinct_ranks(256, 8, 8)  # ~3.6 ranks instead of ~5.3
+
+
+def test_group_limited_routing_shrinks_the_priced_all_to_all():
+    spec, work = resolve("deepseek-v3-671b"), P.Workload()
+    assert (spec.num_expert_groups, spec.num_limited_groups) == (8, 4)
+    dims = MoEParallelDims(64, ep=8, etp=1)
+    fp = P.footprint(P.fsdp_units(spec, dims), dims)
+    grouped = P.comm_bytes(spec, dims, work, 8, fp)["ep_all_to_all"]
+    free = P.comm_bytes(replace(spec, num_expert_groups=1, num_limited_groups=1), dims, work, 8, fp)["ep_all_to_all"]
+    ratio = P.distinct_ranks(256, 8, 8, 8, 4) / P.distinct_ranks(256, 8, 8)
+    assert math.isclose(grouped.intra + grouped.inter, ratio * (free.intra + free.inter))
+    with pytest.raises(ValueError, match=r"ModelSpec.num_experts \(256\) must be divisible by ModelSpec.num_expert_groups"):
+        replace(spec, num_expert_groups=3, num_limited_groups=1)

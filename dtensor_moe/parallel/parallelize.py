@@ -13,7 +13,7 @@ from dtensor_moe.parallel.compile import AC_MODES, apply_activation_checkpointin
 from dtensor_moe.parallel.dispatch import ExpertDispatcher
 from dtensor_moe.experts import GroupedExperts
 from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
-from dtensor_moe.moe import MoE
+from dtensor_moe.moe import LocalStats, MoE
 from dtensor_moe.parallel.plan import WeightPlan, plan_moe
 from dtensor_moe.parallel.context_parallel import apply_cp, check_cp_model
 from dtensor_moe.parallel.tensor_parallel import apply_tp, check_tp_model, scale_moe_gradients
@@ -28,18 +28,29 @@ class ExpertParallelHooks:
     post_handle: RemovableHandle
 
 
-class DataParallelStats:
-    """Sums load-balancing statistics over exactly the ranks that see different tokens."""
+def _all_reduce(t: torch.Tensor, groups) -> torch.Tensor:
+    t = t.clone()
+    for g in groups:
+        dist.all_reduce(t, group=g)
+    return t
 
-    def __init__(self, dp_mesh):
+
+class DataParallelStats(LocalStats):
+    """Sums load-balancing statistics over exactly the ranks that see different tokens, and
+    per-sequence statistics over the CP and (sequence-parallel) TP ranks, which hold pieces of the
+    same sequences."""
+
+    def __init__(self, meshes: MoEMeshes, dims: MoEParallelDims):
+        dp_mesh = meshes.moe_dp
         self.groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim) if dp_mesh.size(i) > 1]
         self.num_ranks = dp_mesh.size()
+        self.sequence_groups = [meshes.dense.get_group(a) for a in ("cp", "tp") if getattr(dims, a) > 1]
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.clone()
-        for g in self.groups:
-            dist.all_reduce(t, group=g)
-        return t
+        return _all_reduce(t, self.groups)
+
+    def sequence_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(t, self.sequence_groups) if self.sequence_groups else t
 
 
 def _fsdp_mesh(mesh, dims: MoEParallelDims, shard_axis: str):
@@ -181,7 +192,7 @@ def parallelize_moe(
     for m, moe_plans in layers:
         shard_moe_layer(m, moe_plans, dims, meshes, _fsdp_kwargs(mp_policy, reshard_after_forward),
                         experts_unit=not compile)
-        m.stats = DataParallelStats(meshes.moe_dp)
+        m.stats = DataParallelStats(meshes, dims)
         if compile:
             apply_compile(m, compile)
     return module
@@ -222,7 +233,7 @@ def parallelize_model(
     fsdp_kwargs = _fsdp_kwargs(mp_policy, reshard_after_forward)
     for m, moe_plans in layers:
         shard_moe_layer(m, moe_plans, dims, meshes, None if compile else fsdp_kwargs, experts_unit=not compile)
-        m.stats = DataParallelStats(meshes.moe_dp)
+        m.stats = DataParallelStats(meshes, dims)
         if dims.tp > 1:
             scale_moe_gradients(m, dims.tp)
     if dims.tp > 1:

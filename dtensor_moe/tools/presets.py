@@ -10,7 +10,7 @@ counts the main model only).
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtensor_moe.config import MoEConfig
+from dtensor_moe.config import MoEConfig, check_groups
 from dtensor_moe.validate import check_int, check_type
 
 Shape = tuple[int, ...]
@@ -31,6 +31,8 @@ class ModelSpec:
     n_dense_layers: int = 0  # leading layers with a dense FFN instead of an MoE
     dense_hidden_dim: int = 0
     tie_embeddings: bool = False
+    num_expert_groups: int = 1  # group-limited routing (DeepSeek-V3): what the all-to-all sends
+    num_limited_groups: int = 1
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and self.name):
@@ -42,6 +44,9 @@ class ModelSpec:
         check_int("ModelSpec.n_dense_layers", self.n_dense_layers, 0, self.n_layers)
         check_int("ModelSpec.dense_hidden_dim", self.dense_hidden_dim, 1 if self.n_dense_layers else 0)
         check_type("ModelSpec.tie_embeddings", self.tie_embeddings, bool, "a bool")
+        check_int("ModelSpec.num_expert_groups", self.num_expert_groups, 1, self.num_experts)
+        check_int("ModelSpec.num_limited_groups", self.num_limited_groups, 1, self.num_expert_groups)
+        check_groups(self, "ModelSpec.")
         what = "a tuple of (weight name, shape) pairs, each shape a tuple of integers >= 1"
         check_type("ModelSpec.attention", self.attention, tuple, what)
         for entry in self.attention:
@@ -60,6 +65,8 @@ class ModelSpec:
             num_experts=self.num_experts,
             top_k=self.top_k,
             num_shared_experts=self.num_shared_experts,
+            num_expert_groups=self.num_expert_groups,
+            num_limited_groups=self.num_limited_groups,
         )
 
     def layer_weights(self, dense_ffn: bool) -> tuple[tuple[str, Shape], ...]:
@@ -112,7 +119,7 @@ PRESETS: dict[str, ModelSpec] = {
         _preset(
             "deepseek-v3-671b",
             vocab_size=129280, dim=7168, n_layers=61, n_dense_layers=3, dense_hidden_dim=18432,
-            num_experts=256, top_k=8, moe_hidden_dim=2048, num_shared_experts=1,
+            num_experts=256, top_k=8, moe_hidden_dim=2048, num_shared_experts=1, num_expert_groups=8, num_limited_groups=4,
             attention=_mla(7168, n_heads=128, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128),
         ),
         _preset(
@@ -149,6 +156,8 @@ def spec_from_model_config(cfg, name: str = "config") -> ModelSpec:
         attention=tuple((f"attention.{w}.weight", (D, D)) for w in ("wq", "wk", "wv", "wo")),
         kv_width=2 * D,
         tie_embeddings=cfg.tie_embeddings,
+        num_expert_groups=cfg.num_expert_groups,
+        num_limited_groups=cfg.num_limited_groups,
     )
 
 

@@ -97,8 +97,8 @@ class MoETransformer(nn.Module):
         return F.linear(h_BLD, self.tok_embeddings.weight) if self.config.tie_embeddings else self.output(h_BLD)
 
     def aux_loss(self) -> torch.Tensor | float:
-        """Sum of the MoE layers' load-balancing losses from the last forward (0 when disabled)."""
-        return sum(b.moe.aux_loss for b in self.layers.values() if b.moe.aux_loss is not None) or 0.0
+        """Sum of the MoE layers' balance losses (aux, sequence-wise, z) from the last forward (0 when disabled)."""
+        return sum(t for b in self.layers.values() for t in b.moe.losses()) or 0.0
 
     def update_expert_bias(self):
         for block in self.layers.values():

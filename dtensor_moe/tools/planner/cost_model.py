@@ -301,11 +301,25 @@ def _split(total: float, inter_fraction: float) -> Traffic:
     return Traffic(total * (1 - inter_fraction), total * inter_fraction)
 
 
-def distinct_ranks(num_experts: int, top_k: int, ep: int) -> float:
+def distinct_ranks(num_experts: int, top_k: int, ep: int, groups: int = 1, limited: int = 1) -> float:
     """Expected EP ranks a token's top-k experts land on under uniform routing: the rows the
-    dispatch sends per token, and the combine returns."""
-    local = num_experts // ep
-    return ep * (1 - math.comb(num_experts - local, top_k) / math.comb(num_experts, top_k))
+    dispatch sends per token, and the combine returns. Group-limited routing (`limited` of
+    `groups` groups uniformly, then top_k experts uniformly among theirs) sends fewer when the
+    groups align with the ranks (each rank inside one group, or holding whole groups): with
+    groups == ep at most `limited` ranks. Groups that straddle ranks are priced as ungrouped."""
+    if groups % ep and ep % groups:
+        groups = limited = 1
+    per_rank, per_group = num_experts // ep, num_experts // groups
+    pool = limited * per_group
+
+    def hit(candidates: int) -> float:  # P(some of the top_k land on `candidates` of the pool)
+        return 1 - math.comb(pool - candidates, top_k) / math.comb(pool, top_k)
+
+    if ep % groups == 0:  # a rank lies inside one group and can be hit only if that group is kept
+        return ep * limited / groups * hit(per_rank)
+    g = groups // ep  # whole groups per rank, of which j are kept (hypergeometric)
+    return ep * sum(math.comb(g, j) * math.comb(groups - g, limited - j) / math.comb(groups, limited) * hit(j * per_group)
+                    for j in range(min(g, limited) + 1))
 
 
 def comm_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node: int, fp: Footprint) -> dict[str, Traffic]:
@@ -323,7 +337,7 @@ def comm_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_
 
     # Dispatch and combine (a token once per rank holding one of its experts, each way) in forward,
     # their reverses in backward, forward again when recomputing.
-    rows = 2 * distinct_ranks(spec.num_experts, spec.top_k, dims.ep)
+    rows = 2 * distinct_ranks(spec.num_experts, spec.top_k, dims.ep, spec.num_expert_groups, spec.num_limited_groups)
     routed = (2 + recompute) * T * rows * spec.dim * b * spec.n_moe_layers
     r = dims.dp_replicate
     # Sequence parallelism: each block's attention all-gathers its input and reduce-scatters its output
