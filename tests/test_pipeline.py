@@ -11,7 +11,7 @@ STEPS, SEQ, BATCH = 2, 4, 8
 
 
 def _train_pp_and_reference(rank: int, world_size: int, schedule: str, n_layers: int, microbatches: int,
-                            load_balance: str, ep: int, etp: int) -> dict:
+                            load_balance: str, ep: int, etp: int, tp: int) -> dict:
     import copy
 
     from dtensor_moe.parallel.mesh import MoEParallelDims
@@ -27,13 +27,14 @@ def _train_pp_and_reference(rank: int, world_size: int, schedule: str, n_layers:
     cfg = ModelConfig(vocab_size=32, dim=8, n_layers=n_layers, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=4,
                       num_shared_experts=1, load_balance=load_balance, aux_loss_coeff=0.1, bias_update_rate=0.05)
     ref = MoETransformer(cfg).double()
-    dims = MoEParallelDims(world_size, ep=ep, etp=etp, pp=2)
+    dims = MoEParallelDims(world_size, ep=ep, etp=etp, tp=tp, pp=2)
     pp_mesh = dims.build_meshes("cpu").pp
-    pipe = Pipeline(copy.deepcopy(ref), pp_mesh, schedule, microbatches, BATCH // dims.dp, SEQ, torch.float64,
+    # Sequence parallelism hands each TP rank its own slice of the hidden states between stages.
+    pipe = Pipeline(copy.deepcopy(ref), pp_mesh, schedule, microbatches, BATCH // dims.dp, SEQ, SEQ // tp, torch.float64,
                     torch.device("cpu"), lambda m: parallelize_model(m, dims, device_type="cpu"))
     model = stage_view(pipe.parts)
     tokens = torch.randint(0, cfg.vocab_size, (500,), generator=torch.Generator().manual_seed(1))
-    ours = Batches(tokens, SEQ, BATCH, 0, rank % dims.stage_size, dims.stage_size, microbatches=microbatches)
+    ours = Batches(tokens, SEQ, BATCH, 0, dims.dense_coords(rank)["dp_shard"], dims.dp_shard, microbatches=microbatches)
     whole = Batches(tokens, SEQ, BATCH, 0, 0, 1, microbatches=microbatches)
     ref_step = _accumulating(ref, microbatches, cross_entropy)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
@@ -64,18 +65,19 @@ def _train_pp_and_reference(rank: int, world_size: int, schedule: str, n_layers:
     return out
 
 
-@pytest.mark.parametrize("schedule,n_layers,microbatches,load_balance,ep,etp", [
-    ("gpipe", 2, 2, "aux_loss", 2, 1),
-    ("1f1b", 3, 4, "aux_free_bias", 1, 2),
-    ("interleaved_1f1b", 4, 2, "aux_loss", 2, 1),
+@pytest.mark.parametrize("schedule,n_layers,microbatches,load_balance,ep,etp,tp", [
+    ("gpipe", 2, 2, "aux_loss", 2, 1, 1),
+    ("1f1b", 3, 4, "aux_free_bias", 1, 2, 1),
+    ("interleaved_1f1b", 4, 2, "aux_loss", 2, 1, 1),
+    ("1f1b", 2, 2, "aux_loss", 2, 1, 2),  # PP2 x TP2 (sequence parallel) x EP2
 ])
-def test_pipeline_matches_one_process(schedule, n_layers, microbatches, load_balance, ep, etp):
-    results = run_on_ranks(4, _train_pp_and_reference, schedule, n_layers, microbatches, load_balance, ep, etp)
+def test_pipeline_matches_one_process(schedule, n_layers, microbatches, load_balance, ep, etp, tp):
+    results = run_on_ranks(4, _train_pp_and_reference, schedule, n_layers, microbatches, load_balance, ep, etp, tp)
     for r in results:
         assert max(r["grad_err"]) < 1e-12 and max(r["norm"]) < 1e-12 and max(r["aux"]) < 1e-12, r
         assert max(r["bias_err"]) == 0.0, r
     assert not results[0]["ce"] and not results[1]["ce"]  # only the last stage computes the loss
-    for step in range(STEPS):  # the mean over the last stage's ranks is the global loss
+    for step in range(STEPS):  # the mean over the last stage's ranks is the global loss (the same under TP)
         (a, ref_ce), (b, _) = results[2]["ce"][step], results[3]["ce"][step]
         assert abs((a + b) / 2 - ref_ce) < 1e-12, (a, b, ref_ce)
     # Stages hold disjoint layers; together (first ranks of each stage) the whole model.
@@ -105,7 +107,7 @@ def _reshard_pp2_pp1_pp2(rank: int, world_size: int, root: str) -> dict:
         model = MoETransformer(cfg).double()
         if dims.pp == 1:
             return parallelize_model(model, dims, device_type="cpu"), None
-        pipe = Pipeline(model, dims.build_meshes("cpu").pp, "interleaved_1f1b", 2, BATCH // dims.dp, SEQ,
+        pipe = Pipeline(model, dims.build_meshes("cpu").pp, "interleaved_1f1b", 2, BATCH // dims.dp, SEQ, SEQ,
                         torch.float64, torch.device("cpu"), lambda m: parallelize_model(m, dims, device_type="cpu"))
         return stage_view(pipe.parts), pipe
 

@@ -34,10 +34,6 @@ def check_pipeline(dims: MoEParallelDims, schedule: str, microbatches: int, n_la
     pp = dims.pp
     if pp == 1:
         return
-    if dims.tp > 1:
-        # Sequence-parallel activations leave a block as DTensors; the stages exchange plain tensors.
-        raise ValueError(f"{prefix}pp > 1 together with {prefix}tp > 1 is not supported yet; valid: tp = 1 with pp, "
-                         "or pp = 1 with tp")
     stages = pp * STAGES_PER_RANK[schedule]
     if n_layers < stages:
         raise ValueError(f"model.n_layers ({n_layers}) must be >= the pipeline stages ({stages} = {prefix}pp {pp} x "
@@ -103,7 +99,7 @@ class Pipeline:
     """This rank's stages and the schedule; `step` runs one global batch (all microbatches)."""
 
     def __init__(self, model: nn.Module, pp_mesh, schedule: str, microbatches: int, local_batch: int,
-                 seq_len: int, activation_dtype: torch.dtype, device: torch.device,
+                 seq_len: int, hidden_len: int, activation_dtype: torch.dtype, device: torch.device,
                  parallelize: Callable[[nn.Module], None]):
         pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
         num_stages = pp * STAGES_PER_RANK[schedule]
@@ -111,7 +107,7 @@ class Pipeline:
         self.microbatches = microbatches
         self.parts, stages = [], []
         self._aux: list[torch.Tensor] = []
-        mb, L = local_batch // microbatches, seq_len
+        mb, L, S = local_batch // microbatches, seq_len, hidden_len
         cfg = model.config
         for s in range(rank, num_stages, pp):
             first, last = s == 0, s == num_stages - 1
@@ -121,11 +117,12 @@ class Pipeline:
                     m.register_forward_hook(self._attach_aux)
             parallelize(part)
             # Static stage metadata: torch's dynamic inference would run an extra forward and backward,
-            # counting tokens per expert twice.
+            # counting tokens per expert twice. Tokens and logits are this rank's L positions (its CP part),
+            # hidden states between blocks its S of them (sequence parallelism splits them over tp).
             # (requires_grad says that gradients flow back through the stage boundary.)
             x = torch.zeros(mb, L, dtype=torch.long, device=device) if first else \
-                torch.empty(mb, L, cfg.dim, dtype=activation_dtype, device=device, requires_grad=True)
-            y = torch.empty(mb, L, cfg.vocab_size if last else cfg.dim, dtype=activation_dtype, device=device,
+                torch.empty(mb, S, cfg.dim, dtype=activation_dtype, device=device, requires_grad=True)
+            y = torch.empty(mb, *((L, cfg.vocab_size) if last else (S, cfg.dim)), dtype=activation_dtype, device=device,
                             requires_grad=True)
             stages.append(PipelineStage(part, s, num_stages, device, input_args=x, output_args=y,
                                         group=pp_mesh.get_group()))

@@ -35,7 +35,8 @@ def check_tp_model(model: nn.Module, tp: int):
     if getattr(cfg, "tie_embeddings", False):
         raise ValueError(f"tp={tp} with model.tie_embeddings = true is not supported (the embedding is sharded by "
                          "vocabulary rows, the head by output features); valid: tie_embeddings = false, or tp = 1")
-    missing = [p for p, _ in TP_ROOT_PLAN if not _has(model, p)]
+    # A pipeline stage has None for the ends another stage holds.
+    missing = [p for p, _ in TP_ROOT_PLAN if getattr(model, p, False) is not None and not _has(model, p)]
     missing += [f"layers.{i}.{p}" for i, b in getattr(model, "layers", {}).items() for p, _ in TP_BLOCK_PLAN
                 if not _has(b, p)]
     if missing or cfg is None:
@@ -57,7 +58,7 @@ def _has(module: nn.Module, path: str) -> bool:
 def apply_tp(model: nn.Module, tp_mesh) -> None:
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {p: _STYLES[s]() for p, s in TP_BLOCK_PLAN})
-    parallelize_module(model, tp_mesh, {p: _STYLES[s]() for p, s in TP_ROOT_PLAN})
+    parallelize_module(model, tp_mesh, {p: _STYLES[s]() for p, s in TP_ROOT_PLAN if getattr(model, p) is not None})
 
 
 def scale_moe_gradients(moe: nn.Module, tp: int) -> None:

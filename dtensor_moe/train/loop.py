@@ -245,8 +245,8 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
         pp_group = pp_mesh.get_group()
         act_dtype = torch.bfloat16 if t.dtype == "bf16" else torch.get_default_dtype()
         pipe = Pipeline(model, pp_mesh, p.pp_schedule, p.num_microbatches,
-                        t.global_batch // (dims.dp_replicate * dims.dp_shard), t.seq_len // dims.cp, act_dtype, device,
-                        parallelize)
+                        t.global_batch // (dims.dp_replicate * dims.dp_shard), t.seq_len // dims.cp,
+                        t.seq_len // (dims.cp * dims.tp), act_dtype, device, parallelize)
         parts, forward_backward = pipe.parts, pipe.step
     else:
         parallelize(model)
