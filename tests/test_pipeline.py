@@ -25,7 +25,8 @@ def _train_pp_and_reference(rank: int, world_size: int, schedule: str, n_layers:
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=32, dim=8, n_layers=n_layers, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=4,
-                      num_shared_experts=1, load_balance=load_balance, aux_loss_coeff=0.1, bias_update_rate=0.05)
+                      num_shared_experts=1, load_balance=load_balance, aux_loss_coeff=0.1, bias_update_rate=0.05,
+                      **({"seq_aux_loss_coeff": 0.05, "z_loss_coeff": 0.01} if tp == 1 else {}))
     ref = MoETransformer(cfg).double()
     dims = MoEParallelDims(world_size, ep=ep, etp=etp, tp=tp, pp=2)
     pp_mesh = dims.build_meshes("cpu").pp

@@ -134,11 +134,13 @@ class Pipeline:
                             loss_fn=cross_entropy, scale_grads=True)
 
     def _attach_aux(self, moe: MoE, args, y):
-        if moe.aux_loss is None:
+        losses = moe.losses()  # balance loss, sequence-wise balance loss, router z-loss: those enabled
+        if not losses:
             return None
+        loss = sum(losses)
         if not recomputing():
-            self._aux.append(moe.aux_loss.detach())
-        return _AttachLoss.apply(y, moe.aux_loss)
+            self._aux.append(loss.detach())
+        return _AttachLoss.apply(y, loss)
 
     def step(self, inputs_BL: torch.Tensor, targets_BL: torch.Tensor) -> tuple[float, float]:
         """Forward and backward of every microbatch. Returns this rank's (cross-entropy, aux loss),
