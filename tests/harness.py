@@ -273,6 +273,18 @@ class RankPool:
             q.put((fn, args))
         return self._collect(TIMEOUT_S if timeout is None else timeout, getattr(fn, "__name__", str(fn)))
 
+    def leaked_threads(self) -> int:
+        """The most threads any worker holds beyond its start-up count (0 where /proc cannot say)."""
+        most = 0
+        for p, start in zip(self.procs, self.start_threads):
+            try:
+                with open(f"/proc/{p.pid}/status") as f:
+                    threads = next(int(line.split()[1]) for line in f if line.startswith("Threads:"))
+            except (OSError, StopIteration, ValueError):
+                continue
+            most = max(most, threads - start)
+        return most
+
     def kill(self):
         for p in self.procs:
             if p.is_alive():
@@ -304,10 +316,16 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float | None = None):
             _POOLS[next(iter(_POOLS))].close()
         pool = RankPool(world_size)
     _POOLS[world_size] = pool  # most recently used last
-    return pool.run(fn, *args, timeout=timeout)
+    out = pool.run(fn, *args, timeout=timeout)
+    if pool.leaked_threads() > RECYCLE_THREADS:
+        # Threads of process groups a task left referenced keep polling while the pool idles (~10% of a
+        # core per worker at ~200 threads): a fresh pool from the forkserver costs less than keeping them.
+        pool.close()
+    return out
 
 
 LEAK_THREADS = 4  # a leaked gloo group keeps 3 threads; a few more threads than at start-up is noise
+RECYCLE_THREADS = 24  # about eight leaked groups: run_on_ranks then replaces the pool
 
 
 def idle_leaks() -> dict:
