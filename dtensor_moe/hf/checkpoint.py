@@ -24,6 +24,7 @@ from dtensor_moe.config import MoEConfig
 from dtensor_moe.hf.convert import layer_prefix, moe_shapes, read_hf_moe, to_hf
 from dtensor_moe.hf.families import FAMILIES, family, getter, hf_fields, moe_config_from_hf
 from dtensor_moe.hf.reader import SafetensorsReader
+from dtensor_moe.train.export import read_json
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
@@ -36,10 +37,7 @@ def _sha256(path: Path) -> str:
 def _json(path: Path) -> dict:
     if not path.is_file():
         raise ValueError(f"no {path.name} in {path.parent}")
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    return read_json(path)
 
 
 def _write(out_dir, tensors: dict, config: dict, force: bool) -> Path:

@@ -95,10 +95,15 @@ def read_config(path) -> dict:
     cfg = weights.with_name(CONFIG)
     if not cfg.is_file():
         raise ValueError(f"no {CONFIG} next to {weights}; `dtensor-moe export` writes both files")
+    return read_json(cfg)
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file's contents; a malformed one is a ValueError naming the file."""
     try:
-        return json.loads(cfg.read_text())
+        return json.loads(path.read_text())
     except ValueError as e:
-        raise ValueError(f"{cfg} is not valid JSON: {e}") from None
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
 def load_safetensors_into(model: nn.Module, path) -> nn.Module:
