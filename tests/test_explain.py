@@ -22,6 +22,7 @@ CASES = [
     (MoEConfig(dim=6, hidden_dim=4, num_experts=2, top_k=1), MoEParallelDims(8, dp_replicate=2, ep=2)),
     (MoEConfig(dim=5, hidden_dim=6, num_experts=3, top_k=1, num_shared_experts=2), MoEParallelDims(12, cp=2, ep=3, etp=2)),
     (README_CONFIG, MoEParallelDims(8, cp=2, tp=2, ep=2, etp=2)),  # the MoE's dense weights over dp_shard_cp_tp
+    (README_CONFIG, MoEParallelDims(16, pp=2, tp=2, ep=2, etp=2)),  # one stage's ranks: the tables are stage-local
 ]
 
 
@@ -46,7 +47,7 @@ def test_text_rank_to_slice_agrees_with_owned_box(config, dims):
     plans = plan_moe(config, dims)
     assert set(sections) == {wp.name for wp in plans}
     for wp in plans:
-        want = {r: X.fmt_box(tuple((s.start, s.stop) for s in owned_box(wp, dims, r))) for r in range(dims.world_size)}
+        want = {r: X.fmt_box(tuple((s.start, s.stop) for s in owned_box(wp, dims, r))) for r in range(dims.stage_size)}
         assert sections[wp.name] == want, wp.name
 
 
@@ -55,7 +56,7 @@ def test_grid_colours_are_slices(config, dims):
     for wp in plan_moe(config, dims):
         grid, boxes = X.rank_grid(wp, dims)
         cols = dims.ep * dims.etp
-        assert len(grid) * cols == dims.world_size
+        assert len(grid) * cols == dims.stage_size
         for i, row in enumerate(grid):
             for j, idx in enumerate(row):
                 assert boxes[idx] == tuple((s.start, s.stop) for s in owned_box(wp, dims, i * cols + j))
@@ -75,11 +76,32 @@ def test_text_shows_the_dense_axes():
     assert "attention.wq=colwise" in text and "shard over dp_shard_cp_tp" in text
 
 
+def test_text_shows_the_pipeline():
+    dims = MoEParallelDims(16, pp=2, tp=2, ep=2, etp=2)
+    text = X.describe(README_CONFIG, dims)
+    assert text.startswith("world 16 = pp 2 x 8: pipeline stage s holds ranks s*8 .. s*8+7; below, one stage")
+    assert "\n  groups 0,8 1,9 2,10 3,11 4,12 5,13 6,14 7,15\n" in text
+    assert "dense TP (sequence-parallel between blocks), groups 0-1 2-3 4-5 6-7:" in text  # stage-local
+    rc, out, err = _run([*README_ARGS[:2], "16", *README_ARGS[3:], "--pp", "2"])
+    assert rc == 0 and out.startswith("world 16 = pp 2 x 8") and err == ""
+    rc, out, err = _run([*README_ARGS, "--pp", "3"])
+    assert rc == 2 and out == ""
+    assert err == "dtensor-moe explain: pp (3) must divide world_size 8 (pipeline stages of equal size); valid pp: [1, 2, 4, 8]\n"
+
+
+def _run(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
 def test_png(tmp_path):
     import matplotlib.image
 
     path = tmp_path / "grid.png"
     X.save_png(*CASES[0], str(path))
+    X.save_png(*CASES[-1], str(tmp_path / "pp.png"))  # with the pipeline panel
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     img = matplotlib.image.imread(path)
     assert img.shape[0] > 200 and img.shape[1] > 400
@@ -119,6 +141,7 @@ def test_cli_bad_folding_names_constraint():
     ("--dim", "-8", "an int >= 1, got -8"),
     ("--world", "0", "an int >= 1, got 0"),
     ("--shared-experts", "-1", "an int >= 0, got -1"),
+    ("--pp", "0", "an int >= 1, got 0"),
 ])
 def test_cli_bad_flags_are_named_as_typed(flag, value, valid):
     err = io.StringIO()

@@ -26,22 +26,31 @@ TINY = dict(vocab_size=250, dim=24, n_layers=2, n_heads=4, num_experts=4, top_k=
 FP32 = P.Workload(seq_len=8, micro_batch=2, dtype="fp32")
 
 
-def _measure_states(rank, world, model_kwargs, dims_kwargs):
-    """Sharded bytes of params, grads and AdamW state on this rank after one real training step."""
+def _measure_states(rank, world, model_kwargs, dims_kwargs, schedule="1f1b"):
+    """Sharded bytes of params, grads and AdamW state on this rank after one real training step
+    (with pp > 1: a pipeline step of 2 microbatches, the main job's Pipeline)."""
     import torch
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
 
+    from dtensor_moe.parallel.pipeline import Pipeline, stage_view
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.parallel.parallelize import parallelize_model
 
     torch.manual_seed(0)
     cfg = ModelConfig(**model_kwargs)
-    model = parallelize_model(MoETransformer(cfg), MoEParallelDims(world, **dims_kwargs), device_type="cpu")
+    dims = MoEParallelDims(world, **dims_kwargs)
     tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank))
-    logits = model(tokens[:, :-1])
-    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    if dims.pp > 1:
+        pipe = Pipeline(MoETransformer(cfg), dims.build_meshes("cpu").pp, schedule, 2, 2, 8, 8, torch.float32,
+                        torch.device("cpu"), lambda m: parallelize_model(m, dims, device_type="cpu"))
+        pipe.step(tokens[:, :-1], tokens[:, 1:])
+        model = stage_view(pipe.parts)
+    else:
+        model = parallelize_model(MoETransformer(cfg), dims, device_type="cpu")
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt.step()
 
@@ -68,6 +77,28 @@ MESHES = [
     (8, dict(cp=2, ep=2, etp=2)),  # dense weights shard over dp_shard_cp
     (4, dict(tp=2, ep=2)),  # attention, embedding, head split over tp; norms replicated; router over dp_shard_tp
 ]
+
+
+PP_MESHES = [  # uneven stages (3 layers over 2; 5 over 2 x 2 interleaved): stage 0 holds more, the last the head
+    (4, dict(pp=2, ep=2), "1f1b", 3),
+    (4, dict(pp=2, ep=1, etp=2), "interleaved_1f1b", 5),
+]
+
+
+@pytest.mark.parametrize("world,dims_kwargs,schedule,n_layers", PP_MESHES, ids=[s for _, _, s, _ in PP_MESHES])
+def test_pipeline_state_memory_matches_measured(world, dims_kwargs, schedule, n_layers):
+    """The main job's summary.json prediction (predicted_state_bytes) per rank of a real pp=2 step:
+    each rank holds its stages' layers, sharded over its stage's ranks."""
+    from dtensor_moe.train.config import ModelConfig
+
+    kw = {**TINY, "n_layers": n_layers}
+    measured = run_on_ranks(world, _measure_states, kw, dims_kwargs, schedule)
+    dims = MoEParallelDims(world, **dims_kwargs)
+    for rank, got in enumerate(measured):
+        want = P.predicted_state_bytes(ModelConfig(**kw), dims, rank, pp_schedule=schedule)
+        assert want == got, (rank, want, got)
+    assert measured[0]["params"] != measured[-1]["params"]  # the stages differ (so the split is what was checked)
+    print(f"\n{world} ranks {dims_kwargs} {schedule}: exact on every rank; bytes {[m['params'] for m in measured]}")
 
 
 @pytest.mark.parametrize("world,dims_kwargs", MESHES, ids=[f"{w}-{'-'.join(f'{k}{v}' for k, v in d.items())}" for w, d in MESHES])
@@ -261,6 +292,8 @@ def _cli(argv):
     ("--micro-batch", "0", "an int >= 1, got 0"),
     ("--top", "-3", "an int >= 1, got -3"),
     ("--top", "0", "an int >= 1, got 0"),
+    ("--microbatches", "0", "an int >= 1, got 0"),
+    ("--pp", "-1", "an int >= 0, got -1"),
 ])
 def test_plan_cli_rejects_bad_flags_in_one_line(flag, value, valid):
     """Zero bandwidths used to divide by zero, `--top -3` silently dropped rows: now rc 2 and one line."""
@@ -428,3 +461,113 @@ def test_group_limited_routing_shrinks_the_priced_all_to_all():
     assert math.isclose(grouped.intra + grouped.inter, ratio * (free.intra + free.inter))
     with pytest.raises(ValueError, match=r"ModelSpec.num_experts \(256\) must be divisible by ModelSpec.num_expert_groups"):
         replace(spec, num_expert_groups=3, num_limited_groups=1)
+
+
+def _work(schedule, microbatches, **kw):
+    return P.Workload(microbatches=microbatches, pp_schedule=schedule, **kw)
+
+
+def test_pipeline_stages_schedules_and_bubble_by_hand():
+    spec = resolve("deepseek-v3-671b")
+    # 61 layers over 16 stages: stages 0-12 hold 4, 13-15 hold 3; the 3 dense layers lead.
+    assert P.stage_share(spec, 16, "1f1b", 0) == P.StageShare(3, 1, True, False)
+    assert P.stage_share(spec, 16, "1f1b", 1) == P.StageShare(0, 4, False, False)
+    assert P.stage_share(spec, 16, "1f1b", 15) == P.StageShare(0, 3, False, True)
+    # Interleaved pp 4: 8 stages (5 of 8 layers, 3 of 7); rank 0 holds stages 0 and 4, rank 3 stages 3 and 7.
+    assert P.stage_share(spec, 4, "interleaved_1f1b", 0) == P.StageShare(3, 13, True, False)
+    assert P.stage_share(spec, 4, "interleaved_1f1b", 3) == P.StageShare(0, 15, False, True)
+    assert P.stage_share(spec, 1, "1f1b", 0) == P.StageShare(3, 58, True, True)
+    assert [P.in_flight(_work("gpipe", 8), 4, r) for r in range(4)] == [8] * 4
+    assert [P.in_flight(_work("1f1b", 8), 4, r) for r in range(4)] == [4, 3, 2, 1]
+    # 2 rounds of 4; warm-up (v - 1) * 4 + 2 * (3 - r) chunks and one more, a chunk being half the rank's layers.
+    assert [P.in_flight(_work("interleaved_1f1b", 8), 4, r) for r in range(4)] == [5.5, 4.5, 3.5, 2.5]
+    assert P.in_flight(_work("interleaved_1f1b", 2), 4, 0) == 2  # capped at every chunk of every microbatch
+    assert P.in_flight(_work("gpipe", 8), 1, 0) == 1  # accumulation without pp: one microbatch at a time
+    assert P.bubble_fraction(4, _work("1f1b", 8)) == P.bubble_fraction(4, _work("gpipe", 8)) == 3 / 11
+    assert P.bubble_fraction(4, _work("interleaved_1f1b", 8)) == 1.5 / 9.5
+    assert P.bubble_fraction(1, _work("gpipe", 8)) == 0
+    ranks = P.pipeline_ranks(spec, 4, _work("1f1b", 8))  # one per distinct share: ranks 1 and 2 hold 15 MoE layers
+    assert [(r.share.layers, r.in_flight, r.sends) for r in ranks] == [(16, 4, 1), (15, 3, 2), (15, 1, 1)]
+
+
+def test_pipeline_traffic_and_memory_by_hand():
+    from dtensor_moe.train.config import ModelConfig
+
+    spec = spec_from_model_config(ModelConfig(**{**TINY, "n_layers": 4}))
+    T, D, V, b, M = 2 * 64, 24, 250, 2, 4
+    work = _work("1f1b", M, seq_len=64, micro_batch=2)
+    dims = MoEParallelDims(32, pp=4, ep=2)  # a stage of 8 ranks per node of 8: every stage boundary crosses nodes
+    whole = MoEParallelDims(8, ep=2)
+    comm, held, tensors = [], 0, 0
+    for r in range(4):
+        share = P.stage_share(spec, 4, "1f1b", r)
+        assert share == P.StageShare(0, 1, r == 0, r == 3)
+        rank = P.PipelineRank(share, min(M, 4 - r), 2 - (r == 0) - (r == 3))
+        fp = P.footprint(P.fsdp_units(spec, dims, share, M), dims)
+        c = P.comm_bytes(spec, dims, work, 8, fp, rank)
+        # Hidden states (the rank's T tokens of width D) forward, their gradients back, per microbatch.
+        assert c["pp_send_recv"] == P.Traffic(0, M * rank.sends * T * D * b)
+        comm.append(c)
+        held, tensors = held + fp.held, tensors + fp.tensors
+        mem = P.rank_memory(spec, dims, work, fp, rank)
+        # Every unit stays gathered with its accumulated fp32 gradient, plus one block's fresh gradient.
+        assert mem.gathered == (b + 4) * (fp.gathered_root + fp.gathered_blocks) + b * fp.gathered_block
+        fewer = P.activation_bytes(spec, dims, work, rank._replace(in_flight=rank.in_flight - 1))
+        # One microbatch more in flight: one block input per layer (recompute), its logits on the last stage.
+        assert mem.activations - fewer == T * D * b + (T * V * (b + 4) if r == 3 else 0)
+    # The stages partition the model: states and per-layer traffic add up to one stage-sized pp=1 run's.
+    fp1 = P.footprint(P.fsdp_units(spec, whole, None, M), whole)
+    assert (held, tensors) == (fp1.held, fp1.tensors)
+    c1 = P.comm_bytes(spec, whole, work, 8, fp1)
+    assert sum(c["ep_all_to_all"].intra for c in comm) == pytest.approx(c1["ep_all_to_all"].intra)
+    # pp=1 reduces every microbatch's gradients (and re-gathers the root), the pipeline once a step.
+    assert sum(c["fsdp_reduce_scatter"].intra for c in comm) == pytest.approx(c1["fsdp_reduce_scatter"].intra / M)
+    # Stages inside one node: the sends stay there.
+    small = MoEParallelDims(8, pp=2, ep=2)
+    share = P.stage_share(spec, 2, "1f1b", 0)
+    fp = P.footprint(P.fsdp_units(spec, small, share, M), small)
+    assert P.comm_bytes(spec, small, work, 8, fp, P.PipelineRank(share, 2, 1))["pp_send_recv"] == P.Traffic(M * T * D * b, 0)
+
+
+def test_pipeline_search():
+    spec = resolve("deepseek-v3-671b")
+    assert P.pipeline_degrees(16384, spec, P.Workload()) == [1]  # 1f1b needs microbatches >= pp
+    assert P.pipeline_degrees(16384, spec, _work("1f1b", 16)) == [1, 2, 4, 8, 16]
+    assert P.pipeline_degrees(16384, spec, _work("gpipe", 1)) == [1, 2, 4, 8, 16, 32]  # pp * 1 <= 61 layers
+    assert P.pipeline_degrees(16384, spec, _work("interleaved_1f1b", 16)) == [1, 2, 4, 8, 16]  # 2 * pp <= 61
+    assert P.pipeline_degrees(8, spec, _work("gpipe", 1), 8) == [1, 2, 4, 8]  # inside one node any pp
+    assert P.pipeline_degrees(64, spec, _work("gpipe", 1), 16) == [1, 2, 4]  # stages of whole 16-GPU nodes
+    spec, work = resolve("qwen3-30b-a3b"), _work("1f1b", 8, seq_len=1024)
+    cands = P.plan(spec, work, P.Hardware(64, 8, 80))
+    assert {c.dims.pp for c in cands} == {1, 2, 4, 8}
+    for c in cands[:50] + [c for c in cands if c.dims.pp == 8][:5]:
+        assert c.tokens == 8 * 1024 / (c.dims.cp * c.dims.tp * c.dims.pp)
+        assert c.time_per_token == c.comm_time_s / (1 - c.bubble) / c.tokens
+        assert c.bubble == P.bubble_fraction(c.dims.pp, work)
+        # The memo's footprints are the plan's (share_parts combined per share).
+        parts = P.share_parts(spec, c.dims, 8)
+        for r in P.pipeline_ranks(spec, c.dims.pp, work):
+            want = P.footprint(P.fsdp_units(spec, c.dims, r.share, 8), c.dims)
+            assert P.share_footprint(parts, r.share) == want
+    assert P.plan(spec, work, P.Hardware(64, 8, 80), pp=4) == [c for c in cands if c.dims.pp == 4]
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--pp", "3"], "--pp (3) must divide --gpus (64): pipeline stages of equal size; valid --pp: [1, 2, 4, 8, 16, 32, 64] (or 0: try each)"),  # noqa: E501
+    (["--pp", "2"], "--microbatches (1) must be >= --pp (2) for pp_schedule '1f1b'"),
+    (["--pp", "64", "--microbatches", "64"], "model.n_layers (32) must be >= the pipeline stages (64 = --pp 64 x 1 per rank"),
+    (["--pp", "2", "--pp-schedule", "interleaved_1f1b", "--microbatches", "5"],
+     "--microbatches (5) must be a multiple of max(1, microbatches // pp) = 2 for pp_schedule 'interleaved_1f1b'"),
+])
+def test_plan_cli_pp_errors(argv, msg):
+    rc, out, err = _cli(["plan", "--model", "mixtral-8x7b", "--gpus", "64", *argv])
+    assert rc == 2 and out == "" and err.startswith(f"dtensor-moe plan: {msg}") and err.count("\n") == 1, err
+
+
+def test_plan_cli_pp():
+    rc, out, _ = _cli(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--pp", "2", "--microbatches", "8", "--top", "3"])
+    rows = [l.split() for l in out.splitlines() if l.strip()[:1].isdigit() and "|" in l]
+    assert rc == 0 and len(rows) == 3 and all(r[1] == "2" for r in rows)
+    assert "pp=2." in out and "- PP=2 outermost (1f1b, 8 microbatches): 32 ranks per stage" in out
+    rc, out, _ = _cli(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--microbatches", "8", "--json", "--top", "400"])
+    assert rc == 0 and {c["pp"] for c in json.loads(out)["candidates"]} == {1, 2, 4, 8}

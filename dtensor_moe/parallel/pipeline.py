@@ -21,50 +21,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from dtensor_moe.moe import MoE, recomputing
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK as STAGES_PER_RANK
-from dtensor_moe.parallel.mesh import MoEParallelDims
+from dtensor_moe.parallel.plan import stage_layers
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
-
-
-def check_pipeline(dims: MoEParallelDims, schedule: str, microbatches: int, n_layers: int, tie_embeddings: bool,
-                   compile: bool | str = False, prefix: str = "parallel."):
-    """What the pipeline needs, checked before any collective (nothing when dims.pp == 1)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"{prefix}pp_schedule must be one of {list(SCHEDULES)}, got {schedule!r}")
-    pp = dims.pp
-    if pp == 1:
-        return
-    stages = pp * STAGES_PER_RANK[schedule]
-    if n_layers < stages:
-        raise ValueError(f"model.n_layers ({n_layers}) must be >= the pipeline stages ({stages} = {prefix}pp {pp} x "
-                         f"{STAGES_PER_RANK[schedule]} per rank for {schedule!r}): every stage holds a layer; valid "
-                         f"{prefix}pp here: {[p for p in range(1, n_layers + 1) if p * STAGES_PER_RANK[schedule] <= n_layers]}")
-    if tie_embeddings:
-        raise ValueError(f"model.tie_embeddings=true is not supported with {prefix}pp > 1 (the embedding and the "
-                         "output head live on different stages); valid: model.tie_embeddings=false, or pp=1")
-    if compile:
-        raise ValueError(f"training.compile is not supported with {prefix}pp > 1 yet (each MoE's load-balancing loss "
-                         "is attached to its output by a module hook); valid: compile=false, or pp=1")
-    if schedule == "1f1b" and microbatches < pp:
-        raise ValueError(f"{prefix}microbatches ({microbatches}) must be >= {prefix}pp ({pp}) for pp_schedule '1f1b'; "
-                         f"valid: {list(range(pp, 4 * pp + 1))}, ... or pp_schedule 'gpipe'")
-    if schedule == "interleaved_1f1b":
-        rounds = max(1, microbatches // pp)
-        if microbatches % rounds:
-            valid = [m for m in range(1, 4 * pp + 1) if m % max(1, m // pp) == 0]
-            raise ValueError(f"{prefix}microbatches ({microbatches}) must be a multiple of max(1, microbatches // pp) "
-                             f"= {rounds} for pp_schedule 'interleaved_1f1b'; valid up to {4 * pp}: {valid}")
-
-
-def stage_layers(n_layers: int, num_stages: int) -> list[list[int]]:
-    """Contiguous layer ids per stage, as even as possible (the first stages take the remainder)."""
-    base, extra = divmod(n_layers, num_stages)
-    out, lo = [], 0
-    for s in range(num_stages):
-        hi = lo + base + (s < extra)
-        out.append(list(range(lo, hi)))
-        lo = hi
-    return out
 
 
 def split_stage(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:

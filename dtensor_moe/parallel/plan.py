@@ -1,5 +1,9 @@
 """The placement plan: the one place that decides which rank owns which slice of each weight.
 
+Pipeline stages (`stage_layers`, `rank_layers`): stage s of pp * stages-per-rank holds a contiguous
+run of layers and rank r of the pipeline the stages r, r + pp, ...; `check_pipeline` says what a
+schedule needs.
+
 Plain data. `parallelize_moe` applies it, the ownership checks and the CLI (`plan`, `explain`)
 read it; nothing else decides placements.
 
@@ -16,7 +20,7 @@ import math
 from dataclasses import dataclass
 
 from dtensor_moe.config import MoEConfig
-from dtensor_moe.parallel.mesh import MoEParallelDims, divisors
+from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims, divisors
 
 
 @dataclass(frozen=True)
@@ -249,3 +253,51 @@ TP_BLOCK_PLAN = (
     ("attention.wo", "rowwise"),
     ("ffn_norm", "sequence_local"),
 )
+
+
+def check_pipeline(dims: MoEParallelDims, schedule: str, microbatches: int, n_layers: int, tie_embeddings: bool,
+                   compile: bool | str = False, prefix: str = "parallel."):
+    """What the pipeline needs, checked before any collective (nothing when dims.pp == 1)."""
+    if schedule not in PP_STAGES_PER_RANK:
+        raise ValueError(f"{prefix}pp_schedule must be one of {list(PP_STAGES_PER_RANK)}, got {schedule!r}")
+    pp, per_rank = dims.pp, PP_STAGES_PER_RANK[schedule]
+    if pp == 1:
+        return
+    stages = pp * per_rank
+    if n_layers < stages:
+        raise ValueError(f"model.n_layers ({n_layers}) must be >= the pipeline stages ({stages} = {prefix}pp {pp} x "
+                         f"{per_rank} per rank for {schedule!r}): every stage holds a layer; valid "
+                         f"{prefix}pp here: {[p for p in range(1, n_layers + 1) if p * per_rank <= n_layers]}")
+    if tie_embeddings:
+        raise ValueError(f"model.tie_embeddings=true is not supported with {prefix}pp > 1 (the embedding and the "
+                         "output head live on different stages); valid: model.tie_embeddings=false, or pp=1")
+    if compile:
+        raise ValueError(f"training.compile is not supported with {prefix}pp > 1 yet (each MoE's load-balancing loss "
+                         "is attached to its output by a module hook); valid: compile=false, or pp=1")
+    if schedule == "1f1b" and microbatches < pp:
+        raise ValueError(f"{prefix}microbatches ({microbatches}) must be >= {prefix}pp ({pp}) for pp_schedule '1f1b'; "
+                         f"valid: {list(range(pp, 4 * pp + 1))}, ... or pp_schedule 'gpipe'")
+    if schedule == "interleaved_1f1b":
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            valid = [m for m in range(1, 4 * pp + 1) if m % max(1, m // pp) == 0]
+            raise ValueError(f"{prefix}microbatches ({microbatches}) must be a multiple of max(1, microbatches // pp) "
+                             f"= {rounds} for pp_schedule 'interleaved_1f1b'; valid up to {4 * pp}: {valid}")
+
+
+def stage_layers(n_layers: int, num_stages: int) -> list[list[int]]:
+    """Contiguous layer ids per stage, as even as possible (the first stages take the remainder)."""
+    base, extra = divmod(n_layers, num_stages)
+    out, lo = [], 0
+    for s in range(num_stages):
+        hi = lo + base + (s < extra)
+        out.append(list(range(lo, hi)))
+        lo = hi
+    return out
+
+
+def rank_layers(n_layers: int, pp: int, schedule: str, pp_rank: int) -> list[int]:
+    """Layer ids that pipeline rank `pp_rank` holds (its stages pp_rank, pp_rank + pp, ...); it holds
+    the embedding iff pp_rank == 0 and the final norm and head iff pp_rank == pp - 1."""
+    stages = stage_layers(n_layers, pp * (PP_STAGES_PER_RANK[schedule] if pp > 1 else 1))
+    return [i for s in stages[pp_rank::pp] for i in s]

@@ -6,6 +6,9 @@ order) once per weight, each rank coloured by the slice it holds; ranks of one c
 One more panel draws the dense mesh over the same ranks (rows: dp_replicate x dp_shard, columns:
 cp x tp), coloured by the sequences a rank reads: CP and TP ranks of one row split those sequences.
 Under tp > 1 the text also lists the dense TP plan (which modules split how) and the TP groups.
+Under pp > 1 (outermost) the tables and grids are one pipeline stage's (stage-local ranks; every
+stage places its own layers the same way); the text lists the stages and the pipeline groups, and a
+last panel draws the stages (rows) over their ranks.
 Without matplotlib, `--png` prints a one-line note on stderr and the text alone (exit status 0).
 """
 
@@ -61,8 +64,11 @@ def fmt_ranks(ranks: list[int]) -> str:
 def describe(config: MoEConfig, dims: MoEParallelDims) -> str:
     plans = plan_moe(config, dims)
     lines = [
-        f"world {dims.world_size}: dense mesh dp_replicate={dims.dp_replicate} x dp_shard={dims.dp_shard} x "
-        f"cp={dims.cp} x tp={dims.tp}; expert mesh dp_replicate={dims.dp_replicate} x edp={dims.edp} x "
+        *([f"world {dims.world_size} = pp {dims.pp} x {dims.stage_size}: pipeline stage s holds ranks "
+           f"s*{dims.stage_size} .. s*{dims.stage_size}+{dims.stage_size - 1}; below, one stage (stage-local ranks):"]
+          if dims.pp > 1 else []),
+        f"{'stage' if dims.pp > 1 else 'world'} {dims.stage_size}: dense mesh dp_replicate={dims.dp_replicate} x "
+        f"dp_shard={dims.dp_shard} x cp={dims.cp} x tp={dims.tp}; expert mesh dp_replicate={dims.dp_replicate} x edp={dims.edp} x "
         f"ep={dims.ep} x etp={dims.etp}",
         f"MoE: {config.num_experts} experts, dim {config.dim}, hidden {config.hidden_dim}, "
         f"{config.num_shared_experts} shared expert(s). ETP ranks are consecutive, then EP, then EDP.",
@@ -73,8 +79,13 @@ def describe(config: MoEConfig, dims: MoEParallelDims) -> str:
         c = rank_coords(dims, r)
         lines.append(f"{r:>5} | {c['dp_replicate']:>12} {c['edp']:>4} {c['ep']:>4} {c['etp']:>4} | {c['dp_shard']:>8} "
                      f"{c['cp']:>3} {c['tp']:>3}")
+    if dims.pp > 1:
+        groups = [list(range(r, dims.world_size, dims.stage_size)) for r in range(dims.stage_size)]
+        lines += ["", f"pipeline (pp={dims.pp}, outermost): each stage runs its own layers; neighbouring stages send "
+                      "hidden states forward and their gradients back within a group of one rank per stage:",
+                  "  groups " + " ".join(",".join(map(str, g)) for g in groups)]
     if dims.tp > 1:
-        groups = [list(range(g, g + dims.tp)) for g in range(0, dims.world_size, dims.tp)]
+        groups = [list(range(g, g + dims.tp)) for g in range(0, dims.stage_size, dims.tp)]
         lines += ["", f"dense TP (sequence-parallel between blocks), groups {' '.join(fmt_ranks(g) for g in groups)}:",
                   "  " + ", ".join(f"{m}={s}" for m, s in TP_ROOT_PLAN),
                   "  per block: " + ", ".join(f"{m}={s}" for m, s in TP_BLOCK_PLAN),
@@ -101,8 +112,9 @@ def save_png(config: MoEConfig, dims: MoEParallelDims, path: str):
     import matplotlib.pyplot as plt
 
     plans = plan_moe(config, dims)
-    ncols = min(3, len(plans) + 1)
-    nrows = -(-(len(plans) + 1) // ncols)
+    panels = len(plans) + 1 + (dims.pp > 1)
+    ncols = min(3, panels)
+    nrows = -(-panels // ncols)
     rows, cols = dims.stage_size // (dims.ep * dims.etp), dims.ep * dims.etp
     fig, axes = plt.subplots(nrows, ncols, figsize=(ncols * max(3.0, 0.9 * cols + 1), nrows * max(2.5, 0.7 * rows + 1.2)), squeeze=False)
     for ax, wp in zip(axes.flat, plans):
@@ -120,9 +132,12 @@ def save_png(config: MoEConfig, dims: MoEParallelDims, path: str):
         ax.set_yticks(range(rows))
         ax.tick_params(labelsize=6)
     _dense_panel(list(axes.flat)[len(plans)], dims, plt)
-    for ax in list(axes.flat)[len(plans) + 1 :]:
+    if dims.pp > 1:
+        _pipeline_panel(list(axes.flat)[len(plans) + 1], dims, plt)
+    for ax in list(axes.flat)[panels:]:
         ax.axis("off")
-    fig.suptitle(f"world {dims.world_size}: colour = slice held (same colour = copies over dp_replicate)", fontsize=9)
+    stages = f" (pp {dims.pp} stages of {dims.stage_size}; grids: one stage)" if dims.pp > 1 else ""
+    fig.suptitle(f"world {dims.world_size}{stages}: colour = slice held (same colour = copies over dp_replicate)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -131,7 +146,7 @@ def save_png(config: MoEConfig, dims: MoEParallelDims, path: str):
 def _dense_panel(ax, dims: MoEParallelDims, plt):
     """The dense mesh in rank order: a row per data-parallel group, its CP x TP ranks across."""
     cols = dims.cp * dims.tp
-    rows = dims.world_size // cols
+    rows = dims.stage_size // cols
     ax.imshow([[row] * cols for row in range(rows)], cmap=plt.get_cmap("tab20" if rows <= 20 else "viridis", rows),
               vmin=-0.5, vmax=rows - 0.5, aspect="auto")
     if rows * cols <= 256:
@@ -146,6 +161,23 @@ def _dense_panel(ax, dims: MoEParallelDims, plt):
     ax.tick_params(labelsize=6)
 
 
+def _pipeline_panel(ax, dims: MoEParallelDims, plt):
+    """The world in rank order: a row per pipeline stage, its ranks across (one column: one pipeline group)."""
+    rows, cols = dims.pp, dims.stage_size
+    ax.imshow([[row] * cols for row in range(rows)], cmap=plt.get_cmap("tab20" if rows <= 20 else "viridis", rows),
+              vmin=-0.5, vmax=rows - 0.5, aspect="auto")
+    if rows * cols <= 256:
+        for i in range(rows):
+            for j in range(cols):
+                ax.text(j, i, f"r{i * cols + j}", ha="center", va="center", fontsize=6)
+    ax.set_title("pipeline: colour = stage\n(a column sends hidden states down)", fontsize=7)
+    ax.set_xlabel(f"ranks of a stage ({cols})", fontsize=7)
+    ax.set_ylabel(f"pp = {rows}", fontsize=7)
+    ax.set_xticks(range(cols))
+    ax.set_yticks(range(rows))
+    ax.tick_params(labelsize=6)
+
+
 def add_arguments(p):
     p.add_argument("--world", type=int, required=True, help="number of ranks")
     p.add_argument("--ep", type=int, default=1)
@@ -153,6 +185,7 @@ def add_arguments(p):
     p.add_argument("--dp-replicate", type=int, default=1)
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1, help="dense tensor parallelism (sequence-parallel)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (outermost)")
     p.add_argument("--experts", type=int, required=True)
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--hidden-dim", type=int, default=8, help="expert hidden dim F")
@@ -162,7 +195,7 @@ def add_arguments(p):
 
 def _check_flags(args):
     """The flags by their own names (MoEConfig's messages would say num_experts for --experts)."""
-    for flag in ("world", "ep", "etp", "dp_replicate", "cp", "tp", "experts", "dim", "hidden_dim", "shared_experts"):
+    for flag in ("world", "ep", "etp", "dp_replicate", "cp", "tp", "pp", "experts", "dim", "hidden_dim", "shared_experts"):
         check_int("--" + flag.replace("_", "-"), getattr(args, flag), minimum=0 if flag == "shared_experts" else 1)
     if args.png:
         parent = os.path.dirname(os.path.abspath(args.png))
@@ -175,7 +208,8 @@ def run(args) -> int:
         _check_flags(args)
         config = MoEConfig(dim=args.dim, hidden_dim=args.hidden_dim, num_experts=args.experts, top_k=1,
                            num_shared_experts=args.shared_experts)
-        dims = MoEParallelDims(args.world, dp_replicate=args.dp_replicate, cp=args.cp, tp=args.tp, ep=args.ep, etp=args.etp)
+        dims = MoEParallelDims(args.world, dp_replicate=args.dp_replicate, cp=args.cp, tp=args.tp, ep=args.ep, etp=args.etp,
+                               pp=args.pp)
         print(describe(config, dims))
     except ValueError as e:
         print(f"dtensor-moe explain: {e}", file=sys.stderr)

@@ -79,11 +79,12 @@ class ModelSpec:
             ffn = (("feed_forward.w1.weight", (Fd, D)), ("feed_forward.w2.weight", (D, Fd)), ("feed_forward.w3.weight", (Fd, D)))
         return (*norms, *self.attention, *ffn)
 
-    def root_weights(self) -> tuple[tuple[str, Shape], ...]:
-        """Weights of the root FSDP unit: embeddings, final norm, output head."""
+    def root_weights(self, first: bool = True, last: bool = True) -> tuple[tuple[str, Shape], ...]:
+        """Weights of the root FSDP unit: the embedding (on the first pipeline stage), the final norm
+        and the output head (on the last)."""
         V, D = self.vocab_size, self.dim
-        out = (("tok_embeddings.weight", (V, D)), ("norm.weight", (D,)))
-        return out if self.tie_embeddings else (*out, ("output.weight", (V, D)))
+        head = (("norm.weight", (D,)),) + ((("output.weight", (V, D)),) if not self.tie_embeddings else ())
+        return (("tok_embeddings.weight", (V, D)),) * first + head * last
 
 
 def _gqa(D: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool):

@@ -143,10 +143,9 @@ def _resume_target(args, cfg: Config, run_dir: str):
 
 def _check(cfg: Config, world: int):
     """Every config error, raised before any process group or collective exists."""
-    from dtensor_moe.parallel.plan import plan_moe
+    from dtensor_moe.parallel.plan import check_pipeline, plan_moe
 
     from dtensor_moe.parallel.parallelize import check_compile, check_model_parallel
-    from dtensor_moe.parallel.pipeline import check_pipeline
     from dtensor_moe.train.data import check_global_batch
 
     p, m = cfg.parallel, cfg.model  # types and ranges of every field were checked when the config was built
@@ -318,7 +317,8 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
             "peak_mem_per_rank_gib": max((r["peak_mem_per_rank_gib"] for r in rows), key=max, default=None),
             # Measured local bytes after the last step vs the planner's prediction (dtensor-moe plan).
             "state_bytes_per_rank": states,
-            "planner_state_bytes_per_rank": [predicted_state_bytes(cfg.model, dims, r) for r in range(world)],
+            "planner_state_bytes_per_rank": [predicted_state_bytes(cfg.model, dims, r, pp_schedule=p.pp_schedule)
+                                             for r in range(world)],
             "torch": torch.__version__,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         })

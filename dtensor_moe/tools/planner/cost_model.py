@@ -6,13 +6,26 @@ embedding and head by vocabulary -- and 1-D ones replicated; then FSDP2 Shard(0)
 data-parallel axis, dp_shard or dp_shard_cp), and which ranks form each group from the mesh order in
 `mesh.py` (ETP innermost, then EP, then EDP; TP innermost in the dense mesh).
 
-Model of one training step of one micro-batch per rank:
+Pipeline parallelism (outermost, stages of whole nodes in the search) gives each pipeline rank a
+`StageShare`: the layers of its stages (`plan.rank_layers`), the embedding on the first, the norm and
+head on the last. A step is `microbatches` microbatches of `micro_batch` sequences per data-parallel
+rank; every pipeline rank is costed and the candidate takes the one with the most memory and the
+slowest one's traffic (it sets the pipeline's pace). The schedule decides the activations in flight
+(gpipe: every microbatch, 1f1b: pp - rank on rank `rank`, interleaved: torch's warm-up count of
+chunks) and the bubble ((pp - 1) / v / (microbatches + (pp - 1) / v) for v stages per rank), which
+stretches the step: time per token is the communication time / (1 - bubble) per token.
+
+Model of one training step per rank:
 - memory per rank (rank 0, which holds the largest slices): fp32 sharded params, fp32 sharded
   grads, optimizer state (AdamW: two fp32 moments and a step scalar per tensor) -- FSDP2's
   MixedPrecisionPolicy keeps sharded params in fp32 and all-gathers in the compute dtype; the
   gathered working set (root unit kept gathered, current + prefetched block, one block's
   unsharded grads in compute and reduce dtype); and an activation estimate.
-- bytes each rank sends per step: EP all-to-all and ETP gather/reduce-scatter of routed tokens
+  Under pp torch.distributed.pipelining keeps every FSDP unit unsharded from its first backward to
+  the step's gradient reduction and accumulates the unsharded gradients (reduce dtype), so a
+  pipeline rank's working set is all of its units, gathered, twice.
+- bytes each rank sends per step: pipeline stage-boundary sends of hidden states (forward) and
+  their gradients (backward) per microbatch, EP all-to-all and ETP gather/reduce-scatter of routed tokens
   (uniform routing, pairwise), FSDP all-gather (twice per block: forward and backward) and
   reduce-scatter (fp32), HSDP all-reduce over dp_replicate, K/V all-gather passes under CP, and
   sequence parallelism's all-gather / reduce-scatter of each block's attention input and output
@@ -27,8 +40,8 @@ from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 from typing import NamedTuple
 
-from dtensor_moe.parallel.mesh import DENSE_AXES, EXPERT_AXES, MoEParallelDims
-from dtensor_moe.parallel.plan import ShardStep, WeightPlan, axis_sizes, owned_box, plan_moe
+from dtensor_moe.parallel.mesh import DENSE_AXES, EXPERT_AXES, PP_STAGES_PER_RANK, MoEParallelDims
+from dtensor_moe.parallel.plan import ShardStep, WeightPlan, axis_sizes, owned_box, plan_moe, rank_layers
 from dtensor_moe.validate import check_choice, check_int, check_positive
 from dtensor_moe.tools.presets import ModelSpec, spec_from_model_config
 
@@ -44,14 +57,18 @@ STEP_BYTES = 4  # AdamW's per-tensor step counter (a float32 scalar)
 @dataclass(frozen=True)
 class Workload:
     seq_len: int = 4096
-    micro_batch: int = 1
+    micro_batch: int = 1  # sequences per data-parallel rank per microbatch
     dtype: str = "bf16"
     optimizer: str = "adamw"
     recompute: str = "full"  # "full": each block's activations are recomputed in backward
+    microbatches: int = 1  # per step: pipeline microbatches, or gradient accumulation without pp
+    pp_schedule: str = "1f1b"
 
     def __post_init__(self):
         check_int("Workload.seq_len", self.seq_len)
         check_int("Workload.micro_batch", self.micro_batch)
+        check_int("Workload.microbatches", self.microbatches)
+        check_choice("Workload.pp_schedule", self.pp_schedule, PP_STAGES_PER_RANK)
         check_choice("Workload.dtype", self.dtype, COMPUTE_BYTES)
         check_choice("Workload.optimizer", self.optimizer, OPTIMIZER_MOMENTS)
         check_choice("Workload.recompute", self.recompute, RECOMPUTE)
@@ -91,6 +108,67 @@ class Unit:
     count: int
     plans: tuple[WeightPlan, ...]
     gathers_per_step: int  # all-gathers of its params per step
+
+
+class StageShare(NamedTuple):
+    """What one pipeline rank holds (with pp == 1, the whole model)."""
+
+    dense_layers: int
+    moe_layers: int
+    first: bool  # the embedding
+    last: bool  # the final norm and the head
+
+    @property
+    def layers(self) -> int:
+        return self.dense_layers + self.moe_layers
+
+
+def stage_share(spec: ModelSpec, pp: int, schedule: str, pp_rank: int) -> StageShare:
+    layers = rank_layers(spec.n_layers, pp, schedule, pp_rank)
+    dense = sum(i < spec.n_dense_layers for i in layers)  # the dense layers lead
+    return StageShare(dense, len(layers) - dense, pp_rank == 0, pp_rank == pp - 1)
+
+
+class PipelineRank(NamedTuple):
+    share: StageShare
+    in_flight: float  # microbatches whose saved activations (of all its layers) it holds at peak
+    sends: int  # stage-boundary sends per microbatch: hidden states forward, their gradients backward
+
+
+def in_flight(work: Workload, pp: int, pp_rank: int) -> float:
+    """Microbatches in flight on pipeline rank `pp_rank` at its peak (torch.distributed.pipelining's
+    warm-up: 1F1B runs pp - rank forwards before its first backward; interleaved 1F1B counts chunks of
+    one stage, 1/v of the rank's layers, and adds one to its warm-up before the first backward)."""
+    M, v = work.microbatches, PP_STAGES_PER_RANK[work.pp_schedule]
+    if pp == 1:
+        return 1  # gradient accumulation runs the microbatches one after another
+    if work.pp_schedule == "gpipe":
+        return M
+    if work.pp_schedule == "1f1b":
+        return min(M, pp - pp_rank)
+    per_round = M // max(1, M // pp)
+    return min((v - 1) * per_round + 2 * (pp - 1 - pp_rank) + 1, M * v) / v
+
+
+def bubble_fraction(pp: int, work: Workload) -> float:
+    """Share of a step a pipeline rank idles: (pp - 1) / v slots of warm-up and drain beside M of work."""
+    idle = (pp - 1) / PP_STAGES_PER_RANK[work.pp_schedule]
+    return idle / (work.microbatches + idle)
+
+
+@lru_cache(maxsize=1024)
+def pipeline_ranks(spec: ModelSpec, pp: int, work: Workload) -> tuple[PipelineRank, ...]:
+    """The pipeline ranks that can be the worst, one per distinct share (the most in flight, the most
+    sends): memory and traffic only grow with those."""
+    v = PP_STAGES_PER_RANK[work.pp_schedule] if pp > 1 else 0
+    worst: dict[StageShare, PipelineRank] = {}
+    for r in range(pp):
+        share = stage_share(spec, pp, work.pp_schedule, r)
+        sends = 2 * v - (r == 0) - (r == pp - 1) if pp > 1 else 0
+        old = worst.get(share)
+        worst[share] = PipelineRank(share, max(in_flight(work, pp, r), old.in_flight if old else 0),
+                                    max(sends, old.sends if old else 0))
+    return tuple(worst.values())
 
 
 def _fsdp_plan(name: str, shape: tuple[int, ...], dims: MoEParallelDims, axis: str) -> WeightPlan:
@@ -135,15 +213,23 @@ def _moe_plans(spec: ModelSpec, dims: MoEParallelDims) -> tuple[WeightPlan, ...]
     return _MOE_PLANS[key]
 
 
-def fsdp_units(spec: ModelSpec, dims: MoEParallelDims) -> tuple[Unit, ...]:
+def fsdp_units(spec: ModelSpec, dims: MoEParallelDims, share: StageShare | None = None, microbatches: int = 1
+               ) -> tuple[Unit, ...]:
+    """The FSDP units of `share` (default: the whole model) with their all-gathers per step."""
+    share = share or StageShare(spec.n_dense_layers, spec.n_moe_layers, True, True)
     moe_plans = _moe_plans(spec, dims)
     # parallelize_model's mesh for the dense weights (MoEMeshes.dp); the MoE's own axis includes tp.
     dp_axis = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
-    root, dense_block, moe_block = _outer_plans(spec, dims.world_size, dims.dp_replicate, dims.cp, dims.tp, dp_axis)
-    units = [Unit("root", 1, root, 1)]  # parallelize_model keeps the root gathered after forward
-    if spec.n_dense_layers:
-        units.append(Unit("dense block", spec.n_dense_layers, dense_block, 2))
-    units.append(Unit("moe block", spec.n_moe_layers, (*moe_block, *moe_plans), 2))
+    root, dense_block, moe_block = _outer_plans(spec, dims.stage_size, dims.dp_replicate, dims.cp, dims.tp, dp_axis)
+    held_root = {n for n, _ in spec.root_weights(share.first, share.last)}
+    root = tuple(wp for wp in root if wp.name in held_root)
+    units = []
+    if root:  # kept gathered after forward; under pp also after backward, so gathered once a step
+        units.append(Unit("root", 1, root, microbatches if dims.pp == 1 else 1))
+    if share.dense_layers:
+        units.append(Unit("dense block", share.dense_layers, dense_block, 2 * microbatches))
+    if share.moe_layers:
+        units.append(Unit("moe block", share.moe_layers, (*moe_block, *moe_plans), 2 * microbatches))
     return tuple(units)
 
 
@@ -160,28 +246,65 @@ class Footprint:
     tensors: int  # parameter tensors (AdamW keeps a step counter per tensor)
     gathered_root: int  # unsharded elements of the root unit
     gathered_block: int  # unsharded elements of the largest block unit (EP x ETP slice for experts)
+    gathered_blocks: int  # unsharded elements of all block units together
 
     @cached_property
     def held(self) -> int:
         return sum(n for _, _, n in self.sharded)
 
 
-def footprint(units, dims: MoEParallelDims) -> Footprint:
+class UnitPart(NamedTuple):
+    """One copy of a unit on rank 0: elements per (FSDP axis, all-gathers per step), tensors, and its
+    unsharded elements (FSDP all-gathers every shard padded to rank 0's, the largest, size)."""
+
+    sharded: tuple[tuple[tuple[str, int], int], ...]
+    tensors: int
+    gathered: int
+
+
+def unit_part(u: Unit, dims: MoEParallelDims) -> UnitPart:
+    sizes, sharded = axis_sizes(dims), {}
+    for wp in u.plans:
+        key = (wp.fsdp_step.axis, u.gathers_per_step)
+        sharded[key] = sharded.get(key, 0) + math.prod(wp.local_shape)
+    return UnitPart(tuple(sharded.items()), len(u.plans),
+                    sum(math.prod(wp.local_shape) * sizes[wp.fsdp_step.axis] for wp in u.plans))
+
+
+def combine(parts) -> Footprint:
+    """The footprint of (is_root, count, UnitPart) triples: a rank's units, or parts of them."""
     sharded: dict[tuple[str, int], int] = {}
-    gathered = {}
-    sizes = axis_sizes(dims)
-    for u in units:
-        # FSDP all-gathers every shard padded to rank 0's (the largest) size.
-        gathered[u.name] = sum(math.prod(wp.local_shape) * sizes[wp.fsdp_step.axis] for wp in u.plans)
-        for wp in u.plans:
-            key = (wp.fsdp_step.axis, u.gathers_per_step)
-            sharded[key] = sharded.get(key, 0) + u.count * math.prod(wp.local_shape)
-    return Footprint(
-        tuple((a, g, n) for (a, g), n in sharded.items()),
-        sum(u.count * len(u.plans) for u in units),
-        gathered["root"],
-        max(v for name, v in gathered.items() if name != "root"),
-    )
+    tensors = root = biggest = blocks = 0
+    for is_root, count, part in parts:
+        for key, n in part.sharded:
+            sharded[key] = sharded.get(key, 0) + count * n
+        tensors += count * part.tensors
+        if is_root:
+            root += part.gathered
+        else:
+            biggest, blocks = max(biggest, part.gathered), blocks + count * part.gathered
+    return Footprint(tuple((a, g, n) for (a, g), n in sharded.items()), tensors, root, biggest, blocks)
+
+
+def footprint(units, dims: MoEParallelDims) -> Footprint:
+    return combine((u.name == "root", u.count, unit_part(u, dims)) for u in units)
+
+
+def share_parts(spec: ModelSpec, dims: MoEParallelDims, microbatches: int = 1) -> dict[str, UnitPart]:
+    """One copy of each unit a pipeline rank can hold, the root split into the embedding and the head
+    (the search combines them per share instead of re-reading the plans)."""
+    with_first = fsdp_units(spec, dims, StageShare(1, 1, True, False), microbatches)
+    (head,) = (u for u in fsdp_units(spec, dims, StageShare(0, 0, False, True), microbatches))
+    parts = {u.name: unit_part(u, dims) for u in with_first}
+    parts["embedding"], parts["head"] = parts.pop("root"), unit_part(head, dims)
+    return parts
+
+
+def share_footprint(parts: dict[str, UnitPart], share: StageShare) -> Footprint:
+    """footprint(fsdp_units(spec, dims, share, microbatches), dims) from `share_parts`."""
+    return combine(((True, 1, parts["embedding"]),) * share.first + ((True, 1, parts["head"]),) * share.last
+                   + ((False, share.dense_layers, parts["dense block"]),) * (share.dense_layers > 0)
+                   + ((False, share.moe_layers, parts["moe block"]),) * (share.moe_layers > 0))
 
 
 # ---- memory ----------------------------------------------------------------------------------
@@ -213,12 +336,19 @@ def state_bytes(held: int, tensors: int, work: Workload) -> tuple[int, int, int]
 
 
 def tokens_per_rank(work: Workload, dims: MoEParallelDims) -> int:
-    """Tokens a rank holds between blocks (and routes through each MoE): its CP part, its TP slice."""
+    """Tokens of a microbatch a rank holds between blocks (and routes through each MoE): its CP part,
+    its TP slice."""
     return work.micro_batch * work.seq_len // (dims.cp * dims.tp)
 
 
-def activation_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload) -> float:
-    """Saved activations per rank (estimate): inputs and outputs of every linear, routed copies, logits.
+def step_tokens_per_rank(work: Workload, dims: MoEParallelDims) -> float:
+    """The step's tokens over the world: a pipeline of pp ranks carries each microbatch."""
+    return work.microbatches * tokens_per_rank(work, dims) / dims.pp
+
+
+def activation_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, rank: PipelineRank | None = None) -> float:
+    """Saved activations of a (pipeline) rank (estimate): inputs and outputs of every linear, routed
+    copies, logits, for each microbatch in flight; one block's more while it is recomputed.
 
     MoE: after the ETP gather a rank holds etp * top_k * T routed tokens of width D and the same
     tokens' F/etp-wide hidden activations (three of them), so the hidden part is independent of etp;
@@ -231,26 +361,38 @@ def activation_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload) -> 
     moe = k * (2 * dims.etp * D + 3 * spec.moe_hidden_dim) + 3 * spec.moe_hidden_dim * spec.num_shared_experts
     moe_layer = common + T * b * moe + T * spec.num_experts * 4  # fp32 router scores
     dense_layer = common + T * b * 3 * spec.dense_hidden_dim
-    logits = T * dims.tp * spec.vocab_size * (b + 8)  # logits (replicated over tp), fp32 copy for the loss, its gradient
+    rank = rank or PipelineRank(StageShare(spec.n_dense_layers, spec.n_moe_layers, True, True), 1, 0)
+    s = rank.share
+    # Logits (replicated over tp) and their fp32 copy for the loss per microbatch; one gradient of them.
+    logits, logits_grad = (T * dims.tp * spec.vocab_size * (b + 4), T * dims.tp * spec.vocab_size * 4) if s.last else (0, 0)
     if work.recompute == "full":  # block inputs, plus one block's activations while it is recomputed
-        biggest = max(moe_layer if spec.n_moe_layers else 0, dense_layer if spec.n_dense_layers else 0)
-        return spec.n_layers * T * D * b + biggest + logits
-    return spec.n_moe_layers * moe_layer + spec.n_dense_layers * dense_layer + logits
+        saved = s.layers * T * D * b
+        recomputed = max(moe_layer if s.moe_layers else 0, dense_layer if s.dense_layers else 0)
+    else:
+        saved, recomputed = s.moe_layers * moe_layer + s.dense_layers * dense_layer, 0
+    return rank.in_flight * (saved + logits) + recomputed + logits_grad
 
 
-def rank_memory(spec: ModelSpec, dims: MoEParallelDims, work: Workload, fp: Footprint) -> Memory:
+def rank_memory(spec: ModelSpec, dims: MoEParallelDims, work: Workload, fp: Footprint,
+                rank: PipelineRank | None = None) -> Memory:
     params, grads, opt = state_bytes(fp.held, fp.tensors, work)
     b = work.compute_bytes
-    # Root stays gathered; one block computing while the next is prefetched; one block's unsharded
-    # grads in compute dtype plus their reduce-dtype copy for the reduce-scatter.
-    working = b * (fp.gathered_root + 2 * fp.gathered_block) + fp.gathered_block * (b + REDUCE_BYTES)
-    return Memory(params, grads, opt, working, activation_bytes(spec, dims, work))
+    if dims.pp == 1:
+        # Root stays gathered; one block computing while the next is prefetched; one block's unsharded
+        # grads in compute dtype plus their reduce-dtype copy for the reduce-scatter.
+        working = b * (fp.gathered_root + 2 * fp.gathered_block) + fp.gathered_block * (b + REDUCE_BYTES)
+    else:  # every unit gathered, its gradients accumulated unsharded, one block's fresh gradient
+        working = (b + REDUCE_BYTES) * (fp.gathered_root + fp.gathered_blocks) + b * fp.gathered_block
+    return Memory(params, grads, opt, working, activation_bytes(spec, dims, work, rank))
 
 
-def predicted_state_bytes(model_cfg, dims: MoEParallelDims, rank: int, optimizer: str = "adamw") -> dict[str, int]:
+def predicted_state_bytes(model_cfg, dims: MoEParallelDims, rank: int, optimizer: str = "adamw",
+                          pp_schedule: str = "1f1b") -> dict[str, int]:
     """Params, grads and optimizer-state bytes the planner predicts for `rank` of a training run of
-    `dtensor_moe.train.model.ModelConfig` (sharded state is fp32 whatever the compute dtype)."""
-    units = fsdp_units(spec_from_model_config(model_cfg), dims)
+    `dtensor_moe.train.model.ModelConfig` (sharded state is fp32 whatever the compute dtype): the
+    layers of its pipeline stages, sharded over its stage's ranks."""
+    spec = spec_from_model_config(model_cfg)
+    units = fsdp_units(spec, dims, stage_share(spec, dims.pp, pp_schedule, dims.pp_coord(rank)))
     tensors = sum(u.count * len(u.plans) for u in units)
     work = Workload(dtype="fp32", optimizer=optimizer)
     return dict(zip(("params", "grads", "optimizer"), state_bytes(held_numel(units, dims, rank), tensors, work)))
@@ -267,6 +409,7 @@ def mesh_geometry(dims: MoEParallelDims) -> dict[str, tuple[int, int]]:
         for axis, size in zip(reversed(axes), reversed(shape)):
             geo[axis] = (size, stride)
             stride *= size
+    geo["pp"] = (dims.pp, dims.stage_size)
     geo["dp_shard_cp"] = (dims.dp_shard * dims.cp, geo["cp"][1])  # the flattened (dp_shard, cp) pair
     # The MoE's dense axis: every rank of a replica (tp is innermost, so consecutive ranks).
     geo["dp_shard_tp"] = geo["dp_shard_cp_tp"] = (dims.dp_shard * dims.cp * dims.tp, 1)
@@ -290,6 +433,11 @@ def ring_inter_fraction(size: int, stride: int, G: int) -> float:
     """Share of ring hops (rank 0's group, in rank order) that cross a node boundary."""
     nodes = node_span(size, stride, G)
     return 0.0 if nodes == 1 else nodes / size
+
+
+def chain_inter_fraction(size: int, stride: int, G: int) -> float:
+    """Share of the hops between neighbours of a chain (the pipeline, no wrap-around) that cross a node."""
+    return 0.0 if size == 1 else (node_span(size, stride, G) - 1) / (size - 1)
 
 
 class Traffic(NamedTuple):  # a tuple: built a dozen times per folding, tens of thousands of foldings
@@ -322,11 +470,15 @@ def distinct_ranks(num_experts: int, top_k: int, ep: int, groups: int = 1, limit
                     for j in range(min(g, limited) + 1))
 
 
-def comm_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node: int, fp: Footprint) -> dict[str, Traffic]:
-    """Bytes one rank sends per step, per collective kind, split intra-/inter-node."""
-    G, b = gpus_per_node, work.compute_bytes
+def comm_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node: int, fp: Footprint,
+               rank: PipelineRank | None = None) -> dict[str, Traffic]:
+    """Bytes one (pipeline) rank sends per step, per collective kind, split intra-/inter-node."""
+    G, b, M = gpus_per_node, work.compute_bytes, work.microbatches
+    s = rank.share if rank else StageShare(spec.n_dense_layers, spec.n_moe_layers, True, True)
     T = tokens_per_rank(work, dims)
     recompute = work.recompute == "full"
+    # Without pp every microbatch's backward reduces the gradients; pipelining reduces them once a step.
+    reductions = M if dims.pp == 1 else 1
     geo = mesh_geometry(dims)
 
     def pair(axis, total):
@@ -338,24 +490,26 @@ def comm_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_
     # Dispatch and combine (a token once per rank holding one of its experts, each way) in forward,
     # their reverses in backward, forward again when recomputing.
     rows = 2 * distinct_ranks(spec.num_experts, spec.top_k, dims.ep, spec.num_expert_groups, spec.num_limited_groups)
-    routed = (2 + recompute) * T * rows * spec.dim * b * spec.n_moe_layers
+    routed = M * (2 + recompute) * T * rows * spec.dim * b * s.moe_layers
     r = dims.dp_replicate
     # Sequence parallelism: each block's attention all-gathers its input and reduce-scatters its output
     # (the reverses in backward, again when recomputing); the embedding and the head once each way.
-    seq = ((4 + 2 * recompute) * spec.n_layers + 4) * (dims.tp - 1) * T * spec.dim * b
+    seq = M * ((4 + 2 * recompute) * s.layers + 2 * (s.first + s.last)) * (dims.tp - 1) * T * spec.dim * b
+    hidden = M * (rank.sends if rank else 0) * T * spec.dim * b  # hidden states under SP: the rank's T tokens
     return {
+        "pp_send_recv": _split(hidden, chain_inter_fraction(*geo["pp"], G)) if hidden else Traffic(0, 0),
         "ep_all_to_all": pair("ep", routed * (dims.ep - 1) / dims.ep),
         "etp_gather_scatter": pair("etp", routed * (dims.etp - 1)),
         "tp_sequence": ring("tp", seq),
         # The K/V of the CP part (tp * T tokens, 1/tp of the heads) pass to every CP peer.
-        "cp_ring_kv": ring("cp", (3 + recompute) * (dims.cp - 1) * T * spec.kv_width * b * spec.n_layers),
-        **_fsdp_traffic(fp.sharded, tuple(geo[a] for a, _, _ in fp.sharded), G, b),
-        "hsdp_all_reduce": ring("dp_replicate", 2 * (r - 1) / r * fp.held * REDUCE_BYTES),
+        "cp_ring_kv": ring("cp", M * (3 + recompute) * (dims.cp - 1) * T * spec.kv_width * b * s.layers),
+        **_fsdp_traffic(fp.sharded, tuple(geo[a] for a, _, _ in fp.sharded), G, b, reductions),
+        "hsdp_all_reduce": ring("dp_replicate", reductions * 2 * (r - 1) / r * fp.held * REDUCE_BYTES),
     }
 
 
 @lru_cache(maxsize=16384)
-def _fsdp_traffic(sharded, geometry, G: int, b: int) -> dict[str, Traffic]:
+def _fsdp_traffic(sharded, geometry, G: int, b: int, reductions: int) -> dict[str, Traffic]:
     """FSDP's all-gathers and reduce-scatters: the same for every folding with this footprint and
     geometry of its axes (most of a large search), so cached."""
     def ring(size_stride, total):
@@ -363,7 +517,8 @@ def _fsdp_traffic(sharded, geometry, G: int, b: int) -> dict[str, Traffic]:
 
     return {
         "fsdp_all_gather": _sum(ring(ss, g * (ss[0] - 1) * n * b) for (_, g, n), ss in zip(sharded, geometry)),
-        "fsdp_reduce_scatter": _sum(ring(ss, (ss[0] - 1) * n * REDUCE_BYTES) for (_, _, n), ss in zip(sharded, geometry)),
+        "fsdp_reduce_scatter": _sum(ring(ss, reductions * (ss[0] - 1) * n * REDUCE_BYTES)
+                                    for (_, _, n), ss in zip(sharded, geometry)),
     }
 
 

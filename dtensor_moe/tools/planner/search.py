@@ -1,27 +1,35 @@
 """The planner's search: enumerate the foldings, cost each with the cost model, rank them.
 
-Dense TP stays inside a node with the CP group it splits the sequence with (cp * tp divides
+Pipeline parallelism is outermost: pp > 1 only where the schedule runs it (`check_pipeline`: layers
+per stage, microbatches) and, beyond one node, with each stage on whole nodes (PP's sends cross
+nodes, every other group stays inside a stage). Dense TP stays inside a node with the CP group it splits the sequence with (cp * tp divides
 gpus_per_node, seq_len % (cp * tp) == 0); the experts never split over tp (their tensor parallelism is etp, folded over the
 same ranks). `plan_moe` stays the judge of which foldings are valid. Ranking: the foldings that fit
 in GPU memory first, by communication time per token (intra / intra_bw + inter / inter_bw, nothing
-overlapped); then the rest by memory.
+overlapped) stretched by the pipeline bubble; then the rest by memory.
 """
 
 from dataclasses import dataclass
 
 from dtensor_moe.parallel.mesh import MoEParallelDims, divisors
+from dtensor_moe.parallel.plan import check_pipeline
 from dtensor_moe.tools.planner.cost_model import (
     GiB,
     Footprint,
     Hardware,
     Memory,
+    PipelineRank,
+    StageShare,
     Traffic,
+    UnitPart,
     Workload,
+    bubble_fraction,
     comm_bytes,
-    footprint,
-    fsdp_units,
+    pipeline_ranks,
     rank_memory,
-    tokens_per_rank,
+    share_footprint,
+    share_parts,
+    step_tokens_per_rank,
 )
 from dtensor_moe.tools.presets import ModelSpec
 
@@ -31,15 +39,17 @@ TP_NOTE = "dense tp (sequence-parallel) with its cp x tp group inside a node; th
 @dataclass(frozen=True)
 class Candidate:
     dims: MoEParallelDims
-    memory: Memory
-    comm: dict[str, Traffic]
+    memory: Memory  # the pipeline rank with the most
+    comm: dict[str, Traffic]  # the slowest pipeline rank's
     comm_time_s: float  # if nothing overlapped: intra / intra_bw + inter / inter_bw
-    tokens: int  # per rank per step
+    tokens: float  # the step's tokens per rank of the world
     fits: bool
+    bubble: float  # share of the step a pipeline rank idles
+    share: StageShare  # what the rank with the most memory holds
 
     @property
     def time_per_token(self) -> float:
-        return self.comm_time_s / self.tokens
+        return self.comm_time_s / (1 - self.bubble) / self.tokens
 
     @property
     def intra(self) -> float:
@@ -50,15 +60,35 @@ class Candidate:
         return sum(t.inter for t in self.comm.values())
 
 
-def foldings(world: int, spec: ModelSpec, work: Workload, gpus_per_node: int = 8):
-    """Every MoEParallelDims that could be valid. The divisibility filters only prune the search (cp
-    and tp must split the sequence, a CP x TP group with tp > 1 stays in a node); plan_moe remains the judge
-    of validity."""
+def pipeline_degrees(world: int, spec: ModelSpec, work: Workload, gpus_per_node: int = 8) -> list[int]:
+    """The pp the search tries: those the schedule runs, with whole nodes per stage beyond one node."""
+    out = []
+    for pp in divisors(world):
+        try:
+            check_pipeline(MoEParallelDims(world, pp=pp), work.pp_schedule, work.microbatches, spec.n_layers,
+                           spec.tie_embeddings)
+        except ValueError:
+            continue
+        if pp == 1 or world <= gpus_per_node or (world // pp) % gpus_per_node == 0:
+            out.append(pp)
+    return out
+
+
+def foldings(world: int, spec: ModelSpec, work: Workload, gpus_per_node: int = 8, pp: int | None = None):
+    """Every MoEParallelDims that could be valid, with `pp` or each of `pipeline_degrees`. The
+    divisibility filters only prune the search (cp and tp must split the sequence, a CP x TP group with
+    tp > 1 stays in a node); plan_moe remains the judge of validity."""
+    for p in (pipeline_degrees(world, spec, work, gpus_per_node) if pp is None else (pp,)):
+        yield from _stage_foldings(world, p, spec, work, gpus_per_node)
+
+
+def _stage_foldings(world: int, pp: int, spec: ModelSpec, work: Workload, gpus_per_node: int):
     moe = spec.moe_config()
-    world_divs = divisors(world)
-    for dp_rep in world_divs:
-        rest = world // dp_rep
-        rest_divs = [d for d in world_divs if rest % d == 0]
+    stage = world // pp
+    stage_divs = divisors(stage)
+    for dp_rep in stage_divs:
+        rest = stage // dp_rep
+        rest_divs = [d for d in stage_divs if rest % d == 0]
         for cp in rest_divs:
             for tp in rest_divs:
                 # tp > 1 only with the sequence's whole CP x TP group in one node (both all-gather
@@ -70,7 +100,7 @@ def foldings(world: int, spec: ModelSpec, work: Workload, gpus_per_node: int = 8
                         continue
                     for etp in rest_divs:
                         if (rest // ep) % etp == 0 and moe.hidden_dim % etp == 0:
-                            yield MoEParallelDims(world, dp_replicate=dp_rep, cp=cp, tp=tp, ep=ep, etp=etp)
+                            yield MoEParallelDims(world, dp_replicate=dp_rep, cp=cp, tp=tp, ep=ep, etp=etp, pp=pp)
 
 
 def footprint_key(dims: MoEParallelDims) -> tuple:
@@ -80,25 +110,46 @@ def footprint_key(dims: MoEParallelDims) -> tuple:
     return dims.dp_shard * dims.cp, dims.cp > 1, dims.tp, dims.ep, dims.etp
 
 
-def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware, fp: Footprint | None = None) -> Candidate:
-    fp = fp or footprint(fsdp_units(spec, dims), dims)
-    mem = rank_memory(spec, dims, work, fp)
-    comm = comm_bytes(spec, dims, work, hw.gpus_per_node, fp)
-    t = sum(c.intra / hw.intra_bw + c.inter / hw.inter_bw for c in comm.values())
-    return Candidate(dims, mem, comm, t, tokens_per_rank(work, dims), mem.total <= hw.gpu_mem_gib * GiB)
+def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware,
+             ranks: tuple[tuple[PipelineRank, Footprint], ...] | None = None) -> Candidate:
+    """Every pipeline rank that can be the worst (`pipeline_ranks`, with its footprint): the most
+    memory, the slowest traffic."""
+    if ranks is None:
+        parts = share_parts(spec, dims, work.microbatches)
+        ranks = tuple((r, share_footprint(parts, r.share)) for r in pipeline_ranks(spec, dims.pp, work))
+    worst_mem = worst_comm = None
+    for rank, fp in ranks:
+        mem = rank_memory(spec, dims, work, fp, rank)
+        comm = comm_bytes(spec, dims, work, hw.gpus_per_node, fp, rank)
+        t = sum(c.intra / hw.intra_bw + c.inter / hw.inter_bw for c in comm.values())
+        if worst_mem is None or mem.total > worst_mem[0].total:
+            worst_mem = (mem, rank.share)
+        if worst_comm is None or t > worst_comm[1]:
+            worst_comm = (comm, t)
+    (mem, share), (comm, t) = worst_mem, worst_comm
+    return Candidate(dims, mem, comm, t, step_tokens_per_rank(work, dims), mem.total <= hw.gpu_mem_gib * GiB,
+                     bubble_fraction(dims.pp, work), share)
 
 
-def plan(spec: ModelSpec, work: Workload, hw: Hardware) -> list[Candidate]:
-    """All valid candidates: those that fit first, by communication time per token; then the rest by memory."""
-    footprints: dict[tuple, Footprint | None] = {}
+def plan(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None) -> list[Candidate]:
+    """All valid candidates (with `pp`, or every pp the search tries): those that fit first, by
+    communication time per token; then the rest by memory."""
+    # What rank 0 of a stage holds depends only on footprint_key (and, for the root's gathers, on
+    # whether pp > 1); what each pipeline rank holds only on pp: both memoized across foldings.
+    parts: dict[tuple, dict[str, UnitPart] | None] = {}
+    ranks: dict[tuple, tuple | None] = {}
     cands = []
-    for dims in foldings(hw.gpus, spec, work, hw.gpus_per_node):
-        key = footprint_key(dims)
-        if key not in footprints:
-            try:
-                footprints[key] = footprint(fsdp_units(spec, dims), dims)
-            except ValueError:  # plan_moe rejected the folding
-                footprints[key] = None
-        if footprints[key] is not None:
-            cands.append(evaluate(spec, dims, work, hw, footprints[key]))
+    for dims in foldings(hw.gpus, spec, work, hw.gpus_per_node, pp):
+        key = (footprint_key(dims), dims.pp)
+        if key not in ranks:
+            part_key = (key[0], dims.pp > 1)
+            if part_key not in parts:
+                try:
+                    parts[part_key] = share_parts(spec, dims, work.microbatches)
+                except ValueError:  # plan_moe rejected the folding
+                    parts[part_key] = None
+            p = parts[part_key]
+            ranks[key] = p and tuple((r, share_footprint(p, r.share)) for r in pipeline_ranks(spec, dims.pp, work))
+        if ranks[key] is not None:
+            cands.append(evaluate(spec, dims, work, hw, ranks[key]))
     return sorted(cands, key=lambda c: (not c.fits, c.time_per_token if c.fits else c.memory.total, c.memory.total))
