@@ -75,8 +75,10 @@ for counts, O, I in [([5, 0, 70, 16], 40, 24), ([0, 0], 8, 8), ([33], 17, 130)]:
     out = torch.randn(len(counts), O, I)
     want = out + 0.25 * torch.stack([a.t() @ b for a, b in zip(g_NO.split(counts), x_NI.split(counts))])
     ends = torch.tensor(counts).cumsum(0).to(torch.int32)
-    wgrad_kernel.accumulate(out, g_NO, x_NI, ends, 0.25, config=(16, 32, 16, 4, 2))
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+    for config in [(16, 32, 16, 4, 2), (32, 16, 16, 4, 2)]:  # tiles wider and taller than the policy's
+        got = out.clone()
+        wgrad_kernel.accumulate(got, g_NO, x_NI, ends, 0.25, config=config)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 # swiglu_kernel: h = silu(a) * b and its gradients, against autograd on the torch ops (fp32 math).
 from dtensor_moe.kernels import swiglu as swiglu_kernel
@@ -130,3 +132,20 @@ def test_triton_kernels_match_torch_in_triton_interpreter():
     proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600,
                           check=False)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_wgrad_config_follows_the_measured_table(tmp_path, monkeypatch):
+    from dtensor_moe.kernels import policy, wgrad
+    # The committed table: Mixtral-like w1/w3 gradients ([F, D] = [14336, 4096], 2048 rows per
+    # expert) take the wide tile; DeepSeek-like ones the default; an unmeasured (O, I) the default.
+    assert policy.wgrad_config((8, 14336, 4096), 16384) == wgrad.Config(128, 256, 64, 8, 3)
+    assert policy.wgrad_config((256, 2048, 7168), 65536) == wgrad.CONFIG
+    assert policy.wgrad_config((8, 14336, 2048), 16384) == wgrad.CONFIG
+    table = tmp_path / "wgrad.json"
+    table.write_text('{"configs": [{"O": 64, "I": 32, "rows_per_expert": 100, "config": [16, 32, 16, 4, 2]},'
+                     ' {"O": 64, "I": 32, "rows_per_expert": 1000, "config": [32, 16, 16, 4, 2]}]}')
+    monkeypatch.setenv("DTENSOR_MOE_WGRAD_CONFIGS", str(table))
+    # The nearest measured rows per expert on a log scale: 250 is nearer 100 than 1000, 400 nearer 1000.
+    assert policy.wgrad_config((4, 64, 32), 4 * 250) == wgrad.Config(16, 32, 16, 4, 2)
+    assert policy.wgrad_config((4, 64, 32), 4 * 400) == wgrad.Config(32, 16, 16, 4, 2)
+    assert policy.wgrad_config((4, 32, 64), 4 * 400) == wgrad.CONFIG

@@ -52,7 +52,7 @@ def add_weight_grad_(out_EOI: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tens
     reads and rewrites the whole gradient, as autograd's accumulation does. `method` (policy):
     "per_expert" (one addmm_ per expert, host counts) or "triton" (kernels/wgrad.py)."""
     if method == "triton":
-        wgrad.accumulate(out_EOI, g_NO, x_NI, offs_E, alpha)
+        wgrad.accumulate(out_EOI, g_NO, x_NI, offs_E, alpha, policy.wgrad_config(out_EOI.shape, x_NI.shape[0]))
         return
     counts = host_counts if host_counts is not None else _blocks(offs_E)
     for o_OI, g_nO, x_nI in zip(out_EOI.unbind(0), g_NO.split(counts), x_NI.split(counts)):

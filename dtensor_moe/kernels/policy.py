@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from dtensor_moe.kernels import wgrad
+
 
 @functools.cache
 def triton_available() -> bool:
@@ -83,6 +85,32 @@ def weight_grad_accumulation(x_ND: torch.Tensor, w1_shape, grouped: bool, host_c
         return "triton"
 
     return method
+
+
+# The Triton weight-gradient kernel's tile config per measured (O, I, rows per expert): another than
+# wgrad.CONFIG only where benchmarks/wgrad_probe.py saw it >= 4% faster in each of three runs on one H200
+# (RESULTS.md session 7; the spread between runs is about 4%).
+WGRAD_CONFIGS = os.path.join(os.path.dirname(__file__), "wgrad_configs.json")
+
+
+@functools.cache
+def _wgrad_configs(path: str) -> tuple:
+    with open(path) as f:
+        return tuple(json.load(f)["configs"])
+
+
+def wgrad_config(out_shape, rows: int) -> wgrad.Config:
+    """kernels/wgrad.py's config for out_shape [E, O, I] over `rows` routed rows: the table's at this
+    (O, I) nearest in rows per expert on a log scale; wgrad.CONFIG for an unmeasured (O, I)
+    (DTENSOR_MOE_WGRAD_CONFIGS overrides the table's path)."""
+    E, O, I = out_shape
+    table = _wgrad_configs(os.environ.get("DTENSOR_MOE_WGRAD_CONFIGS", WGRAD_CONFIGS))
+    candidates = [r for r in table if (r["O"], r["I"]) == (O, I)]
+    if not candidates:
+        return wgrad.CONFIG
+    per_expert = max(rows / max(E, 1), 1)
+    near = min(candidates, key=lambda r: abs(math.log2(r["rows_per_expert"] / per_expert)))
+    return wgrad.Config(*near["config"])
 
 
 # Measured bf16 and FP8 rates of each expert GEMM (benchmarks/expert_gemms.py on one H200: CUDA-event

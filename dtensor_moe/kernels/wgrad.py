@@ -4,21 +4,33 @@
 read-add-write pass over the whole gradient (11 GB per rank at the DeepSeek-like shape); a cuBLAS
 `addmm_` per expert does the sum in the GEMM but costs a launch per expert and, for the [F, D]
 orientation of w1/w3, cuBLAS picks a slow tile (benchmarks/RESULTS.md). This kernel reads each
-output tile once, adds the fp32 product, and writes it back: one launch per weight. Loading the
-output tile before the K loop (to hide its latency) measured slower on H200 (wgrad_probe.py). Programs run
+output tile once, adds the fp32 product, and writes it back: one launch per weight. Programs run
 expert by expert, so an expert's rows stay in L2 while all its output tiles read them.
 Launched by the `dtensor_moe::add_weight_grad_` op (grouped_mm.py) where policy.weight_grad_accumulation
-chooses it; tests run it on CPU under TRITON_INTERPRET=1.
+chooses it, with the tile config policy.wgrad_config picks for the shape; tests run it on CPU under
+TRITON_INTERPRET=1. Tried on H200 and slower at every shape (RESULTS.md session 7): loading the output
+tile before the K loop, TMA operand loads through per-expert tensor descriptors, and a persistent
+kernel, both with a loop per tile and with one flat loop over all of a program's K steps.
 """
 
 import functools
+from typing import NamedTuple
 
 import torch
 
-# (BLOCK_O, BLOCK_I, BLOCK_K, num_warps, num_stages), chosen on H200 by benchmarks/wgrad_probe.py: the
-# best at the DeepSeek shape (two programs fit on an SM, so one's epilogue overlaps the other's loop),
-# within 7% of the best at the Qwen one.
-CONFIG = (128, 128, 64, 4, 3)
+
+class Config(NamedTuple):
+    """A tile of BLOCK_O x BLOCK_I outputs, BLOCK_K rows a step, its warps and pipeline stages."""
+    block_o: int
+    block_i: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+# Where policy.wgrad_config has no measurement: the best at the DeepSeek shape in session 4 (two
+# programs fit on an SM, so one's epilogue overlaps the other's loop), within 7% of the best at Qwen.
+CONFIG = Config(128, 128, 64, 4, 3)
 
 
 @functools.cache
@@ -54,13 +66,13 @@ def _kernel():
 
 
 def accumulate(out_EOI: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tensor, ends_E: torch.Tensor,
-               alpha: float, config=CONFIG) -> None:
+               alpha: float, config: Config = CONFIG) -> None:
     """out_EOI[e] += alpha * g^T x over rows ends_E[e-1]:ends_E[e] (ends_E: the grouped GEMMs' offsets)."""
     E, O, I = out_EOI.shape
     if E == 0 or g_NO.shape[0] == 0:
         return
     triton, kernel = _kernel()
-    block_o, block_i, block_k, warps, stages = config
+    block_o, block_i, block_k, warps, stages = Config(*config)
     grid = (triton.cdiv(O, block_o) * triton.cdiv(I, block_i), E)
     kernel[grid](g_NO.contiguous(), x_NI.contiguous(), ends_E, out_EOI, O, I, alpha,
                  BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
