@@ -6,7 +6,7 @@ of each). Plain SGD, so a gradient scaled wrong cannot hide behind Adam's normal
 """
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -18,15 +18,14 @@ from dtensor_moe.train.model import MoETransformer
 from dtensor_moe.train.optim import clip_grad_norm_
 
 
+MODEL = dict(vocab_size=32, dim=16, n_layers=2, n_heads=4, num_experts=4, top_k=2, moe_hidden_dim=8, num_shared_experts=1,
+             load_balance="aux_loss", aux_loss_coeff=0.1, bias_update_rate=0.05)
+
+
 @dataclass(frozen=True)
 class ModelCase:
-    dp_replicate: int = 1
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1
-    etp: int = 1
-    load_balance: str = "aux_loss"
-    num_shared_experts: int = 1
+    mesh: dict  # MoEParallelDims' degrees (the world is the pool's ranks)
+    model: dict = field(default_factory=dict)  # ModelConfig fields over MODEL
     steps: int = 3
     global_batch: int = 4
     seq_len: int = 8
@@ -39,13 +38,11 @@ def _loss(model, inputs_BL, targets_BL):
 
 
 def check_model_parity(rank: int, world_size: int, case: ModelCase) -> dict:
-    cfg = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=4, num_experts=4, top_k=2, moe_hidden_dim=8,
-                      num_shared_experts=case.num_shared_experts, load_balance=case.load_balance, aux_loss_coeff=0.1,
-                      bias_update_rate=0.05)
+    cfg = ModelConfig(**{**MODEL, **case.model})
     torch.manual_seed(0)
     ref = MoETransformer(cfg).double()
     model = copy.deepcopy(ref)
-    dims = MoEParallelDims(world_size, dp_replicate=case.dp_replicate, cp=case.cp, tp=case.tp, ep=case.ep, etp=case.etp)
+    dims = MoEParallelDims(world_size, **case.mesh)
     parallelize_model(model, dims, device_type="cpu")
     tokens = torch.randint(0, cfg.vocab_size, (case.steps, case.global_batch, case.seq_len + 1),
                            generator=torch.Generator().manual_seed(1))

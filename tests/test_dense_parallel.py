@@ -9,10 +9,10 @@ from .model_parity import ModelCase, check_model_parity
 TOL = 1e-10
 
 CASES = {
-    "tp2_ep2": ModelCase(tp=2, ep=2),
-    "cp2_etp2": ModelCase(cp=2, etp=2, load_balance="aux_free_bias"),
-    "cp2_tp2_ep4": ModelCase(cp=2, tp=2, ep=4, num_shared_experts=0),
-    "hsdp2_tp2_ep2": ModelCase(dp_replicate=2, tp=2, ep=2),
+    "tp2_ep2": ModelCase(dict(tp=2, ep=2)),
+    "cp2_etp2": ModelCase(dict(cp=2, etp=2), dict(load_balance="aux_free_bias")),
+    "cp2_tp2_ep4": ModelCase(dict(cp=2, tp=2, ep=4), dict(num_shared_experts=0)),
+    "hsdp2_tp2_ep2": ModelCase(dict(dp_replicate=2, tp=2, ep=2)),
 }
 
 

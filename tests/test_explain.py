@@ -82,18 +82,13 @@ def test_text_shows_the_pipeline():
     assert text.startswith("world 16 = pp 2 x 8: pipeline stage s holds ranks s*8 .. s*8+7; below, one stage")
     assert "\n  groups 0,8 1,9 2,10 3,11 4,12 5,13 6,14 7,15\n" in text
     assert "dense TP (sequence-parallel between blocks), groups 0-1 2-3 4-5 6-7:" in text  # stage-local
-    rc, out, err = _run([*README_ARGS[:2], "16", *README_ARGS[3:], "--pp", "2"])
-    assert rc == 0 and out.startswith("world 16 = pp 2 x 8") and err == ""
-    rc, out, err = _run([*README_ARGS, "--pp", "3"])
-    assert rc == 2 and out == ""
-    assert err == "dtensor-moe explain: pp (3) must divide world_size 8 (pipeline stages of equal size); valid pp: [1, 2, 4, 8]\n"
-
-
-def _run(argv):
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(argv)
-    return rc, out.getvalue(), err.getvalue()
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main([*README_ARGS[:2], "16", *README_ARGS[3:], "--pp", "2"]) == 0
+        assert out.getvalue().startswith("world 16 = pp 2 x 8") and err.getvalue() == ""
+        assert main([*README_ARGS, "--pp", "3"]) == 2
+    assert err.getvalue() == ("dtensor-moe explain: pp (3) must divide world_size 8 (pipeline stages of equal size); "
+                              "valid pp: [1, 2, 4, 8]\n")
 
 
 def test_png(tmp_path):

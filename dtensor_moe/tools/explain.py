@@ -146,33 +146,30 @@ def save_png(config: MoEConfig, dims: MoEParallelDims, path: str):
 def _dense_panel(ax, dims: MoEParallelDims, plt):
     """The dense mesh in rank order: a row per data-parallel group, its CP x TP ranks across."""
     cols = dims.cp * dims.tp
-    rows = dims.stage_size // cols
-    ax.imshow([[row] * cols for row in range(rows)], cmap=plt.get_cmap("tab20" if rows <= 20 else "viridis", rows),
-              vmin=-0.5, vmax=rows - 0.5, aspect="auto")
-    if rows * cols <= 256:
-        for i in range(rows):
-            for j in range(cols):
-                ax.text(j, i, f"r{i * cols + j}\ncp{j // dims.tp} tp{j % dims.tp}", ha="center", va="center", fontsize=6)
-    ax.set_title("dense mesh: colour = sequences read\n(cp parts, tp slices of each)", fontsize=7)
-    ax.set_xlabel(f"cp x tp = {dims.cp} x {dims.tp}", fontsize=7)
-    ax.set_ylabel(f"dp_replicate x dp_shard = {dims.dp_replicate} x {dims.dp_shard}", fontsize=7)
-    ax.set_xticks(range(cols))
-    ax.set_yticks(range(rows))
-    ax.tick_params(labelsize=6)
+    _row_panel(ax, plt, dims.stage_size // cols, cols, lambda i, j: f"r{i * cols + j}\ncp{j // dims.tp} tp{j % dims.tp}",
+               "dense mesh: colour = sequences read\n(cp parts, tp slices of each)", f"cp x tp = {dims.cp} x {dims.tp}",
+               f"dp_replicate x dp_shard = {dims.dp_replicate} x {dims.dp_shard}")
 
 
 def _pipeline_panel(ax, dims: MoEParallelDims, plt):
     """The world in rank order: a row per pipeline stage, its ranks across (one column: one pipeline group)."""
-    rows, cols = dims.pp, dims.stage_size
+    cols = dims.stage_size
+    _row_panel(ax, plt, dims.pp, cols, lambda i, j: f"r{i * cols + j}",
+               "pipeline: colour = stage\n(a column sends hidden states down)", f"ranks of a stage ({cols})",
+               f"pp = {dims.pp}")
+
+
+def _row_panel(ax, plt, rows: int, cols: int, label, title: str, xlabel: str, ylabel: str):
+    """A rows x cols grid of ranks coloured by row, each cell labelled label(row, col)."""
     ax.imshow([[row] * cols for row in range(rows)], cmap=plt.get_cmap("tab20" if rows <= 20 else "viridis", rows),
               vmin=-0.5, vmax=rows - 0.5, aspect="auto")
-    if rows * cols <= 256:
+    if rows * cols <= 256:  # labels are unreadable beyond that
         for i in range(rows):
             for j in range(cols):
-                ax.text(j, i, f"r{i * cols + j}", ha="center", va="center", fontsize=6)
-    ax.set_title("pipeline: colour = stage\n(a column sends hidden states down)", fontsize=7)
-    ax.set_xlabel(f"ranks of a stage ({cols})", fontsize=7)
-    ax.set_ylabel(f"pp = {rows}", fontsize=7)
+                ax.text(j, i, label(i, j), ha="center", va="center", fontsize=6)
+    ax.set_title(title, fontsize=7)
+    ax.set_xlabel(xlabel, fontsize=7)
+    ax.set_ylabel(ylabel, fontsize=7)
     ax.set_xticks(range(cols))
     ax.set_yticks(range(rows))
     ax.tick_params(labelsize=6)

@@ -17,36 +17,29 @@ def is_override(arg: str) -> bool:
     return OVERRIDE.match(arg) is not None
 
 
+# ModelConfig's MoE fields are MoEConfig's (same names, types and defaults, plus defaults for the
+# ones MoEConfig requires), except that the expert hidden dim is called moe_hidden_dim.
+MOE_RENAMED = {"hidden_dim": "moe_hidden_dim"}
+MOE_DEFAULTS = {"dim": 64, "hidden_dim": 64, "num_experts": 8, "top_k": 2}
+
+
+def _with_moe_fields(cls):
+    """Adds MoEConfig's fields to `cls` (before @dataclass reads its annotations), after its own."""
+    for f in fields(MoEConfig):
+        name = MOE_RENAMED.get(f.name, f.name)
+        cls.__annotations__[name] = f.type
+        setattr(cls, name, MOE_DEFAULTS.get(f.name, f.default))
+    return cls
+
+
 @dataclass(frozen=True)
+@_with_moe_fields
 class ModelConfig:
+    """The main job's model: these fields, then every MoEConfig field (its layers' MoE)."""
+
     vocab_size: int = 256
-    dim: int = 64
     n_layers: int = 2
     n_heads: int = 4
-    num_experts: int = 8
-    top_k: int = 2
-    moe_hidden_dim: int = 64
-    num_shared_experts: int = 0
-    score_func: str = "softmax"
-    route_norm: bool = True
-    route_scale: float = 1.0
-    load_balance: str = "none"
-    aux_loss_coeff: float = 1e-3
-    bias_update_rate: float = 1e-3
-    num_expert_groups: int = 1
-    num_limited_groups: int = 1
-    router_bias: bool = False
-    seq_aux_loss_coeff: float = 0.0
-    z_loss_coeff: float = 0.0
-    capacity_factor: float | None = None
-    drop_policy: str = "probs"
-    pad_to_capacity: bool = False
-    expert_biases: bool = False
-    activation: str = "swiglu"
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-    # FP8 experts (MoEConfig.expert_precision): "bf16" | "fp8"
-    expert_precision: str = "bf16"
     tie_embeddings: bool = False
     max_seq_len: int = 1024
     norm_eps: float = 1e-5
@@ -76,32 +69,7 @@ class ModelConfig:
         return cls(**d)
 
     def moe_config(self) -> MoEConfig:
-        return MoEConfig(
-            dim=self.dim,
-            hidden_dim=self.moe_hidden_dim,
-            num_experts=self.num_experts,
-            top_k=self.top_k,
-            score_func=self.score_func,
-            route_norm=self.route_norm,
-            route_scale=self.route_scale,
-            num_shared_experts=self.num_shared_experts,
-            load_balance=self.load_balance,
-            aux_loss_coeff=self.aux_loss_coeff,
-            bias_update_rate=self.bias_update_rate,
-            num_expert_groups=self.num_expert_groups,
-            num_limited_groups=self.num_limited_groups,
-            router_bias=self.router_bias,
-            seq_aux_loss_coeff=self.seq_aux_loss_coeff,
-            z_loss_coeff=self.z_loss_coeff,
-            capacity_factor=self.capacity_factor,
-            drop_policy=self.drop_policy,
-            pad_to_capacity=self.pad_to_capacity,
-            expert_biases=self.expert_biases,
-            activation=self.activation,
-            swiglu_alpha=self.swiglu_alpha,
-            swiglu_limit=self.swiglu_limit,
-            expert_precision=self.expert_precision,
-        )
+        return MoEConfig(**{f.name: getattr(self, MOE_RENAMED.get(f.name, f.name)) for f in fields(MoEConfig)})
 
 
 @dataclass(frozen=True)
