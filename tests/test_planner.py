@@ -570,4 +570,7 @@ def test_plan_cli_pp():
     assert rc == 0 and len(rows) == 3 and all(r[1] == "2" for r in rows)
     assert "pp=2." in out and "- PP=2 outermost (1f1b, 8 microbatches): 32 ranks per stage" in out
     rc, out, _ = _cli(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--microbatches", "8", "--json", "--top", "400"])
-    assert rc == 0 and {c["pp"] for c in json.loads(out)["candidates"]} == {1, 2, 4, 8}
+    data = json.loads(out)
+    assert rc == 0 and {c["pp"] for c in data["candidates"]} == {1, 2, 4, 8} and data["pp_tried"] == [1, 2, 4, 8]
+    rc, out, _ = _cli(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--top", "1"])
+    assert rc == 0 and "; pp tried: [1] (pp > 1 needs --microbatches >= pp under 1f1b)); " in out

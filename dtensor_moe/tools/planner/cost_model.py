@@ -401,6 +401,7 @@ def predicted_state_bytes(model_cfg, dims: MoEParallelDims, rank: int, optimizer
 # ---- communication ---------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=8)  # every pipeline rank of a folding reads the same (read-only) geometry
 def mesh_geometry(dims: MoEParallelDims) -> dict[str, tuple[int, int]]:
     """(group size, rank stride) of every mesh axis, from the mesh order (row-major, last axis innermost)."""
     geo = {}
@@ -449,6 +450,7 @@ def _split(total: float, inter_fraction: float) -> Traffic:
     return Traffic(total * (1 - inter_fraction), total * inter_fraction)
 
 
+@lru_cache(maxsize=1024)
 def distinct_ranks(num_experts: int, top_k: int, ep: int, groups: int = 1, limited: int = 1) -> float:
     """Expected EP ranks a token's top-k experts land on under uniform routing: the rows the
     dispatch sends per token, and the combine returns. Group-limited routing (`limited` of

@@ -15,7 +15,7 @@ from dtensor_moe.tools.planner.cost_model import (
     mesh_geometry,
     node_span,
 )
-from dtensor_moe.tools.planner.search import TP_NOTE, Candidate, plan
+from dtensor_moe.tools.planner.search import TP_NOTE, Candidate, pipeline_degrees, plan
 from dtensor_moe.tools.presets import PRESETS, ModelSpec, resolve
 
 
@@ -157,17 +157,20 @@ def run(args) -> int:
     cands = plan(spec, work, hw, args.pp or None)
     fitting = [c for c in cands if c.fits]
     elapsed = time.perf_counter() - t0
+    tried = [args.pp] if args.pp else pipeline_degrees(hw.gpus, spec, work, hw.gpus_per_node)
+    pp_note = f"pp tried: {tried}" + (" (pp > 1 needs --microbatches >= pp under 1f1b)"
+                                      if tried == [1] and work.pp_schedule == "1f1b" else "")
     if args.json:
         print(json.dumps({
             "model": spec.name, "hardware": asdict(hw), "workload": asdict(work), "note": TP_NOTE,
-            "enumerated": len(cands), "fitting": len(fitting), "elapsed_s": elapsed,
+            "pp_tried": tried, "enumerated": len(cands), "fitting": len(fitting), "elapsed_s": elapsed,
             "candidates": [candidate_dict(c) for c in cands[: args.top]],
         }, indent=1))
         return 0
     print(f"{spec.name} on {hw.gpus} GPUs ({hw.gpus_per_node}/node, {hw.gpu_mem_gib:g} GiB), seq {work.seq_len} x "
           f"micro-batch {work.micro_batch} x {work.microbatches} microbatch(es), {work.dtype} compute / fp32 master, "
           f"{work.optimizer}, recompute={work.recompute}, pp schedule {work.pp_schedule}")
-    print(f"{len(cands)} foldings enumerated ({TP_NOTE}); {len(fitting)} fit; planned in {elapsed:.2f} s")
+    print(f"{len(cands)} foldings enumerated ({TP_NOTE}; {pp_note}); {len(fitting)} fit; planned in {elapsed:.2f} s")
     shown = fitting[: args.top] if fitting else cands[: args.top]
     if not fitting:
         print("Nothing fits; the smallest footprints:")
