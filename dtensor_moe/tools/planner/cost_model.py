@@ -221,8 +221,9 @@ def fsdp_units(spec: ModelSpec, dims: MoEParallelDims, share: StageShare | None 
     # parallelize_model's mesh for the dense weights (MoEMeshes.dp); the MoE's own axis includes tp.
     dp_axis = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
     root, dense_block, moe_block = _outer_plans(spec, dims.stage_size, dims.dp_replicate, dims.cp, dims.tp, dp_axis)
-    held_root = {n for n, _ in spec.root_weights(share.first, share.last)}
-    root = tuple(wp for wp in root if wp.name in held_root)
+    if not (share.first and share.last):  # a pipeline stage: the ends it holds
+        held_root = {n for n, _ in spec.root_weights(share.first, share.last)}
+        root = tuple(wp for wp in root if wp.name in held_root)
     units = []
     if root:  # kept gathered after forward; under pp also after backward, so gathered once a step
         units.append(Unit("root", 1, root, microbatches if dims.pp == 1 else 1))
@@ -263,12 +264,12 @@ class UnitPart(NamedTuple):
 
 
 def unit_part(u: Unit, dims: MoEParallelDims) -> UnitPart:
-    sizes, sharded = axis_sizes(dims), {}
+    sizes, sharded, gathered = axis_sizes(dims), {}, 0
     for wp in u.plans:
-        key = (wp.fsdp_step.axis, u.gathers_per_step)
-        sharded[key] = sharded.get(key, 0) + math.prod(wp.local_shape)
-    return UnitPart(tuple(sharded.items()), len(u.plans),
-                    sum(math.prod(wp.local_shape) * sizes[wp.fsdp_step.axis] for wp in u.plans))
+        axis, n = wp.steps[-1].axis, math.prod(wp.local_shape)
+        sharded[axis, u.gathers_per_step] = sharded.get((axis, u.gathers_per_step), 0) + n
+        gathered += n * sizes[axis]
+    return UnitPart(tuple(sharded.items()), len(u.plans), gathered)
 
 
 def combine(parts) -> Footprint:
@@ -293,10 +294,11 @@ def footprint(units, dims: MoEParallelDims) -> Footprint:
 def share_parts(spec: ModelSpec, dims: MoEParallelDims, microbatches: int = 1) -> dict[str, UnitPart]:
     """One copy of each unit a pipeline rank can hold, the root split into the embedding and the head
     (the search combines them per share instead of re-reading the plans)."""
-    with_first = fsdp_units(spec, dims, StageShare(1, 1, True, False), microbatches)
-    (head,) = (u for u in fsdp_units(spec, dims, StageShare(0, 0, False, True), microbatches))
-    parts = {u.name: unit_part(u, dims) for u in with_first}
-    parts["embedding"], parts["head"] = parts.pop("root"), unit_part(head, dims)
+    root, *blocks = fsdp_units(spec, dims, StageShare(1, 1, True, True), microbatches)
+    embedding = {n for n, _ in spec.root_weights(first=True, last=False)}
+    parts = {u.name: unit_part(u, dims) for u in blocks}
+    for name, first in (("embedding", True), ("head", False)):
+        parts[name] = unit_part(replace(root, plans=tuple(wp for wp in root.plans if (wp.name in embedding) == first)), dims)
     return parts
 
 
@@ -310,8 +312,7 @@ def share_footprint(parts: dict[str, UnitPart], share: StageShare) -> Footprint:
 # ---- memory ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Memory:
+class Memory(NamedTuple):  # a tuple, like Traffic: built for every pipeline rank of every folding
     params: float
     grads: float
     optimizer: float

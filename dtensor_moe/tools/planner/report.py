@@ -94,7 +94,7 @@ def candidate_dict(c: Candidate) -> dict:
     return {
         "pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp,
         "edp": d.edp, "ep": d.ep, "etp": d.etp, "bubble": c.bubble, "stage": c.share._asdict(),
-        "memory_bytes": {**asdict(c.memory), "total": c.memory.total},
+        "memory_bytes": {**c.memory._asdict(), "total": c.memory.total},
         "comm_bytes": {k: v._asdict() for k, v in c.comm.items()},
         "comm_time_s": c.comm_time_s, "tokens_per_rank": c.tokens, "fits": c.fits,
     }

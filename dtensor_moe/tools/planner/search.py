@@ -9,7 +9,7 @@ in GPU memory first, by communication time per token (intra / intra_bw + inter /
 overlapped) stretched by the pipeline bubble; then the rest by memory.
 """
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import MoEParallelDims, divisors
 from dtensor_moe.parallel.plan import check_pipeline
@@ -25,6 +25,8 @@ from dtensor_moe.tools.planner.cost_model import (
     Workload,
     bubble_fraction,
     comm_bytes,
+    footprint,
+    fsdp_units,
     pipeline_ranks,
     rank_memory,
     share_footprint,
@@ -36,8 +38,7 @@ from dtensor_moe.tools.presets import ModelSpec
 TP_NOTE = "dense tp (sequence-parallel) with its cp x tp group inside a node; the experts' tensor parallelism is etp"
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):  # a tuple: one per folding, tens of thousands per search
     dims: MoEParallelDims
     memory: Memory  # the pipeline rank with the most
     comm: dict[str, Traffic]  # the slowest pipeline rank's
@@ -117,6 +118,13 @@ def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardwar
     if ranks is None:
         parts = share_parts(spec, dims, work.microbatches)
         ranks = tuple((r, share_footprint(parts, r.share)) for r in pipeline_ranks(spec, dims.pp, work))
+    (mem, share), (comm, t) = _worst(spec, dims, work, hw, ranks)
+    return Candidate(dims, mem, comm, t, step_tokens_per_rank(work, dims), mem.total <= hw.gpu_mem_gib * GiB,
+                     bubble_fraction(dims.pp, work), share)
+
+
+def _worst(spec, dims, work, hw, ranks):
+    """((memory, share) of the rank with the most memory, (traffic, time) of the slowest rank)."""
     worst_mem = worst_comm = None
     for rank, fp in ranks:
         mem = rank_memory(spec, dims, work, fp, rank)
@@ -126,30 +134,35 @@ def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardwar
             worst_mem = (mem, rank.share)
         if worst_comm is None or t > worst_comm[1]:
             worst_comm = (comm, t)
-    (mem, share), (comm, t) = worst_mem, worst_comm
-    return Candidate(dims, mem, comm, t, step_tokens_per_rank(work, dims), mem.total <= hw.gpu_mem_gib * GiB,
-                     bubble_fraction(dims.pp, work), share)
+    return worst_mem, worst_comm
 
 
 def plan(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None) -> list[Candidate]:
     """All valid candidates (with `pp`, or every pp the search tries): those that fit first, by
     communication time per token; then the rest by memory."""
-    # What rank 0 of a stage holds depends only on footprint_key (and, for the root's gathers, on
-    # whether pp > 1); what each pipeline rank holds only on pp: both memoized across foldings.
-    parts: dict[tuple, dict[str, UnitPart] | None] = {}
+    # What each pipeline rank holds depends only on footprint_key and pp: memoized across foldings.
+    parts: dict[tuple, dict[str, UnitPart]] = {}
     ranks: dict[tuple, tuple | None] = {}
     cands = []
     for dims in foldings(hw.gpus, spec, work, hw.gpus_per_node, pp):
         key = (footprint_key(dims), dims.pp)
         if key not in ranks:
-            part_key = (key[0], dims.pp > 1)
-            if part_key not in parts:
-                try:
-                    parts[part_key] = share_parts(spec, dims, work.microbatches)
-                except ValueError:  # plan_moe rejected the folding
-                    parts[part_key] = None
-            p = parts[part_key]
-            ranks[key] = p and tuple((r, share_footprint(p, r.share)) for r in pipeline_ranks(spec, dims.pp, work))
+            try:
+                ranks[key] = _rank_footprints(spec, dims, work, parts)
+            except ValueError:  # plan_moe rejected the folding
+                ranks[key] = None
         if ranks[key] is not None:
             cands.append(evaluate(spec, dims, work, hw, ranks[key]))
     return sorted(cands, key=lambda c: (not c.fits, c.time_per_token if c.fits else c.memory.total, c.memory.total))
+
+
+def _rank_footprints(spec: ModelSpec, dims: MoEParallelDims, work: Workload, parts: dict) -> tuple:
+    """(pipeline rank, its footprint) for pipeline_ranks; with pp > 1 the plans are read once per
+    footprint_key (`parts`) and combined per share, with pp == 1 (one share) read directly."""
+    ranks = pipeline_ranks(spec, dims.pp, work)
+    if dims.pp == 1:
+        return ((ranks[0], footprint(fsdp_units(spec, dims, ranks[0].share, work.microbatches), dims)),)
+    key = footprint_key(dims)
+    if key not in parts:
+        parts[key] = share_parts(spec, dims, work.microbatches)
+    return tuple((r, share_footprint(parts[key], r.share)) for r in ranks)
