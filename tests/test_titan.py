@@ -6,7 +6,11 @@ The shrunk DeepSeek-V3 debug model (`deepseek_v3_debugmodel_cpu`), 10 steps, fro
 - our EP=2 agrees step by step with torchtitan's own EP=2 on the same mesh, our ETP=2 with ETP=1;
 - the step-5 checkpoint torchtitan's checkpointer wrote under our hook loads back and the resumed
   steps 6..10 repeat the uninterrupted run;
-- the documented launcher (torchrun + dtensor_moe.titan.cpu_train) runs.
+- the documented launcher (torchrun + dtensor_moe.titan.cpu_train) runs;
+- torchtitan's TP=2 and PP=2 (1F1B, 2 microbatches) with our EP=2, 3 steps: losses, gradient norms,
+  first-step gradients (both stages' under PP) and the expert biases after the last step match the
+  unparallelized run, our hook at degree 1 on 2 ranks (same data-parallel degree, so same batches);
+- command-line combinations the hook cannot run are refused while parsing.
 The seed checkpoint is written under our hook and loaded by torchtitan's own runs: same keys.
 
 Tolerances. Loss and gradient norm per step: |dloss| < 1e-4, |dnorm| < 1e-4 relative; measured:
@@ -15,6 +19,10 @@ gradient scale from the loss (expert gradients 4x too small moved the loss by < 
 and the norm by < 1e-5), so gradients are compared directly: max |g - g_ref| / max |g_ref| per
 parameter < 2e-2; measured 3.4e-3 against torchtitan without EP, from torchtitan's experts running
 in bfloat16 (EP groups tokens differently, so bf16 rounding differs), versus 0.75 for that 4x error.
+TP2 x EP2 and PP2 x EP2 against degree 1 use the same bounds; measured |dloss| 9.5e-7 and 4.8e-7,
+gradients 4.5e-7 (TP: each EP group holds one data-parallel rank's tokens, as the reference's ranks
+do, so the experts' bf16 GEMMs see the same rows) and 3.1e-3 (PP: the expert weight gradients are
+bf16 GEMMs per microbatch), expert biases bitwise equal.
 """
 
 
@@ -24,6 +32,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("torchtitan")
 
@@ -41,11 +50,13 @@ _COMPILED = ("--compile.enable", "--compile.backend", "aot_eager", "--training.s
 LAUNCHER_TIMEOUT_S = 1.5 * float(os.environ.get("DTENSOR_MOE_TEST_TIMEOUT", "600"))
 
 
-def _train(rank: int, world: int, argv: list[str], save_step0: bool = False) -> dict | None:
+def _train(rank: int, world: int, argv: list[str], save_step0: bool = False) -> dict:
     """Runs torchtitan's Trainer as `python -m torchtitan.train argv` would, on this pool rank.
 
-    Returns (on rank 0) the logged (step, loss, grad_norm) of every step and the full gradient of
-    every parameter at the first optimizer step; `save_step0` first writes a step-0 checkpoint."""
+    Returns the logged (step, loss, grad_norm) of every step, the full gradient of every
+    parameter of this rank's model part at the first optimizer step (under PP the last stage logs
+    the loss) and its MoEs' expert biases after the last step; `save_step0` first writes a step-0
+    checkpoint."""
     os.environ["LOCAL_RANK"] = str(rank)
     from dtensor_moe.titan.cpu import use_cpu
 
@@ -70,9 +81,10 @@ def _train(rank: int, world: int, argv: list[str], save_step0: bool = False) -> 
         if save_step0:  # as the last step, so model only (argv sets last_save_model_only)
             trainer.checkpointer.save(curr_step=0, last_step=True)
         trainer.train()
+        biases = {n: b.clone() for n, b in trainer.model_parts[0].named_buffers() if n.endswith("expert_bias_E")}
     finally:
         trainer.close()
-    return {"log": record, "grads": grads} if rank == 0 else None
+    return {"log": record, "grads": grads, "expert_bias": biases}
 
 
 def _argv(config: str, dump, *extra: str) -> list[str]:
@@ -103,8 +115,8 @@ def runs(tmp_path_factory):
     }
 
 
-def _assert_same_steps(a, b):
-    assert [s for s, _, _ in a] == [s for s, _, _ in b] == list(range(1, STEPS + 1))
+def _assert_same_steps(a, b, steps: int = STEPS):
+    assert [s for s, _, _ in a] == [s for s, _, _ in b] == list(range(1, steps + 1))
     for (step, loss_a, gn_a), (_, loss_b, gn_b) in zip(a, b):
         assert abs(loss_a - loss_b) < LOSS_ATOL, (step, loss_a, loss_b)
         assert abs(gn_a - gn_b) < GRAD_NORM_RTOL * gn_b, (step, gn_a, gn_b)
@@ -166,15 +178,23 @@ def test_cpu_launcher(tmp_path):
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1], log[-3000:]
 
 
-def test_config_rejects_torchtitan_own_ep(capsys):
+@pytest.mark.parametrize("flags, message", [
+    (("--parallelism.expert_parallel_degree", "2"), "set --dtensor_moe.ep instead"),
+    (("--parallelism.tensor_parallel_degree", "3"), "must divide layers[0].attention.n_heads (4)"),
+    (("--parallelism.tensor_parallel_degree", "2", "--parallelism.no-enable_sequence_parallel"),
+     "needs parallelism.enable_sequence_parallel"),
+    (("--parallelism.tensor_parallel_degree", "2", "--compile.enable"), "compile.enable with parallelism.tensor"),
+    (("--parallelism.context_parallel_degree", "2"), "parallelism.context_parallel_degree=2 is not supported"),
+])
+def test_config_rejects_bad_combinations(capsys, flags, message):
     """Our Config's ValueError, which tyro reports as a command-line error, before any process group."""
     from torchtitan.config import ConfigManager
 
-    argv = _argv("deepseek_v3_debugmodel_cpu", "/unused", "--parallelism.expert_parallel_degree", "2")
     with pytest.raises(SystemExit):
-        ConfigManager().parse_args(argv)
+        ConfigManager().parse_args(_argv("deepseek_v3_debugmodel_cpu", "/unused", *flags))
     captured = capsys.readouterr()
-    assert "set --dtensor_moe.ep instead" in captured.out + captured.err
+    text = " ".join((captured.out + captured.err).replace("│", " ").split())  # tyro wraps long lines
+    assert message in text, text
 
 
 def test_qwen3_moe_plan_keeps_torchtitan_names():
@@ -196,3 +216,52 @@ def test_qwen3_moe_plan_keeps_torchtitan_names():
             assert wp.global_shape == tuple(params[name].shape), name
         w1 = plans["routed_experts.inner_experts.w1_EFD"]
         assert [(s.axis, s.dim) for s in w1.steps[:2]] == [("ep", 0), ("etp", 1)]
+
+
+FOLDED_STEPS = 3
+_PP = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
+       "--parallelism.pipeline_parallel_microbatch_size", "1")  # 2 microbatches of one sequence each
+
+
+@pytest.fixture(scope="module")
+def folded(runs):
+    """torchtitan's TP=2 and PP=2 with our EP=2 on 4 ranks (data-parallel degree 2, so the same
+    batches as 2 data-parallel ranks), and the unparallelized reference: our hook at degree 1 on 2
+    ranks (every rank runs every expert, FSDP only). Three steps each, from the common seed."""
+    root = runs["root"]
+    seed = ("--checkpoint.initial_load_path", str(root / "etp" / "checkpoint" / "step-0"), *_LOAD_ONLY)
+    steps = ("--training.steps", str(FOLDED_STEPS))
+    tp = ("--parallelism.tensor_parallel_degree", "2")
+    return {
+        "reference": run_on_ranks(2, _train, _ours(root / "dp2", 1, 1, *seed, *steps))[0],
+        "tp2_ep2": run_on_ranks(WORLD, _train, _ours(root / "tp2", 2, 1, *seed, *steps, *tp)),
+        "pp2_ep2": run_on_ranks(WORLD, _train, _ours(root / "pp2", 2, 1, *seed, *steps, *_PP)),
+    }
+
+
+def _print_errors(name, a, b):
+    dloss = max(abs(x[1] - y[1]) for x, y in zip(a["log"], b["log"]))
+    dgrad = max(((a["grads"][n] - g).abs().max() / g.abs().max()).item() for n, g in b["grads"].items())
+    dbias = max((a["expert_bias"][n] - t).abs().max().item() for n, t in b["expert_bias"].items())
+    print(f"{name}: max |dloss| {dloss:.2e}, max rel grad err {dgrad:.2e}, max |dbias| {dbias:.2e}")
+
+
+def _assert_matches_reference(name, folded_run, ref):
+    assert any(b.abs().max() > 0 for b in ref["expert_bias"].values())  # the biases did move
+    _print_errors(name, folded_run, ref)
+    _assert_same_grads(folded_run["grads"], ref["grads"])
+    _assert_same_steps(folded_run["log"], ref["log"], FOLDED_STEPS)
+    assert sorted(folded_run["expert_bias"]) == sorted(ref["expert_bias"])
+    for n, bias in ref["expert_bias"].items():
+        assert torch.equal(folded_run["expert_bias"][n], bias), (n, folded_run["expert_bias"][n], bias)
+
+
+def test_tp2_ep2_matches_unparallelized(folded):
+    _assert_matches_reference("tp2_ep2", folded["tp2_ep2"][0], folded["reference"])
+
+
+def test_pp2_ep2_matches_unparallelized(folded):
+    first, last = folded["pp2_ep2"][0], folded["pp2_ep2"][-1]
+    assert not set(first["grads"]) & set(last["grads"]) and "tok_embeddings.weight" in first["grads"]
+    merged = {"log": last["log"], **{k: {**first[k], **last[k]} for k in ("grads", "expert_bias")}}
+    _assert_matches_reference("pp2_ep2", merged, folded["reference"])

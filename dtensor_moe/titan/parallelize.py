@@ -1,17 +1,24 @@
 """Our parallelize function for torchtitan's MoE decoders (DeepSeek-V3, Qwen3 MoE).
 
-In place of torchtitan's own expert sharding, every torchtitan `MoE` gets dtensor_moe's placement
-plan: expert weights become DTensors on our expert mesh (EP splits experts, ETP splits F), the
-`ExpertDispatcher` moves tokens around torchtitan's grouped-GEMM experts, and FSDP2 shards the
-experts over EDP and the router/shared experts over the data-parallel ranks, each with the plan's
-shard dim. The dense rest gets torchtitan's own FSDP2/HSDP. Parameters keep torchtitan's names, so
-its checkpointer and Hugging Face state-dict adapters see the usual keys.
+torchtitan's chain with our expert sharding in place of its own: dense TP -> EP (ours) -> AC ->
+compile -> FSDP2. Dense TP with sequence parallelism is torchtitan's own (`Module.parallelize`,
+its sharding configs for attention, dense FFN, embeddings, norms and head) with the MoEs left out:
+every torchtitan `MoE` gets dtensor_moe's placement plan instead. Expert weights become DTensors on
+our expert mesh (EP splits experts, ETP splits F), the `ExpertDispatcher` moves tokens around
+torchtitan's grouped-GEMM experts, and FSDP2 shards the experts over EDP and the router/shared
+experts over every rank with its own tokens (dp_shard * tp: under sequence parallelism each TP rank
+hands its MoE its own slice of the sequence), each with the plan's shard dim. The dense rest gets
+torchtitan's own FSDP2/HSDP. Under pipeline parallelism torchtitan calls this once per stage's
+model part and our meshes are that stage's. Parameters keep torchtitan's names, so its
+checkpointer and Hugging Face state-dict adapters see the usual keys.
 """
 
 from dataclasses import replace
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
 from torchtitan.config import TORCH_DTYPE_MAP
 from torchtitan.distributed.fsdp import apply_fsdp_to_decoder, get_fsdp_reshard_after_forward_policy
 from torchtitan.models.common.moe import MoE
@@ -21,7 +28,7 @@ from torchtitan.tools.utils import device_type
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.parallel.compile import apply_compile
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.parallel.parallelize import dp_fsdp_mesh, shard_moe_layer
+from dtensor_moe.parallel.parallelize import shard_moe_layer
 from dtensor_moe.parallel.plan import WeightPlan, plan_moe
 
 from .trainer import ExpertMeshParallelDims
@@ -66,8 +73,30 @@ def _blocks(model) -> list[nn.Module]:
     return [*model.layers.values(), *(getattr(model, "mtp_layers", None) or [])]
 
 
+def _apply_dense_tp(model, moes: list[MoE], parallel_dims) -> None:
+    """torchtitan's own dense TP with sequence parallelism, our MoEs excluded.
+
+    torchtitan's MoE sharding configs would shard the experts over tp (or over its own EP): they
+    are dropped, so `Module.parallelize` leaves every MoE's weights plain for our plan. Each MoE
+    then takes its TP rank's sequence slice of the sequence-parallel hidden states as a local
+    tensor and hands its output back as that slice. No gradient rescaling: torchtitan's loss is a
+    global sum and every FSDP reduction a sum, so each token's gradient is the same on whichever
+    rank holds it, and the MoE's weight gradients (summed over the ranks holding its tokens) are the
+    single-process ones."""
+    for moe in moes:
+        for m in moe.modules():
+            m._sharding_config = None
+    model.parallelize(parallel_dims)
+    boundary = PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_input=True,
+        output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),), use_local_output=False)
+    for moe in moes:
+        parallelize_module(moe, parallel_dims.get_mesh("tp"), boundary)
+
+
 def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_config, ac_config, dump_folder):
-    """torchtitan `ModelSpec.parallelize_fn`: our expert sharding, then AC and torchtitan's dense FSDP2."""
+    """torchtitan `ModelSpec.parallelize_fn`: torchtitan's dense TP, our expert sharding, then AC,
+    compile and torchtitan's dense FSDP2 (on torchtitan's data-parallel mesh, the TP weights' root)."""
     if not isinstance(parallel_dims, ExpertMeshParallelDims):
         raise ValueError(
             "parallelize_titan needs dtensor_moe.titan's Trainer (it carries the expert degrees): "
@@ -77,12 +106,14 @@ def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_co
     moes = [b.moe for b in _blocks(model) if getattr(b, "moe_enabled", False)]
     plans = [titan_plan(m, dims) for m in moes]  # every check before the first collective
     meshes = dims.build_meshes(device_type)
+    if dims.tp > 1:
+        _apply_dense_tp(model, moes, parallel_dims)
     mp_policy = MixedPrecisionPolicy(
         param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
         reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
         cast_forward_inputs=False,
     )
-    reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward, pp_enabled=False)
+    reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled)
     for moe, moe_plans in zip(moes, plans):
         # torchtitan's loss is a global sum and its FSDP reductions sum (divide factor 1): expert
         # weight gradients must stay sums too, so no EP*ETP division in the dispatcher.
@@ -99,10 +130,10 @@ def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_co
     apply_fsdp = apply_fsdp_to_mtp_decoder if hasattr(model, "mtp_layers") else apply_fsdp_to_decoder
     apply_fsdp(
         model,
-        dp_fsdp_mesh(meshes, dims),
+        parallel_dims.get_mesh(["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else "fsdp"),
         param_dtype=mp_policy.param_dtype,
         reduce_dtype=mp_policy.reduce_dtype,
-        pp_enabled=False,
+        pp_enabled=parallel_dims.pp_enabled,
         cpu_offload=training.enable_cpu_offload,
         reshard_after_forward_policy=parallelism.fsdp_reshard_after_forward,
         enable_symm_mem=parallelism.enable_fsdp_symm_mem,

@@ -3,17 +3,24 @@
 `--dtensor_moe.ep`, `--dtensor_moe.etp`, `--dtensor_moe.dp_replicate` on torchtitan's command line;
 EDP is what is left: dp_shard / (ep * etp). torchtitan itself keeps seeing a plain FSDP/HSDP job
 (its own expert_parallel_degree stays 1) and our parallelize function receives the expert degrees
-through `ExpertMeshParallelDims`, torchtitan's ParallelDims plus ours.
+through `ExpertMeshParallelDims`, torchtitan's ParallelDims plus ours. torchtitan's own
+`--parallelism.tensor_parallel_degree` (dense TP with sequence parallelism) and
+`--parallelism.pipeline_parallel_degree` fold in as MoEParallelDims' tp and pp.
 """
 
+import inspect
 from dataclasses import dataclass, field, fields
+from unittest import mock
 
+import torch
 import torch.distributed as dist
+import torchtitan.distributed.utils as titan_dist_utils
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torchtitan.distributed import ParallelDims
 from torchtitan.trainer import Trainer as TitanTrainer
 
 from dtensor_moe.parallel.mesh import MoEParallelDims
+from dtensor_moe.train.optim import clip_grad_norm_
 
 # torchtitan 0.3.0 calls torch.distributed.set_timeout after the first step, an API that torch
 # 2.13.0 only has under its private name; same signature (timeout, group).
@@ -58,9 +65,9 @@ class Trainer(TitanTrainer):
             TitanTrainer.Config.__post_init__(self)
             p, ours = self.parallelism, self.dtensor_moe
             _only("parallelism.expert_parallel_degree", p.expert_parallel_degree, 1, "set --dtensor_moe.ep instead")
-            _only("parallelism.tensor_parallel_degree", p.tensor_parallel_degree, 1, "use --dtensor_moe.etp for experts")
             _only("parallelism.context_parallel_degree", p.context_parallel_degree, 1, "use 1")
-            _only("parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree, 1, "use 1")
+            if p.tensor_parallel_degree > 1:
+                _check_tp(self, p.tensor_parallel_degree)
             _only("parallelism.spmd_backend", p.spmd_backend, "partial_dtensor", "use 'partial_dtensor'")
             _only(
                 "training.disable_cuda_graphs",
@@ -81,7 +88,66 @@ class Trainer(TitanTrainer):
         ours = self.config.dtensor_moe
         # Raises ValueError (same on every rank) before torchtitan builds any mesh.
         moe = MoEParallelDims(
-            dense.world_size, dp_replicate=ours.dp_replicate, dp_shard=dense.dp_shard, ep=ours.ep, etp=ours.etp
+            dense.world_size, dp_replicate=ours.dp_replicate, dp_shard=dense.dp_shard, tp=dense.tp, ep=ours.ep,
+            etp=ours.etp, pp=dense.pp,
         )
         init = {f.name: getattr(dense, f.name) for f in fields(ParallelDims) if not f.name.startswith("_")}
         return ExpertMeshParallelDims(**init, moe=moe)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        if self.parallel_dims.pp_enabled:
+            _accept_premade_microbatches(self.pp_schedule)
+
+    def train_step(self, data_iterator):
+        with mock.patch.object(titan_dist_utils, "clip_grad_norm_", _clip_grad_norm_by_mesh):
+            return super().train_step(data_iterator)
+
+
+def _clip_grad_norm_by_mesh(parameters, max_norm, *, foreach, pp_mesh, ep_enabled):
+    """torchtitan's clipping under EP takes one norm of the weights on meshes with an "ep" axis and
+    one of the rest, but our parameters are DTensors on more meshes than two (under TP: the dense
+    (fsdp, tp) weights and the MoEs' router and shared experts on the mesh of every rank with its own
+    tokens), which one norm cannot stack. The main job's clipping norms each mesh on its own (the
+    same global norm); same arguments as torchtitan's call in Trainer.train_step."""
+    return clip_grad_norm_(parameters, max_norm, None if pp_mesh is None else pp_mesh.get_group())
+
+
+def _check_tp(config: Trainer.Config, tp: int) -> None:
+    """What torchtitan's dense TP under our expert plan needs, checked while parsing the command line."""
+    if not config.parallelism.enable_sequence_parallel:
+        # Without it every TP rank would hand its MoE the same tokens: each would be routed tp times.
+        raise ValueError(f"parallelism.tensor_parallel_degree={tp} with --module dtensor_moe.titan needs "
+                         "parallelism.enable_sequence_parallel (each TP rank's MoE takes its own sequence slice); "
+                         "valid: enable_sequence_parallel true, or tensor_parallel_degree 1")
+    if config.compile.enable and "model" in config.compile.components:
+        raise ValueError(f"compile.enable with parallelism.tensor_parallel_degree={tp} is not supported with "
+                         "--module dtensor_moe.titan yet; valid: compile with tensor_parallel_degree 1, or TP eager")
+    for i, layer in enumerate(config.model_spec.model.layers):
+        attention = layer.attention
+        for name in ("n_heads", "n_kv_heads"):
+            heads = getattr(attention, name, None)
+            if heads is not None and heads % tp:
+                raise ValueError(
+                    f"parallelism.tensor_parallel_degree ({tp}) must divide layers[{i}].attention.{name} ({heads}) "
+                    f"so each TP rank owns whole heads; valid: {[d for d in range(1, heads + 1) if heads % d == 0]}")
+
+
+def _accept_premade_microbatches(schedule) -> None:
+    """torchtitan 0.3.0 calls `schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, ...)` with the
+    microbatches already split; torch 2.13's `step(*args, target=, **kwargs)` takes the whole batch
+    and forwards unknown keywords to the model (`forward() got an unexpected keyword argument
+    'arg_mbs'`). torchtitan's microbatches are equal-size dataloader batches, so their
+    concatenation along the batch dim is the whole local batch, which torch's step splits back into
+    the same microbatches. Installed only where the schedule's step lacks `arg_mbs`."""
+    if "arg_mbs" in inspect.signature(schedule.step).parameters:
+        return
+    whole_batch_step = schedule.step
+
+    def step(*, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **step_kwargs):
+        args = tuple(torch.cat(a) for a in zip(*arg_mbs)) if arg_mbs else ()
+        model_kwargs = {k: torch.cat([kw[k] for kw in kwarg_mbs]) for k in kwarg_mbs[0]} if kwarg_mbs else {}
+        target = torch.cat(target_mbs) if target_mbs else None
+        return whole_batch_step(*args, target=target, **step_kwargs, **model_kwargs)
+
+    schedule.step = step
