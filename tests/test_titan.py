@@ -14,7 +14,8 @@ The shrunk DeepSeek-V3 debug model (`deepseek_v3_debugmodel_cpu`), 10 steps, fro
 The seed checkpoint is written under our hook and loaded by torchtitan's own runs: same keys.
 
 Tolerances. Loss and gradient norm per step: |dloss| < 1e-4, |dnorm| < 1e-4 relative; measured:
-ours EP=2 vs torchtitan EP=2 bitwise equal, ETP=2 vs ETP=1 7.6e-6 and 1.6e-6. Adam hides a wrong
+ours EP=2 vs torchtitan EP=2 4.8e-7 and 1.2e-7 (the hook clips with per-mesh norms, torchtitan
+with two: the same norm, summed in another order), ETP=2 vs ETP=1 3.9e-5 (loss). Adam hides a wrong
 gradient scale from the loss (expert gradients 4x too small moved the loss by < 1e-4 in 10 steps
 and the norm by < 1e-5), so gradients are compared directly: max |g - g_ref| / max |g_ref| per
 parameter < 2e-2; measured 3.4e-3 against torchtitan without EP, from torchtitan's experts running

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torchtitan.distributed.utils as titan_dist_utils
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torchtitan.distributed import ParallelDims
+from torchtitan.models.common.moe import MoE
 from torchtitan.trainer import Trainer as TitanTrainer
 
 from dtensor_moe.parallel.mesh import MoEParallelDims
@@ -98,6 +99,8 @@ class Trainer(TitanTrainer):
         super().__init__(config)
         if self.parallel_dims.pp_enabled:
             _accept_premade_microbatches(self.pp_schedule)
+            for part in self.model_parts:
+                _uncount_shape_inference(part)
 
     def train_step(self, data_iterator):
         with mock.patch.object(titan_dist_utils, "clip_grad_norm_", _clip_grad_norm_by_mesh):
@@ -131,6 +134,26 @@ def _check_tp(config: Trainer.Config, tp: int) -> None:
                 raise ValueError(
                     f"parallelism.tensor_parallel_degree ({tp}) must divide layers[{i}].attention.{name} ({heads}) "
                     f"so each TP rank owns whole heads; valid: {[d for d in range(1, heads + 1) if heads % d == 0]}")
+
+
+def _uncount_shape_inference(model_part) -> None:
+    """torchtitan 0.3.0 builds its pipeline stages without static metadata, so torch runs each
+    stage's model part once more before the first microbatch to infer shapes (the first stage on a
+    copy of that microbatch, the others on uninitialized tensors). That forward would add to the MoEs'
+    token counts, and so to the first expert-bias update: the counts are put back after it."""
+    moes = [m for m in model_part.modules() if isinstance(m, MoE)]
+    saved = []
+
+    def before(module, args):
+        saved.extend((moe, moe.tokens_per_expert_E.clone()) for moe in moes)
+
+    def after(module, args, output):
+        for moe, counts in saved:
+            moe.tokens_per_expert_E.copy_(counts)
+        pre.remove()
+        post.remove()
+
+    pre, post = model_part.register_forward_pre_hook(before), model_part.register_forward_hook(after)
 
 
 def _accept_premade_microbatches(schedule) -> None:
