@@ -34,6 +34,10 @@ from datetime import timedelta
 import torch.multiprocessing as mp
 from multiprocessing.reduction import ForkingPickler
 
+# Inductor compiles in the compiling process, not in a pool of compile workers per rank (its pool's
+# threads outlive the task, and its processes fork from each rank on an already full 2-core machine).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 TIMEOUT_S = float(os.environ.get("DTENSOR_MOE_TEST_TIMEOUT", "600"))
 START_TIMEOUT_S = float(os.environ.get("DTENSOR_MOE_TEST_START_TIMEOUT", "600"))
 # Once a rank has failed, how long the others get to report (the same error, usually) before the
@@ -49,7 +53,12 @@ MAX_POOLS = int(os.environ.get("DTENSOR_MOE_TEST_MAX_POOLS", "5"))
 # a minute of 8 concurrent `import torch` on a loaded 2-core machine, and the imported pages are
 # shared); DTENSOR_MOE_TEST_START_METHOD=spawn starts each worker from scratch instead.
 START_METHOD = os.environ.get("DTENSOR_MOE_TEST_START_METHOD", "forkserver")
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", __name__, "dtensor_moe"]
+# torch._dynamo too: the custom ops' autograd imports it lazily, otherwise in every worker (seconds each).
+_PRELOAD = [
+    "torch", "torch._dynamo", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+    "torch.distributed.checkpoint", "torch.distributed.pipelining", "pytest", "hypothesis", __name__,
+    "dtensor_moe", "dtensor_moe.train.model", "dtensor_moe.train.checkpoint",
+]
 
 
 def _context():

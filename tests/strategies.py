@@ -1,5 +1,6 @@
 """Hypothesis strategies shared by the property tests: meshes, shapes and routing skews."""
 
+import zlib
 from dataclasses import replace
 
 from hypothesis import strategies as st
@@ -61,10 +62,6 @@ def cases(draw, world_size: int):
         nan_token=draw(st.one_of(st.none(), st.integers(0, 64))),
         expert_biases=draw(st.booleans()),
         activation=draw(st.sampled_from(["swiglu", "clamped_swiglu"])),
-        # Compiled (dynamo + AOTAutograd, no codegen; fullgraph on every folding of <= 4 ranks, EDP and HSDP
-        # included); one draw in eight, since every compiled case traces anew on every rank (6 or 8 tracing
-        # ranks on 2 cores cost minutes a case; the named cases use inductor).
-        compile="aot_eager" if world_size <= 4 and draw(st.integers(0, 7)) == 0 else False,
         num_expert_groups=groups,
         num_limited_groups=limited,
         router_bias=draw(st.booleans()),
@@ -73,6 +70,13 @@ def cases(draw, world_size: int):
         capacity_factor=draw(st.sampled_from([None, None, 0.5, 1.0])),
         drop_policy=draw(st.sampled_from(["probs", "position"])),
     )
+    # Compiled (dynamo + AOTAutograd, no codegen; fullgraph on every folding of <= 4 ranks, EDP and HSDP
+    # included) in about one case in twelve: a compiled case traces anew on every rank, ~20x an eager case (6
+    # or 8 tracing ranks on 2 cores cost minutes; the named cases use inductor). Chosen by a checksum of the
+    # drawn case, not by one more drawn integer: hypothesis favours small integers (`integers(0, 7) == 0`
+    # compiled 22 of 48 cases).
+    if world_size <= 4 and zlib.crc32(repr(case).encode()) % 12 == 5:
+        case = replace(case, compile="aot_eager")
     # FP8 experts one draw in four where the quantization blocks are the reference's, i.e. pure EP: ETP
     # splits the rows the forward's w2 and h scales span, and data parallelism (replicas, EDP) splits an
     # expert's tokens, which the weight gradient's scales span; those layers round differently
