@@ -11,7 +11,7 @@ Every method starts from the same random gradient and is checked against an fp32
 (relative Frobenius error) before it is timed (CUDA-event medians). Prints a table; writes JSON, and
 with --configs-out per (O, I, rows per expert) the fastest correct Triton config where it beat
 wgrad.CONFIG by at least 4% (else CONFIG): the form of kernels/wgrad_configs.json, which
-kernels/policy.wgrad_config reads (the committed table asks for that margin in three runs).
+kernels/policy.wgrad_config reads (the committed table asks for that margin in every run, at least two).
 """
 
 import argparse
@@ -32,10 +32,8 @@ SHAPES = {  # D, F, experts, routed rows: moe_layer.py's local shapes, and DeepS
     "e64": (4096, 1536, 64, 16384 * 6),
 }
 C = wgrad_kernel.Config
-CONFIGS = [C(128, 128, 64, 4, 3), C(128, 128, 64, 4, 2), C(128, 128, 64, 4, 4), C(128, 128, 64, 8, 3),
-           C(128, 128, 32, 4, 3), C(128, 128, 32, 4, 4), C(64, 128, 64, 4, 3), C(64, 128, 64, 4, 4),
-           C(128, 64, 64, 4, 3), C(64, 256, 64, 4, 3), C(128, 256, 64, 8, 3), C(128, 256, 32, 8, 4),
-           C(256, 128, 64, 8, 3), C(256, 64, 64, 4, 3)]
+CONFIGS = [C(128, 128, 64, 4, 3), C(128, 256, 64, 8, 3), C(128, 128, 64, 4, 3, True), C(128, 128, 32, 4, 4, True),
+           C(128, 256, 64, 8, 3, True)]
 TOL = 1e-2  # bf16 gradient rounding is ~3e-3 relative
 MARGIN = 0.96  # another config replaces wgrad.CONFIG only when this much faster: run-to-run spread is ~4%
 

@@ -75,7 +75,7 @@ for counts, O, I in [([5, 0, 70, 16], 40, 24), ([0, 0], 8, 8), ([33], 17, 130)]:
     out = torch.randn(len(counts), O, I)
     want = out + 0.25 * torch.stack([a.t() @ b for a, b in zip(g_NO.split(counts), x_NI.split(counts))])
     ends = torch.tensor(counts).cumsum(0).to(torch.int32)
-    for config in [(16, 32, 16, 4, 2), (32, 16, 16, 4, 2)]:  # tiles wider and taller than the policy's
+    for config in [(16, 32, 16, 4, 2), (32, 16, 16, 4, 2), (16, 32, 16, 4, 2, True)]:  # wide, tall, atomic epilogue
         got = out.clone()
         wgrad_kernel.accumulate(got, g_NO, x_NI, ends, 0.25, config=config)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -136,10 +136,12 @@ def test_triton_kernels_match_torch_in_triton_interpreter():
 
 def test_wgrad_config_follows_the_measured_table(tmp_path, monkeypatch):
     from dtensor_moe.kernels import policy, wgrad
-    # The committed table: Mixtral-like w1/w3 gradients ([F, D] = [14336, 4096], 2048 rows per
-    # expert) take the wide tile; DeepSeek-like ones the default; an unmeasured (O, I) the default.
-    assert policy.wgrad_config((8, 14336, 4096), 16384) == wgrad.Config(128, 256, 64, 8, 3)
-    assert policy.wgrad_config((256, 2048, 7168), 65536) == wgrad.CONFIG
+    # The committed table: Mixtral-like w1/w3 gradients ([F, D] = [14336, 4096], 2048 rows per expert)
+    # take the wide tile, DeepSeek-like ones (256 rows) BLOCK_K 32, both with the atomic epilogue;
+    # Qwen-like ones and an unmeasured (O, I) the default.
+    assert policy.wgrad_config((8, 14336, 4096), 16384) == wgrad.Config(128, 256, 64, 8, 3, True)
+    assert policy.wgrad_config((256, 2048, 7168), 65536) == wgrad.Config(128, 128, 32, 4, 4, True)
+    assert policy.wgrad_config((128, 768, 2048), 131072) == wgrad.CONFIG
     assert policy.wgrad_config((8, 14336, 2048), 16384) == wgrad.CONFIG
     table = tmp_path / "wgrad.json"
     table.write_text('{"configs": [{"O": 64, "I": 32, "rows_per_expert": 100, "config": [16, 32, 16, 4, 2]},'

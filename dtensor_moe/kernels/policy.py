@@ -88,8 +88,8 @@ def weight_grad_accumulation(x_ND: torch.Tensor, w1_shape, grouped: bool, host_c
 
 
 # The Triton weight-gradient kernel's tile config per measured (O, I, rows per expert): another than
-# wgrad.CONFIG only where benchmarks/wgrad_probe.py saw it >= 4% faster in each of three runs on one H200
-# (RESULTS.md session 7; the spread between runs is about 4%).
+# wgrad.CONFIG only where benchmarks/wgrad_probe.py saw it >= 4% faster in every run (at least two) on
+# one H200 (RESULTS.md session 7; the spread between runs is about 4%).
 WGRAD_CONFIGS = os.path.join(os.path.dirname(__file__), "wgrad_configs.json")
 
 
