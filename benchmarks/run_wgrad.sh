@@ -13,7 +13,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_seg
 LOG=$OUT/run.log
 { date -u; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"; } 2>&1 | tee "$LOG"
-[ "${PROBE:-1}" = 0 ] || (cd benchmarks && timeout "${PROBE_S:-230}" python3 wgrad_probe.py --out "$OUT/wgrad.json" --configs-out "$OUT/wgrad_configs.json") 2>&1 \
+[ "${PROBE:-1}" = 0 ] || (cd benchmarks && timeout "${PROBE_S:-230}" python3 wgrad_probe.py ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} --out "$OUT/wgrad.json" --configs-out "$OUT/wgrad_configs.json") 2>&1 \
   | grep -v '^|' | tee -a "$LOG"
 echo '{"configs": []}' > /tmp/empty_wgrad.json
 for table in /tmp/empty_wgrad.json "$PWD/dtensor_moe/kernels/wgrad_configs.json"; do
