@@ -67,7 +67,8 @@ def train_steps(rank, world_size, ep, compile, ac, steps=3):
     with moved as there:
         for step in range(steps):
             g = torch.Generator().manual_seed(step)
-            tokens = torch.randint(0, 32, (world_size * 2, 5 + step), generator=g)
+            # One sequence length: each rank compiles once (recompiles as lengths change are the block test's).
+            tokens = torch.randint(0, 32, (world_size * 2, 6), generator=g)
             mine = tokens[rank * 2:(rank + 1) * 2]
             before = there.call_count
             logits = model(mine[:, :-1])
@@ -88,7 +89,7 @@ def _eager_ep2():
     return run_on_ranks(2, train_steps, 2, False, "none")
 
 
-@pytest.mark.parametrize("compile,ac", [(False, "selective"), (False, "full"), ("aot_eager", "none"), (True, "none")])
+@pytest.mark.parametrize("compile,ac", [(False, "selective"), (False, "full"), (True, "none")])
 def test_ep2_training_compiled_and_checkpointed_matches_eager(compile, ac):
     eager = _eager_ep2()
     got = run_on_ranks(2, train_steps, 2, compile, ac)
