@@ -169,10 +169,11 @@ def _accept_premade_microbatches(schedule) -> None:
         return
     whole_batch_step = schedule.step
 
-    def step(*, arg_mbs=None, kwarg_mbs=None, target_mbs=None, **step_kwargs):
+    # torch's `eval` calls `self.step(..., target=None, ...)`: torchtitan's validator reaches here too.
+    def step(*, arg_mbs=None, kwarg_mbs=None, target_mbs=None, target=None, **step_kwargs):
         args = tuple(torch.cat(a) for a in zip(*arg_mbs)) if arg_mbs else ()
         model_kwargs = {k: torch.cat([kw[k] for kw in kwarg_mbs]) for k in kwarg_mbs[0]} if kwarg_mbs else {}
-        target = torch.cat(target_mbs) if target_mbs else None
+        target = torch.cat(target_mbs) if target_mbs else target
         return whole_batch_step(*args, target=target, **step_kwargs, **model_kwargs)
 
     schedule.step = step
