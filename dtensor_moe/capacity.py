@@ -3,9 +3,9 @@ ceil(T * top_k / num_experts * capacity_factor) of the T tokens' (token, expert)
 given, T being the tokens of one forward on one rank (no collective: Megatron's choice).
 
 A dropped pair contributes nothing: its routing weight is zeroed (so neither it nor its router
-gradient counts) and the token keeps its other experts and the shared experts. The experts still
-run the dropped rows (their outputs are weighted by 0 and their gradients are 0): dropping changes
-results, not yet the work done.
+gradient counts) and the token keeps its other experts and the shared experts. The layer then
+gives it expert id E (TokenCopies: last, outside the counts), so the expert-parallel dispatcher
+neither sends nor computes it; see docs/routing.md.
 """
 
 import math

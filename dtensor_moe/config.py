@@ -61,9 +61,11 @@ def _check_capacity(cfg, prefix: str):
     if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < float("inf")):
         raise ValueError(f"{prefix}capacity_factor must be a finite number > 0, or None (no capacity limit), got {cf!r}")
     if cfg.pad_to_capacity:
-        # The experts run every routed row (dropped ones weighted by 0), so there are no fixed-size
-        # expert blocks to pad yet.
-        raise ValueError(f"{prefix}pad_to_capacity=True is not supported yet; valid: false")
+        # Padding's point is static shapes; the dispatcher sends deduplicated token rows whose split
+        # sizes depend on the routing whatever the padding (docs/routing.md).
+        raise ValueError(f"{prefix}pad_to_capacity=True is not supported yet (dropped pairs are already neither "
+                         "sent nor computed; fixed-size expert blocks need a pair-wise dispatch, docs/routing.md); "
+                         "valid: false")
 
 
 @dataclass(frozen=True)

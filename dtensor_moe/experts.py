@@ -207,8 +207,11 @@ class GroupedExperts(nn.Module):
             return grouped_swiglu(x.x_ND, x.counts_E, *ws, weight_grad_scale=x.weight_grad_scale,
                                   host_counts=x.host_counts, biases=biases, clamp=self.clamp,
                                   add_b2=x.adds_output_bias, precision=self.precision)
-        y_ND = grouped_swiglu(copies.expand(x), counts_E, *ws, biases=biases, clamp=self.clamp,
-                              precision=self.precision)
+        x_ND = copies.expand(x)
+        # Capacity-dropped pairs (the last rows, weight 0) run with the last expert here: leaving
+        # them out would need their number on the host. The expert-parallel dispatcher leaves them out.
+        counts_E = torch.cat([counts_E[:-1], counts_E[-1:] + (x_ND.shape[0] - counts_E.sum())])
+        y_ND = grouped_swiglu(x_ND, counts_E, *ws, biases=biases, clamp=self.clamp, precision=self.precision)
         return copies.combine(y_ND, x.shape)
 
     def reset_parameters(self, std: float = 0.02):

@@ -14,7 +14,7 @@ from dtensor_moe.capacity import kept_pairs
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.experts import GroupedExperts
 from dtensor_moe.router import TopKRouter
-from dtensor_moe.routing import TokenCopies
+from dtensor_moe.routing import TokenCopies, expert_major
 
 
 def recomputing() -> bool:
@@ -97,11 +97,7 @@ class MoE(nn.Module):
                              f"of {x_BLD.dtype}")
         x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
         r = self.router(x_TD, self.expert_bias)
-        # Stable sort keeps each expert's tokens in token order: deterministic grouping. Counting
-        # on the sorted ids needs no host sync (CUDA bincount reads the max back to size its output).
-        sorted_N, order_N = torch.sort(r.experts_TK.flatten(), stable=True)
-        bounds = torch.arange(cfg.num_experts + 1, device=sorted_N.device, dtype=sorted_N.dtype)
-        counts_E = torch.searchsorted(sorted_N, bounds).diff()
+        sorted_N, order_N, counts_E = expert_major(r.experts_TK.flatten(), cfg.num_experts)
         if not recomputing():  # activation checkpointing's second forward must not count again
             with torch.no_grad():
                 self.tokens_per_expert += counts_E
@@ -117,6 +113,9 @@ class MoE(nn.Module):
             # Statistics and balance losses above see what the router asked for, before dropping.
             keep_TK = kept_pairs(weights_TK, r.experts_TK, counts_E, cfg.capacity_factor, cfg.drop_policy)
             weights_TK = weights_TK * keep_TK
+            # Dropped pairs get expert id E: they sort last and counts_E no longer counts them.
+            dropped_id = torch.where(keep_TK, r.experts_TK, cfg.num_experts)
+            sorted_N, order_N, counts_E = expert_major(dropped_id.flatten(), cfg.num_experts)
         y_BLD = self.experts(x_BLD, counts_E, TokenCopies.build(order_N, sorted_N, weights_TK))
         if self.shared_experts is not None:
             return y_BLD + self.shared_experts(x_BLD)

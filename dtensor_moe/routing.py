@@ -44,6 +44,15 @@ def _gather_rows_backward(ctx, grad):
 gather_rows.register_autograd(_gather_rows_backward, setup_context=_gather_rows_setup)
 
 
+def expert_major(expert_ids_N: torch.Tensor, num_experts: int):
+    """(sorted_N, order_N, counts_E): the ids sorted, pair_N of each sorted row, and the rows with id
+    e < num_experts; a stable sort keeps each expert's pairs in pair order (deterministic grouping).
+    Counting on the sorted ids needs no host sync (CUDA bincount reads the max back to size its output)."""
+    sorted_N, order_N = torch.sort(expert_ids_N, stable=True)
+    bounds = torch.arange(num_experts + 1, device=sorted_N.device, dtype=sorted_N.dtype)
+    return sorted_N, order_N, torch.searchsorted(sorted_N, bounds).diff()
+
+
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
 
@@ -51,7 +60,8 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class TokenCopies:
     """Expert-major row n is pair pair_N[n] = t * K + k (token t's k-th choice) for expert
-    expert_N[n]; weight_TK[t, k] weighs it in the combine. The experts expand the tokens and
+    expert_N[n]; weight_TK[t, k] weighs it in the combine. Capacity-dropped pairs come last, with
+    expert id E and weight 0: whoever holds the per-expert counts runs only the rows before them. The experts expand the tokens and
     combine their outputs with it; an expert-parallel dispatcher instead sends each token once per
     rank, copies it there, and sums its outputs there before they return."""
 

@@ -114,7 +114,7 @@ def opcheck_dispatch_ops(rank, world_size):
     """torch.library.opcheck of the dispatcher's ops on a real EP group, with and without copies."""
     from dtensor_moe import MoEParallelDims
     from dtensor_moe.parallel.dispatch import _name, ep_move, ep_plan
-    from dtensor_moe.routing import TokenCopies
+    from dtensor_moe.routing import TokenCopies, expert_major
 
     meshes = MoEParallelDims(world_size, ep=world_size).build_meshes("cpu")
     groups = (_name(meshes.expert["ep"].get_group()), _name(meshes.expert["etp"].get_group()))
@@ -129,8 +129,15 @@ def opcheck_dispatch_ops(rank, world_size):
     torch.library.opcheck(ep_plan, (counts_E, none, none, T * K, 0, *groups))
     C_host = ep_plan(counts_E, copies.expert_N, copies.pair_N, T, K, *groups)[0]
     x = torch.randn(int(C_host[0, rank, :, -1].sum()), 4, dtype=torch.float64, requires_grad=True)
-    torch.library.opcheck(ep_move, ([x], C_host, "rows", "there", *groups))
-    return True
+    torch.library.opcheck(ep_move, ([x], C_host, "rows", "there", *groups, [x.shape[0]]))
+    # A capacity-dropped pair (expert id E, last): left out of the plan; "there" leaves its row behind.
+    sorted_N, order_N, kept_E = expert_major(torch.where(torch.arange(T * K) == rank, E, experts_TK.flatten()), E)
+    dropped = TokenCopies.build(order_N, sorted_N, torch.rand(T, K, dtype=torch.float64))
+    torch.library.opcheck(ep_plan, (kept_E, dropped.expert_N, dropped.pair_N, T, K, *groups))
+    C_host = ep_plan(kept_E, dropped.expert_N, dropped.pair_N, T, K, *groups)[0]
+    w = dropped.weight_N[:, None].detach().requires_grad_(True)
+    torch.library.opcheck(ep_move, ([w], C_host, "pairs", "there", *groups, [T * K]))
+    return int(C_host[0, rank, :, :-1].sum()) == T * K - 1
 
 
 def test_dispatch_ops_pass_opcheck():

@@ -119,3 +119,41 @@ def test_compiled_and_non_finite(name):
     """torch.compile(fullgraph=True) of the parallelized layer equals the 1-process
     reference in float64; a NaN token changes only its own outputs and gradients."""
     assert_parity(*COMPILED[name])
+
+
+def rows_the_experts_receive(rank, world_size):
+    """EP2 x ETP2 with capacity 0.5 and one overloaded expert: (rows this rank's experts got, per
+    local expert; the kept pairs routed to its EP rank's experts from all four ranks; all pairs)."""
+    import torch
+    import torch.distributed as dist
+
+    from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
+    from dtensor_moe.capacity import kept_pairs
+    from dtensor_moe.parallel.dispatch import _GROUPS
+
+    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, capacity_factor=0.5, drop_policy="probs")
+    torch.manual_seed(0)
+    moe = MoE(cfg).double()
+    with torch.no_grad():
+        moe.router.gate.weight[1] += 2.0
+    x = torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    r = moe.router(x.reshape(-1, 8), None)
+    routed_E = torch.bincount(r.experts_TK.flatten(), minlength=4)
+    kept_E = torch.bincount(r.experts_TK[kept_pairs(r.weights_TK, r.experts_TK, routed_E, 0.5, "probs")], minlength=4)
+    parallelize_moe(moe, MoEParallelDims(world_size, ep=2, etp=2), device_type="cpu")
+    got = []
+    moe.experts.register_forward_pre_hook(lambda m, args: got.append(args[0].counts_E.tolist()))
+    moe(x).sum().backward()
+    ep_rank = dist.get_rank(_GROUPS[moe.experts.expert_parallel.dispatcher.groups[0]])
+    for t in (kept_E, routed_E):
+        dist.all_reduce(t)
+    return got[0], kept_E[2 * ep_rank: 2 * ep_rank + 2].tolist(), routed_E[2 * ep_rank: 2 * ep_rank + 2].tolist()
+
+
+def test_capacity_dropped_pairs_are_not_dispatched():
+    """The experts receive (and compute) only the kept pairs: parity alone would pass with dropped
+    pairs sent, computed and weighted by 0."""
+    per_rank = run_on_ranks(4, rows_the_experts_receive)
+    for got, kept, routed in per_rank:
+        assert got == kept, (got, kept)
+    assert sum(sum(routed) for _, _, routed in per_rank) > sum(sum(kept) for _, kept, _ in per_rank)

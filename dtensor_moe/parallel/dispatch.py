@@ -11,6 +11,11 @@ Two registered ops carry everything torch.compile cannot trace: `dtensor_moe::ep
 counts' all-gather, the one host sync per layer for the uneven split sizes, and the integer tables)
 and `dtensor_moe::ep_move` (one direction of the row movement; its gradient is the other one).
 Everything between them is traceable torch: gathers whose gradients are gather-sums.
+
+Capacity-dropped pairs (TokenCopies puts them last, with expert id E, outside the counts) are
+filtered out of the plan: a token none of whose kept pairs goes to a rank is not sent there, and
+no dropped pair is sent, received or computed. Their number is known only on the host, after the
+sync the split sizes need anyway, so the ops slice them off inside.
 """
 
 import weakref
@@ -98,32 +103,45 @@ class _Topology:
 
 @torch.library.custom_op("dtensor_moe::ep_move", mutates_args=())
 def ep_move(xs: list[torch.Tensor], C_host: torch.Tensor, kinds: str, direction: str, ep_group: str,
-            etp_group: str) -> list[torch.Tensor]:
+            etp_group: str, lengths: list[int]) -> list[torch.Tensor]:
     """Each xs[i], rows of the i-th comma-separated kind ("rows": tokens, once per destination rank; "pairs": one per
     (token, expert)), moved "there" (sender -> expert ranks) or "back" (expert ranks -> sender, ETP
-    partials summed), in list order. Movements whose gradients could otherwise come back in
-    rank-dependent order (a compiled rank with no tokens schedules its graph differently) travel
-    in one call, so the backward moves them in one call, in one order, too."""
+    partials summed), in list order. lengths[i]: the sender's row count of xs[i]. "there" sends a
+    sender's first rows only, as many as its split sizes say (the rest are capacity-dropped
+    pairs); "back" returns lengths[i] rows, zeros for those that stayed (their gradient).
+    Movements whose gradients could otherwise come back in rank-dependent order (a compiled rank
+    with no tokens schedules its graph differently) travel in one call, so the backward moves
+    them in one call, in one order, too."""
     topo = _Topology(ep_group, etp_group)
     sizes = topo.sizes(C_host)
-    move = topo.there if direction == "there" else topo.back
-    return [move(x, getattr(sizes, kind)) for x, kind in zip(xs, kinds.split(","), strict=True)]
+    out = []
+    for x, kind, n in zip(xs, kinds.split(","), lengths, strict=True):
+        rows = getattr(sizes, kind)
+        if direction == "there":
+            out.append(topo.there(x[: sum(rows.send)], rows))
+        else:
+            y = topo.back(x, rows)
+            out.append(torch.cat([y, y.new_zeros(n - y.shape[0], *y.shape[1:])]) if n > y.shape[0] else y)
+    return out
 
 
 @ep_move.register_fake
-def _(xs, C_host, kinds, direction, ep_group, etp_group):
+def _(xs, C_host, kinds, direction, ep_group, etp_group, lengths):
     ctx = torch.library.get_ctx()
+    if direction == "back":
+        return [x.new_empty(n, *x.shape[1:]) for x, n in zip(xs, lengths)]
     return [x.new_empty(ctx.new_dynamic_size(), *x.shape[1:]) for x in xs]
 
 
 def _move_setup(ctx, inputs, output):
-    _, ctx.C_host, ctx.kinds, direction, ctx.ep_group, ctx.etp_group = inputs
+    xs, ctx.C_host, ctx.kinds, direction, ctx.ep_group, ctx.etp_group, _ = inputs
     ctx.reverse = "back" if direction == "there" else "there"
+    ctx.lengths = [x.shape[0] for x in xs]
 
 
 def _move_backward(ctx, grads):
     grads = [g.contiguous() for g in grads]
-    return ep_move(grads, ctx.C_host, ctx.kinds, ctx.reverse, ctx.ep_group, ctx.etp_group), *[None] * 5
+    return ep_move(grads, ctx.C_host, ctx.kinds, ctx.reverse, ctx.ep_group, ctx.etp_group, ctx.lengths), *[None] * 6
 
 
 ep_move.register_autograd(_move_backward, setup_context=_move_setup)
@@ -164,10 +182,12 @@ def ep_plan(counts_E: torch.Tensor, expert_N: torch.Tensor, pair_N: torch.Tensor
     ep, dev, T, K = topo.ep, counts_E.device, num_tokens, top_k
     counts_E = counts_E.to(torch.int64)
     if K:
-        rank_N = expert_N // (counts_E.numel() // ep)  # destination of each expert-major pair
-        cell_N = rank_N * T + pair_N // K  # (destination rank, token), rank-major
-        need = torch.zeros(ep * T, dtype=torch.bool, device=dev)
+        # Destination of each expert-major pair; a dropped pair (id E) is no (rank, token) cell's need.
+        rank_N = (expert_N // (counts_E.numel() // ep)).clamp(max=ep - 1)
+        cell_N = torch.where(expert_N < counts_E.numel(), rank_N * T + pair_N // K, ep * T)
+        need = torch.zeros(ep * T + 1, dtype=torch.bool, device=dev)
         need[cell_N] = True
+        need = need[:-1]
         slot = torch.cumsum(need, 0) - 1  # row of each needed (rank, token) in the send buffer
         rows_R = need.view(ep, T).sum(1)
     else:
@@ -182,7 +202,8 @@ def ep_plan(counts_E: torch.Tensor, expert_N: torch.Tensor, pair_N: torch.Tensor
     local_counts = torch.tensor(sz.local_counts, dtype=torch.int64)
     if not K:
         return C_host, C_mine.sum((0, 1)), local_counts, idx, inv, idx.new_empty(0), idx.new_empty(0, 1), idx.clone(), inv.clone()
-    n_send = sum(sz.rows.send)
+    n_send, n_pairs = sum(sz.rows.send), sum(sz.pairs.send)  # n_pairs: the kept pairs, which come first
+    rank_N, cell_N, pair_N = rank_N[:n_pairs], cell_N[:n_pairs], pair_N[:n_pairs]
     # Non-needed cells land in a dummy slot past the end: a scatter, no sort.
     token = torch.arange(T, device=dev).repeat(ep)
     send_token = token.new_empty(n_send + 1).scatter_(0, torch.where(need, slot, n_send), token)[:n_send]
@@ -224,8 +245,9 @@ class _Exchange:
         self.copies, self.out_shape, self.groups = copies, out_shape, groups
         self.w_local = None  # with copies: the routing weights at the expert ranks, moved with the tokens
 
-    def move(self, xs, kinds, direction):
-        return ep_move(xs, self.C_host, kinds, direction, *self.groups)
+    def move(self, xs, kinds, direction, lengths=None):
+        """lengths: the senders' row counts, for "back" (for "there" they are xs')."""
+        return ep_move(xs, self.C_host, kinds, direction, *self.groups, lengths or [x.shape[0] for x in xs])
 
 
 class ExpertDispatcher:
@@ -267,9 +289,9 @@ class ExpertDispatcher:
     def combine(self, y_local: torch.Tensor, inp: ExpertInput) -> torch.Tensor:
         ex = inp.exchange
         if ex.copies is None:
-            return ex.move([gather_rows(y_local, ex.inv[:, 0], ex.idx[:, None])], "pairs", "back")[0]
+            return ex.move([gather_rows(y_local, ex.inv[:, 0], ex.idx[:, None])], "pairs", "back", [ex.out_shape[0]])[0]
         z_rows = torch.ops.dtensor_moe.gather_sum(y_local, ex.row_readers, ex.row_idx, ex.w_local)
-        z_back = ex.move([z_rows], "rows", "back")[0]
+        z_back = ex.move([z_rows], "rows", "back", [ex.send_token.shape[0]])[0]
         token_rows = ex.token_rows.view(*ex.out_shape[:-1], ex.token_rows.shape[1])
         return torch.ops.dtensor_moe.gather_sum(z_back, token_rows, ex.send_token, None)
 
