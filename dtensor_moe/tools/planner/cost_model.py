@@ -37,7 +37,7 @@ Model of one training step per rank:
 
 import math
 from dataclasses import dataclass, replace
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import DENSE_AXES, EXPERT_AXES, PP_STAGES_PER_RANK, MoEParallelDims
@@ -159,7 +159,9 @@ def bubble_fraction(pp: int, work: Workload) -> float:
 @lru_cache(maxsize=1024)
 def pipeline_ranks(spec: ModelSpec, pp: int, work: Workload) -> tuple[PipelineRank, ...]:
     """The pipeline ranks that can be the worst, one per distinct share (the most in flight, the most
-    sends): memory and traffic only grow with those."""
+    sends): memory and traffic only grow with those. A rank that an earlier one dominates (a share
+    holding no more units, no more in flight, no more sends) is left out: every cost is a sum of
+    non-negative terms monotone in those, so it never exceeds the earlier rank's, which wins ties."""
     v = PP_STAGES_PER_RANK[work.pp_schedule] if pp > 1 else 0
     worst: dict[StageShare, PipelineRank] = {}
     for r in range(pp):
@@ -168,7 +170,12 @@ def pipeline_ranks(spec: ModelSpec, pp: int, work: Workload) -> tuple[PipelineRa
         old = worst.get(share)
         worst[share] = PipelineRank(share, max(in_flight(work, pp, r), old.in_flight if old else 0),
                                     max(sends, old.sends if old else 0))
-    return tuple(worst.values())
+    ranks = tuple(worst.values())
+    return tuple(a for i, a in enumerate(ranks) if not any(_dominates(b, a) for b in ranks[:i]))
+
+
+def _dominates(b: PipelineRank, a: PipelineRank) -> bool:
+    return all(x >= y for x, y in zip((*b.share, b.in_flight, b.sends), (*a.share, a.in_flight, a.sends)))
 
 
 def _fsdp_plan(name: str, shape: tuple[int, ...], dims: MoEParallelDims, axis: str) -> WeightPlan:
@@ -239,8 +246,7 @@ def held_numel(units, dims: MoEParallelDims, rank: int) -> int:
     return sum(u.count * math.prod(s.stop - s.start for s in owned_box(wp, dims, rank)) for u in units for wp in u.plans)
 
 
-@dataclass(frozen=True)
-class Footprint:
+class Footprint(NamedTuple):  # a tuple: one per pipeline rank of every (footprint_key, pp) of a search
     """Rank 0's share of every FSDP unit (rank 0 holds the largest slices): all the planner needs."""
 
     sharded: tuple[tuple[str, int, int], ...]  # (FSDP axis, all-gathers per step, elements held)
@@ -248,10 +254,7 @@ class Footprint:
     gathered_root: int  # unsharded elements of the root unit
     gathered_block: int  # unsharded elements of the largest block unit (EP x ETP slice for experts)
     gathered_blocks: int  # unsharded elements of all block units together
-
-    @cached_property
-    def held(self) -> int:
-        return sum(n for _, _, n in self.sharded)
+    held: int  # elements held: the sum over `sharded`
 
 
 class UnitPart(NamedTuple):
@@ -284,7 +287,8 @@ def combine(parts) -> Footprint:
             root += part.gathered
         else:
             biggest, blocks = max(biggest, part.gathered), blocks + count * part.gathered
-    return Footprint(tuple((a, g, n) for (a, g), n in sharded.items()), tensors, root, biggest, blocks)
+    return Footprint(tuple((a, g, n) for (a, g), n in sharded.items()), tensors, root, biggest, blocks,
+                     sum(sharded.values()))
 
 
 def footprint(units, dims: MoEParallelDims) -> Footprint:
@@ -355,36 +359,39 @@ def activation_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, ran
     tokens' F/etp-wide hidden activations (three of them), so the hidden part is independent of etp;
     the combine keeps the experts' D-wide outputs of those pairs for the routing weights' gradient.
     """
-    T, b, D, k = tokens_per_rank(work, dims), work.compute_bytes, spec.dim, spec.top_k
-    # Attention sees the whole CP part of the sequence (tp times T tokens) with 1/tp of the heads.
-    attn = sum(s[0] + s[-1] for _, s in spec.attention if len(s) == 2)
-    common = T * b * 3 * D + T * b * attn  # two norm inputs and the residual, plus attention
-    moe = k * (2 * dims.etp * D + 3 * spec.moe_hidden_dim) + 3 * spec.moe_hidden_dim * spec.num_shared_experts
-    moe_layer = common + T * b * moe + T * spec.num_experts * 4  # fp32 router scores
-    dense_layer = common + T * b * 3 * spec.dense_hidden_dim
-    rank = rank or PipelineRank(StageShare(spec.n_dense_layers, spec.n_moe_layers, True, True), 1, 0)
+    return rank_activations(rates(spec, dims, work), rank or _whole_model(spec))
+
+
+def rank_activations(r: "Rates", rank: PipelineRank) -> float:
     s = rank.share
-    # Logits (replicated over tp) and their fp32 copy for the loss per microbatch; one gradient of them.
-    logits, logits_grad = (T * dims.tp * spec.vocab_size * (b + 4), T * dims.tp * spec.vocab_size * 4) if s.last else (0, 0)
-    if work.recompute == "full":  # block inputs, plus one block's activations while it is recomputed
-        saved = s.layers * T * D * b
-        recomputed = max(moe_layer if s.moe_layers else 0, dense_layer if s.dense_layers else 0)
+    logits, logits_grad = (r.logits, r.logits_grad) if s.last else (0, 0)
+    if r.recompute:  # block inputs, plus one block's activations while it is recomputed
+        saved = s.layers * r.block_input
+        recomputed = max(r.moe_layer if s.moe_layers else 0, r.dense_layer if s.dense_layers else 0)
     else:
-        saved, recomputed = s.moe_layers * moe_layer + s.dense_layers * dense_layer, 0
+        saved, recomputed = s.moe_layers * r.moe_layer + s.dense_layers * r.dense_layer, 0
     return rank.in_flight * (saved + logits) + recomputed + logits_grad
 
 
 def rank_memory(spec: ModelSpec, dims: MoEParallelDims, work: Workload, fp: Footprint,
                 rank: PipelineRank | None = None) -> Memory:
-    params, grads, opt = state_bytes(fp.held, fp.tensors, work)
+    return Memory(*_held_memory(work, dims.pp, fp), rank_activations(rates(spec, dims, work), rank or _whole_model(spec)))
+
+
+def memory_of(r: "Rates", held: "Held") -> Memory:
+    return Memory(*held.memory, rank_activations(r, held.rank))
+
+
+def _held_memory(work: Workload, pp: int, fp: Footprint) -> tuple[int, int, int, int]:
+    """(params, grads, optimizer state, gathered working set) bytes of a rank with footprint `fp`."""
     b = work.compute_bytes
-    if dims.pp == 1:
+    if pp == 1:
         # Root stays gathered; one block computing while the next is prefetched; one block's unsharded
         # grads in compute dtype plus their reduce-dtype copy for the reduce-scatter.
         working = b * (fp.gathered_root + 2 * fp.gathered_block) + fp.gathered_block * (b + REDUCE_BYTES)
     else:  # every unit gathered, its gradients accumulated unsharded, one block's fresh gradient
         working = (b + REDUCE_BYTES) * (fp.gathered_root + fp.gathered_blocks) + b * fp.gathered_block
-    return Memory(params, grads, opt, working, activation_bytes(spec, dims, work, rank))
+    return (*state_bytes(fp.held, fp.tensors, work), working)
 
 
 def predicted_state_bytes(model_cfg, dims: MoEParallelDims, rank: int, optimizer: str = "adamw",
@@ -473,42 +480,116 @@ def distinct_ranks(num_experts: int, top_k: int, ep: int, groups: int = 1, limit
                     for j in range(min(g, limited) + 1))
 
 
-def comm_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node: int, fp: Footprint,
-               rank: PipelineRank | None = None) -> dict[str, Traffic]:
-    """Bytes one (pipeline) rank sends per step, per collective kind, split intra-/inter-node."""
-    G, b, M = gpus_per_node, work.compute_bytes, work.microbatches
-    s = rank.share if rank else StageShare(spec.n_dense_layers, spec.n_moe_layers, True, True)
-    T = tokens_per_rank(work, dims)
-    recompute = work.recompute == "full"
+class Held(NamedTuple):
+    """What a pipeline rank costs through the weights it holds, whatever its tokens: state and
+    working-set bytes, FSDP's and HSDP's traffic. It depends on the folding only through
+    footprint_key and pp (the sizes and strides of the axes it is sharded and replicated over follow
+    from them), so a search computes it once per (footprint_key, pp) and pipeline rank."""
+
+    rank: PipelineRank
+    fp: Footprint
+    memory: tuple[int, int, int, int]  # params, grads, optimizer state, gathered working set
+    traffic: dict[str, Traffic]  # fsdp_all_gather, fsdp_reduce_scatter, hsdp_all_reduce
+
+
+def held_costs(dims: MoEParallelDims, work: Workload, gpus_per_node: int, fp: Footprint, rank: PipelineRank) -> Held:
+    G, geo, r = gpus_per_node, mesh_geometry(dims), dims.dp_replicate
     # Without pp every microbatch's backward reduces the gradients; pipelining reduces them once a step.
-    reductions = M if dims.pp == 1 else 1
-    geo = mesh_geometry(dims)
+    reductions = work.microbatches if dims.pp == 1 else 1
+    hsdp = reductions * 2 * (r - 1) / r * fp.held * REDUCE_BYTES
+    traffic = {**_fsdp_traffic(fp.sharded, tuple(geo[a] for a, _, _ in fp.sharded), G, work.compute_bytes, reductions),
+               "hsdp_all_reduce": _part(hsdp, ring_inter_fraction(*geo["dp_replicate"], G))}
+    return Held(rank, fp, _held_memory(work, dims.pp, fp), traffic)
 
-    def pair(axis, total):
-        return _split(total, 1 - pairwise_intra_fraction(*geo[axis], G)) if total else Traffic(0, 0)
 
-    def ring(axis, total):
-        return _split(total, ring_inter_fraction(*geo[axis], G)) if total else Traffic(0, 0)
+class Rates(NamedTuple):
+    """What one folding's tokens cost per unit of a pipeline rank's share (per layer, per send), with
+    the node fractions of the groups they cross: computed once per folding, shared by its pipeline
+    ranks (`memory_of`, `traffic_of`). Integer products are exact whichever factor comes last; the
+    float ones keep the operand order of the per-rank formula."""
 
+    # activations (bytes)
+    recompute: bool
+    block_input: int  # one layer's saved input per microbatch: T * D * b
+    moe_layer: int
+    dense_layer: int
+    logits: int
+    logits_grad: int
+    # traffic (bytes per step and unit, and the share of it crossing nodes)
+    send: int  # per stage-boundary send per microbatch
+    send_inter: float
+    routed: float  # dispatched + combined rows per MoE layer, before the ep / etp factor
+    ep: int
+    ep_inter: float
+    etp: int
+    etp_inter: float
+    seq: int  # per sequence-parallel gather / scatter
+    seq_per_layer: int
+    tp_inter: float
+    kv: int  # per layer
+    cp_inter: float
+
+
+def rates(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node: int = 8) -> Rates:
+    G, b, M = gpus_per_node, work.compute_bytes, work.microbatches
+    T, D, k = tokens_per_rank(work, dims), spec.dim, spec.top_k
+    recompute = work.recompute == "full"
+    # Attention sees the whole CP part of the sequence (tp times T tokens) with 1/tp of the heads.
+    attn = sum(s[0] + s[-1] for _, s in spec.attention if len(s) == 2)
+    common = T * b * 3 * D + T * b * attn  # two norm inputs and the residual, plus attention
+    moe = k * (2 * dims.etp * D + 3 * spec.moe_hidden_dim) + 3 * spec.moe_hidden_dim * spec.num_shared_experts
     # Dispatch and combine (a token once per rank holding one of its experts, each way) in forward,
     # their reverses in backward, forward again when recomputing.
     rows = 2 * distinct_ranks(spec.num_experts, spec.top_k, dims.ep, spec.num_expert_groups, spec.num_limited_groups)
-    routed = M * (2 + recompute) * T * rows * spec.dim * b * s.moe_layers
-    r = dims.dp_replicate
-    # Sequence parallelism: each block's attention all-gathers its input and reduce-scatters its output
-    # (the reverses in backward, again when recomputing); the embedding and the head once each way.
-    seq = M * ((4 + 2 * recompute) * s.layers + 2 * (s.first + s.last)) * (dims.tp - 1) * T * spec.dim * b
-    hidden = M * (rank.sends if rank else 0) * T * spec.dim * b  # hidden states under SP: the rank's T tokens
-    return {
-        "pp_send_recv": _split(hidden, chain_inter_fraction(*geo["pp"], G)) if hidden else Traffic(0, 0),
-        "ep_all_to_all": pair("ep", routed * (dims.ep - 1) / dims.ep),
-        "etp_gather_scatter": pair("etp", routed * (dims.etp - 1)),
-        "tp_sequence": ring("tp", seq),
+    # (size, stride) of the groups as mesh_geometry has them (etp innermost, then ep; tp innermost,
+    # then cp; stages outermost), without building it: once per folding of a search.
+    return Rates(
+        recompute,
+        block_input=T * D * b,
+        moe_layer=common + T * b * moe + T * spec.num_experts * 4,  # fp32 router scores
+        dense_layer=common + T * b * 3 * spec.dense_hidden_dim,
+        # Logits (replicated over tp) and their fp32 copy for the loss per microbatch; one gradient of them.
+        logits=T * dims.tp * spec.vocab_size * (b + 4), logits_grad=T * dims.tp * spec.vocab_size * 4,
+        send=M * T * D * b,  # hidden states under SP: the rank's T tokens
+        send_inter=chain_inter_fraction(dims.pp, dims.stage_size, G),
+        routed=M * (2 + recompute) * T * rows * D * b,
+        ep=dims.ep, ep_inter=1 - pairwise_intra_fraction(dims.ep, dims.etp, G),
+        etp=dims.etp, etp_inter=1 - pairwise_intra_fraction(dims.etp, 1, G),
+        # Sequence parallelism: each block's attention all-gathers its input and reduce-scatters its output
+        # (the reverses in backward, again when recomputing); the embedding and the head once each way.
+        seq=M * (dims.tp - 1) * T * D * b, seq_per_layer=4 + 2 * recompute,
+        tp_inter=ring_inter_fraction(dims.tp, 1, G),
         # The K/V of the CP part (tp * T tokens, 1/tp of the heads) pass to every CP peer.
-        "cp_ring_kv": ring("cp", M * (3 + recompute) * (dims.cp - 1) * T * spec.kv_width * b * s.layers),
-        **_fsdp_traffic(fp.sharded, tuple(geo[a] for a, _, _ in fp.sharded), G, b, reductions),
-        "hsdp_all_reduce": ring("dp_replicate", reductions * 2 * (r - 1) / r * fp.held * REDUCE_BYTES),
+        kv=M * (3 + recompute) * (dims.cp - 1) * T * spec.kv_width * b,
+        cp_inter=ring_inter_fraction(dims.cp, dims.tp, G),
+    )
+
+
+def comm_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node: int, fp: Footprint,
+               rank: PipelineRank | None = None) -> dict[str, Traffic]:
+    """Bytes one (pipeline) rank sends per step, per collective kind, split intra-/inter-node."""
+    held = held_costs(dims, work, gpus_per_node, fp, rank or _whole_model(spec))
+    return traffic_of(rates(spec, dims, work, gpus_per_node), held)
+
+
+def traffic_of(r: Rates, held: Held) -> dict[str, Traffic]:
+    s, routed = held.rank.share, r.routed * held.rank.share.moe_layers
+    return {
+        "pp_send_recv": _part(held.rank.sends * r.send, r.send_inter),
+        "ep_all_to_all": _part(routed * (r.ep - 1) / r.ep, r.ep_inter),
+        "etp_gather_scatter": _part(routed * (r.etp - 1), r.etp_inter),
+        "tp_sequence": _part((r.seq_per_layer * s.layers + 2 * (s.first + s.last)) * r.seq, r.tp_inter),
+        "cp_ring_kv": _part(s.layers * r.kv, r.cp_inter),
+        **held.traffic,
     }
+
+
+def _part(total: float, inter_fraction: float) -> Traffic:
+    return _split(total, inter_fraction) if total else Traffic(0, 0)
+
+
+def _whole_model(spec: ModelSpec) -> PipelineRank:
+    return PipelineRank(StageShare(spec.n_dense_layers, spec.n_moe_layers, True, True), 1, 0)
 
 
 @lru_cache(maxsize=16384)

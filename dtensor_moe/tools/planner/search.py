@@ -15,20 +15,21 @@ from dtensor_moe.parallel.mesh import MoEParallelDims, divisors
 from dtensor_moe.parallel.plan import check_pipeline
 from dtensor_moe.tools.planner.cost_model import (
     GiB,
-    Footprint,
     Hardware,
+    Held,
     Memory,
-    PipelineRank,
     StageShare,
     Traffic,
     UnitPart,
     Workload,
     bubble_fraction,
-    comm_bytes,
     footprint,
     fsdp_units,
     pipeline_ranks,
-    rank_memory,
+    held_costs,
+    memory_of,
+    rates,
+    traffic_of,
     share_footprint,
     share_parts,
     step_tokens_per_rank,
@@ -112,26 +113,26 @@ def footprint_key(dims: MoEParallelDims) -> tuple:
 
 
 def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware,
-             ranks: tuple[tuple[PipelineRank, Footprint], ...] | None = None) -> Candidate:
-    """Every pipeline rank that can be the worst (`pipeline_ranks`, with its footprint): the most
-    memory, the slowest traffic."""
-    if ranks is None:
+             held: tuple[Held, ...] | None = None) -> Candidate:
+    """Every pipeline rank that can be the worst (`pipeline_ranks`, with what its weights cost): the
+    most memory, the slowest traffic."""
+    if held is None:
         parts = share_parts(spec, dims, work.microbatches)
-        ranks = tuple((r, share_footprint(parts, r.share)) for r in pipeline_ranks(spec, dims.pp, work))
-    (mem, share), (comm, t) = _worst(spec, dims, work, hw, ranks)
+        held = tuple(held_costs(dims, work, hw.gpus_per_node, share_footprint(parts, r.share), r)
+                     for r in pipeline_ranks(spec, dims.pp, work))
+    (mem, share), (comm, t) = _worst(rates(spec, dims, work, hw.gpus_per_node), hw, held)
     return Candidate(dims, mem, comm, t, step_tokens_per_rank(work, dims), mem.total <= hw.gpu_mem_gib * GiB,
                      bubble_fraction(dims.pp, work), share)
 
 
-def _worst(spec, dims, work, hw, ranks):
+def _worst(r, hw, held):
     """((memory, share) of the rank with the most memory, (traffic, time) of the slowest rank)."""
     worst_mem = worst_comm = None
-    for rank, fp in ranks:
-        mem = rank_memory(spec, dims, work, fp, rank)
-        comm = comm_bytes(spec, dims, work, hw.gpus_per_node, fp, rank)
+    for h in held:
+        mem, comm = memory_of(r, h), traffic_of(r, h)
         t = sum(c.intra / hw.intra_bw + c.inter / hw.inter_bw for c in comm.values())
         if worst_mem is None or mem.total > worst_mem[0].total:
-            worst_mem = (mem, rank.share)
+            worst_mem = (mem, h.rank.share)
         if worst_comm is None or t > worst_comm[1]:
             worst_comm = (comm, t)
     return worst_mem, worst_comm
@@ -140,19 +141,21 @@ def _worst(spec, dims, work, hw, ranks):
 def plan(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None) -> list[Candidate]:
     """All valid candidates (with `pp`, or every pp the search tries): those that fit first, by
     communication time per token; then the rest by memory."""
-    # What each pipeline rank holds depends only on footprint_key and pp: memoized across foldings.
+    # What each pipeline rank's weights cost depends only on footprint_key and pp: memoized across
+    # foldings (and the units' parts on footprint_key alone, across pp).
     parts: dict[tuple, dict[str, UnitPart]] = {}
-    ranks: dict[tuple, tuple | None] = {}
+    held: dict[tuple, tuple[Held, ...] | None] = {}
     cands = []
     for dims in foldings(hw.gpus, spec, work, hw.gpus_per_node, pp):
         key = (footprint_key(dims), dims.pp)
-        if key not in ranks:
+        if key not in held:
             try:
-                ranks[key] = _rank_footprints(spec, dims, work, parts)
+                held[key] = tuple(held_costs(dims, work, hw.gpus_per_node, fp, r)
+                                  for r, fp in _rank_footprints(spec, dims, work, parts))
             except ValueError:  # plan_moe rejected the folding
-                ranks[key] = None
-        if ranks[key] is not None:
-            cands.append(evaluate(spec, dims, work, hw, ranks[key]))
+                held[key] = None
+        if held[key] is not None:
+            cands.append(evaluate(spec, dims, work, hw, held[key]))
     return sorted(cands, key=lambda c: (not c.fits, c.time_per_token if c.fits else c.memory.total, c.memory.total))
 
 
