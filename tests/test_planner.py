@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dtensor_moe.tools import planner as P
-from dtensor_moe.parallel.mesh import EXPERT_AXES, MoEParallelDims
+from dtensor_moe.parallel.mesh import EXPERT_AXES, PP_STAGES_PER_RANK, MoEParallelDims
 from dtensor_moe.parallel.plan import plan_moe, rank_coords
 from dtensor_moe.tools.presets import PRESETS, resolve, spec_from_model_config
 
@@ -529,6 +529,27 @@ def test_pipeline_traffic_and_memory_by_hand():
     assert P.comm_bytes(spec, small, work, 8, fp, P.PipelineRank(share, 2, 1))["pp_send_recv"] == P.Traffic(M * T * D * b, 0)
 
 
+def _exhaustive(spec, dims, work, hw):
+    """The candidate from every pipeline rank (range(pp), none skipped as dominated), each rank's footprint
+    from a fresh plan: what plan's memos, Rates/Held split and rank pruning must reproduce exactly."""
+    worst_mem = worst_comm = None
+    for r in range(dims.pp):
+        share = P.stage_share(spec, dims.pp, work.pp_schedule, r)
+        sends = 2 * PP_STAGES_PER_RANK[work.pp_schedule] - (r == 0) - (r == dims.pp - 1) if dims.pp > 1 else 0
+        rank = P.PipelineRank(share, P.in_flight(work, dims.pp, r), sends)
+        fp = P.footprint(P.fsdp_units(spec, dims, share, work.microbatches), dims)
+        mem = P.rank_memory(spec, dims, work, fp, rank)
+        comm = P.comm_bytes(spec, dims, work, hw.gpus_per_node, fp, rank)
+        t = sum(c.intra / hw.intra_bw + c.inter / hw.inter_bw for c in comm.values())
+        if worst_mem is None or mem.total > worst_mem[0].total:
+            worst_mem = (mem, share)
+        if worst_comm is None or t > worst_comm[1]:
+            worst_comm = (comm, t)
+    (mem, share), (comm, t) = worst_mem, worst_comm
+    return P.Candidate(dims, mem, comm, t, P.step_tokens_per_rank(work, dims), mem.total <= hw.gpu_mem_gib * P.GiB,
+                       P.bubble_fraction(dims.pp, work), share)
+
+
 def test_pipeline_search():
     spec = resolve("deepseek-v3-671b")
     assert P.pipeline_degrees(16384, spec, P.Workload()) == [1]  # 1f1b needs microbatches >= pp
@@ -550,6 +571,23 @@ def test_pipeline_search():
             want = P.footprint(P.fsdp_units(spec, c.dims, r.share, 8), c.dims)
             assert P.share_footprint(parts, r.share) == want
     assert P.plan(spec, work, P.Hardware(64, 8, 80), pp=4) == [c for c in cands if c.dims.pp == 4]
+
+
+@pytest.mark.parametrize("model,gpus,schedule,microbatches,top", [
+    ("qwen3-30b-a3b", 64, "1f1b", 8, None),  # every candidate
+    ("mixtral-8x7b", 32, "interleaved_1f1b", 8, None),
+    ("deepseek-v3-671b", 16384, "1f1b", 16, 12),  # the 16k search's top rows
+])
+def test_plan_equals_exhaustive_search(model, gpus, schedule, microbatches, top):
+    """Every candidate plan returns (memoized footprints and weight costs, per-folding rates, dominated
+    pipeline ranks skipped) equals the one built from every pipeline rank and fresh plans, in the same
+    order: the ranked table cannot change."""
+    spec, work = resolve(model), _work(schedule, microbatches, seq_len=1024 if top is None else 4096)
+    hw = P.Hardware(gpus, 8, 80 if top is None else 141)
+    cands = P.plan(spec, work, hw)
+    assert len({c.dims.pp for c in cands}) > 2
+    for c in cands[:top]:
+        assert c == _exhaustive(spec, c.dims, work, hw), c.dims
 
 
 @pytest.mark.parametrize("argv,msg", [

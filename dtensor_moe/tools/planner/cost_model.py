@@ -502,6 +502,13 @@ def held_costs(dims: MoEParallelDims, work: Workload, gpus_per_node: int, fp: Fo
     return Held(rank, fp, _held_memory(work, dims.pp, fp), traffic)
 
 
+@lru_cache(maxsize=64)
+def _attention_width(spec: ModelSpec) -> int:
+    """Inputs plus outputs of one layer's attention linears per token: attention sees the whole CP
+    part of the sequence (tp times T tokens) with 1/tp of the heads."""
+    return sum(s[0] + s[-1] for _, s in spec.attention if len(s) == 2)
+
+
 class Rates(NamedTuple):
     """What one folding's tokens cost per unit of a pipeline rank's share (per layer, per send), with
     the node fractions of the groups they cross: computed once per folding, shared by its pipeline
@@ -534,9 +541,7 @@ def rates(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node:
     G, b, M = gpus_per_node, work.compute_bytes, work.microbatches
     T, D, k = tokens_per_rank(work, dims), spec.dim, spec.top_k
     recompute = work.recompute == "full"
-    # Attention sees the whole CP part of the sequence (tp times T tokens) with 1/tp of the heads.
-    attn = sum(s[0] + s[-1] for _, s in spec.attention if len(s) == 2)
-    common = T * b * 3 * D + T * b * attn  # two norm inputs and the residual, plus attention
+    common = T * b * 3 * D + T * b * _attention_width(spec)  # two norm inputs and the residual, plus attention
     moe = k * (2 * dims.etp * D + 3 * spec.moe_hidden_dim) + 3 * spec.moe_hidden_dim * spec.num_shared_experts
     # Dispatch and combine (a token once per rank holding one of its experts, each way) in forward,
     # their reverses in backward, forward again when recomputing.
