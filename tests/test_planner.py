@@ -173,6 +173,17 @@ def test_node_fractions_match_rank_placement(G):
                 assert P.ring_inter_fraction(size, stride, G) == pytest.approx(hops / size if size > 1 else 0.0)
 
 
+def test_rates_node_fractions_follow_the_mesh_geometry():
+    """Rates takes each group's (size, stride) from the degrees, not mesh_geometry: they must agree."""
+    spec, G = resolve("mixtral-8x7b"), 4
+    work = _work("gpipe", 1, seq_len=64)
+    for dims in P.foldings(32, spec, work, G):
+        r, geo = P.rates(spec, dims, work, G), P.mesh_geometry(dims)
+        assert (r.ep_inter, r.etp_inter) == tuple(1 - P.pairwise_intra_fraction(*geo[a], G) for a in ("ep", "etp"))
+        assert (r.tp_inter, r.cp_inter) == tuple(P.ring_inter_fraction(*geo[a], G) for a in ("tp", "cp"))
+        assert r.send_inter == P.chain_inter_fraction(*geo["pp"], G)
+
+
 def test_footprint_key_covers_what_the_plan_reads():
     """Foldings that share a footprint key get the same footprint from a fresh plan (the memo is sound)."""
     spec = resolve("qwen3-30b-a3b")

@@ -2,7 +2,8 @@
 
 - `cost_model`: inputs (`Workload`, `Hardware`), what each pipeline rank holds (`StageShare`,
   `pipeline_ranks`: layers, microbatches in flight, stage-boundary sends), FSDP units and rank 0's
-  footprint from the placement plan, memory per rank, bytes sent per step split intra-/inter-node,
+  footprint from the placement plan, what a rank's weights cost (`Held`, once per footprint key and pp in a
+  search) and its tokens (`Rates`, once per folding), memory per rank, bytes sent per step split intra-/inter-node,
   the pipeline bubble, and `predicted_state_bytes` (the training loop's check of the planner against
   measured bytes).
 - `search`: enumerate the foldings (pp the schedule runs, stages of whole nodes; dense tp within a
@@ -22,8 +23,10 @@ from dtensor_moe.tools.planner.cost_model import (
     STEP_BYTES,
     Footprint,
     Hardware,
+    Held,
     Memory,
     PipelineRank,
+    Rates,
     StageShare,
     Traffic,
     Unit,
@@ -37,14 +40,18 @@ from dtensor_moe.tools.planner.cost_model import (
     distinct_ranks,
     footprint,
     fsdp_units,
+    held_costs,
     held_numel,
     in_flight,
+    memory_of,
     mesh_geometry,
     node_span,
     pairwise_intra_fraction,
     pipeline_ranks,
     predicted_state_bytes,
+    rank_activations,
     rank_memory,
+    rates,
     ring_inter_fraction,
     share_footprint,
     share_parts,
@@ -52,6 +59,7 @@ from dtensor_moe.tools.planner.cost_model import (
     state_bytes,
     step_tokens_per_rank,
     tokens_per_rank,
+    traffic_of,
     unit_part,
 )
 from dtensor_moe.tools.planner.report import candidate_dict, explain_choice, table
@@ -59,11 +67,11 @@ from dtensor_moe.tools.planner.search import TP_NOTE, Candidate, evaluate, footp
 
 __all__ = [
     "COMPUTE_BYTES", "GiB", "MASTER_BYTES", "OPTIMIZER_MOMENTS", "RECOMPUTE", "REDUCE_BYTES", "STEP_BYTES", "TP_NOTE",
-    "Candidate", "Footprint", "Hardware", "Memory", "PipelineRank", "StageShare", "Traffic", "Unit", "UnitPart",
-    "Workload", "activation_bytes", "bubble_fraction", "candidate_dict", "chain_inter_fraction", "combine",
+    "Candidate", "Footprint", "Hardware", "Held", "Memory", "PipelineRank", "Rates", "StageShare", "Traffic", "Unit",
+    "UnitPart", "Workload", "activation_bytes", "bubble_fraction", "candidate_dict", "chain_inter_fraction", "combine",
     "comm_bytes", "distinct_ranks", "evaluate", "explain_choice", "footprint", "footprint_key", "foldings",
-    "fsdp_units", "held_numel", "in_flight", "mesh_geometry", "node_span", "pairwise_intra_fraction",
-    "pipeline_degrees", "pipeline_ranks", "plan", "predicted_state_bytes", "rank_memory", "ring_inter_fraction",
-    "share_footprint", "share_parts", "stage_share", "state_bytes", "step_tokens_per_rank", "table",
-    "tokens_per_rank", "unit_part",
+    "fsdp_units", "held_costs", "held_numel", "in_flight", "memory_of", "mesh_geometry", "node_span",
+    "pairwise_intra_fraction", "pipeline_degrees", "pipeline_ranks", "plan", "predicted_state_bytes",
+    "rank_activations", "rank_memory", "rates", "ring_inter_fraction", "share_footprint", "share_parts", "stage_share",
+    "state_bytes", "step_tokens_per_rank", "table", "tokens_per_rank", "traffic_of", "unit_part",
 ]
