@@ -454,10 +454,6 @@ class Traffic(NamedTuple):  # a tuple: built a dozen times per folding, tens of 
     inter: float
 
 
-def _split(total: float, inter_fraction: float) -> Traffic:
-    return Traffic(total * (1 - inter_fraction), total * inter_fraction)
-
-
 @lru_cache(maxsize=1024)
 def distinct_ranks(num_experts: int, top_k: int, ep: int, groups: int = 1, limited: int = 1) -> float:
     """Expected EP ranks a token's top-k experts land on under uniform routing: the rows the
@@ -590,7 +586,8 @@ def traffic_of(r: Rates, held: Held) -> dict[str, Traffic]:
 
 
 def _part(total: float, inter_fraction: float) -> Traffic:
-    return _split(total, inter_fraction) if total else Traffic(0, 0)
+    """`total` bytes split intra-/inter-node."""
+    return Traffic(total * (1 - inter_fraction), total * inter_fraction) if total else Traffic(0, 0)
 
 
 def _whole_model(spec: ModelSpec) -> PipelineRank:
@@ -602,7 +599,7 @@ def _fsdp_traffic(sharded, geometry, G: int, b: int, reductions: int) -> dict[st
     """FSDP's all-gathers and reduce-scatters: the same for every folding with this footprint and
     geometry of its axes (most of a large search), so cached."""
     def ring(size_stride, total):
-        return _split(total, ring_inter_fraction(*size_stride, G)) if total else Traffic(0, 0)
+        return _part(total, ring_inter_fraction(*size_stride, G))
 
     return {
         "fsdp_all_gather": _sum(ring(ss, g * (ss[0] - 1) * n * b) for (_, g, n), ss in zip(sharded, geometry)),

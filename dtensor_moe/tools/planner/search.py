@@ -127,16 +127,18 @@ def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardwar
 
 
 def _worst(r, hw, held):
-    """((memory, share) of the rank with the most memory, (traffic, time) of the slowest rank)."""
+    """((memory, share) of the rank with the most memory, (traffic, time) of the slowest rank); ties
+    go to the earlier rank."""
     worst_mem = worst_comm = None
     for h in held:
         mem, comm = memory_of(r, h), traffic_of(r, h)
+        total = mem.total
         t = sum(c.intra / hw.intra_bw + c.inter / hw.inter_bw for c in comm.values())
-        if worst_mem is None or mem.total > worst_mem[0].total:
-            worst_mem = (mem, h.rank.share)
+        if worst_mem is None or total > worst_mem[2]:
+            worst_mem = (mem, h.rank.share, total)
         if worst_comm is None or t > worst_comm[1]:
             worst_comm = (comm, t)
-    return worst_mem, worst_comm
+    return worst_mem[:2], worst_comm
 
 
 def plan(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None) -> list[Candidate]:
