@@ -36,8 +36,12 @@ def _gather_rows_setup(ctx, inputs, output):
 def _gather_rows_backward(ctx, grad):
     (readers_RK,) = ctx.saved_tensors
     grad = grad.contiguous()
-    if readers_RK.shape[1] == 1:  # a permutation: every row has exactly one reader
-        return torch.ops.aten.index_select(grad, 0, readers_RK[:, 0]), None, None
+    if readers_RK.shape[1] == 1:  # at most one reader per row: a gather, rows nobody read (-1) get zeros
+        # (a token whose every pair was capacity-dropped is sent nowhere). The zero row is appended, not
+        # masked in after, so an empty grad works and no 0 * NaN reaches other rows.
+        padded = torch.cat([grad, grad.new_zeros(1, *grad.shape[1:])])
+        rows = torch.where(readers_RK[:, 0] >= 0, readers_RK[:, 0], grad.shape[0])
+        return torch.ops.aten.index_select(padded, 0, rows), None, None
     return gather_sum(grad, readers_RK, readers_RK, None), None, None
 
 

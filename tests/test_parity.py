@@ -32,6 +32,10 @@ NAMED = {
     # Capacity 0.5: at most half the pairs fit, each rank drops some (the reference: per rank's slice).
     "hsdp2_edp2_ep2": (8, Case(2, 2, 1, 6, 3, 8, 6, (1, 1, 2, 0, 1, 2, 1, 1), num_shared_experts=1,
                                capacity_factor=0.5, drop_policy="position")),
+    # One expert at capacity 0.5 under ETP2 x EDP2: tokens whose only pair is dropped are sent nowhere
+    # (their rows' gradient comes back as zeros; an IndexError before).
+    "etp2_edp2_tokens_sent_nowhere": (4, Case(1, 1, 2, 1, 1, 6, 6, (0, 1, 2, 2), seq_len=1, route_norm=False, seed=9074,
+                                              microbatches=2, capacity_factor=0.5, z_loss_coeff=0.01)),
     "ep8": (8, Case(1, 8, 1, 8, 2, 8, 6, (1, 2, 0, 1, 1, 3, 1, 1))),
     "edp8": (8, Case(1, 1, 1, 4, 2, 8, 6, (1, 2, 0, 1, 1, 3, 1, 1))),
     "etp8": (8, Case(1, 1, 8, 4, 2, 8, 16, (1, 2, 0, 1, 1, 3, 1, 1))),
