@@ -36,6 +36,7 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan")
+pytestmark = pytest.mark.xdist_group("titan")  # the module fixtures run once, on one test process
 
 from .harness import run_on_ranks  # noqa: E402
 
