@@ -6,11 +6,7 @@
 # 3. dtensor-moe train, configs/gpu_2x.toml on 1 GPU, 200 steps, bf16 then fp8 experts: loss curves and a summary.
 set -uo pipefail
 OUT=${OUT:-/tmp/fp8_out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-LOG=$OUT/run.log
-{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"; } 2>&1 | tee "$LOG"
+source "$(dirname "$0")/device_env.sh"
 timeout 170 python3 benchmarks/expert_gemms.py --out "$OUT/expert_gemms.json" 2>&1 | tee -a "$LOG"
 export DTENSOR_MOE_FP8_RATES=$OUT/expert_gemms.json
 timeout 260 python3 -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/moe_layer.py --meshes local \

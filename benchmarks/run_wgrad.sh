@@ -8,11 +8,7 @@
 # 3. with TRACE=1, the DeepSeek-like bf16 layer's profiled step as a trace, its GPU idle gaps (trace_gaps.py).
 set -uo pipefail
 OUT=${OUT:-/tmp/wgrad_out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-LOG=$OUT/run.log
-{ date -u; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"; } 2>&1 | tee "$LOG"
+source "$(dirname "$0")/device_env.sh"
 [ "${PROBE:-1}" = 0 ] || (cd benchmarks && timeout "${PROBE_S:-230}" python3 wgrad_probe.py ${PROBE_SHAPES:+--shapes $PROBE_SHAPES} --out "$OUT/wgrad.json" --configs-out "$OUT/wgrad_configs.json") 2>&1 \
   | grep -v '^|' | tee -a "$LOG"
 echo '{"configs": []}' > /tmp/empty_wgrad.json
