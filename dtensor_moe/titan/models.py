@@ -64,22 +64,24 @@ def deepseek_v3_tiny(vocab_size: int, max_seq_len: int = 256, eps: float = 1e-5,
     )
     for layer in layers:
         layer.attention_norm.eps = layer.ffn_norm.eps = layer.attention.kv_norm.eps = eps
-    return DeepSeekV3Model.Config(
+    return DeepSeekV3Model.Config(**_decoder(vocab_size, dim, layers, embedding_std=1.0, eps=eps))
+
+
+def _decoder(vocab_size: int, dim: int, layers, embedding_std: float, eps: float) -> dict:
+    """The model config's fields around the layers (embedding, final norm, head), with SDPA attention."""
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return dict(
         vocab_size=vocab_size,
         dim=dim,
         tok_embeddings=Embedding.Config(
-            num_embeddings=vocab_size, embedding_dim=dim, param_init={"weight": partial(nn.init.normal_, std=1.0)}
+            num_embeddings=vocab_size, embedding_dim=dim,
+            param_init={"weight": partial(nn.init.normal_, std=embedding_std)},
         ),
         norm=RMSNorm.Config(normalized_shape=dim, eps=eps, param_init=_NORM),
         lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=_LINEAR),
-        layers=_sdpa(layers),
+        layers=layers,
     )
-
-
-def _sdpa(layers):
-    for layer in layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    return layers
 
 
 def qwen3_moe_tiny(vocab_size: int, max_seq_len: int = 256) -> Qwen3Model.Config:
@@ -98,13 +100,4 @@ def qwen3_moe_tiny(vocab_size: int, max_seq_len: int = 256) -> Qwen3Model.Config
         moe_comm_backend="standard",
         rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=max_seq_len, theta=1000000.0),
     )
-    return Qwen3Model.Config(
-        vocab_size=vocab_size,
-        dim=dim,
-        norm=RMSNorm.Config(normalized_shape=dim, eps=1e-6, param_init=_NORM),
-        tok_embeddings=Embedding.Config(
-            num_embeddings=vocab_size, embedding_dim=dim, param_init={"weight": partial(nn.init.normal_, std=0.02)}
-        ),
-        lm_head=Linear.Config(in_features=dim, out_features=vocab_size, param_init=_LINEAR),
-        layers=_sdpa(layers),
-    )
+    return Qwen3Model.Config(**_decoder(vocab_size, dim, layers, embedding_std=0.02, eps=1e-6))
