@@ -9,6 +9,7 @@ LOAD_BALANCE = ("none", "aux_loss", "aux_free_bias")
 DROP_POLICIES = ("probs", "position")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 EXPERT_PRECISIONS = ("bf16", "fp8")
+DISPATCH_PRECISIONS = ("bf16", "fp8")
 
 # Shared with train.config.ModelConfig, whose expert hidden dim is called moe_hidden_dim.
 MOE_RULES = dict(
@@ -32,6 +33,9 @@ MOE_RULES = dict(
     swiglu_limit=above(0),
     # The routed experts' GEMMs: "fp8" runs them in FP8 e4m3 where it is faster (kernels/fp8.py, policy.py).
     expert_precision=EXPERT_PRECISIONS,
+    # The EP all-to-all's forward token payload: "fp8" sends e4m3 rows + one fp32 scale each
+    # (parallel/dispatch.py); gradients travel in the activations' dtype either way.
+    dispatch_precision=DISPATCH_PRECISIONS,
 )
 
 
@@ -102,6 +106,8 @@ class MoEConfig:
     swiglu_limit: float = 7.0
     # FP8 experts (kernels/fp8.py): "bf16" | "fp8"
     expert_precision: str = "bf16"
+    # The dispatched tokens' payload under EP / ETP: "bf16" (the activations' dtype) | "fp8"
+    dispatch_precision: str = "bf16"
 
     def __post_init__(self):
         check_fields(self, "MoEConfig.", hidden_dim=at_least(1), **MOE_RULES)

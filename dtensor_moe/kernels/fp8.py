@@ -230,6 +230,21 @@ def _(qg_ON, sg_EO, qx_IN, sx_EI, ends_E, out_dtype):
     return qg_ON.new_empty(sg_EO.shape[0], qg_ON.shape[0], qx_IN.shape[0], dtype=out_dtype)
 
 
+def pack_rows(x_NI: torch.Tensor) -> torch.Tensor:
+    """[N, I + 4] uint8: each row of x quantized rowwise (quantize_rows) followed by its fp32 scale's
+    bytes, one tensor so that a row and its scale travel together (the FP8 dispatch payload; uint8
+    because gloo and NCCL's all-to-all need no float8 support to move bytes)."""
+    q, s = quantize_rows(x_NI)
+    return torch.cat([q.view(torch.uint8), s.view(torch.uint8).view(-1, 4)], 1)
+
+
+def unpack_rows(p_NP: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """pack_rows' rows dequantized into `dtype` (computed in at least fp32)."""
+    acc = torch.promote_types(dtype, torch.float32)
+    q = p_NP[:, :-4].view(FP8).to(acc)
+    return (q * p_NP[:, -4:].contiguous().view(torch.float32).to(acc)).to(dtype)
+
+
 def grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """x_NI's row block e times w_EIO[e] in FP8, out in x's dtype. w_EIO is a transposed view of a
     stored [E, O, I] weight (the forward: its rows are the reduced dim, quantized rowwise) or the

@@ -16,14 +16,22 @@ Capacity-dropped pairs (TokenCopies puts them last, with expert id E, outside th
 filtered out of the plan: a token none of whose kept pairs goes to a rank is not sent there, and
 no dropped pair is sent, received or computed. Their number is known only on the host, after the
 sync the split sizes need anyway, so the ops slice them off inside.
+
+FP8 payload (MoEConfig.dispatch_precision "fp8"): the forward's token rows cross as e4m3 with one
+fp32 scale per row (kernels/fp8.py's pack_rows: (D + 4) bytes a row, about half of bf16's 2D) and
+are dequantized into the activations' dtype on arrival; their gradient travels back unquantized
+(DeepEP's and Megatron's choice: gradients have outliers a rowwise scale flattens badly), and the
+combine moves outputs in the activations' dtype both ways.
 """
 
+import collections
+import math
 import weakref
 
 import torch
 import torch.distributed as dist
 
-from dtensor_moe.kernels import policy
+from dtensor_moe.kernels import fp8, policy
 from dtensor_moe.routing import ExpertInput, ScaleGrad, TokenCopies, gather_rows, inverse_permutation
 
 _GROUPS: "weakref.WeakValueDictionary[str, dist.ProcessGroup]" = weakref.WeakValueDictionary()
@@ -36,7 +44,13 @@ def _name(group) -> str:
     return group.group_name
 
 
-def _all_to_all(x, out_splits, in_splits, group):
+# Bytes this rank's all-to-alls sent to other ranks, per (kind, direction) of ep_move ("plan" for
+# ep_plan's tables): what the tests and benchmarks read for the payload's size.
+SENT_BYTES: collections.Counter = collections.Counter()
+
+
+def _all_to_all(x, out_splits, in_splits, group, key):
+    SENT_BYTES[key] += (sum(in_splits) - in_splits[dist.get_rank(group)]) * math.prod(x.shape[1:]) * x.element_size()
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
@@ -81,23 +95,23 @@ class _Topology:
     def sizes(self, C_host: torch.Tensor) -> _Sizes:
         return _Sizes(C_host.tolist(), self.ep_rank, self.etp_rank)
 
-    def there(self, x, rows: _Rows, etp_offset: int = 0):
+    def there(self, x, rows: _Rows, key, etp_offset: int = 0):
         """Sender rows -> the rows this rank's ETP group received, peer by peer."""
         if self.ep > 1:
-            x = _all_to_all(x, rows.recv, rows.send, self.ep_group)
+            x = _all_to_all(x, rows.recv, rows.send, self.ep_group, key)
         if self.etp > 1:
             x = _all_to_all((x + etp_offset).repeat(self.etp, *[1] * (x.dim() - 1)), rows.peer,
-                            [sum(rows.recv)] * self.etp, self.etp_group)
+                            [sum(rows.recv)] * self.etp, self.etp_group, key)
         return x
 
-    def back(self, y, rows: _Rows):
+    def back(self, y, rows: _Rows, key):
         """Rows of this rank's ETP group (partial sums) -> summed, at their sender."""
         if self.etp > 1:
             n_self = sum(rows.recv)
-            y = _all_to_all(y, [n_self] * self.etp, rows.peer, self.etp_group)
+            y = _all_to_all(y, [n_self] * self.etp, rows.peer, self.etp_group, key)
             y = y.view(self.etp, n_self, *y.shape[1:]).sum(0)
         if self.ep > 1:
-            y = _all_to_all(y, rows.send, rows.recv, self.ep_group)
+            y = _all_to_all(y, rows.send, rows.recv, self.ep_group, key)
         return y
 
 
@@ -108,19 +122,24 @@ def ep_move(xs: list[torch.Tensor], C_host: torch.Tensor, kinds: str, direction:
     (token, expert)), moved "there" (sender -> expert ranks) or "back" (expert ranks -> sender, ETP
     partials summed), in list order. lengths[i]: the sender's row count of xs[i]. "there" sends a
     sender's first rows only, as many as its split sizes say (the rest are capacity-dropped
-    pairs); "back" returns lengths[i] rows, zeros for those that stayed (their gradient).
+    pairs); "back" returns lengths[i] rows, zeros for those that stayed (their gradient). A kind
+    suffixed ":fp8" goes "there" as the FP8 payload, dequantized into its dtype on arrival; "back"
+    (its gradient) ignores the suffix.
     Movements whose gradients could otherwise come back in rank-dependent order (a compiled rank
     with no tokens schedules its graph differently) travel in one call, so the backward moves
     them in one call, in one order, too."""
     topo = _Topology(ep_group, etp_group)
     sizes = topo.sizes(C_host)
     out = []
-    for x, kind, n in zip(xs, kinds.split(","), lengths, strict=True):
-        rows = getattr(sizes, kind)
-        if direction == "there":
-            out.append(topo.there(x[: sum(rows.send)], rows))
+    for x, key, n in zip(xs, kinds.split(","), lengths, strict=True):
+        kind, _, payload = key.partition(":")
+        rows, key = getattr(sizes, kind), (key, direction)
+        if direction == "there" and payload == "fp8":
+            out.append(fp8.unpack_rows(topo.there(fp8.pack_rows(x[: sum(rows.send)]), rows, key), x.dtype))
+        elif direction == "there":
+            out.append(topo.there(x[: sum(rows.send)], rows, key))
         else:
-            y = topo.back(x, rows)
+            y = topo.back(x, rows, key)
             out.append(torch.cat([y, y.new_zeros(n - y.shape[0], *y.shape[1:])]) if n > y.shape[0] else y)
     return out
 
@@ -212,7 +231,7 @@ def ep_plan(counts_E: torch.Tensor, expert_N: torch.Tensor, pair_N: torch.Tensor
     # the receiver by this ETP rank's share of the rows gathered over the ETP group.
     shift_N = torch.tensor(sz.shift, device=dev).index_select(0, rank_N)
     packed = (slot.index_select(0, cell_N) + shift_N) * K + pair_N % K
-    row_k = topo.there(packed, sz.pairs, etp_offset=sum(sz.rows.peer[: topo.etp_rank]) * K).index_select(0, idx)
+    row_k = topo.there(packed, sz.pairs, ("plan", "there"), etp_offset=sum(sz.rows.peer[: topo.etp_rank]) * K).index_select(0, idx)
     cells = torch.full((sum(sz.rows.peer) * K,), -1, device=dev, dtype=row_k.dtype)
     row_readers = cells.scatter_(0, row_k, torch.arange(row_k.numel(), device=dev)).view(-1, K)
     return C_host, C_mine.sum((0, 1)), local_counts, idx, inv, send_token, token_rows, row_k // K, row_readers
@@ -260,8 +279,9 @@ class ExpertDispatcher:
     the activation gradient around it is scaled (and unscaled for its input).
     """
 
-    def __init__(self, ep_group, etp_group, grad_divisor: float):
+    def __init__(self, ep_group, etp_group, grad_divisor: float, dispatch_precision: str = "bf16"):
         self.grad_divisor = float(grad_divisor)
+        self.payload = ":fp8" if dispatch_precision == "fp8" else ""  # MoEConfig.dispatch_precision
         self.groups = (_name(ep_group), _name(etp_group))
         self.adds_output_bias = dist.get_rank(etp_group) == 0
         self.in_flight: list[ExpertInput] = []
@@ -276,13 +296,13 @@ class ExpertDispatcher:
             ex = _Exchange(tables, copies, x.shape, self.groups)
             x_send = gather_rows(x_TD, ex.send_token, ex.token_rows)
             # The routing weights go where the sums are (autograd: they train the router).
-            x_recv, w_sent = ex.move([x_send, copies.weight_N[:, None]], "rows,pairs", "there")
+            x_recv, w_sent = ex.move([x_send, copies.weight_N[:, None]], f"rows{self.payload},pairs", "there")
             x_local = gather_rows(x_recv, ex.row_idx, ex.row_readers)
             ex.w_local = gather_rows(w_sent, ex.idx, ex.inv)[:, 0]
         else:
             none = counts_E.new_empty(0, dtype=torch.int64)
             ex = _Exchange(ep_plan(counts_E, none, none, x.shape[0], 0, *self.groups), None, x.shape, self.groups)
-            x_local = gather_rows(ex.move([x], "pairs", "there")[0], ex.idx, ex.inv)
+            x_local = gather_rows(ex.move([x], f"pairs{self.payload}", "there")[0], ex.idx, ex.inv)
         return ExpertInput(x_local, ex.local_counts_E, ex.local_counts_host, 1.0 / self.grad_divisor, ex,
                            self.adds_output_bias)
 

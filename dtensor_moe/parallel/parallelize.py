@@ -70,6 +70,7 @@ def shard_moe_layer(
     fsdp_kwargs: dict | None,
     grad_divisor: float | None = None,
     experts_unit: bool = True,
+    dispatch_precision: str = "bf16",
 ):
     """Apply `plans` (names relative to `moe`) to one MoE layer of any model family.
 
@@ -80,7 +81,8 @@ def shard_moe_layer(
     weights (compiled blocks, whose FSDP hooks must stay outside the graph). `experts_unit` False
     (compiled layers): no FSDP unit for the experts; under EDP / HSDP their weights are DTensors on the whole
     expert mesh, gathered over EDP in the forward and their gradients reduce-scattered back, both
-    DTensor redistributions inside the graph (experts.gather_for_compute).
+    DTensor redistributions inside the graph (experts.gather_for_compute). `dispatch_precision`:
+    MoEConfig.dispatch_precision, the EP/ETP token payload's.
     """
     experts_plans = tuple(wp for wp in plans if wp.role == "expert")
     dense_plans = tuple(wp for wp in plans if wp.role == "dense")
@@ -99,7 +101,7 @@ def shard_moe_layer(
         setattr(experts, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
     if dims.ep * dims.etp > 1:
         divisor = dims.ep * dims.etp if grad_divisor is None else grad_divisor
-        d = ExpertDispatcher(ep_etp.get_group("ep"), ep_etp.get_group("etp"), divisor)
+        d = ExpertDispatcher(ep_etp.get_group("ep"), ep_etp.get_group("etp"), divisor, dispatch_precision)
         pre, post = d.hooks(ours)
         experts.expert_parallel = ExpertParallelHooks(
             d, experts.register_forward_pre_hook(pre), experts.register_forward_hook(post))
@@ -191,7 +193,7 @@ def parallelize_moe(
     meshes = dims.build_meshes(device_type)
     for m, moe_plans in layers:
         shard_moe_layer(m, moe_plans, dims, meshes, _fsdp_kwargs(mp_policy, reshard_after_forward),
-                        experts_unit=not compile)
+                        experts_unit=not compile, dispatch_precision=m.config.dispatch_precision)
         m.stats = DataParallelStats(meshes, dims)
         if compile:
             apply_compile(m, compile)
@@ -232,7 +234,8 @@ def parallelize_model(
     meshes = dims.build_meshes(device_type)
     fsdp_kwargs = _fsdp_kwargs(mp_policy, reshard_after_forward)
     for m, moe_plans in layers:
-        shard_moe_layer(m, moe_plans, dims, meshes, None if compile else fsdp_kwargs, experts_unit=not compile)
+        shard_moe_layer(m, moe_plans, dims, meshes, None if compile else fsdp_kwargs, experts_unit=not compile,
+                        dispatch_precision=m.config.dispatch_precision)
         m.stats = DataParallelStats(meshes, dims)
         if dims.tp > 1:
             scale_moe_gradients(m, dims.tp)
