@@ -333,6 +333,51 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float | None = None):
     return out
 
 
+def _as_torchrun_rank(rank, world_size, module, args, environ, port):
+    """A task: `python -m module *args` as torchrun would run it on this rank (the module creates its own
+    default group on `port`, as under torchrun's rendezvous; the pool's is re-created after the task)."""
+    import runpy
+    import warnings
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    saved_environ, saved_argv = dict(os.environ), sys.argv
+    os.environ.clear()
+    os.environ.update(environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.argv = [module, *args]
+    try:
+        with warnings.catch_warnings():  # the module was imported already (by the forkserver's preload)
+            warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
+                                    category=RuntimeWarning)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_environ)
+        sys.argv = saved_argv
+    return 0
+
+
+def torchrun_on_ranks(cmd: list[str], env: dict | None = None) -> int:
+    """The exit status of `cmd`, a `python -m torch.distributed.run --standalone --nproc-per-node=N -m MODULE
+    ARGS` command, run on an N-rank pool instead: every rank runs `python -m MODULE ARGS` in torchrun's
+    environment (`env`, or this process's, plus RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT). For tests of
+    what a launcher starts, not of the launcher: a real torchrun costs ~3 CPU s per rank importing torch."""
+    i = cmd.index("torch.distributed.run")
+    module_at = cmd.index("-m", i)
+    options = cmd[i + 1:module_at]
+    nproc = [o for o in options if o.startswith("--nproc-per-node=")]
+    if sorted(options) != sorted(["--standalone", *nproc]) or len(nproc) != 1:
+        raise ValueError(f"torchrun_on_ranks emulates --standalone --nproc-per-node=N only, got {options}")
+    module, args = cmd[module_at + 1], cmd[module_at + 2:]
+    environ = dict(os.environ if env is None else env)
+    codes = run_on_ranks(int(nproc[0].split("=")[1]), _as_torchrun_rank, module, args, environ, _free_port())
+    return next((c for c in codes if c), 0)
+
+
 LEAK_THREADS = 4  # a leaked gloo group keeps 3 threads; a few more threads than at start-up is noise
 RECYCLE_THREADS = 24  # about eight leaked groups: run_on_ranks then replaces the pool
 

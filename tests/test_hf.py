@@ -16,8 +16,6 @@ import torch
 from .harness import run_on_ranks
 from .hf_models import EXPERTS, LAYERS, hf_model, moe_block
 
-pytestmark = pytest.mark.xdist_group("hf_checkpoints")  # the module fixture runs once, on one test process
-
 FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"]
 TOL = 1e-6
 

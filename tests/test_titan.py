@@ -36,7 +36,6 @@ import pytest
 import torch
 
 pytest.importorskip("torchtitan")
-pytestmark = pytest.mark.xdist_group("titan")  # the module fixtures run once, on one test process
 
 from .harness import run_on_ranks  # noqa: E402
 
@@ -226,16 +225,19 @@ _PP = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_pa
 
 
 @pytest.fixture(scope="module")
-def folded(runs):
+def folded(tmp_path_factory):
     """torchtitan's TP=2 and PP=2 with our EP=2 on 4 ranks (data-parallel degree 2, so the same
     batches as 2 data-parallel ranks), and the unparallelized reference: our hook at degree 1 on 2
-    ranks (every rank runs every expert, FSDP only). Three steps each, from the common seed."""
-    root = runs["root"]
-    seed = ("--checkpoint.initial_load_path", str(root / "etp" / "checkpoint" / "step-0"), *_LOAD_ONLY)
+    ranks (every rank runs every expert, FSDP only). Three steps each, from the step-0 checkpoint
+    the reference writes (a set-up of its own: `runs` can run on the other test process meanwhile)."""
+    root = tmp_path_factory.mktemp("titan_folded")
     steps = ("--training.steps", str(FOLDED_STEPS))
+    reference = run_on_ranks(2, _train, _ours(root / "dp2", 1, 1, *steps, "--checkpoint.enable",
+                                              "--checkpoint.last_save_model_only"), True)[0]
+    seed = ("--checkpoint.initial_load_path", str(root / "dp2" / "checkpoint" / "step-0"), *_LOAD_ONLY)
     tp = ("--parallelism.tensor_parallel_degree", "2")
     return {
-        "reference": run_on_ranks(2, _train, _ours(root / "dp2", 1, 1, *seed, *steps))[0],
+        "reference": reference,
         "tp2_ep2": run_on_ranks(WORLD, _train, _ours(root / "tp2", 2, 1, *seed, *steps, *tp)),
         "pp2_ep2": run_on_ranks(WORLD, _train, _ours(root / "pp2", 2, 1, *seed, *steps, *_PP)),
     }

@@ -1,14 +1,30 @@
 """`dtensor-moe train` end to end on 8 CPU ranks (EDP2 x EP2 x ETP2) with --parity."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from dtensor_moe.cli import main
+from dtensor_moe.train import loop
 from dtensor_moe.train.config import load_config
 
+from .harness import torchrun_on_ranks
 
-def test_tiny_cpu_run_falls_and_matches_one_process(tmp_path, capsys):
+
+def _ranks_in_pools(monkeypatch):
+    """The launcher's torchrun of its ranks runs on the harness's pools (no torch import per rank); the
+    1-process parity reference stays a real torchrun (the launcher's own command, checked once)."""
+    real_call = loop.subprocess.call
+
+    def call(cmd, env=None):
+        return real_call(cmd) if "dtensor_moe.train.loop" in cmd else torchrun_on_ranks(cmd, env)
+
+    monkeypatch.setattr(loop, "subprocess", SimpleNamespace(call=call))
+
+
+def test_tiny_cpu_run_falls_and_matches_one_process(tmp_path, capsys, monkeypatch):
+    _ranks_in_pools(monkeypatch)
     run_dir = tmp_path / "run"
     rc = main(["train", "--config", "configs/tiny_cpu.toml", "--steps", "8", "--run-dir", str(run_dir), "--parity"])
     assert rc == 0
@@ -93,9 +109,10 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_checkpoint_resume_same_mesh_bit_exact_and_other_mesh_close(tmp_path):
+def test_checkpoint_resume_same_mesh_bit_exact_and_other_mesh_close(tmp_path, monkeypatch):
     # 4 ranks EDP2 x EP2 (FSDP-sharded optimizer state), then 2 ranks EP2: the 8-rank foldings reshard in
     # test_checkpoint.py; here the launcher's --resume path is what is tested, at half the processes.
+    _ranks_in_pools(monkeypatch)
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     base = ["train", "--config", "configs/tiny_cpu.toml", "--steps", "6", "training.warmup_steps=2", "parallel.etp=1"]
     assert main([*base, "--nproc", "4", "--run-dir", str(a), "--checkpoint-every", "3"]) == 0
