@@ -5,7 +5,8 @@ given, T being the tokens of one forward on one rank (no collective: Megatron's 
 A dropped pair contributes nothing: its routing weight is zeroed (so neither it nor its router
 gradient counts) and the token keeps its other experts and the shared experts. The layer then
 gives it expert id E (TokenCopies: last, outside the counts), so the expert-parallel dispatcher
-neither sends nor computes it; see docs/routing.md.
+neither sends nor computes it. With pad_to_capacity every expert gets exactly the capacity in
+rows instead, its kept pairs then zero rows (routing.PaddedCopies): static shapes; see docs/routing.md.
 """
 
 import math

@@ -64,12 +64,11 @@ def _check_capacity(cfg, prefix: str):
     cf = cfg.capacity_factor
     if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < float("inf")):
         raise ValueError(f"{prefix}capacity_factor must be a finite number > 0, or None (no capacity limit), got {cf!r}")
-    if cfg.pad_to_capacity:
-        # Padding's point is static shapes; the dispatcher sends deduplicated token rows whose split
-        # sizes depend on the routing whatever the padding (docs/routing.md).
-        raise ValueError(f"{prefix}pad_to_capacity=True is not supported yet (dropped pairs are already neither "
-                         "sent nor computed; fixed-size expert blocks need a pair-wise dispatch, docs/routing.md); "
-                         "valid: false")
+    if cfg.pad_to_capacity and cf is None:
+        # Padding fills every expert's block to its capacity, which only a capacity factor defines.
+        raise ValueError(f"{prefix}pad_to_capacity=True needs {prefix}capacity_factor (a finite number > 0; "
+                         "every expert gets exactly ceil(tokens * top_k / num_experts * capacity_factor) rows), "
+                         f"got {prefix}capacity_factor=None; valid: pad_to_capacity false, or a capacity_factor")
 
 
 @dataclass(frozen=True)
@@ -96,6 +95,8 @@ class MoEConfig:
     # capacity_factor) of one rank's (token, expert) pairs.
     capacity_factor: float | None = None
     drop_policy: str = "probs"
+    # Megatron's --moe-pad-expert-input-to-capacity: every expert gets exactly its capacity in rows
+    # (padded with zero rows), so GEMM sizes and all-to-all splits are static (docs/routing.md).
     pad_to_capacity: bool = False
     # Experts as gpt-oss defines them: per-expert biases on the w1/w3 outputs [E, F] and the w2
     # output [E, D]; "clamped_swiglu": g = min(a, limit), u = clamp(b, -limit, limit),

@@ -16,7 +16,7 @@ from dtensor_moe.kernels import policy
 from dtensor_moe.kernels.grouped_mm import add_weight_grad_, mm, weight_grad
 from dtensor_moe.kernels.segment_sum import expand_rows, segment_sum
 from dtensor_moe.kernels.swiglu import clamped_swiglu, clamped_swiglu_backward, swiglu, swiglu_backward
-from dtensor_moe.routing import ExpertInput, ScaleGrad, TokenCopies
+from dtensor_moe.routing import ExpertInput, PaddedCopies, ScaleGrad, TokenCopies
 
 
 def _shard(w: torch.Tensor) -> torch.Tensor:
@@ -102,10 +102,11 @@ class _GroupedSwiGLU(torch.autograd.Function):
         # their gradients, and a view's backward may turn a skipped gradient into zeros to add.
         w1_EFD, w2_EDF, w3_EFD = (_shard(w).to(x_ND.dtype) for w in (w1, w2, w3))
         b1_EF, b2_ED, b3_EF = (None if b is None else _shard(b).to(x_ND.dtype) for b in (b1, b2, b3))
-        a_NF = _with_bias(mm(x_ND, w1_EFD.transpose(-2, -1), offs_E, precision), b1_EF, offs_E)
-        b_NF = _with_bias(mm(x_ND, w3_EFD.transpose(-2, -1), offs_E, precision), b3_EF, offs_E)
+        a_NF = _with_bias(mm(x_ND, w1_EFD.transpose(-2, -1), offs_E, precision, host_counts=host_counts), b1_EF, offs_E)
+        b_NF = _with_bias(mm(x_ND, w3_EFD.transpose(-2, -1), offs_E, precision, host_counts=host_counts), b3_EF, offs_E)
         h_NF = swiglu(a_NF, b_NF) if clamp is None else clamped_swiglu(a_NF, b_NF, *clamp)
-        y_ND = _with_bias(mm(h_NF, w2_EDF.transpose(-2, -1), offs_E, precision), b2_ED if add_b2 else None, offs_E)
+        y_ND = _with_bias(mm(h_NF, w2_EDF.transpose(-2, -1), offs_E, precision, host_counts=host_counts),
+                          b2_ED if add_b2 else None, offs_E)
         # What autograd would keep but silu(a), which the backward recomputes.
         ctx.save_for_backward(x_ND, a_NF, b_NF, h_NF, w1_EFD, w2_EDF, w3_EFD, offs_E)
         ctx.scale, ctx.accumulate, ctx.host_counts, ctx.clamp = weight_grad_scale, accumulate, host_counts, clamp
@@ -116,20 +117,20 @@ class _GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_ND):
         x_ND, a_NF, b_NF, h_NF, w1_EFD, w2_EDF, w3_EFD, offs_E = ctx.saved_tensors
-        scale, precision = ctx.scale, ctx.precision
+        scale, precision, host = ctx.scale, ctx.precision, ctx.host_counts
         dy_ND = dy_ND.contiguous()
-        dh_NF = mm(dy_ND, w2_EDF, offs_E, precision, "dgrad")
+        dh_NF = mm(dy_ND, w2_EDF, offs_E, precision, "dgrad", host)
         if ctx.clamp is None:
             da_NF, db_NF = swiglu_backward(dh_NF, a_NF, b_NF)
         else:
             da_NF, db_NF = clamped_swiglu_backward(dh_NF, a_NF, b_NF, *ctx.clamp)
-        dx_ND = mm(da_NF, w1_EFD, offs_E, precision, "dgrad") + mm(db_NF, w3_EFD, offs_E, precision, "dgrad")
+        dx_ND = mm(da_NF, w1_EFD, offs_E, precision, "dgrad", host) + mm(db_NF, w3_EFD, offs_E, precision, "dgrad", host)
         dbs = [None if p is None else _like_param(segment_sum(g, offs_E) * scale, p)
                for g, p in zip((da_NF, dy_ND, db_NF), ctx.biases)]
         grads = _existing_grads(ctx, (w1_EFD, w2_EDF, w3_EFD)) if ctx.accumulate is not None else None
         if grads is not None:
             for out, g, x in zip(grads, (da_NF, dy_ND, db_NF), (x_ND, h_NF, x_ND)):
-                add_weight_grad_(out, g, x, offs_E, scale, ctx.host_counts, ctx.accumulate(out.shape))
+                add_weight_grad_(out, g, x, offs_E, scale, host, ctx.accumulate(out.shape))
             return dx_ND, None, None, None, None, None, None, None, *dbs, None, None, None
         if scale != 1:  # on whichever operand of each weight-gradient GEMM is smaller
             F_, D = h_NF.shape[-1], x_ND.shape[-1]
@@ -141,9 +142,9 @@ class _GroupedSwiGLU(torch.autograd.Function):
                 h_NF = h_NF * scale
             else:
                 dy_ND = dy_ND * scale
-        dw2 = weight_grad(dy_ND, h_NF, offs_E, precision)
-        dw1 = weight_grad(da_NF, x_ND, offs_E, precision)
-        dw3 = weight_grad(db_NF, x_ND, offs_E, precision)
+        dw2 = weight_grad(dy_ND, h_NF, offs_E, precision, host)
+        dw1 = weight_grad(da_NF, x_ND, offs_E, precision, host)
+        dw3 = weight_grad(db_NF, x_ND, offs_E, precision, host)
         dws = (_like_param(dw, p) for dw, p in zip((dw1, dw2, dw3), ctx.params))
         return dx_ND, *dws, None, None, None, None, *dbs, None, None, None
 
@@ -155,7 +156,8 @@ def grouped_swiglu(x_ND, counts_E, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale: fl
 
     The weights may be DTensors: the GEMMs run on their local shards, in x_ND's dtype.
     `host_counts`: counts_E as a host list when the caller has it without a sync (the eager
-    dispatcher does); it lets the backward add weight gradients into existing ones per expert.
+    dispatcher does, padded blocks always); the exact per-expert loop then reads no counts off the
+    device, and the backward may add weight gradients into existing ones per expert.
     `biases`: (b1_EF, b2_ED, b3_EF) or None; `clamp`, `add_b2`: see _GroupedSwiGLU. `precision` "fp8":
     the GEMMs where kernels/policy.py picks FP8 (MoEConfig.expert_precision)."""
     w1_EFD, w2_EDF, w3_EFD = (gather_for_compute(w) for w in (w1_EFD, w2_EDF, w3_EFD))
@@ -197,7 +199,7 @@ class GroupedExperts(nn.Module):
                    config.expert_precision)
 
     def forward(self, x: torch.Tensor | ExpertInput, counts_E: torch.Tensor | None = None,
-                copies: TokenCopies | None = None) -> torch.Tensor:
+                copies: TokenCopies | PaddedCopies | None = None) -> torch.Tensor:
         """Tokens x with their routing `copies`: copied into expert order, run, combined back into
         x's shape. Or, from the expert-parallel dispatcher, an `ExpertInput` (rows already grouped
         by local expert): returns one output row per input row."""
@@ -208,10 +210,9 @@ class GroupedExperts(nn.Module):
                                   host_counts=x.host_counts, biases=biases, clamp=self.clamp,
                                   add_b2=x.adds_output_bias, precision=self.precision)
         x_ND = copies.expand(x)
-        # Capacity-dropped pairs (the last rows, weight 0) run with the last expert here: leaving
-        # them out would need their number on the host. The expert-parallel dispatcher leaves them out.
-        counts_E = torch.cat([counts_E[:-1], counts_E[-1:] + (x_ND.shape[0] - counts_E.sum())])
-        y_ND = grouped_swiglu(x_ND, counts_E, *ws, biases=biases, clamp=self.clamp, precision=self.precision)
+        counts_E, host_counts = copies.expert_blocks(counts_E)
+        y_ND = grouped_swiglu(x_ND, counts_E, *ws, host_counts=host_counts, biases=biases, clamp=self.clamp,
+                              precision=self.precision)
         return copies.combine(y_ND, x.shape)
 
     def reset_parameters(self, std: float = 0.02):

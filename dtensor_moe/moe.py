@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtensor_moe.capacity import kept_pairs
+from dtensor_moe.capacity import capacity, kept_pairs
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.experts import GroupedExperts
 from dtensor_moe.router import TopKRouter
-from dtensor_moe.routing import TokenCopies, expert_major
+from dtensor_moe.routing import PaddedCopies, TokenCopies, expert_major
 
 
 def recomputing() -> bool:
@@ -116,7 +116,13 @@ class MoE(nn.Module):
             # Dropped pairs get expert id E: they sort last and counts_E no longer counts them.
             dropped_id = torch.where(keep_TK, r.experts_TK, cfg.num_experts)
             sorted_N, order_N, counts_E = expert_major(dropped_id.flatten(), cfg.num_experts)
-        y_BLD = self.experts(x_BLD, counts_E, TokenCopies.build(order_N, sorted_N, weights_TK))
+        if cfg.pad_to_capacity:  # every expert a block of exactly C rows: static shapes downstream
+            C = capacity(x_TD.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+            copies = PaddedCopies.build(order_N, sorted_N, counts_E, weights_TK, C)
+            counts_E = torch.full_like(counts_E, C)
+        else:
+            copies = TokenCopies.build(order_N, sorted_N, weights_TK)
+        y_BLD = self.experts(x_BLD, counts_E, copies)
         if self.shared_experts is not None:
             return y_BLD + self.shared_experts(x_BLD)
         return y_BLD

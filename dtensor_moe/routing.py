@@ -1,7 +1,8 @@
 """Token tables of one routing decision, and the contract between the dispatcher and the experts.
 
 `TokenCopies`: where each token's top-k copies go and how they come back; the layer (local experts)
-and the expert-parallel dispatcher both read it. `ExpertInput`: what experts receive from the
+and the expert-parallel dispatcher both read it. `PaddedCopies`: the same for pad_to_capacity, every
+expert a block of exactly its capacity in rows. `ExpertInput`: what experts receive from the
 dispatcher; they return one output row per input row, in the same order.
 """
 
@@ -85,9 +86,70 @@ class TokenCopies:
     def expand(self, x: torch.Tensor) -> torch.Tensor:
         return gather_rows(x.reshape(-1, x.shape[-1]), self.token_N, self.row_TK)
 
+    def expert_blocks(self, counts_E: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """The experts' row blocks over expand()'s rows, and their sizes on the host (unknown here).
+        Capacity-dropped pairs (the last rows, weight 0) run with the last expert: leaving them out
+        would need their number on the host. The expert-parallel dispatcher leaves them out."""
+        return torch.cat([counts_E[:-1], counts_E[-1:] + (self.pair_N.shape[0] - counts_E.sum())]), None
+
     def combine(self, y_ND: torch.Tensor, out_shape) -> torch.Tensor:
         """Token t's output: sum_k weight_TK[t, k] * y_ND[row_TK[t, k]], shaped out_shape."""
         return gather_sum(y_ND, self.row_TK.view(*out_shape[:-1], self.row_TK.shape[1]), self.token_N, self.weight_N)
+
+
+@dataclass(frozen=True)
+class PaddedCopies:
+    """pad_to_capacity's tables: E blocks of exactly `capacity` rows (slots), expert e's kept pairs
+    first in its block e * capacity + (0, 1, ...), the rest padding. slot_TK[t, k]: the slot of token
+    t's k-th pair (-1: dropped); token_Q: the token each slot reads (T, a zero row, for padding);
+    weight_Q: the routing weights by slot (0 for padding, differentiable). Every shape follows from
+    T, K, E and the capacity alone, so nothing here or downstream needs a count on the host."""
+
+    capacity: int
+    num_experts: int
+    slot_TK: torch.Tensor
+    token_Q: torch.Tensor
+    weight_Q: torch.Tensor
+
+    @classmethod
+    def build(cls, pair_N: torch.Tensor, expert_N: torch.Tensor, counts_E: torch.Tensor, weight_TK: torch.Tensor,
+              capacity: int) -> "PaddedCopies":
+        """From the expert-major order of the capacity-dropped routing (dropped pairs: id E, last,
+        outside counts_E, which are then each <= capacity)."""
+        T, K = weight_TK.shape
+        E, Q, dev = counts_E.numel(), counts_E.numel() * capacity, pair_N.device
+        kept_N = expert_N < E
+        e_N = expert_N.clamp(max=E - 1)
+        within_N = torch.arange(T * K, device=dev) - (counts_E.cumsum(0) - counts_E).index_select(0, e_N)
+        slot_N = torch.where(kept_N, e_N * capacity + within_N, Q)  # dropped: a dummy slot Q, cut off below
+        slot_TK = torch.full((T * K,), -1, dtype=torch.int64, device=dev).scatter_(
+            0, pair_N, torch.where(kept_N, slot_N, -1)).view(T, K)
+        pair_Q = torch.full((Q + 1,), T * K, dtype=torch.int64, device=dev).scatter_(0, slot_N, pair_N)[:Q]
+        # Each pair's weight is read by its slot only; padding reads an appended zero.
+        w_pairs = torch.cat([weight_TK.reshape(-1, 1), weight_TK.new_zeros(1, 1)])
+        weight_Q = gather_rows(w_pairs, pair_Q, torch.cat([slot_TK.reshape(-1, 1), slot_TK.new_full((1, 1), -1)]))
+        return cls(capacity, E, slot_TK, torch.where(pair_Q < T * K, pair_Q // K, T), weight_Q.view(-1))
+
+    def expand(self, x: torch.Tensor) -> torch.Tensor:
+        """[E * capacity, D]: each slot's token row, zeros for padding (a zero row, never a token's
+        value: a non-finite token stays in its own slots)."""
+        x_TD = x.reshape(-1, x.shape[-1])
+        readers = torch.cat([self.slot_TK, self.slot_TK.new_full((1, self.slot_TK.shape[1]), -1)])
+        return gather_rows(torch.cat([x_TD, x_TD.new_zeros(1, x_TD.shape[1])]), self.token_Q, readers)
+
+    def expert_blocks(self, counts_E: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """counts_E (capacity each) and the same on the host: static, no sync."""
+        return counts_E, [self.capacity] * self.num_experts
+
+    def combine(self, y_QD: torch.Tensor, out_shape) -> torch.Tensor:
+        """Token t's output: sum_k weight_TK[t, k] * y_QD[slot_TK[t, k]] over its kept pairs. Padded
+        rows are selected away (not weighted by 0), so neither they nor their gradient touch a token,
+        whatever the gradient holds."""
+        T = self.slot_TK.shape[0]
+        real_Q = self.token_Q < T
+        y_QD = torch.where(real_Q[:, None], y_QD, 0)
+        return gather_sum(y_QD, self.slot_TK.view(*out_shape[:-1], self.slot_TK.shape[1]),
+                          torch.where(real_Q, self.token_Q, 0), self.weight_Q)
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,7 @@ def test_training_compiled_with_experts_fsdp_sharded_matches_eager():
 def opcheck_dispatch_ops(rank, world_size):
     """torch.library.opcheck of the dispatcher's ops on a real EP group, with and without copies."""
     from dtensor_moe import MoEParallelDims
-    from dtensor_moe.parallel.dispatch import _name, ep_move, ep_plan
+    from dtensor_moe.parallel.dispatch import _name, ep_move, ep_plan, pair_move
     from dtensor_moe.routing import TokenCopies, expert_major
 
     meshes = MoEParallelDims(world_size, ep=world_size).build_meshes("cpu")
@@ -137,6 +137,10 @@ def opcheck_dispatch_ops(rank, world_size):
     C_host = ep_plan(kept_E, dropped.expert_N, dropped.pair_N, T, K, *groups)[0]
     w = dropped.weight_N[:, None].detach().requires_grad_(True)
     torch.library.opcheck(ep_move, ([w], C_host, "pairs", "there", *groups, [T * K]))
+    # pad_to_capacity's movement: 3 rows to each EP peer.
+    rows = torch.randn(3 * world_size, 4, dtype=torch.float64, requires_grad=True)
+    for direction in ("there", "back"):
+        torch.library.opcheck(pair_move, (rows, 3, "slots", direction, *groups))
     return int(C_host[0, rank, :, :-1].sum()) == T * K - 1
 
 

@@ -50,10 +50,12 @@ MOE = dict(dim=8, hidden_dim=8, num_experts=8, top_k=2)
         (dict(capacity_factor=math.inf), "MoEConfig.capacity_factor must be a finite number > 0, or None (no capacity "
                                          "limit), got inf"),
         (dict(drop_policy="random"), "MoEConfig.drop_policy must be one of ['probs', 'position'], got 'random'"),
-        (dict(pad_to_capacity=True, capacity_factor=1.0), "MoEConfig.pad_to_capacity=True is not supported yet "
-                                                          "(dropped pairs are already neither sent nor computed; "
-                                                          "fixed-size expert blocks need a pair-wise dispatch, "
-                                                          "docs/routing.md); valid: false"),
+        (dict(pad_to_capacity=True), "MoEConfig.pad_to_capacity=True needs MoEConfig.capacity_factor (a finite "
+                                     "number > 0; every expert gets exactly ceil(tokens * top_k / num_experts * "
+                                     "capacity_factor) rows), got MoEConfig.capacity_factor=None; valid: "
+                                     "pad_to_capacity false, or a capacity_factor"),
+        (dict(pad_to_capacity=1, capacity_factor=1.0), "MoEConfig.pad_to_capacity must be a bool (true or false), "
+                                                       "got 1 (int)"),
         (dict(activation="gelu"), "MoEConfig.activation must be one of ['swiglu', 'clamped_swiglu'], got 'gelu'"),
         (dict(swiglu_limit=0.0), "MoEConfig.swiglu_limit must be > 0, got 0.0"),
         (dict(expert_biases=1), "MoEConfig.expert_biases must be a bool (true or false), got 1 (int)"),

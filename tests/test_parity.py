@@ -113,6 +113,9 @@ COMPILED = {
     "compiled_edp2_ep2": (4, Case(1, 2, 1, 4, 2, 8, 6, (2, 1, 0, 3), load_balance="aux_loss", microbatches=2,
                                   compile="aot_eager")),
     "compiled_hsdp2_ep2": (4, Case(2, 2, 1, 4, 2, 8, 6, (1, 2, 3, 0), num_shared_experts=1, compile="aot_eager")),
+    # pad_to_capacity: static pair-wise dispatch, one graph (fullgraph), a NaN token among the padded slots.
+    "compiled_padded_ep2": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 2), capacity_factor=0.5, pad_to_capacity=True,
+                                    expert_biases=True, nan_token=1, compile="aot_eager")),
     "nan_token_ep2": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 2), load_balance="aux_loss", nan_token=1)),
     "nan_token_ep2_etp2": (4, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3), nan_token=4)),
 }
@@ -161,3 +164,67 @@ def test_capacity_dropped_pairs_are_not_dispatched():
     for got, kept, routed in per_rank:
         assert got == kept, (got, kept)
     assert sum(sum(routed) for _, _, routed in per_rank) > sum(sum(kept) for _, kept, _ in per_rank)
+
+
+def _padded_step(rank: int, world_size: int, pad: bool):
+    """One forward and backward at capacity 0.5 (E=4, K=2, 6 tokens: C = ceil(1.5) = 2), EP2 x ETP2 on 4 ranks or
+    one process: (every all_to_all_single as (group name, out splits, in splits), the reasons of every
+    host read through policy.host_list, counted on CPU too, ep_plan calls, the experts' row counts)."""
+    from unittest import mock
+
+    import torch
+    import torch.distributed as dist
+
+    from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
+    from dtensor_moe import experts as experts_mod
+    from dtensor_moe.kernels import policy
+    from dtensor_moe.parallel import dispatch
+
+    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, capacity_factor=0.5, pad_to_capacity=pad)
+    torch.manual_seed(0)
+    moe = MoE(cfg).double()
+    with torch.no_grad():
+        moe.router.gate.weight[1] += 2.0  # an overloaded expert: pairs are dropped
+    x = torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    if world_size > 1:
+        parallelize_moe(moe, MoEParallelDims(world_size, ep=2, etp=2), device_type="cpu")
+    splits, reads, blocks = [], [], []
+    a2a = dist.all_to_all_single
+
+    def record_a2a(out, inp, out_splits=None, in_splits=None, group=None, **kw):
+        splits.append((group.group_name, list(out_splits), list(in_splits)))
+        return a2a(out, inp, out_splits, in_splits, group=group, **kw)
+
+    def record_read(t, why):
+        reads.append(why)
+        return t.tolist()
+
+    def record_blocks(x_ND, counts_E, *args, **kw):
+        blocks.append((x_ND.shape[0], counts_E.tolist()))
+        return grouped(x_ND, counts_E, *args, **kw)
+
+    grouped = experts_mod.grouped_swiglu
+    with (mock.patch.object(dist, "all_to_all_single", record_a2a), mock.patch.object(policy, "host_list", record_read),
+          mock.patch.object(experts_mod, "grouped_swiglu", record_blocks),
+          mock.patch.object(dispatch, "ep_plan", wraps=dispatch.ep_plan) as plans):
+        moe(x).sum().backward()
+    groups = moe.experts.expert_parallel.dispatcher.groups if world_size > 1 else ()
+    return splits, reads, plans.call_count, blocks, groups
+
+
+def test_padded_path_static_splits_and_no_host_sync():
+    """pad_to_capacity: one process runs E*C = 8 rows, C = 2 per expert, with no host read (the exact
+    float64 loop takes the static sizes; unpadded it reads the counts off the device). EP2 x ETP2: no
+    ep_plan (the counts' all-gather and its host sync), every all-to-all split E_local*C = 4 rows per EP
+    peer, ep * E_local * C = 8 per ETP peer, no host read, and each local expert gets ep*etp*C = 8 rows."""
+    splits, reads, plans, blocks, _ = _padded_step(0, 1, True)
+    assert (reads, plans, blocks) == ([], 0, [(8, [2, 2, 2, 2])])
+    _, unpadded_reads, _, unpadded_blocks, _ = _padded_step(0, 1, False)
+    assert unpadded_reads and unpadded_blocks[0][0] == 12  # N = T*K rows, dropped ones included
+    for splits, reads, plans, blocks, (ep_group, etp_group) in run_on_ranks(4, _padded_step, True):
+        assert (reads, plans, blocks) == ([], 0, [(16, [8, 8])])
+        per_peer = {ep_group: [4, 4], etp_group: [8, 8]}
+        assert splits and all(out == inp == per_peer[g] for g, out, inp in splits), splits
+        assert {g for g, _, _ in splits} == {ep_group, etp_group}
+    for _, _, plans, _, _ in run_on_ranks(4, _padded_step, False):
+        assert plans == 1  # the dropless dispatch's plan, whose split sizes need the host

@@ -84,6 +84,8 @@ def triton_forward(y_ND, idx_RK, w_N):
 
 def torch_forward(y_ND, idx_RK, w_N):
     D = y_ND.shape[1]
+    if not y_ND.shape[0]:  # every slot is empty, and there is no row 0 to read in their place
+        return y_ND.new_zeros(*idx_RK.shape[:-1], D)
     filled = idx_RK >= 0
     safe = torch.where(filled, idx_RK, 0)
     acc = _acc_dtype(y_ND)

@@ -22,6 +22,12 @@ fp32 scale per row (kernels/fp8.py's pack_rows: (D + 4) bytes a row, about half 
 are dequantized into the activations' dtype on arrival; their gradient travels back unquantized
 (DeepEP's and Megatron's choice: gradients have outliers a rowwise scale flattens badly), and the
 combine moves outputs in the activations' dtype both ways.
+
+pad_to_capacity (routing.PaddedCopies) takes a second path with static shapes: one row per slot
+(every kept pair, not deduplicated by rank, and the padding), E_local * capacity rows to each EP peer
+by one `dtensor_moe::pair_move` (equal splits known from the shapes: no counts all-gather, no host
+sync), the same ETP gather / reduce-scatter, and the padded rows selected away in the combine. It
+needs the same token count on every rank of the EP x ETP group (the static shape it exists for).
 """
 
 import collections
@@ -32,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from dtensor_moe.kernels import fp8, policy
-from dtensor_moe.routing import ExpertInput, ScaleGrad, TokenCopies, gather_rows, inverse_permutation
+from dtensor_moe.routing import ExpertInput, PaddedCopies, ScaleGrad, TokenCopies, gather_rows, inverse_permutation
 
 _GROUPS: "weakref.WeakValueDictionary[str, dist.ProcessGroup]" = weakref.WeakValueDictionary()
 # torch 2.13 names all_gather_single in place of the deprecated all_gather_into_tensor (2.11 has only that).
@@ -131,17 +137,24 @@ def ep_move(xs: list[torch.Tensor], C_host: torch.Tensor, kinds: str, direction:
     topo = _Topology(ep_group, etp_group)
     sizes = topo.sizes(C_host)
     out = []
-    for x, key, n in zip(xs, kinds.split(","), lengths, strict=True):
-        kind, _, payload = key.partition(":")
-        rows, key = getattr(sizes, kind), (key, direction)
-        if direction == "there" and payload == "fp8":
-            out.append(fp8.unpack_rows(topo.there(fp8.pack_rows(x[: sum(rows.send)]), rows, key), x.dtype))
-        elif direction == "there":
-            out.append(topo.there(x[: sum(rows.send)], rows, key))
+    for x, kind, n in zip(xs, kinds.split(","), lengths, strict=True):
+        rows = getattr(sizes, kind.partition(":")[0])
+        if direction == "there":
+            out.append(_move(topo, x[: sum(rows.send)], rows, kind, direction))
         else:
-            y = topo.back(x, rows, key)
+            y = _move(topo, x, rows, kind, direction)
             out.append(torch.cat([y, y.new_zeros(n - y.shape[0], *y.shape[1:])]) if n > y.shape[0] else y)
     return out
+
+
+def _move(topo: _Topology, x, rows: _Rows, kind: str, direction: str):
+    """One movement of x (see ep_move); the FP8 payload only "there"."""
+    key = (kind, direction)
+    if direction == "back":
+        return topo.back(x, rows, key)
+    if kind.endswith(":fp8"):
+        return fp8.unpack_rows(topo.there(fp8.pack_rows(x), rows, key), x.dtype)
+    return topo.there(x, rows, key)
 
 
 @ep_move.register_fake
@@ -164,6 +177,41 @@ def _move_backward(ctx, grads):
 
 
 ep_move.register_autograd(_move_backward, setup_context=_move_setup)
+
+
+def _equal_rows(topo: _Topology, per_peer: int) -> _Rows:
+    return _Rows([per_peer] * topo.ep, [per_peer] * topo.ep, [per_peer * topo.ep] * topo.etp)
+
+
+@torch.library.custom_op("dtensor_moe::pair_move", mutates_args=())
+def pair_move(x: torch.Tensor, rows_per_peer: int, kind: str, direction: str, ep_group: str,
+              etp_group: str) -> torch.Tensor:
+    """pad_to_capacity's row movement, every split rows_per_peer: "there" [ep * rows_per_peer, ...]
+    (block r for EP rank r) -> [etp * ep * rows_per_peer, ...] ordered (ETP peer, EP source); "back"
+    the reverse, ETP partials summed. kind "slots", or "slots:fp8" for the FP8 payload (as ep_move's).
+    Its gradient is the other direction."""
+    topo = _Topology(ep_group, etp_group)
+    return _move(topo, x, _equal_rows(topo, rows_per_peer), kind, direction)
+
+
+@pair_move.register_fake
+def _(x, rows_per_peer, kind, direction, ep_group, etp_group):
+    topo = _Topology(ep_group, etp_group)
+    n = rows_per_peer * topo.ep
+    return x.new_empty(n * topo.etp if direction == "there" else n, *x.shape[1:])
+
+
+def _pair_move_setup(ctx, inputs, output):
+    _, ctx.rows_per_peer, ctx.kind, direction, ctx.ep_group, ctx.etp_group = inputs
+    ctx.reverse = "back" if direction == "there" else "there"
+
+
+def _pair_move_backward(ctx, grad):
+    grad = pair_move(grad.contiguous(), ctx.rows_per_peer, ctx.kind, ctx.reverse, ctx.ep_group, ctx.etp_group)
+    return grad, *[None] * 5
+
+
+pair_move.register_autograd(_pair_move_backward, setup_context=_pair_move_setup)
 
 
 def _gather_counts(counts_RE, topo: _Topology) -> torch.Tensor:
@@ -269,6 +317,15 @@ class _Exchange:
         return ep_move(xs, self.C_host, kinds, direction, *self.groups, lengths or [x.shape[0] for x in xs])
 
 
+class _PaddedExchange:
+    """pad_to_capacity's step: the layer's slot tables and the static block sizes."""
+
+    def __init__(self, copies: PaddedCopies, out_shape, ep: int, etp: int):
+        self.copies, self.out_shape = copies, out_shape
+        self.experts = copies.num_experts // ep  # E_local
+        self.sources = ep * etp  # blocks each local expert receives, one per (ETP peer, EP source)
+
+
 class ExpertDispatcher:
     """Moves tokens to the experts that hold their slice and the outputs back.
 
@@ -284,11 +341,16 @@ class ExpertDispatcher:
         self.payload = ":fp8" if dispatch_precision == "fp8" else ""  # MoEConfig.dispatch_precision
         self.groups = (_name(ep_group), _name(etp_group))
         self.adds_output_bias = dist.get_rank(etp_group) == 0
+        self.ep, self.etp = dist.get_world_size(ep_group), dist.get_world_size(etp_group)
         self.in_flight: list[ExpertInput] = []
 
-    def dispatch(self, x: torch.Tensor, counts_E: torch.Tensor, copies: TokenCopies | None = None) -> ExpertInput:
+    def dispatch(self, x: torch.Tensor, counts_E: torch.Tensor,
+                 copies: TokenCopies | PaddedCopies | None = None) -> ExpertInput:
         """x: the tokens with their `copies` (they then travel once per rank), or without copies one
-        row per (token, expert) pair in expert order (counts_E per global expert either way)."""
+        row per (token, expert) pair in expert order (counts_E per global expert either way). Padded
+        copies take the static path (_dispatch_padded)."""
+        if isinstance(copies, PaddedCopies):
+            return self._dispatch_padded(x, copies)
         if copies is not None:
             x_TD = x.reshape(-1, x.shape[-1])
             tables = ep_plan(counts_E, copies.expert_N, copies.pair_N, x_TD.shape[0], copies.weight_TK.shape[1],
@@ -306,8 +368,23 @@ class ExpertDispatcher:
         return ExpertInput(x_local, ex.local_counts_E, ex.local_counts_host, 1.0 / self.grad_divisor, ex,
                            self.adds_output_bias)
 
+    def _dispatch_padded(self, x: torch.Tensor, copies: PaddedCopies) -> ExpertInput:
+        ex = _PaddedExchange(copies, x.shape, self.ep, self.etp)
+        C, D = copies.capacity, x.shape[-1]
+        x_recv = pair_move(copies.expand(x), ex.experts * C, f"slots{self.payload}", "there", *self.groups)
+        # (source, local expert, slot) -> (local expert, source, slot): each expert's rows contiguous.
+        x_local = x_recv.view(ex.sources, ex.experts, C, D).transpose(0, 1).reshape(-1, D)
+        rows = ex.sources * C
+        counts_E = torch.full((ex.experts,), rows, dtype=torch.int64, device=x.device)
+        return ExpertInput(x_local, counts_E, [rows] * ex.experts, 1.0 / self.grad_divisor, ex, self.adds_output_bias)
+
     def combine(self, y_local: torch.Tensor, inp: ExpertInput) -> torch.Tensor:
         ex = inp.exchange
+        if isinstance(ex, _PaddedExchange):
+            C, D = ex.copies.capacity, y_local.shape[-1]
+            y_sent = y_local.reshape(ex.experts, ex.sources, C, D).transpose(0, 1).reshape(-1, D)
+            y_back = pair_move(y_sent, ex.experts * C, "slots", "back", *self.groups)
+            return ex.copies.combine(y_back, ex.out_shape)
         if ex.copies is None:
             return ex.move([gather_rows(y_local, ex.inv[:, 0], ex.idx[:, None])], "pairs", "back", [ex.out_shape[0]])[0]
         z_rows = torch.ops.dtensor_moe.gather_sum(y_local, ex.row_readers, ex.row_idx, ex.w_local)
