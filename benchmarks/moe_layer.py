@@ -11,7 +11,8 @@ baseline does, 18*D*F*T*K per rank. Two timings per layer:
   layer: gradient-accumulation steady state (FSDP parameters stay gathered, no gradient reduction,
          gradients add into .grad) -- dispatch + grouped GEMM + combine, like the baseline, which
          has no FSDP and also accumulates into .grad;
-  step:  one-microbatch training step: fresh gradients, and where experts are FSDP-sharded (EDP)
+  step:  one-microbatch training step: fresh gradients (zero_grad(set_to_none=True), so each weight
+         gradient is its GEMM's output, nothing added), and where experts are FSDP-sharded (EDP)
          FSDP's all-gather in forward and backward and gradient reduce-scatter.
 In the same run: the ceilings (dense bf16 matmul, the grouped SwiGLU alone at each per-rank shape,
 equal-split all_to_all at each dispatch size), a numerics check of the benchmarked path against an
@@ -298,12 +299,14 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak, precision="bf16
     out = {"shape": name, "mesh": mesh, "precision": precision, "D": D, "F": F, "E": E, "K": K, "T": T,
            "numerics": numerics}
     progress(rank, name, mesh, "timing")
-    if not local:
-        def train_step():  # one microbatch of a training step: fresh gradients, FSDP's reductions
-            step()
-            moe.zero_grad(set_to_none=True)
+    def train_step():  # one microbatch of a training step: fresh gradients (the GEMMs' outputs become .grad), FSDP's reductions
+        step()
+        moe.zero_grad(set_to_none=True)
 
-        out["step_ms"] = host_timed_ms(train_step, dev, max(3, args.iters // 4), 1)
+    out["step_ms"] = host_timed_ms(train_step, dev, max(3, args.iters // 4), 1, barrier=not local)
+    if args.profile_fresh and mesh in args.profile_meshes:
+        out["step_profile"] = profile_step(train_step, dev, barrier=not local)
+    if not local:
         set_accumulation_mode(moe)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -428,13 +431,15 @@ def print_table(res):
     for t in res["targets"]:
         print(f"target {t['what']}: want {t['want']:.3g}, got {t['got']:.3g} -> {'PASS' if t['ok'] else 'MISS'}")
     for r in res["rows"]:
-        if "profile" not in r:
-            continue
-        p = r["profile"]
-        kinds = ", ".join(f"{k} {v:.2f}" for k, v in sorted(p["by_kind_ms"].items(), key=lambda kv: -kv[1]))
-        print(f"\nprofile {r['shape']} {r['mesh']}: step {p['wall_ms']:.2f} ms wall, {p['total_ms']:.2f} ms of kernels ({kinds})")
-        for k in p["top"]:
-            print(f"  {k['ms']:8.2f} ms  x{k['count']:<4d} {k['name']}")
+        for key, what in (("profile", "accumulating"), ("step_profile", "fresh gradients")):
+            if key not in r:
+                continue
+            p = r[key]
+            kinds = ", ".join(f"{k} {v:.2f}" for k, v in sorted(p["by_kind_ms"].items(), key=lambda kv: -kv[1]))
+            print(f"\nprofile {r['shape']} {r['mesh']} {r['precision']} ({what}): step {p['wall_ms']:.2f} ms wall, "
+                  f"{p['total_ms']:.2f} ms of kernels ({kinds})")
+            for k in p["top"]:
+                print(f"  {k['ms']:8.2f} ms  x{k['count']:<4d} {k['name']}")
 
 
 def main():
@@ -446,6 +451,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile-meshes", nargs="*", default=["ep2", "local"], choices=list(MESHES),
                     help="meshes whose step is profiled (kernel table in the log and JSON)")
+    ap.add_argument("--profile-fresh", action="store_true", help="also profile the fresh-gradient step (step ms)")
     ap.add_argument("--trace-dir", default=None, help="write each profiled step's Chrome trace (rank 0) here")
     ap.add_argument("--budget-s", type=float, default=0, help="skip the remaining layers after this many seconds")
     ap.add_argument("--titan-log", default=None, help="titan_anchor.py output for the baseline columns")

@@ -33,6 +33,7 @@ class Config(NamedTuple):
     warps: int
     stages: int
     atomic: bool = False
+    ws: bool = False  # TMA descriptor loads, the K loop warp-specialized (Triton's tl.range(warp_specialize=True))
 
 
 # Where policy.wgrad_config has no measurement: the best at the DeepSeek shape in session 4 (two
@@ -72,7 +73,35 @@ def _kernel():
             acc = acc * alpha + tl.load(out, mask=in_tile, other=0.0).to(tl.float32)
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_tile)
 
-    return triton, wgrad_accumulate
+    @triton.jit
+    def wgrad_accumulate_ws(g_ptr, x_ptr, ends_ptr, out_ptr, O, I, alpha, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
+                            BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, STAGES: tl.constexpr):
+        # Each expert's row block as its own pair of TMA descriptors (rows past its end read as
+        # zeros), so a producer partition can stream both operands while the consumers run the MMAs.
+        e = tl.program_id(1).to(tl.int64)
+        tiles_i = tl.cdiv(I, BLOCK_I)
+        to = tl.program_id(0) // tiles_i
+        ti = tl.program_id(0) % tiles_i
+        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
+        n = (tl.load(ends_ptr + e).to(tl.int64) - start).to(tl.int32)
+        g_desc = tl.make_tensor_descriptor(g_ptr + start * O, shape=[n, O], strides=[O, 1], block_shape=[BLOCK_K, BLOCK_O])
+        x_desc = tl.make_tensor_descriptor(x_ptr + start * I, shape=[n, I], strides=[I, 1], block_shape=[BLOCK_K, BLOCK_I])
+        acc = tl.zeros([BLOCK_O, BLOCK_I], dtype=tl.float32)
+        for k0 in tl.range(0, n, BLOCK_K, num_stages=STAGES, warp_specialize=True):
+            acc = tl.dot(g_desc.load([k0, to * BLOCK_O]).T, x_desc.load([k0, ti * BLOCK_I]), acc)
+        ro = to * BLOCK_O + tl.arange(0, BLOCK_O)
+        ri = ti * BLOCK_I + tl.arange(0, BLOCK_I)
+        out = out_ptr + e * O * I + ro[:, None].to(tl.int64) * I + ri[None, :]
+        in_tile = (ro[:, None] < O) & (ri[None, :] < I)
+        if ATOMIC:
+            tl.atomic_add(out, (acc * alpha).to(out_ptr.dtype.element_ty), mask=in_tile, sem="relaxed")
+        else:
+            acc = acc * alpha + tl.load(out, mask=in_tile, other=0.0).to(tl.float32)
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_tile)
+
+    # Device-side descriptors need a scratch buffer per launch.
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    return triton, wgrad_accumulate, wgrad_accumulate_ws
 
 
 def accumulate(out_EOI: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tensor, ends_E: torch.Tensor,
@@ -81,10 +110,14 @@ def accumulate(out_EOI: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tensor, en
     E, O, I = out_EOI.shape
     if E == 0 or g_NO.shape[0] == 0:
         return
-    triton, kernel = _kernel()
-    block_o, block_i, block_k, warps, stages, atomic = Config(*config)
+    triton, kernel, kernel_ws = _kernel()
+    block_o, block_i, block_k, warps, stages, atomic, ws = Config(*config)
     if atomic and out_EOI.is_cuda and torch.cuda.get_device_capability(out_EOI.device) < (9, 0):
         atomic = False  # 16-bit float atomic adds are native from sm90 on: elsewhere read-add-write
     grid = (triton.cdiv(O, block_o) * triton.cdiv(I, block_i), E)
+    if ws:
+        kernel_ws[grid](g_NO.contiguous(), x_NI.contiguous(), ends_E, out_EOI, O, I, alpha, BLOCK_O=block_o,
+                        BLOCK_I=block_i, BLOCK_K=block_k, ATOMIC=atomic, STAGES=stages, num_warps=warps)
+        return
     kernel[grid](g_NO.contiguous(), x_NI.contiguous(), ends_E, out_EOI, O, I, alpha,
                  BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_K=block_k, ATOMIC=atomic, num_warps=warps, num_stages=stages)
