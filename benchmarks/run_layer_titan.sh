@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 17 on one H200, results under $OUT (about 9 minutes):
 #   OUT=$OUT bash benchmarks/run_layer_titan.sh
-# 1. wgrad_probe.py --ws at PROBE_SHAPES (default deepseek): the weight-gradient accumulation, the
-#    warp-specialized TMA configs beside the others (skipped with PROBE=0);
+# 1. wgrad_probe.py at PROBE_SHAPES (default deepseek): every weight-gradient accumulation method and
+#    config (skipped with PROBE=0; session 8 ran it with the warp-specialized configs of commit a7f0d73);
 # 2. torchtitan 0.3.0 on one GPU at the four local shapes (needs the carried wheels in .whl/; TITAN=0 skips);
 # 3. moe_layer.py (LAYER=0 skips) --meshes local, bf16 and fp8 rows, torchtitan's columns beside them; each row also times
 #    the one-microbatch step with fresh gradients (step ms) next to the accumulating steady state (ms);
@@ -10,7 +10,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/layer_titan_out}
 source "$(dirname "$0")/device_env.sh"
-[ "${PROBE:-1}" = 0 ] || (cd benchmarks && timeout "${PROBE_S:-150}" python3 wgrad_probe.py --ws \
+[ "${PROBE:-1}" = 0 ] || (cd benchmarks && timeout "${PROBE_S:-150}" python3 wgrad_probe.py \
   --shapes ${PROBE_SHAPES:-deepseek} --out "$OUT/wgrad.json" --configs-out "$OUT/wgrad_configs.json") 2>&1 | grep -v '^|' | tee -a "$LOG"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 if [ "${TITAN:-1}" = 1 ]; then

@@ -34,10 +34,6 @@ SHAPES = {  # D, F, experts, routed rows: moe_layer.py's local shapes, and DeepS
 C = wgrad_kernel.Config
 CONFIGS = [C(128, 128, 64, 4, 3), C(128, 256, 64, 8, 3), C(128, 128, 64, 4, 3, True), C(128, 128, 32, 4, 4, True),
            C(128, 256, 64, 8, 3, True)]
-# Warp-specialized TMA variants (session 8; PROBE_WS=1 in run_wgrad.sh): 4 and 8 warps (one or two
-# consumer warpgroups), both epilogues, and a wide tile.
-WS_CONFIGS = [C(128, 128, 64, 4, 3, False, True), C(128, 128, 64, 8, 3, False, True), C(128, 128, 64, 4, 3, True, True),
-              C(128, 128, 64, 8, 4, True, True), C(128, 256, 64, 8, 3, True, True), C(128, 128, 32, 4, 4, True, True)]
 TOL = 1e-2  # bf16 gradient rounding is ~3e-3 relative
 MARGIN = 0.96  # another config replaces wgrad.CONFIG only when this much faster: run-to-run spread is ~4%
 
@@ -46,7 +42,7 @@ def rel(a, b) -> float:
     return ((a.float() - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
-def measure(shape, orient, O, I, counts, ends, iters, timed, configs) -> list[dict]:
+def measure(shape, orient, O, I, counts, ends, iters, timed) -> list[dict]:
     """Every method at one weight's [E, O, I] gradient; each correct Triton config's ms into `timed`."""
     dev, N, E = ends.device, int(counts.sum()), counts.numel()
     g_NO = torch.randn(N, O, device=dev, dtype=torch.bfloat16)
@@ -65,7 +61,7 @@ def measure(shape, orient, O, I, counts, ends, iters, timed, configs) -> list[di
                ("grouped+add", lambda: out.add_(grouped_weight_grad(g_NO, x_NI, ends), alpha=0.5), None),
                ("addmm", lambda: add_weight_grad_(out, g_NO, x_NI, ends, 0.5, counts.tolist(), "per_expert"), None)]
     methods += [(f"triton {tuple(c)}", lambda c=c: wgrad_kernel.accumulate(out, g_NO, x_NI, ends, 0.5, config=c), c)
-                for c in configs]
+                for c in CONFIGS]
     rows, key = [], (shape, O, I, N / E)
     for name, fn, config in methods:
         out.copy_(out0)
@@ -102,7 +98,6 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", required=True)
     ap.add_argument("--configs-out", default=None)
-    ap.add_argument("--ws", action="store_true", help="also the warp-specialized TMA configs (WS_CONFIGS)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     rows, timed = [], {}
@@ -112,7 +107,7 @@ def main():
         counts = torch.bincount(torch.randint(E, (N,)), minlength=E)
         ends = counts.cumsum(0).to(device=dev, dtype=torch.int32)
         for orient, (O, I) in (("w1 [F,D]", (F, D)), ("w2 [D,F]", (D, F))):
-            rows += measure(shape, orient, O, I, counts, ends, args.iters, timed, CONFIGS + WS_CONFIGS * args.ws)
+            rows += measure(shape, orient, O, I, counts, ends, args.iters, timed)
             torch.cuda.empty_cache()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print("| shape | orientation | method | ms | TFLOP/s | err vs fp32 |\n|---|---|---|---|---|---|")

@@ -14,7 +14,10 @@ Launched by the `dtensor_moe::add_weight_grad_` op (grouped_mm.py) where policy.
 chooses it, with the tile config policy.wgrad_config picks for the shape; tests run it on CPU under
 TRITON_INTERPRET=1. Tried on H200 and slower at every shape (RESULTS.md session 7): loading the output
 tile before the K loop, TMA operand loads through per-expert tensor descriptors, and a persistent
-kernel, both with a loop per tile and with one flat loop over all of a program's K steps.
+kernel, both with a loop per tile and with one flat loop over all of a program's K steps; and (session
+8, commit a7f0d73) Triton 3.6's warp specialization of the K loop over those TMA descriptors
+(`tl.range(..., warp_specialize=True)`, 4 or 8 warps): 8.7-12.9 ms against 7.0 at DeepSeek's 256 rows
+per expert where it compiled; its pass (NVGPUWarpSpecialization) crashed on two of the four atomic configs.
 """
 
 import functools
@@ -33,7 +36,6 @@ class Config(NamedTuple):
     warps: int
     stages: int
     atomic: bool = False
-    ws: bool = False  # TMA descriptor loads, the K loop warp-specialized (Triton's tl.range(warp_specialize=True))
 
 
 # Where policy.wgrad_config has no measurement: the best at the DeepSeek shape in session 4 (two
@@ -73,35 +75,7 @@ def _kernel():
             acc = acc * alpha + tl.load(out, mask=in_tile, other=0.0).to(tl.float32)
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_tile)
 
-    @triton.jit
-    def wgrad_accumulate_ws(g_ptr, x_ptr, ends_ptr, out_ptr, O, I, alpha, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
-                            BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, STAGES: tl.constexpr):
-        # Each expert's row block as its own pair of TMA descriptors (rows past its end read as
-        # zeros), so a producer partition can stream both operands while the consumers run the MMAs.
-        e = tl.program_id(1).to(tl.int64)
-        tiles_i = tl.cdiv(I, BLOCK_I)
-        to = tl.program_id(0) // tiles_i
-        ti = tl.program_id(0) % tiles_i
-        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
-        n = (tl.load(ends_ptr + e).to(tl.int64) - start).to(tl.int32)
-        g_desc = tl.make_tensor_descriptor(g_ptr + start * O, shape=[n, O], strides=[O, 1], block_shape=[BLOCK_K, BLOCK_O])
-        x_desc = tl.make_tensor_descriptor(x_ptr + start * I, shape=[n, I], strides=[I, 1], block_shape=[BLOCK_K, BLOCK_I])
-        acc = tl.zeros([BLOCK_O, BLOCK_I], dtype=tl.float32)
-        for k0 in tl.range(0, n, BLOCK_K, num_stages=STAGES, warp_specialize=True):
-            acc = tl.dot(g_desc.load([k0, to * BLOCK_O]).T, x_desc.load([k0, ti * BLOCK_I]), acc)
-        ro = to * BLOCK_O + tl.arange(0, BLOCK_O)
-        ri = ti * BLOCK_I + tl.arange(0, BLOCK_I)
-        out = out_ptr + e * O * I + ro[:, None].to(tl.int64) * I + ri[None, :]
-        in_tile = (ro[:, None] < O) & (ri[None, :] < I)
-        if ATOMIC:
-            tl.atomic_add(out, (acc * alpha).to(out_ptr.dtype.element_ty), mask=in_tile, sem="relaxed")
-        else:
-            acc = acc * alpha + tl.load(out, mask=in_tile, other=0.0).to(tl.float32)
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_tile)
-
-    # Device-side descriptors need a scratch buffer per launch.
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    return triton, wgrad_accumulate, wgrad_accumulate_ws
+    return triton, wgrad_accumulate
 
 
 def accumulate(out_EOI: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tensor, ends_E: torch.Tensor,
@@ -110,14 +84,10 @@ def accumulate(out_EOI: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tensor, en
     E, O, I = out_EOI.shape
     if E == 0 or g_NO.shape[0] == 0:
         return
-    triton, kernel, kernel_ws = _kernel()
-    block_o, block_i, block_k, warps, stages, atomic, ws = Config(*config)
+    triton, kernel = _kernel()
+    block_o, block_i, block_k, warps, stages, atomic = Config(*config)
     if atomic and out_EOI.is_cuda and torch.cuda.get_device_capability(out_EOI.device) < (9, 0):
         atomic = False  # 16-bit float atomic adds are native from sm90 on: elsewhere read-add-write
     grid = (triton.cdiv(O, block_o) * triton.cdiv(I, block_i), E)
-    if ws:
-        kernel_ws[grid](g_NO.contiguous(), x_NI.contiguous(), ends_E, out_EOI, O, I, alpha, BLOCK_O=block_o,
-                        BLOCK_I=block_i, BLOCK_K=block_k, ATOMIC=atomic, STAGES=stages, num_warps=warps)
-        return
     kernel[grid](g_NO.contiguous(), x_NI.contiguous(), ends_E, out_EOI, O, I, alpha,
                  BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_K=block_k, ATOMIC=atomic, num_warps=warps, num_stages=stages)
