@@ -2,7 +2,7 @@
 # Issue 17 on one H200, results under $OUT (about 9 minutes):
 #   OUT=$OUT bash benchmarks/run_layer_titan.sh
 # 1. wgrad_probe.py at PROBE_SHAPES (default deepseek): every weight-gradient accumulation method and
-#    config (skipped with PROBE=0; session 8 ran it with the warp-specialized configs of commit a7f0d73);
+#    config (skipped with PROBE=0; session 8 ran it with the warp-specialized configs of commit ff72408);
 # 2. torchtitan 0.3.0 on one GPU at the four local shapes (needs the carried wheels in .whl/; TITAN=0 skips);
 # 3. moe_layer.py (LAYER=0 skips) --meshes local, bf16 and fp8 rows, torchtitan's columns beside them; each row also times
 #    the one-microbatch step with fresh gradients (step ms) next to the accumulating steady state (ms);

@@ -15,7 +15,7 @@ chooses it, with the tile config policy.wgrad_config picks for the shape; tests 
 TRITON_INTERPRET=1. Tried on H200 and slower at every shape (RESULTS.md session 7): loading the output
 tile before the K loop, TMA operand loads through per-expert tensor descriptors, and a persistent
 kernel, both with a loop per tile and with one flat loop over all of a program's K steps; and (session
-8, commit a7f0d73) Triton 3.6's warp specialization of the K loop over those TMA descriptors
+8, commit ff72408) Triton 3.6's warp specialization of the K loop over those TMA descriptors
 (`tl.range(..., warp_specialize=True)`, 4 or 8 warps): 8.7-12.9 ms against 7.0 at DeepSeek's 256 rows
 per expert where it compiled; its pass (NVGPUWarpSpecialization) crashed on two of the four atomic configs.
 """
