@@ -1,16 +1,19 @@
 """Our parallelize function for torchtitan's MoE decoders (DeepSeek-V3, Qwen3 MoE).
 
-torchtitan's chain with our expert sharding in place of its own: dense TP -> EP (ours) -> AC ->
-compile -> FSDP2. Dense TP with sequence parallelism is torchtitan's own (`Module.parallelize`,
-its sharding configs for attention, dense FFN, embeddings, norms and head) with the MoEs left out:
-every torchtitan `MoE` gets dtensor_moe's placement plan instead. Expert weights become DTensors on
-our expert mesh (EP splits experts, ETP splits F), the `ExpertDispatcher` moves tokens around
-torchtitan's grouped-GEMM experts, and FSDP2 shards the experts over EDP and the router/shared
-experts over every rank with its own tokens (dp_shard * tp: under sequence parallelism each TP rank
-hands its MoE its own slice of the sequence), each with the plan's shard dim. The dense rest gets
-torchtitan's own FSDP2/HSDP. Under pipeline parallelism torchtitan calls this once per stage's
-model part and our meshes are that stage's. Parameters keep torchtitan's names, so its
-checkpointer and Hugging Face state-dict adapters see the usual keys.
+torchtitan's chain with our expert sharding in place of its own: CP attention (ours) -> dense TP ->
+EP (ours) -> AC -> compile -> FSDP2. Under CP every block's SDPA attends over the keys and values
+gathered over cp (context_parallel.py); torchtitan shards the batches, so each cp rank's MoE takes
+its own part of the sequence. Dense TP with sequence parallelism is torchtitan's own
+(`Module.parallelize`, its sharding configs for attention, dense FFN, embeddings, norms and head)
+with the MoEs left out: every torchtitan `MoE` gets dtensor_moe's placement plan instead. Expert
+weights become DTensors on our expert mesh (EP splits experts, ETP splits F), the `ExpertDispatcher`
+moves tokens around torchtitan's grouped-GEMM experts, and FSDP2 shards the experts over EDP and the
+router/shared experts over every rank with its own tokens (dp_shard * cp * tp: under sequence
+parallelism each TP rank hands its MoE its own slice of the sequence), each with the plan's shard
+dim. The dense rest gets torchtitan's own FSDP2/HSDP (over dp_shard * cp, torchtitan's "fsdp" mesh).
+Under pipeline parallelism torchtitan calls this once per stage's model part and our meshes are that
+stage's. Parameters keep torchtitan's names, so its checkpointer and Hugging Face state-dict
+adapters see the usual keys.
 """
 
 from dataclasses import replace
@@ -31,6 +34,7 @@ from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.parallel.parallelize import shard_moe_layer
 from dtensor_moe.parallel.plan import WeightPlan, plan_moe
 
+from .context_parallel import apply_cp
 from .trainer import ExpertMeshParallelDims
 
 # Plan names (dtensor_moe's MoE) -> torchtitan's names, relative to the MoE module.
@@ -106,6 +110,8 @@ def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_co
     moes = [b.moe for b in _blocks(model) if getattr(b, "moe_enabled", False)]
     plans = [titan_plan(m, dims) for m in moes]  # every check before the first collective
     meshes = dims.build_meshes(device_type)
+    if dims.cp > 1:  # before TP, so that its local_map wraps our attention (see context_parallel.py)
+        apply_cp(_blocks(model), parallel_dims.get_mesh("cp"), parallelism.context_parallel_load_balancer)
     if dims.tp > 1:
         _apply_dense_tp(model, moes, parallel_dims)
     mp_policy = MixedPrecisionPolicy(

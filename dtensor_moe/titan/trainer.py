@@ -4,8 +4,11 @@
 EDP is what is left: dp_shard / (ep * etp). torchtitan itself keeps seeing a plain FSDP/HSDP job
 (its own expert_parallel_degree stays 1) and our parallelize function receives the expert degrees
 through `ExpertMeshParallelDims`, torchtitan's ParallelDims plus ours. torchtitan's own
-`--parallelism.tensor_parallel_degree` (dense TP with sequence parallelism) and
-`--parallelism.pipeline_parallel_degree` fold in as MoEParallelDims' tp and pp.
+`--parallelism.tensor_parallel_degree` (dense TP with sequence parallelism),
+`--parallelism.context_parallel_degree` and `--parallelism.pipeline_parallel_degree` fold in as
+MoEParallelDims' tp, cp and pp. Under CP torchtitan shards each batch and the loss as for its own CP
+(the token count over the data-parallel ranks, the loss summed over dp * cp, FSDP over dp_shard * cp);
+the attention is always ours (titan/context_parallel.py), on every device type.
 """
 
 import inspect
@@ -17,6 +20,7 @@ import torch.distributed as dist
 import torchtitan.distributed.utils as titan_dist_utils
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torchtitan.distributed import ParallelDims
+from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.moe import MoE
 from torchtitan.trainer import Trainer as TitanTrainer
 
@@ -66,9 +70,8 @@ class Trainer(TitanTrainer):
             TitanTrainer.Config.__post_init__(self)
             p, ours = self.parallelism, self.dtensor_moe
             _only("parallelism.expert_parallel_degree", p.expert_parallel_degree, 1, "set --dtensor_moe.ep instead")
-            # Untested, so refused: wired like torchtitan's (its SDPA CP wrapper, cp in our dims), the
-            # CPU model failed inside SDPA on gloo ranks (aten.add got a plain tensor and a DTensor).
-            _only("parallelism.context_parallel_degree", p.context_parallel_degree, 1, "not supported yet; use 1")
+            if p.context_parallel_degree > 1:
+                _check_cp(self, p.context_parallel_degree)
             if p.tensor_parallel_degree > 1:
                 _check_tp(self, p.tensor_parallel_degree)
             _only("parallelism.spmd_backend", p.spmd_backend, "partial_dtensor", "use 'partial_dtensor'")
@@ -91,8 +94,8 @@ class Trainer(TitanTrainer):
         ours = self.config.dtensor_moe
         # Raises ValueError (same on every rank) before torchtitan builds any mesh.
         moe = MoEParallelDims(
-            dense.world_size, dp_replicate=ours.dp_replicate, dp_shard=dense.dp_shard, tp=dense.tp, ep=ours.ep,
-            etp=ours.etp, pp=dense.pp,
+            dense.world_size, dp_replicate=ours.dp_replicate, dp_shard=dense.dp_shard, cp=dense.cp, tp=dense.tp,
+            ep=ours.ep, etp=ours.etp, pp=dense.pp,
         )
         init = {f.name: getattr(dense, f.name) for f in fields(ParallelDims) if not f.name.startswith("_")}
         return ExpertMeshParallelDims(**init, moe=moe)
@@ -136,6 +139,26 @@ def _check_tp(config: Trainer.Config, tp: int) -> None:
                 raise ValueError(
                     f"parallelism.tensor_parallel_degree ({tp}) must divide layers[{i}].attention.{name} ({heads}) "
                     f"so each TP rank owns whole heads; valid: {[d for d in range(1, heads + 1) if heads % d == 0]}")
+
+
+def _check_cp(config: Trainer.Config, cp: int) -> None:
+    """What our context-parallel attention (titan/context_parallel.py) needs, checked while parsing."""
+    p = config.parallelism
+    if p.context_parallel_load_balancer not in ("headtail", None):
+        raise ValueError(f"parallelism.context_parallel_load_balancer={p.context_parallel_load_balancer!r} with "
+                         f"parallelism.context_parallel_degree={cp} is not supported with --module dtensor_moe.titan "
+                         "(ptrr needs FlexAttention's block masks); valid: 'headtail', or none")
+    if config.compile.enable and "model" in config.compile.components:
+        raise ValueError(f"compile.enable with parallelism.context_parallel_degree={cp} is not supported with "
+                         "--module dtensor_moe.titan yet; valid: compile with context_parallel_degree 1, or CP eager")
+    model = config.model_spec.model
+    for i, layer in enumerate([*model.layers, *getattr(model, "mtp_layers", [])]):
+        inner = type(layer.attention.inner_attention)
+        if inner is not ScaledDotProductAttention.Config:
+            raise ValueError(
+                f"parallelism.context_parallel_degree={cp} with --module dtensor_moe.titan needs SDPA attention: "
+                f"layers[{i}].attention.inner_attention is {inner.__qualname__}; valid: "
+                "ScaledDotProductAttention (the *_cpu configs), or context_parallel_degree 1")
 
 
 def _uncount_shape_inference(model_part) -> None:
