@@ -1,7 +1,7 @@
 """torchtitan's Trainer with one more config section, `dtensor_moe`: our expert degrees.
 
 `--dtensor_moe.ep`, `--dtensor_moe.etp`, `--dtensor_moe.dp_replicate` on torchtitan's command line;
-EDP is what is left: dp_shard / (ep * etp). torchtitan itself keeps seeing a plain FSDP/HSDP job
+EDP is what is left: dp_shard * cp * tp / (ep * etp). torchtitan itself keeps seeing a plain FSDP/HSDP job
 (its own expert_parallel_degree stays 1) and our parallelize function receives the expert degrees
 through `ExpertMeshParallelDims`, torchtitan's ParallelDims plus ours. torchtitan's own
 `--parallelism.tensor_parallel_degree` (dense TP with sequence parallelism),
@@ -152,13 +152,14 @@ def _check_cp(config: Trainer.Config, cp: int) -> None:
         raise ValueError(f"compile.enable with parallelism.context_parallel_degree={cp} is not supported with "
                          "--module dtensor_moe.titan yet; valid: compile with context_parallel_degree 1, or CP eager")
     model = config.model_spec.model
-    for i, layer in enumerate([*model.layers, *getattr(model, "mtp_layers", [])]):
-        inner = type(layer.attention.inner_attention)
-        if inner is not ScaledDotProductAttention.Config:
-            raise ValueError(
-                f"parallelism.context_parallel_degree={cp} with --module dtensor_moe.titan needs SDPA attention: "
-                f"layers[{i}].attention.inner_attention is {inner.__qualname__}; valid: "
-                "ScaledDotProductAttention (the *_cpu configs), or context_parallel_degree 1")
+    for where in ("layers", "mtp_layers"):
+        for i, layer in enumerate(getattr(model, where, None) or []):
+            inner = type(layer.attention.inner_attention)
+            if inner is not ScaledDotProductAttention.Config:
+                raise ValueError(
+                    f"parallelism.context_parallel_degree={cp} with --module dtensor_moe.titan needs SDPA attention: "
+                    f"{where}[{i}].attention.inner_attention is {inner.__qualname__}; valid: "
+                    "ScaledDotProductAttention (the *_cpu configs), or context_parallel_degree 1")
 
 
 def _uncount_shape_inference(model_part) -> None:
