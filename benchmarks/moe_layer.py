@@ -14,6 +14,8 @@ baseline does, 18*D*F*T*K per rank. Two timings per layer:
   step:  one-microbatch training step: fresh gradients (zero_grad(set_to_none=True), so each weight
          gradient is its GEMM's output, nothing added), and where experts are FSDP-sharded (EDP)
          FSDP's all-gather in forward and backward and gradient reduce-scatter.
+`--dispatch-precision fp8` sends the parallel layers' token payload in e4m3 (MoEConfig.dispatch_precision);
+each row records the bytes one step's all-to-alls sent (`sent_bytes`, counted by parallel/dispatch.py).
 In the same run: the ceilings (dense bf16 matmul, the grouped SwiGLU alone at each per-rank shape,
 equal-split all_to_all at each dispatch size), a numerics check of the benchmarked path against an
 fp32 reference, and one profiled step per layer (where the time goes). Baseline numbers come from
@@ -35,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, grouped_swiglu, parallelize_moe
 from dtensor_moe.kernels import policy
+from dtensor_moe.parallel import dispatch
 from dtensor_moe.router import Routing
 from dtensor_moe.train.metrics import write_json
 
@@ -149,7 +152,8 @@ def _check_numerics(cfg, mesh, rank, world, T, dev, dtype) -> dict:
 def numerics_config(cfg: MoEConfig) -> MoEConfig:
     """Same E, K and routing pattern, smaller D/F so the fp32 reference fits beside the layer."""
     return MoEConfig(dim=min(cfg.dim, 1024), hidden_dim=min(cfg.hidden_dim, 512), num_experts=cfg.num_experts,
-                     top_k=cfg.top_k, load_balance="none", expert_precision=cfg.expert_precision)
+                     top_k=cfg.top_k, load_balance="none", expert_precision=cfg.expert_precision,
+                     dispatch_precision=cfg.dispatch_precision)
 
 
 KERNEL_KINDS = (("all-to-all", ("nccl",)), ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "gemv", "wgrad_accumulate")),
@@ -282,7 +286,8 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak, precision="bf16
     local = MESHES[mesh] is None
     if local and rank != 0:
         return None
-    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K, load_balance="none", expert_precision=precision)
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K, load_balance="none", expert_precision=precision,
+                    dispatch_precision=args.dispatch_precision)
     progress(rank, name, mesh, "numerics check")
     numerics = check_numerics(numerics_config(cfg), mesh, rank, world, min(T, 2048), dev, dtype)
     if dev.type == "cuda":
@@ -296,8 +301,8 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak, precision="bf16
         moe(x).float().sum().backward()
 
     flops = 18 * D * F * T * K
-    out = {"shape": name, "mesh": mesh, "precision": precision, "D": D, "F": F, "E": E, "K": K, "T": T,
-           "numerics": numerics}
+    out = {"shape": name, "mesh": mesh, "precision": precision, "dispatch_precision": args.dispatch_precision,
+           "D": D, "F": F, "E": E, "K": K, "T": T, "numerics": numerics}
     progress(rank, name, mesh, "timing")
     def train_step():  # one microbatch of a training step: fresh gradients (the GEMMs' outputs become .grad), FSDP's reductions
         step()
@@ -329,6 +334,9 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak, precision="bf16
         progress(rank, name, mesh, "profile")
         trace = f"{args.trace_dir}/{name}_{mesh}_rank{rank}.json" if args.trace_dir and rank == 0 else None
         out["profile"] = profile_step(step, dev, barrier=not local, trace=trace)
+    dispatch.SENT_BYTES.clear()  # what one step's all-to-alls sent to the other ranks, as they counted it
+    step()
+    out["sent_bytes"] = {f"{kind} {direction}": n for (kind, direction), n in sorted(dispatch.SENT_BYTES.items())}
     moved_bytes = a2a_bytes_to_peer(mesh, experts_TK, E, D, x.element_size())
     if mesh in ("ep2", "etp2"):  # decided by the mesh, never by per-rank data: both ranks must enter
         a2a_ms = out["profile"]["all_to_all_ms"] if "profile" in out else 0
@@ -393,8 +401,9 @@ def targets(rows) -> list[dict]:
             want = 100 * TARGET_PEAK_FRACTION[r["shape"]]
             out.append({"what": f"{r['shape']} ep2 % dense peak", "want": want, "got": r["pct_dense_peak"],
                         "ok": r["pct_dense_peak"] >= want})
-    for p in NUMERICS_TOL:
-        errs = [max(r["numerics"].values()) for r in rows if r["precision"] == p]
+    for p in NUMERICS_TOL:  # "fp8": e4m3 anywhere, in the expert GEMMs or the dispatch payload
+        errs = [max(r["numerics"].values()) for r in rows
+                if ("fp8" if "fp8" in (r["precision"], r.get("dispatch_precision")) else "bf16") == p]
         if errs:
             out.append({"what": f"{p} numerics max rel err", "want": NUMERICS_TOL[p], "got": max(errs),
                         "ok": max(errs) <= NUMERICS_TOL[p]})
@@ -414,12 +423,13 @@ def row_cells(r) -> tuple:
     return (r["shape"], r["mesh"], r["precision"], fmt(r.get("vs_bf16"), ".2f"), gemms, fmt(r.get("requant_ms"), ".2f"),
             fmt(r["ms"], ".2f"), fmt(r["host_ms"], ".2f"), fmt(r["tflops"], ".0f"), fmt(r["pct_dense_peak"], ".0f"),
             fmt(r.get("titan_tflops"), ".0f"), fmt(r.get("ratio"), ".2f"), fmt(r.get("step_ms"), ".2f"),
+            fmt(sum(r.get("sent_bytes", {}).values()) / 1e6 if r.get("sent_bytes") else None, ".1f"),
             fmt(r.get("a2a_gbps_in_step"), ".0f"), fmt(r.get("a2a_ceiling_gbps"), ".0f"),
             fmt(r["gemm_ceiling_tflops"], ".0f"), fmt(max(r["numerics"].values()), ".1e"), fmt(r["peak_mem_gib"], ".1f"))
 
 
 HEAD = ("shape", "mesh", "prec", "x bf16", "fwd/dgrad/wgrad", "requant ms", "ms", "host ms", "TFLOP/s", "%peak", "titan",
-        "ratio", "step ms", "a2a GB/s", "a2a ceil",
+        "ratio", "step ms", "sent MB", "a2a GB/s", "a2a ceil",
         "gemm ceil", "num err", "GiB")
 
 
@@ -457,6 +467,8 @@ def main():
     ap.add_argument("--titan-log", default=None, help="titan_anchor.py output for the baseline columns")
     ap.add_argument("--precisions", nargs="+", default=["bf16"], choices=("bf16", "fp8"),
                     help="expert_precision of the layers: a row each, side by side")
+    ap.add_argument("--dispatch-precision", choices=("bf16", "fp8"), default="bf16",
+                    help="MoEConfig.dispatch_precision of the parallel layers (fp8: the EP/ETP token payload in e4m3)")
     ap.add_argument("--gemm-rates", default=None, help="expert_gemms.py JSON: the per-GEMM columns (local rows)")
     ap.add_argument("--out", required=True, help="JSON results (written by rank 0)")
     args = ap.parse_args()

@@ -41,6 +41,16 @@ def test_moe_layer_smoke(tmp_path):
     assert rows["local"]["ratio"] is None  # no EP=1 baseline line given
     assert rows["ep2"]["profile"]["top"] and rows["ep2"]["a2a_ceiling_gbps"] > 0 and "a2a_ceiling_gbps" not in rows["edp2"]
     assert any(t["what"] == "bf16 numerics max rel err" and t["ok"] for t in res["targets"])
+    # The FP8 dispatch payload on the same routing (seeded): its token rows cross as D + 4 bytes against bf16's 2D.
+    fp8_out = tmp_path / "moe_layer_fp8.json"
+    torchrun("moe_layer.py", "--device", "cpu", "--shapes", "tiny", "--meshes", "ep2", "--iters", "1", "--warmup", "0",
+             "--profile-meshes", "--dispatch-precision", "fp8", "--out", str(fp8_out))
+    (fp8_row,) = json.loads(fp8_out.read_text())["rows"]
+    assert fp8_row["dispatch_precision"] == "fp8" and max(fp8_row["numerics"].values()) < 0.2
+    bf16_sent, fp8_sent = rows["ep2"]["sent_bytes"], fp8_row["sent_bytes"]
+    # Per step, "rows there" is the dispatch's tokens and the combine's gradient (same rows); FP8 only the first.
+    assert fp8_sent["rows there"] * 2 == bf16_sent["rows there"]
+    assert fp8_sent["rows:fp8 there"] / fp8_sent["rows there"] == (64 + 4) / (2 * 64)
 
 
 def test_memory_smoke(tmp_path):
