@@ -333,9 +333,10 @@ def run_on_ranks(world_size: int, fn, *args, timeout: float | None = None):
     return out
 
 
-def _as_torchrun_rank(rank, world_size, module, args, environ, port):
-    """A task: `python -m module *args` as torchrun would run it on this rank (the module creates its own
-    default group on `port`, as under torchrun's rendezvous; the pool's is re-created after the task)."""
+def _as_torchrun_rank(rank, world_size, target, args, environ, port):
+    """A task: `python -m MODULE *args` (target ("module", MODULE)) or `python SCRIPT *args` (("path", SCRIPT))
+    as torchrun would run it on this rank: it creates its own default group on `port`, as under torchrun's
+    rendezvous (the pool's is re-created after the task)."""
     import runpy
     import warnings
 
@@ -346,12 +347,16 @@ def _as_torchrun_rank(rank, world_size, module, args, environ, port):
     os.environ.clear()
     os.environ.update(environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.argv = [module, *args]
+    kind, name = target
+    sys.argv = [name, *args]
     try:
         with warnings.catch_warnings():  # the module was imported already (by the forkserver's preload)
             warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package",
                                     category=RuntimeWarning)
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            if kind == "module":
+                runpy.run_module(name, run_name="__main__", alter_sys=True)
+            else:
+                runpy.run_path(name, run_name="__main__")
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else int(e.code is not None)
     finally:
@@ -362,19 +367,22 @@ def _as_torchrun_rank(rank, world_size, module, args, environ, port):
 
 
 def torchrun_on_ranks(cmd: list[str], env: dict | None = None) -> int:
-    """The exit status of `cmd`, a `python -m torch.distributed.run --standalone --nproc-per-node=N -m MODULE
-    ARGS` command, run on an N-rank pool instead: every rank runs `python -m MODULE ARGS` in torchrun's
-    environment (`env`, or this process's, plus RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT). For tests of
-    what a launcher starts, not of the launcher: a real torchrun costs ~3 CPU s per rank importing torch."""
-    i = cmd.index("torch.distributed.run")
-    module_at = cmd.index("-m", i)
-    options = cmd[i + 1:module_at]
+    """The exit status of `cmd`, a `python -m torch.distributed.run --standalone --nproc-per-node=N (-m MODULE |
+    SCRIPT) ARGS` command, run on an N-rank pool instead: every rank runs `python -m MODULE ARGS` (or `python
+    SCRIPT ARGS`) in torchrun's environment (`env`, or this process's, plus RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT). For tests of what a launcher starts, not of the launcher: a real torchrun costs
+    several CPU seconds per rank importing torch."""
+    i = cmd.index("torch.distributed.run") + 1
+    options = []
+    while cmd[i].startswith("--"):
+        options.append(cmd[i])
+        i += 1
     nproc = [o for o in options if o.startswith("--nproc-per-node=")]
     if sorted(options) != sorted(["--standalone", *nproc]) or len(nproc) != 1:
         raise ValueError(f"torchrun_on_ranks emulates --standalone --nproc-per-node=N only, got {options}")
-    module, args = cmd[module_at + 1], cmd[module_at + 2:]
+    target, args = (("module", cmd[i + 1]), cmd[i + 2:]) if cmd[i] == "-m" else (("path", cmd[i]), cmd[i + 1:])
     environ = dict(os.environ if env is None else env)
-    codes = run_on_ranks(int(nproc[0].split("=")[1]), _as_torchrun_rank, module, args, environ, _free_port())
+    codes = run_on_ranks(int(nproc[0].split("=")[1]), _as_torchrun_rank, target, args, environ, _free_port())
     return next((c for c in codes if c), 0)
 
 

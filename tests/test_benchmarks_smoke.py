@@ -4,21 +4,20 @@ Nothing is timed here: this checks the scripts (meshes, numerics check, baseline
 accounting) so a GPU run is not spent discovering a bug."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+from .harness import torchrun_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def torchrun(script: str, *args: str, nproc: int = 2):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    """The script as `torchrun --nproc-per-node=N` starts it, its ranks run on the harness's pools (a real
+    torchrun's fresh processes would spend most of the test importing torch)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(ROOT / "benchmarks" / script), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    assert torchrun_on_ranks(cmd) == 0
 
 
 def test_moe_layer_smoke(tmp_path):
