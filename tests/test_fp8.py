@@ -164,10 +164,12 @@ def test_fp8_ep2_close_to_fp32_reference():
         assert all(v <= LAYER_TOL for v in errs.values()), errs
 
 
-def fp8_payload_against_unquantized(rank, world_size, etp):
+def fp8_payload_against_unquantized(rank, world_size, etp, pad=False):
     """The bf16 layer under EP2 (x ETP) with dispatch_precision "fp8" and "bf16" on the same inputs:
-    (relative errors of the output and every gradient, the bytes each payload sent)."""
-    cfg = MoEConfig(dim=64, hidden_dim=32, num_experts=4, top_k=2)
+    (relative errors of the output and every gradient, the bytes each payload sent). `pad`: the
+    pad_to_capacity path (its rows are "slots")."""
+    cfg = MoEConfig(dim=64, hidden_dim=32, num_experts=4, top_k=2,
+                    **(dict(capacity_factor=1.0, pad_to_capacity=True) if pad else {}))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2 * world_size, 9, 64, generator=g).to(torch.bfloat16)
     dy = torch.randn(x.shape, generator=g).to(torch.bfloat16)
@@ -189,8 +191,9 @@ def fp8_payload_against_unquantized(rank, world_size, etp):
         sent.append((forward, backward))
     rel = {k: ((res[1][k].float() - res[0][k].float()).norm() / res[0][k].float().norm()).item() for k in res[0]}
     (fwd_bf16, bwd_bf16), (fwd_fp8, bwd_fp8) = sent
-    return rel, fwd_bf16[("rows", "there")], fwd_fp8[("rows:fp8", "there")], bwd_bf16[("rows", "back")], \
-        bwd_fp8[("rows:fp8", "back")]
+    kind = "slots" if pad else "rows"
+    return rel, fwd_bf16[(kind, "there")], fwd_fp8[(f"{kind}:fp8", "there")], bwd_bf16[(kind, "back")], \
+        bwd_fp8[(f"{kind}:fp8", "back")]
 
 
 # Relative Frobenius error of the FP8-payload layer against the unquantized one (bf16 both): only the
@@ -199,10 +202,10 @@ def fp8_payload_against_unquantized(rank, world_size, etp):
 PAYLOAD_TOL = 0.08
 
 
-@pytest.mark.parametrize("world_size,etp", [(2, 1), (4, 2)])
-def test_fp8_dispatch_payload(world_size, etp):
+@pytest.mark.parametrize("world_size,etp,pad", [(2, 1, False), (4, 2, False), (2, 1, True)])
+def test_fp8_dispatch_payload(world_size, etp, pad):
     for rel, bf16_bytes, fp8_bytes, bf16_grad_bytes, fp8_grad_bytes in run_on_ranks(
-            world_size, fp8_payload_against_unquantized, etp):
+            world_size, fp8_payload_against_unquantized, etp, pad):
         assert {"out", "grad:x", "router.gate.weight", "experts.w1", "experts.w2", "experts.w3"} <= set(rel)
         assert all(v <= PAYLOAD_TOL for v in rel.values()), rel
         assert rel["out"] > 1e-3  # the payload really was quantized
