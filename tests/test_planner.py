@@ -174,14 +174,19 @@ def test_node_fractions_match_rank_placement(G):
 
 
 def test_rates_node_fractions_follow_the_mesh_geometry():
-    """Rates takes each group's (size, stride) from the degrees, not mesh_geometry: they must agree."""
+    """Rates takes each group's (size, stride) from the degrees, not mesh_geometry: they must agree;
+    foldings sharing a rates_key share their Rates."""
     spec, G = resolve("mixtral-8x7b"), 4
     work = _work("gpipe", 1, seq_len=64)
+    seen = {}
     for dims in P.foldings(32, spec, work, G):
+        assert replace(dims) == dims  # the search's foldings pass MoEParallelDims' checks
         r, geo = P.rates(spec, dims, work, G), P.mesh_geometry(dims)
+        assert seen.setdefault(P.rates_key(dims), r) == r, dims  # the search's memo on rates_key is sound
         assert (r.ep_inter, r.etp_inter) == tuple(1 - P.pairwise_intra_fraction(*geo[a], G) for a in ("ep", "etp"))
         assert (r.tp_inter, r.cp_inter) == tuple(P.ring_inter_fraction(*geo[a], G) for a in ("tp", "cp"))
         assert r.send_inter == P.chain_inter_fraction(*geo["pp"], G)
+    assert len(seen) < len(list(P.foldings(32, spec, work, G)))
 
 
 def test_footprint_key_covers_what_the_plan_reads():
@@ -551,7 +556,7 @@ def _exhaustive(spec, dims, work, hw):
         fp = P.footprint(P.fsdp_units(spec, dims, share, work.microbatches), dims)
         mem = P.rank_memory(spec, dims, work, fp, rank)
         comm = P.comm_bytes(spec, dims, work, hw.gpus_per_node, fp, rank)
-        t = sum(c.intra / hw.intra_bw + c.inter / hw.inter_bw for c in comm.values())
+        t = P.comm_time(comm.values(), hw)
         if worst_mem is None or mem.total > worst_mem[0].total:
             worst_mem = (mem, share)
         if worst_comm is None or t > worst_comm[1]:

@@ -37,6 +37,7 @@ from dtensor_moe.tools.planner.cost_model import (
     chain_inter_fraction,
     combine,
     comm_bytes,
+    comm_time,
     distinct_ranks,
     footprint,
     fsdp_units,
@@ -51,27 +52,33 @@ from dtensor_moe.tools.planner.cost_model import (
     predicted_state_bytes,
     rank_activations,
     rank_memory,
+    ranks_held_costs,
     rates,
     ring_inter_fraction,
+    seconds,
     share_footprint,
     share_parts,
     stage_share,
     state_bytes,
     step_tokens_per_rank,
     tokens_per_rank,
+    token_traffic,
     traffic_of,
     unit_part,
 )
 from dtensor_moe.tools.planner.report import candidate_dict, explain_choice, table
-from dtensor_moe.tools.planner.search import TP_NOTE, Candidate, evaluate, footprint_key, foldings, pipeline_degrees, plan
+from dtensor_moe.tools.planner.search import (
+    TP_NOTE, Candidate, evaluate, footprint_key, foldings, pipeline_degrees, plan, rates_key,
+)
 
 __all__ = [
     "COMPUTE_BYTES", "GiB", "MASTER_BYTES", "OPTIMIZER_MOMENTS", "RECOMPUTE", "REDUCE_BYTES", "STEP_BYTES", "TP_NOTE",
     "Candidate", "Footprint", "Hardware", "Held", "Memory", "PipelineRank", "Rates", "StageShare", "Traffic", "Unit",
     "UnitPart", "Workload", "activation_bytes", "bubble_fraction", "candidate_dict", "chain_inter_fraction", "combine",
-    "comm_bytes", "distinct_ranks", "evaluate", "explain_choice", "footprint", "footprint_key", "foldings",
+    "comm_bytes", "comm_time", "distinct_ranks", "evaluate", "explain_choice", "footprint", "footprint_key", "foldings",
     "fsdp_units", "held_costs", "held_numel", "in_flight", "memory_of", "mesh_geometry", "node_span",
     "pairwise_intra_fraction", "pipeline_degrees", "pipeline_ranks", "plan", "predicted_state_bytes",
-    "rank_activations", "rank_memory", "rates", "ring_inter_fraction", "share_footprint", "share_parts", "stage_share",
-    "state_bytes", "step_tokens_per_rank", "table", "tokens_per_rank", "traffic_of", "unit_part",
+    "rank_activations", "rank_memory", "ranks_held_costs", "rates", "rates_key", "ring_inter_fraction", "seconds",
+    "share_footprint", "share_parts", "stage_share", "state_bytes", "step_tokens_per_rank", "table", "token_traffic",
+    "tokens_per_rank", "traffic_of", "unit_part",
 ]

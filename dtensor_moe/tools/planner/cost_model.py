@@ -36,6 +36,7 @@ Model of one training step per rank:
 """
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import NamedTuple
@@ -191,15 +192,21 @@ def _fsdp_plan(name: str, shape: tuple[int, ...], dims: MoEParallelDims, axis: s
 
 
 @lru_cache(maxsize=4096)
-def _outer_plans(spec: ModelSpec, world: int, dp_replicate: int, cp: int, tp: int, axis: str):
-    """Plans of the non-MoE weights; they depend on the dense folding only, so cached across ep/etp
-    (keyed on the degrees: building a MoEParallelDims per folding costs more than the plans)."""
-    dense_dims = MoEParallelDims(world, dp_replicate=dp_replicate, cp=cp, tp=tp)
+def _outer_plans(spec: ModelSpec, tp: int, axis: str, size: int):
+    """Plans of the non-MoE weights (root, dense block, MoE block). They read only tp and their FSDP
+    axis, so they are planned once per (tp, axis, its size), on the smallest stage with those."""
+    dims = _dense_stage(tp, axis, size)
+    plans = {n: _fsdp_plan(n, s, dims, axis) for n, s in (*spec.root_weights(), *spec.layer_weights(dense_ffn=True))}
 
-    def plans(ws):
-        return tuple(_fsdp_plan(n, s, dense_dims, axis) for n, s in ws)
+    def of(ws):
+        return tuple(plans[n] for n, _ in ws)
 
-    return plans(spec.root_weights()), plans(spec.layer_weights(dense_ffn=True)), plans(spec.layer_weights(dense_ffn=False))
+    return of(spec.root_weights()), of(spec.layer_weights(dense_ffn=True)), of(spec.layer_weights(dense_ffn=False))
+
+
+def _dense_stage(tp: int, axis: str, size: int) -> MoEParallelDims:
+    """The smallest stage whose dense FSDP axis is `axis` of `size` ranks (dp_shard, or cp, = size)."""
+    return MoEParallelDims(size * tp, cp=size if axis == "dp_shard_cp" else 1, tp=tp)
 
 
 @lru_cache(maxsize=64)
@@ -208,16 +215,53 @@ def _moe_config(spec: ModelSpec):
 
 
 _MOE_PLANS: dict[tuple, tuple[WeightPlan, ...]] = {}
+_MOE_PARTS: dict[tuple, "UnitPart"] = {}
+
+
+def _memo(cache: dict, key, make):
+    """cache[key], made on a miss; cleared when full, so a long-lived process stays bounded."""
+    if key not in cache:
+        if len(cache) > 16384:
+            cache.clear()
+        cache[key] = make()
+    return cache[key]
+
+
+def _moe_key(spec: ModelSpec, dims: MoEParallelDims) -> tuple:
+    """What plan_moe reads: the sizes of the axes it shards over."""
+    return spec, dims.ep, dims.etp, dims.edp, dims.moe_dp_axis, dims.dp_shard * dims.cp * dims.tp
 
 
 def _moe_plans(spec: ModelSpec, dims: MoEParallelDims) -> tuple[WeightPlan, ...]:
-    """plan_moe reads only the sizes of the axes it shards over: cached on them across foldings."""
-    key = (spec, dims.ep, dims.etp, dims.edp, dims.moe_dp_axis, dims.dp_shard * dims.cp * dims.tp)
-    if key not in _MOE_PLANS:
-        if len(_MOE_PLANS) > 16384:
-            _MOE_PLANS.clear()
-        _MOE_PLANS[key] = tuple(plan_moe(_moe_config(spec), dims))
-    return _MOE_PLANS[key]
+    return _memo(_MOE_PLANS, _moe_key(spec, dims), lambda: tuple(plan_moe(_moe_config(spec), dims)))
+
+
+def _moe_part(spec: ModelSpec, dims: MoEParallelDims, gathers: int) -> "UnitPart":
+    """unit_part of one MoE block's MoE weights. plan_moe reads their dense axis (moe_dp_axis, every
+    rank of a replica with its own tokens: ep * etp * edp of them) for its name and size only, so the
+    part is planned once per (ep, etp, edp), on the stage where that axis is dp_shard, and renamed:
+    a quarter of the plans in a search."""
+    ep, etp, edp, axis = dims.ep, dims.etp, dims.edp, dims.moe_dp_axis
+
+    def plan():
+        stage = MoEParallelDims(ep * etp * edp, ep=ep, etp=etp)
+        return unit_part(Unit("moe", 1, _moe_plans(spec, stage), gathers), stage)
+
+    part = _memo(_MOE_PARTS, (spec, ep, etp, edp, gathers), plan)
+    if axis == "dp_shard":
+        return part
+    return part._replace(sharded=tuple(((axis if a == "dp_shard" else a, g), n) for (a, g), n in part.sharded))
+
+
+def _dense_axis(dims: MoEParallelDims) -> tuple[str, int]:
+    """parallelize_model's FSDP axis for the dense weights (MoEMeshes.dp) and its size; the MoE's own axis includes tp."""
+    return ("dp_shard_cp", dims.dp_shard * dims.cp) if dims.cp > 1 else ("dp_shard", dims.dp_shard)
+
+
+def _gathers(dims: MoEParallelDims, microbatches: int) -> tuple[int, int]:
+    """All-gathers per step of the root unit (kept gathered after forward; under pp also after
+    backward, so gathered once a step) and of a block unit (forward and backward of each microbatch)."""
+    return microbatches if dims.pp == 1 else 1, 2 * microbatches
 
 
 def fsdp_units(spec: ModelSpec, dims: MoEParallelDims, share: StageShare | None = None, microbatches: int = 1
@@ -225,19 +269,18 @@ def fsdp_units(spec: ModelSpec, dims: MoEParallelDims, share: StageShare | None 
     """The FSDP units of `share` (default: the whole model) with their all-gathers per step."""
     share = share or StageShare(spec.n_dense_layers, spec.n_moe_layers, True, True)
     moe_plans = _moe_plans(spec, dims)
-    # parallelize_model's mesh for the dense weights (MoEMeshes.dp); the MoE's own axis includes tp.
-    dp_axis = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
-    root, dense_block, moe_block = _outer_plans(spec, dims.stage_size, dims.dp_replicate, dims.cp, dims.tp, dp_axis)
+    root, dense_block, moe_block = _outer_plans(spec, dims.tp, *_dense_axis(dims))
+    root_gathers, block_gathers = _gathers(dims, microbatches)
     if not (share.first and share.last):  # a pipeline stage: the ends it holds
         held_root = {n for n, _ in spec.root_weights(share.first, share.last)}
         root = tuple(wp for wp in root if wp.name in held_root)
     units = []
-    if root:  # kept gathered after forward; under pp also after backward, so gathered once a step
-        units.append(Unit("root", 1, root, microbatches if dims.pp == 1 else 1))
+    if root:
+        units.append(Unit("root", 1, root, root_gathers))
     if share.dense_layers:
-        units.append(Unit("dense block", share.dense_layers, dense_block, 2 * microbatches))
+        units.append(Unit("dense block", share.dense_layers, dense_block, block_gathers))
     if share.moe_layers:
-        units.append(Unit("moe block", share.moe_layers, (*moe_block, *moe_plans), 2 * microbatches))
+        units.append(Unit("moe block", share.moe_layers, (*moe_block, *moe_plans), block_gathers))
     return tuple(units)
 
 
@@ -297,13 +340,35 @@ def footprint(units, dims: MoEParallelDims) -> Footprint:
 
 def share_parts(spec: ModelSpec, dims: MoEParallelDims, microbatches: int = 1) -> dict[str, UnitPart]:
     """One copy of each unit a pipeline rank can hold, the root split into the embedding and the head
-    (the search combines them per share instead of re-reading the plans)."""
-    root, *blocks = fsdp_units(spec, dims, StageShare(1, 1, True, True), microbatches)
+    (the search combines them per share instead of re-reading the plans), from parts cached on what
+    the plans read."""
+    root_gathers, block_gathers = _gathers(dims, microbatches)
+    embedding, head, dense_block, attention = _outer_parts(spec, dims.tp, *_dense_axis(dims), root_gathers, block_gathers)
+    return {"embedding": embedding, "head": head, "dense block": dense_block,
+            "moe block": _join(attention, _moe_part(spec, dims, block_gathers))}
+
+
+@lru_cache(maxsize=4096)
+def _outer_parts(spec: ModelSpec, tp: int, axis: str, size: int, root_gathers: int, block_gathers: int):
+    """share_parts of the weights outside the MoE: the embedding, the head, a dense block, a MoE block's attention."""
+    dims = _dense_stage(tp, axis, size)
+    root, dense_block, moe_block = _outer_plans(spec, tp, axis, size)
     embedding = {n for n, _ in spec.root_weights(first=True, last=False)}
-    parts = {u.name: unit_part(u, dims) for u in blocks}
-    for name, first in (("embedding", True), ("head", False)):
-        parts[name] = unit_part(replace(root, plans=tuple(wp for wp in root.plans if (wp.name in embedding) == first)), dims)
-    return parts
+
+    def part(plans, gathers):
+        return unit_part(Unit("", 1, plans, gathers), dims)
+
+    return (part(tuple(wp for wp in root if wp.name in embedding), root_gathers),
+            part(tuple(wp for wp in root if wp.name not in embedding), root_gathers),
+            part(dense_block, block_gathers), part(moe_block, block_gathers))
+
+
+def _join(a: UnitPart, b: UnitPart) -> UnitPart:
+    """The part of a unit holding a's plans then b's: unit_part of the concatenation."""
+    sharded = dict(a.sharded)
+    for key, n in b.sharded:
+        sharded[key] = sharded.get(key, 0) + n
+    return UnitPart(tuple(sharded.items()), a.tensors + b.tensors, a.gathered + b.gathered)
 
 
 def share_footprint(parts: dict[str, UnitPart], share: StageShare) -> Footprint:
@@ -489,13 +554,38 @@ class Held(NamedTuple):
 
 
 def held_costs(dims: MoEParallelDims, work: Workload, gpus_per_node: int, fp: Footprint, rank: PipelineRank) -> Held:
-    G, geo, r = gpus_per_node, mesh_geometry(dims), dims.dp_replicate
+    return ranks_held_costs(dims, work, gpus_per_node, ((rank, fp),))[0]
+
+
+def ranks_held_costs(dims: MoEParallelDims, work: Workload, gpus_per_node: int,
+                     ranks: Iterable[tuple[PipelineRank, Footprint]]) -> tuple[Held, ...]:
+    """held_costs of each (pipeline rank, its footprint) of one folding, the folding's geometry read once.
+    FSDP all-gathers (compute dtype) and reduce-scatters (fp32) ring over each axis a unit is sharded
+    on; HSDP all-reduces the sharded gradients over dp_replicate."""
+    G, geo, r, b = gpus_per_node, mesh_geometry(dims), dims.dp_replicate, work.compute_bytes
     # Without pp every microbatch's backward reduces the gradients; pipelining reduces them once a step.
     reductions = work.microbatches if dims.pp == 1 else 1
-    hsdp = reductions * 2 * (r - 1) / r * fp.held * REDUCE_BYTES
-    traffic = {**_fsdp_traffic(fp.sharded, tuple(geo[a] for a, _, _ in fp.sharded), G, work.compute_bytes, reductions),
-               "hsdp_all_reduce": _part(hsdp, ring_inter_fraction(*geo["dp_replicate"], G))}
-    return Held(rank, fp, _held_memory(work, dims.pp, fp), traffic)
+    hsdp_rate, hsdp_inter = reductions * 2 * (r - 1) / r, ring_inter_fraction(*geo["dp_replicate"], G)
+    rings: dict[str, tuple[int, float, float]] = {}  # axis: (peers, share of ring hops crossing nodes, the rest)
+    out = []
+    for rank, fp in ranks:
+        # Each sharded axis's ring traffic split intra-/inter-node, summed in the footprint's order.
+        gather_intra = gather_inter = scatter_intra = scatter_inter = 0
+        for axis, gathers, n in fp.sharded:
+            if axis not in rings:
+                size, stride = geo[axis]
+                inter = ring_inter_fraction(size, stride, G)
+                rings[axis] = (size - 1, inter, 1 - inter)
+            peers, inter, intra = rings[axis]
+            if gathered := gathers * peers * n * b:
+                gather_intra, gather_inter = gather_intra + gathered * intra, gather_inter + gathered * inter
+            if scattered := reductions * peers * n * REDUCE_BYTES:
+                scatter_intra, scatter_inter = scatter_intra + scattered * intra, scatter_inter + scattered * inter
+        traffic = {"fsdp_all_gather": Traffic(gather_intra, gather_inter),
+                   "fsdp_reduce_scatter": Traffic(scatter_intra, scatter_inter),
+                   "hsdp_all_reduce": _part(hsdp_rate * fp.held * REDUCE_BYTES, hsdp_inter)}
+        out.append(Held(rank, fp, _held_memory(work, dims.pp, fp), traffic))
+    return tuple(out)
 
 
 @lru_cache(maxsize=64)
@@ -574,15 +664,33 @@ def comm_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_
 
 
 def traffic_of(r: Rates, held: Held) -> dict[str, Traffic]:
-    s, routed = held.rank.share, r.routed * held.rank.share.moe_layers
+    return {**token_traffic(r, held.rank), **held.traffic}
+
+
+def token_traffic(r: Rates, rank: PipelineRank) -> dict[str, Traffic]:
+    """What a pipeline rank's tokens send: its traffic but the weights' (`Held.traffic`)."""
+    s, routed = rank.share, r.routed * rank.share.moe_layers
     return {
-        "pp_send_recv": _part(held.rank.sends * r.send, r.send_inter),
+        "pp_send_recv": _part(rank.sends * r.send, r.send_inter),
         "ep_all_to_all": _part(routed * (r.ep - 1) / r.ep, r.ep_inter),
         "etp_gather_scatter": _part(routed * (r.etp - 1), r.etp_inter),
         "tp_sequence": _part((r.seq_per_layer * s.layers + 2 * (s.first + s.last)) * r.seq, r.tp_inter),
         "cp_ring_kv": _part(s.layers * r.kv, r.cp_inter),
-        **held.traffic,
     }
+
+
+def seconds(c: Traffic, hw: Hardware) -> float:
+    """One collective's time: intra / intra_bw + inter / inter_bw."""
+    return c.intra / hw.intra_bw + c.inter / hw.inter_bw
+
+
+def comm_time(traffic, hw: Hardware, start: float = 0) -> float:
+    """Seconds of `traffic` (Traffic values) if nothing overlapped, added left to right from `start`:
+    a rank's total added up in two parts (its tokens' collectives, then its weights') is the same
+    float (sum() compensates from Python 3.12)."""
+    for c in traffic:
+        start += seconds(c, hw)
+    return start
 
 
 def _part(total: float, inter_fraction: float) -> Traffic:
@@ -592,22 +700,3 @@ def _part(total: float, inter_fraction: float) -> Traffic:
 
 def _whole_model(spec: ModelSpec) -> PipelineRank:
     return PipelineRank(StageShare(spec.n_dense_layers, spec.n_moe_layers, True, True), 1, 0)
-
-
-@lru_cache(maxsize=16384)
-def _fsdp_traffic(sharded, geometry, G: int, b: int, reductions: int) -> dict[str, Traffic]:
-    """FSDP's all-gathers and reduce-scatters: the same for every folding with this footprint and
-    geometry of its axes (most of a large search), so cached."""
-    def ring(size_stride, total):
-        return _part(total, ring_inter_fraction(*size_stride, G))
-
-    return {
-        "fsdp_all_gather": _sum(ring(ss, g * (ss[0] - 1) * n * b) for (_, g, n), ss in zip(sharded, geometry)),
-        "fsdp_reduce_scatter": _sum(ring(ss, reductions * (ss[0] - 1) * n * REDUCE_BYTES)
-                                    for (_, _, n), ss in zip(sharded, geometry)),
-    }
-
-
-def _sum(traffics) -> Traffic:
-    ts = list(traffics)
-    return Traffic(sum(t.intra for t in ts), sum(t.inter for t in ts))

@@ -19,21 +19,22 @@ from dtensor_moe.tools.planner.cost_model import (
     Hardware,
     Held,
     Memory,
+    PipelineRank,
     StageShare,
     Traffic,
     UnitPart,
     Workload,
     bubble_fraction,
-    footprint,
-    fsdp_units,
+    comm_time,
+    seconds,
+    ranks_held_costs,
     pipeline_ranks,
-    held_costs,
-    memory_of,
+    rank_activations,
     rates,
-    traffic_of,
     share_footprint,
     share_parts,
     step_tokens_per_rank,
+    token_traffic,
 )
 from dtensor_moe.tools.presets import ModelSpec
 
@@ -98,12 +99,23 @@ def _stage_foldings(world: int, pp: int, spec: ModelSpec, work: Workload, gpus_p
                 # activations every layer); that also keeps the search within ~1.5x of tp = 1 alone.
                 if (rest // cp) % tp or work.seq_len % (cp * tp) or (tp > 1 and gpus_per_node % (cp * tp)):
                     continue
+                dense = MoEParallelDims(world, dp_replicate=dp_rep, cp=cp, tp=tp, pp=pp)
                 for ep in rest_divs:
                     if moe.num_experts % ep:
                         continue
                     for etp in rest_divs:
                         if (rest // ep) % etp == 0 and moe.hidden_dim % etp == 0:
-                            yield MoEParallelDims(world, dp_replicate=dp_rep, cp=cp, tp=tp, ep=ep, etp=etp, pp=pp)
+                            yield _with_experts(dense, ep, etp)
+
+
+def _with_experts(dense: MoEParallelDims, ep: int, etp: int) -> MoEParallelDims:
+    """replace(dense, ep=ep, etp=etp) without re-running MoEParallelDims' checks per folding (they were
+    half of a 16k-GPU search's function calls): `dense` passed them, and all that ep and etp add is
+    that ep * etp divides dp_shard * cp * tp, which the loops above ensure (tests/test_planner.py
+    rebuilds every folding of a search through the constructor)."""
+    dims = object.__new__(MoEParallelDims)
+    dims.__dict__.update(dense.__dict__, ep=ep, etp=etp)
+    return dims
 
 
 def footprint_key(dims: MoEParallelDims) -> tuple:
@@ -113,41 +125,101 @@ def footprint_key(dims: MoEParallelDims) -> tuple:
     return dims.dp_shard * dims.cp, dims.cp > 1, dims.tp, dims.ep, dims.etp
 
 
+def rates_key(dims: MoEParallelDims) -> tuple:
+    """What a folding's `Rates` depend on (a search's world fixes the stage size by pp): all but
+    dp_replicate, whose replicas route, send and hold activations alike. Checked like footprint_key."""
+    return dims.pp, dims.cp, dims.tp, dims.ep, dims.etp
+
+
+class _Weights(NamedTuple):
+    """A pipeline rank's `Held`, Memory.total's sum of its terms but the activations (in the
+    property's order: params, grads, optimizer, gathered) and each of its collectives' time: once
+    per (footprint_key, pp)."""
+
+    held: Held
+    bytes: float
+    seconds: tuple[float, ...]
+
+
+class _RankTokens(NamedTuple):
+    """A pipeline rank's token costs under one `Rates`: activations, traffic and its time."""
+
+    activations: float
+    traffic: dict[str, Traffic]
+    seconds: float
+
+
+class _Tokens(NamedTuple):
+    """What a folding's tokens cost, once per rates_key: per pipeline rank, and the step's tokens per
+    rank and bubble (they follow from cp, tp and pp)."""
+
+    ranks: tuple[_RankTokens, ...]
+    tokens: float
+    bubble: float
+
+
 def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware,
              held: tuple[Held, ...] | None = None) -> Candidate:
     """Every pipeline rank that can be the worst (`pipeline_ranks`, with what its weights cost): the
     most memory, the slowest traffic."""
     if held is None:
-        parts = share_parts(spec, dims, work.microbatches)
-        held = tuple(held_costs(dims, work, hw.gpus_per_node, share_footprint(parts, r.share), r)
-                     for r in pipeline_ranks(spec, dims.pp, work))
-    (mem, share), (comm, t) = _worst(rates(spec, dims, work, hw.gpus_per_node), hw, held)
-    return Candidate(dims, mem, comm, t, step_tokens_per_rank(work, dims), mem.total <= hw.gpu_mem_gib * GiB,
-                     bubble_fraction(dims.pp, work), share)
+        held = _held(spec, dims, work, hw, pipeline_ranks(spec, dims.pp, work), {})
+    return _candidate(dims, hw, _weights(held, hw), _tokens(spec, dims, work, hw, tuple(h.rank for h in held)))
 
 
-def _worst(r, hw, held):
-    """((memory, share) of the rank with the most memory, (traffic, time) of the slowest rank); ties
-    go to the earlier rank."""
+def _held(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware, ranks: tuple[PipelineRank, ...],
+          parts: dict) -> tuple[Held, ...]:
+    """What each rank's weights cost; the units' parts memoized in `parts` on footprint_key and
+    whether pp is 1 (the root's all-gathers per step differ), across pp and dp_replicate."""
+    key = footprint_key(dims), dims.pp == 1
+    if key not in parts:
+        parts[key] = share_parts(spec, dims, work.microbatches)
+    return ranks_held_costs(dims, work, hw.gpus_per_node, [(r, share_footprint(parts[key], r.share)) for r in ranks])
+
+
+def _weights(held: tuple[Held, ...], hw: Hardware) -> tuple[_Weights, ...]:
+    return tuple(_Weights(h, h.memory[0] + h.memory[1] + h.memory[2] + h.memory[3],
+                          tuple(seconds(c, hw) for c in h.traffic.values())) for h in held)
+
+
+def _tokens(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware,
+            ranks: tuple[PipelineRank, ...]) -> _Tokens:
+    r, out = rates(spec, dims, work, hw.gpus_per_node), []
+    for rank in ranks:
+        traffic = token_traffic(r, rank)
+        out.append(_RankTokens(rank_activations(r, rank), traffic, comm_time(traffic.values(), hw)))
+    return _Tokens(tuple(out), step_tokens_per_rank(work, dims), bubble_fraction(dims.pp, work))
+
+
+def _candidate(dims: MoEParallelDims, hw: Hardware, weights: tuple[_Weights, ...], tokens: _Tokens) -> Candidate:
+    """The rank with the most memory and the slowest rank (its time added up as comm_time adds its
+    traffic: the tokens' collectives, then the weights'); ties go to the earlier rank."""
     worst_mem = worst_comm = None
-    for h in held:
-        mem, comm = memory_of(r, h), traffic_of(r, h)
-        total = mem.total
-        t = sum(c.intra / hw.intra_bw + c.inter / hw.inter_bw for c in comm.values())
-        if worst_mem is None or total > worst_mem[2]:
-            worst_mem = (mem, h.rank.share, total)
-        if worst_comm is None or t > worst_comm[1]:
-            worst_comm = (comm, t)
-    return worst_mem[:2], worst_comm
+    for w, t in zip(weights, tokens.ranks):
+        total, time = w.bytes + t.activations, t.seconds
+        for s in w.seconds:
+            time += s
+        if worst_mem is None or total > worst_mem[0]:
+            worst_mem = (total, w, t)
+        if worst_comm is None or time > worst_comm[0]:
+            worst_comm = (time, w, t)
+    (total, w, t), (time, slow_w, slow_t) = worst_mem, worst_comm
+    return Candidate(dims, Memory(*w.held.memory, t.activations), {**slow_t.traffic, **slow_w.held.traffic}, time,
+                     tokens.tokens, total <= hw.gpu_mem_gib * GiB, tokens.bubble, w.held.rank.share)
+
+
+_UNSEEN = object()
 
 
 def plan(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None) -> list[Candidate]:
     """All valid candidates (with `pp`, or every pp the search tries): those that fit first, by
     communication time per token; then the rest by memory."""
-    # What each pipeline rank's weights cost depends only on footprint_key and pp: memoized across
-    # foldings (and the units' parts on footprint_key alone, across pp).
+    # What a pipeline rank's weights cost depends on the folding only through footprint_key and pp,
+    # what its tokens cost only through rates_key: each computed once, shared by the foldings.
+    ranks: dict[int, tuple[PipelineRank, ...]] = {}
     parts: dict[tuple, dict[str, UnitPart]] = {}
-    held: dict[tuple, tuple[Held, ...] | None] = {}
+    weights: dict[tuple, tuple[_Weights, ...] | None] = {}
+    tokens: dict[tuple, _Tokens] = {}
     cands = []
     # Hundreds of thousands of acyclic tuples: reference counting frees them; the cyclic collector's
     # passes over the growing list of candidates cost a quarter of a 16k-GPU search.
@@ -155,28 +227,21 @@ def plan(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None) -
     gc.disable()
     try:
         for dims in foldings(hw.gpus, spec, work, hw.gpus_per_node, pp):
-            key = (footprint_key(dims), dims.pp)
-            if key not in held:
+            if dims.pp not in ranks:
+                ranks[dims.pp] = pipeline_ranks(spec, dims.pp, work)
+            key = footprint_key(dims), dims.pp
+            if (w := weights.get(key, _UNSEEN)) is _UNSEEN:
                 try:
-                    held[key] = tuple(held_costs(dims, work, hw.gpus_per_node, fp, r)
-                                      for r, fp in _rank_footprints(spec, dims, work, parts))
+                    w = _weights(_held(spec, dims, work, hw, ranks[dims.pp], parts), hw)
                 except ValueError:  # plan_moe rejected the folding
-                    held[key] = None
-            if held[key] is not None:
-                cands.append(evaluate(spec, dims, work, hw, held[key]))
+                    w = None
+                weights[key] = w
+            if w is None:
+                continue
+            if (t := tokens.get(rkey := rates_key(dims))) is None:
+                t = tokens[rkey] = _tokens(spec, dims, work, hw, ranks[dims.pp])
+            cands.append(_candidate(dims, hw, w, t))
     finally:
         if collecting:
             gc.enable()
     return sorted(cands, key=lambda c: (not c.fits, c.time_per_token if c.fits else c.memory.total, c.memory.total))
-
-
-def _rank_footprints(spec: ModelSpec, dims: MoEParallelDims, work: Workload, parts: dict) -> tuple:
-    """(pipeline rank, its footprint) for pipeline_ranks; with pp > 1 the plans are read once per
-    footprint_key (`parts`) and combined per share, with pp == 1 (one share) read directly."""
-    ranks = pipeline_ranks(spec, dims.pp, work)
-    if dims.pp == 1:
-        return ((ranks[0], footprint(fsdp_units(spec, dims, ranks[0].share, work.microbatches), dims)),)
-    key = footprint_key(dims)
-    if key not in parts:
-        parts[key] = share_parts(spec, dims, work.microbatches)
-    return tuple((r, share_footprint(parts[key], r.share)) for r in ranks)
