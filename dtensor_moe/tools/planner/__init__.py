@@ -3,7 +3,7 @@
 - `cost_model`: inputs (`Workload`, `Hardware`), what each pipeline rank holds (`StageShare`,
   `pipeline_ranks`: layers, microbatches in flight, stage-boundary sends), FSDP units and rank 0's
   footprint from the placement plan, what a rank's weights cost (`Held`, once per footprint key and pp in a
-  search) and its tokens (`Rates`, once per folding), memory per rank, bytes sent per step split intra-/inter-node,
+  search) and its tokens (`Rates`, once per `rates_key`), memory per rank, bytes sent per step split intra-/inter-node,
   the pipeline bubble, and `predicted_state_bytes` (the training loop's check of the planner against
   measured bytes).
 - `search`: enumerate the foldings (pp the schedule runs, stages of whole nodes; dense tp within a
