@@ -330,7 +330,7 @@ def combine(parts) -> Footprint:
             root += part.gathered
         else:
             biggest, blocks = max(biggest, part.gathered), blocks + count * part.gathered
-    return Footprint(tuple((a, g, n) for (a, g), n in sharded.items()), tensors, root, biggest, blocks,
+    return Footprint(tuple([(a, g, n) for (a, g), n in sharded.items()]), tensors, root, biggest, blocks,
                      sum(sharded.values()))
 
 

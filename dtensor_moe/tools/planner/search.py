@@ -164,7 +164,7 @@ def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardwar
     most memory, the slowest traffic."""
     if held is None:
         held = _held(spec, dims, work, hw, pipeline_ranks(spec, dims.pp, work), {})
-    return _candidate(dims, hw, _weights(held, hw), _tokens(spec, dims, work, hw, tuple(h.rank for h in held)))
+    return _candidate(dims, hw, _weights(held, hw), _tokens(spec, dims, work, hw, tuple(h.rank for h in held)))[0]
 
 
 def _held(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware, ranks: tuple[PipelineRank, ...],
@@ -178,8 +178,8 @@ def _held(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware, 
 
 
 def _weights(held: tuple[Held, ...], hw: Hardware) -> tuple[_Weights, ...]:
-    return tuple(_Weights(h, h.memory[0] + h.memory[1] + h.memory[2] + h.memory[3],
-                          tuple(seconds(c, hw) for c in h.traffic.values())) for h in held)
+    return tuple([_Weights(h, h.memory[0] + h.memory[1] + h.memory[2] + h.memory[3],
+                           tuple([seconds(c, hw) for c in h.traffic.values()])) for h in held])
 
 
 def _tokens(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware,
@@ -191,9 +191,11 @@ def _tokens(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware
     return _Tokens(tuple(out), step_tokens_per_rank(work, dims), bubble_fraction(dims.pp, work))
 
 
-def _candidate(dims: MoEParallelDims, hw: Hardware, weights: tuple[_Weights, ...], tokens: _Tokens) -> Candidate:
+def _candidate(dims: MoEParallelDims, hw: Hardware, weights: tuple[_Weights, ...], tokens: _Tokens
+               ) -> tuple[Candidate, tuple]:
     """The rank with the most memory and the slowest rank (its time added up as comm_time adds its
-    traffic: the tokens' collectives, then the weights'); ties go to the earlier rank."""
+    traffic: the tokens' collectives, then the weights'); ties go to the earlier rank. With plan's
+    sort key: those that fit first, by time per token; then the rest by memory."""
     worst_mem = worst_comm = None
     for w, t in zip(weights, tokens.ranks):
         total, time = w.bytes + t.activations, t.seconds
@@ -204,23 +206,24 @@ def _candidate(dims: MoEParallelDims, hw: Hardware, weights: tuple[_Weights, ...
         if worst_comm is None or time > worst_comm[0]:
             worst_comm = (time, w, t)
     (total, w, t), (time, slow_w, slow_t) = worst_mem, worst_comm
-    return Candidate(dims, Memory(*w.held.memory, t.activations), {**slow_t.traffic, **slow_w.held.traffic}, time,
-                     tokens.tokens, total <= hw.gpu_mem_gib * GiB, tokens.bubble, w.held.rank.share)
+    c = Candidate(dims, Memory(*w.held.memory, t.activations), {**slow_t.traffic, **slow_w.held.traffic}, time,
+                  tokens.tokens, total <= hw.gpu_mem_gib * GiB, tokens.bubble, w.held.rank.share)
+    # total is c.memory.total (its terms added in the property's order), the time per token c's.
+    return c, (not c.fits, time / (1 - c.bubble) / c.tokens if c.fits else total, total)
 
 
 _UNSEEN = object()
 
 
 def plan(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None) -> list[Candidate]:
-    """All valid candidates (with `pp`, or every pp the search tries): those that fit first, by
-    communication time per token; then the rest by memory."""
+    """All valid candidates (with `pp`, or every pp the search tries), sorted by `_candidate`'s key."""
     # What a pipeline rank's weights cost depends on the folding only through footprint_key and pp,
     # what its tokens cost only through rates_key: each computed once, shared by the foldings.
     ranks: dict[int, tuple[PipelineRank, ...]] = {}
     parts: dict[tuple, dict[str, UnitPart]] = {}
     weights: dict[tuple, tuple[_Weights, ...] | None] = {}
     tokens: dict[tuple, _Tokens] = {}
-    cands = []
+    cands, keys = [], []
     # Hundreds of thousands of acyclic tuples: reference counting frees them; the cyclic collector's
     # passes over the growing list of candidates cost a quarter of a 16k-GPU search.
     collecting = gc.isenabled()
@@ -240,8 +243,10 @@ def plan(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None) -
                 continue
             if (t := tokens.get(rkey := rates_key(dims))) is None:
                 t = tokens[rkey] = _tokens(spec, dims, work, hw, ranks[dims.pp])
-            cands.append(_candidate(dims, hw, w, t))
+            c, key = _candidate(dims, hw, w, t)
+            cands.append(c)
+            keys.append(key)
     finally:
         if collecting:
             gc.enable()
-    return sorted(cands, key=lambda c: (not c.fits, c.time_per_token if c.fits else c.memory.total, c.memory.total))
+    return [cands[i] for i in sorted(range(len(cands)), key=keys.__getitem__)]  # stable: ties keep the search's order
