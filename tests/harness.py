@@ -219,7 +219,10 @@ def _worker(rank, world_size, port, tasks, results, environ):
         try:
             out = (rank, True, fn(rank, world_size, *args))
         except BaseException as e:  # noqa: BLE001 - shipped back to the test process
-            out = (rank, False, (e, traceback.format_exc()))
+            # The traceback's frames hold the task's locals (its modules, meshes and their groups' threads).
+            tb = traceback.format_exc()
+            traceback.clear_frames(e.__traceback__)
+            out = (rank, False, (e.with_traceback(None), tb))
         try:
             world.reset(before)
         except BaseException as e:  # noqa: BLE001 - a worker that cannot reset must not take more tasks

@@ -204,6 +204,12 @@ def _padded_step(rank: int, world_size: int, pad: bool):
         return grouped(x_ND, counts_E, *args, **kw)
 
     grouped = experts_mod.grouped_swiglu
+    if world_size > 1 and pad:
+        # The first padded forward checks the group's capacities are equal (one host read), later ones do not.
+        with mock.patch.object(policy, "host_list", record_read), torch.no_grad():
+            moe(x)
+        assert reads == ["pad_to_capacity check"] * 2, reads
+        reads.clear()
     with (mock.patch.object(dist, "all_to_all_single", record_a2a), mock.patch.object(policy, "host_list", record_read),
           mock.patch.object(experts_mod, "grouped_swiglu", record_blocks),
           mock.patch.object(dispatch, "ep_plan", wraps=dispatch.ep_plan) as plans):
@@ -228,3 +234,20 @@ def test_padded_path_static_splits_and_no_host_sync():
         assert {g for g, _, _ in splits} == {ep_group, etp_group}
     for _, _, plans, _, _ in run_on_ranks(4, _padded_step, False):
         assert plans == 1  # the dropless dispatch's plan, whose split sizes need the host
+
+
+def _uneven_padded_forward(rank, world_size):
+    import torch
+
+    from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
+
+    moe = parallelize_moe(MoE(MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, capacity_factor=1.0,
+                                        pad_to_capacity=True)), MoEParallelDims(world_size, ep=2), device_type="cpu")
+    moe(torch.randn(1, 4 + 4 * rank, 8))  # capacities 2 and 4
+
+
+def test_padded_unequal_token_counts_raise():
+    """Unequal token counts under pad_to_capacity would misread rows (or hang under NCCL) in the static
+    all-to-all: the first padded forward names the capacities instead."""
+    with pytest.raises(ValueError, match=r"pad_to_capacity needs the same token count.*EP group \[2, 4\]"):
+        run_on_ranks(2, _uneven_padded_forward)

@@ -343,6 +343,7 @@ class ExpertDispatcher:
         self.adds_output_bias = dist.get_rank(etp_group) == 0
         self.ep, self.etp = dist.get_world_size(ep_group), dist.get_world_size(etp_group)
         self.in_flight: list[ExpertInput] = []
+        self.capacity_checked = False  # pad_to_capacity: the group's equal capacities, checked once (eagerly)
 
     def dispatch(self, x: torch.Tensor, counts_E: torch.Tensor,
                  copies: TokenCopies | PaddedCopies | None = None) -> ExpertInput:
@@ -369,6 +370,8 @@ class ExpertDispatcher:
                            self.adds_output_bias)
 
     def _dispatch_padded(self, x: torch.Tensor, copies: PaddedCopies) -> ExpertInput:
+        if not self.capacity_checked and not torch.compiler.is_compiling():
+            self._check_equal_capacity(copies.capacity, x)
         ex = _PaddedExchange(copies, x.shape, self.ep, self.etp)
         C, D = copies.capacity, x.shape[-1]
         x_recv = pair_move(copies.expand(x), ex.experts * C, f"slots{self.payload}", "there", *self.groups)
@@ -377,6 +380,23 @@ class ExpertDispatcher:
         rows = ex.sources * C
         counts_E = torch.full((ex.experts,), rows, dtype=torch.int64, device=x.device)
         return ExpertInput(x_local, counts_E, [rows] * ex.experts, 1.0 / self.grad_divisor, ex, self.adds_output_bias)
+
+    def _check_equal_capacity(self, capacity: int, x: torch.Tensor) -> None:
+        """The static splits assume every rank of the EP x ETP group has the same capacity (the same
+        token count): unequal ones would misread rows or hang in the all-to-all. The first padded
+        forward all-gathers them once (one counted host sync) and raises naming the ranks' values;
+        later forwards trust it, as they must to stay sync-free."""
+        caps = []
+        for group in (_GROUPS[n] for n in self.groups):
+            out = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=x.device)
+            _all_gather(out, torch.tensor([capacity], dtype=torch.int64, device=x.device), group=group)
+            caps.append(policy.host_list(out, "pad_to_capacity check"))
+        if any(len(set(c)) > 1 for c in caps):
+            raise ValueError(f"pad_to_capacity needs the same token count on every rank of the EP x ETP group (its "
+                             f"capacity C = ceil(T*K/E*capacity_factor) sets the static all-to-all splits); capacities "
+                             f"over the EP group {caps[0]}, over the ETP group {caps[1]}: give every rank the same "
+                             f"number of tokens per forward, or set pad_to_capacity=False")
+        self.capacity_checked = True
 
     def combine(self, y_local: torch.Tensor, inp: ExpertInput) -> torch.Tensor:
         ex = inp.exchange
