@@ -390,7 +390,7 @@ class ExpertDispatcher:
         for group in (_GROUPS[n] for n in self.groups):
             out = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=x.device)
             _all_gather(out, torch.tensor([capacity], dtype=torch.int64, device=x.device), group=group)
-            caps.append(policy.host_list(out, "pad_to_capacity check"))
+            caps.append(policy.host_list(out, "capacity_check"))
         if any(len(set(c)) > 1 for c in caps):
             raise ValueError(f"pad_to_capacity needs the same token count on every rank of the EP x ETP group (its "
                              f"capacity C = ceil(T*K/E*capacity_factor) sets the static all-to-all splits); capacities "
