@@ -148,9 +148,6 @@ def _check_cp(config: Trainer.Config, cp: int) -> None:
         raise ValueError(f"parallelism.context_parallel_load_balancer={p.context_parallel_load_balancer!r} with "
                          f"parallelism.context_parallel_degree={cp} is not supported with --module dtensor_moe.titan "
                          "(ptrr needs FlexAttention's block masks); valid: 'headtail', or none")
-    if config.compile.enable and "model" in config.compile.components:
-        raise ValueError(f"compile.enable with parallelism.context_parallel_degree={cp} is not supported with "
-                         "--module dtensor_moe.titan yet; valid: compile with context_parallel_degree 1, or CP eager")
     model = config.model_spec.model
     for where in ("layers", "mtp_layers"):
         for i, layer in enumerate(getattr(model, where, None) or []):
