@@ -188,7 +188,6 @@ def test_cpu_launcher(tmp_path):
     (("--parallelism.tensor_parallel_degree", "3"), "must divide layers[0].attention.n_heads (4)"),
     (("--parallelism.tensor_parallel_degree", "2", "--parallelism.no-enable_sequence_parallel"),
      "needs parallelism.enable_sequence_parallel"),
-    (("--parallelism.tensor_parallel_degree", "2", "--compile.enable"), "compile.enable with parallelism.tensor"),
     (("--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_load_balancer", "ptrr"),
      "context_parallel_load_balancer='ptrr' with parallelism.context_parallel_degree=2 is not supported"),
     (("--config", "deepseek_v3_debugmodel", "--parallelism.context_parallel_degree", "2"),

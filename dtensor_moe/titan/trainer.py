@@ -128,9 +128,6 @@ def _check_tp(config: Trainer.Config, tp: int) -> None:
         raise ValueError(f"parallelism.tensor_parallel_degree={tp} with --module dtensor_moe.titan needs "
                          "parallelism.enable_sequence_parallel (each TP rank's MoE takes its own sequence slice); "
                          "valid: enable_sequence_parallel true, or tensor_parallel_degree 1")
-    if config.compile.enable and "model" in config.compile.components:
-        raise ValueError(f"compile.enable with parallelism.tensor_parallel_degree={tp} is not supported with "
-                         "--module dtensor_moe.titan yet; valid: compile with tensor_parallel_degree 1, or TP eager")
     for i, layer in enumerate(config.model_spec.model.layers):
         attention = layer.attention
         for name in ("n_heads", "n_kv_heads"):
