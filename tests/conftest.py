@@ -7,7 +7,7 @@ from .harness import close_all, idle_leaks
 _SHARED_SCOPES = ("class", "module", "package")  # session fixtures run once per test process anyway
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks (--dist loadgroup)
+@pytest.hookimpl(hookwrapper=True)  # before every plugin's hook: pytest-xdist reads the marks in its own
 def pytest_collection_modifyitems(items):
     """Tests that share a class-, module- or package-scoped fixture, directly or through other fixtures,
     form one xdist_group, so the fixture runs once, on one test process; the others are scheduled one by
@@ -35,8 +35,20 @@ def pytest_collection_modifyitems(items):
             shared[item] = keys[0]
     for item, key in shared.items():
         baseid, name = root(key)
-        item.add_marker(pytest.mark.xdist_group(f"{baseid}::{name}"))
+        item.add_marker(pytest.mark.xdist_group(f"{baseid.replace('/', '.').replace('::', '.')}.{name}"))
     items.sort(key=lambda item: item not in shared)  # stable: collection order within each part
+    yield
+    # pytest-xdist 3.8 names a test's group by appending it to `item._nodeid`, which pytest >= 9 no longer
+    # reads (Node.nodeid is str(item._id)): without this every xdist_group was silently ignored and each test
+    # process ran the torchtitan and Hugging Face fixtures itself.
+    if not hasattr(pytest.Item, "id"):  # pytest < 9: nodeid is _nodeid
+        return
+    from _pytest.nodeid import coerce_node_id
+
+    for item in items:
+        renamed = getattr(item, "_nodeid", None)
+        if renamed and renamed != item.nodeid:
+            item._id = coerce_node_id(renamed)
 
 
 @pytest.fixture(scope="session", autouse=True)
