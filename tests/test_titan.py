@@ -48,6 +48,9 @@ STEPS = 10
 LOSS_ATOL = 1e-4
 GRAD_NORM_RTOL = 1e-4
 GRAD_RTOL = 2e-2
+# TP and CP keep the reference's float32 expert GEMMs (measured 4.2e-7 / 4.6e-7); 2e-2 is for torchtitan's bf16
+# expert GEMMs per microbatch under PP and its own EP runs, and would let a wrong key order under CP pass.
+FP32_GRAD_RTOL = 1e-5
 _LOAD_ONLY = ("--checkpoint.enable", "--checkpoint.load_only")  # load the seed, write nothing
 # torchtitan's --compile.enable on its blocks (dynamo + AOTAutograd; no codegen: a CPU C++ build costs minutes).
 _COMPILED = ("--compile.enable", "--compile.backend", "aot_eager", "--training.steps", "3")
@@ -127,11 +130,11 @@ def _assert_same_steps(a, b, steps: int = STEPS):
         assert abs(gn_a - gn_b) < GRAD_NORM_RTOL * gn_b, (step, gn_a, gn_b)
 
 
-def _assert_same_grads(a, b):
+def _assert_same_grads(a, b, rtol=GRAD_RTOL):
     assert sorted(a) == sorted(b)  # parameter names stay torchtitan's
     for name, g in b.items():
         err = (a[name] - g).abs().max() / g.abs().max()
-        assert err < GRAD_RTOL, (name, err.item())
+        assert err < rtol, (name, err.item())
 
 
 def test_ep_etp_loss_falls(runs):
@@ -258,10 +261,10 @@ def _print_errors(name, a, b):
     print(f"{name}: max |dloss| {dloss:.2e}, max rel grad err {dgrad:.2e}, max |dbias| {dbias:.2e}")
 
 
-def _assert_matches_reference(name, folded_run, ref):
+def _assert_matches_reference(name, folded_run, ref, grad_rtol=GRAD_RTOL):
     assert any(b.abs().max() > 0 for b in ref["expert_bias"].values())  # the biases did move
     _print_errors(name, folded_run, ref)
-    _assert_same_grads(folded_run["grads"], ref["grads"])
+    _assert_same_grads(folded_run["grads"], ref["grads"], grad_rtol)
     _assert_same_steps(folded_run["log"], ref["log"], FOLDED_STEPS)
     assert sorted(folded_run["expert_bias"]) == sorted(ref["expert_bias"])
     for n, bias in ref["expert_bias"].items():
@@ -269,7 +272,7 @@ def _assert_matches_reference(name, folded_run, ref):
 
 
 def test_tp2_ep2_matches_unparallelized(folded):
-    _assert_matches_reference("tp2_ep2", folded["tp2_ep2"][0], folded["reference"])
+    _assert_matches_reference("tp2_ep2", folded["tp2_ep2"][0], folded["reference"], FP32_GRAD_RTOL)
 
 
 def test_pp2_ep2_matches_unparallelized(folded):
@@ -282,4 +285,4 @@ def test_pp2_ep2_matches_unparallelized(folded):
 def test_cp2_ep2_matches_unparallelized(folded):
     """Our all-gather-KV attention on torchtitan's head-tail sequence parts; the MoEs fold over dp_shard * cp;
     blocks compiled (aot_eager) against the eager reference."""
-    _assert_matches_reference("cp2_ep2", folded["cp2_ep2"][0], folded["reference"])
+    _assert_matches_reference("cp2_ep2", folded["cp2_ep2"][0], folded["reference"], FP32_GRAD_RTOL)
