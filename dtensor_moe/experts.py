@@ -163,7 +163,8 @@ def grouped_swiglu(x_ND, counts_E, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale: fl
     w1_EFD, w2_EDF, w3_EFD = (gather_for_compute(w) for w in (w1_EFD, w2_EDF, w3_EFD))
     if biases is not None:
         biases = tuple(None if b is None else gather_for_compute(b) for b in biases)
-    offs_E = torch.cumsum(counts_E, dim=0, dtype=torch.int32)
+    # .to(), not cumsum(dtype=): inductor folds the padded layer's constant counts into an int64 cumsum.
+    offs_E = torch.cumsum(counts_E, dim=0).to(torch.int32)
     accumulate = None
     if not torch.compiler.is_compiling():
         grouped = policy.grouped_mm_supported(x_ND, w1_EFD.shape)
