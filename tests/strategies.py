@@ -84,7 +84,10 @@ def cases(draw, world_size: int):
     # FP8 experts one draw in four where the quantization blocks are the reference's, i.e. pure EP: ETP
     # splits the rows the forward's w2 and h scales span, and data parallelism (replicas, EDP) splits an
     # expert's tokens, which the weight gradient's scales span; those layers round differently
-    # (tests/test_fp8.py bounds FP8 against fp32 instead).
-    if ep == world_size and cp * tp == 1 and not case.compile and draw(st.integers(0, 3)) == 0:
+    # (tests/test_fp8.py bounds FP8 against fp32 instead). Nor with capacity dropping: the reference layer
+    # runs dropped pairs as zero-weight rows, which join its scales' amax; padded or dispatched layers leave
+    # them out.
+    if (ep == world_size and cp * tp == 1 and not case.compile and case.capacity_factor is None
+            and draw(st.integers(0, 3)) == 0):
         case = replace(case, expert_precision="fp8")
     return case
