@@ -112,7 +112,9 @@ def summary_lines(summary: dict, run_dir: str, parity_line: str | None = None) -
     lines = [
         f"trained  {_si(summary['model_params'])}-parameter MoE LM ({m['n_layers']} layers, dim {m['dim']}, "
         f"{m['num_experts']} experts top-{m['top_k']}{shared}), {t['steps']} steps of {t['global_batch'] * t['seq_len']} "
-        f"tokens, {t['dtype']}",
+        f"tokens, {t['dtype']}" + "".join(f", FP8 {what}" for what, key in (("experts", "expert_precision"),
+                                                                          ("dispatch", "dispatch_precision"))
+                                            if m.get(key) == "fp8"),
     ]
     hsdp = f"HSDP{mesh['dp_replicate']} x " if mesh["dp_replicate"] > 1 else ""
     cp, tp = mesh.get("cp", 1), mesh.get("tp", 1)
