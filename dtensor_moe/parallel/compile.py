@@ -59,15 +59,18 @@ def apply_compile(module: nn.Module, compile: bool | str = True, fullgraph: bool
     (e.g. "aot_eager": the same tracing, no codegen)."""
     backend = compile if isinstance(compile, str) else "inductor"
     compiled = torch.compile(module.forward, fullgraph=fullgraph, backend=backend)
-    if not hasattr(torch._dynamo.config, _NO_REPLAY):
-        module.forward = compiled
-        return module
+    # The dispatcher's ops (ep_plan; ep_move's backward) make data-dependent row counts, which dynamo
+    # captures under fullgraph but, without it, breaks the graph at (and falls back to eager for the
+    # frame whose backward makes one): capture them in every frame, as fullgraph does.
+    patch = {"capture_dynamic_output_shape_ops": True}
+    if hasattr(torch._dynamo.config, _NO_REPLAY):
+        # Under activation checkpointing the MoE's token counts must not be replayed by the
+        # recomputation (eagerly it skips them itself): dynamo's switch for exactly that.
+        patch[_NO_REPLAY] = True
 
     @functools.wraps(compiled)
     def forward(*args, **kwargs):
-        # Under activation checkpointing the MoE's token counts must not be replayed by the
-        # recomputation (eagerly it skips them itself): dynamo's switch for exactly that.
-        with torch._dynamo.config.patch(**{_NO_REPLAY: True}):
+        with torch._dynamo.config.patch(**patch):
             return compiled(*args, **kwargs)
 
     module.forward = forward

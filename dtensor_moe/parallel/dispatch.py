@@ -428,10 +428,13 @@ class ExpertDispatcher:
             return pre, post
 
         def pre_foreign(module, args):
-            inp = self.dispatch(*args)
+            x, counts_E = args
+            # Scaled at the senders' rows (the dispatch is linear), not on the dispatched ones: those are
+            # also kept in `in_flight`, and a compiled frame that outputs a tensor and a view of it (ScaleGrad's)
+            # rebuilds the view from the tensor outside the graph, without ScaleGrad's backward (torch 2.13).
+            inp = self.dispatch(ScaleGrad.apply(x, self.grad_divisor) if self.grad_divisor != 1 else x, counts_E)
             self.in_flight.append(inp)
-            x_local = ScaleGrad.apply(inp.x_ND, self.grad_divisor) if self.grad_divisor != 1 else inp.x_ND
-            return x_local, inp.counts_E
+            return inp.x_ND, inp.counts_E
 
         def post_foreign(module, args, out):
             if self.grad_divisor != 1:

@@ -129,8 +129,8 @@ def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_co
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compile_config.enable and "model" in compile_config.components:
-        # torchtitan compiles each block with fullgraph=True; here the experts' FSDP2 unit (and the
-        # dispatcher's hooks around torchtitan's experts) sit inside the block: breaks around them.
+        # torchtitan compiles each block with fullgraph=True; here the experts' FSDP2 unit sits inside
+        # the block, and its hooks break the graph (the dispatcher's hooks around them compile).
         for block in _blocks(model):
             apply_compile(block, compile_config.backend, fullgraph=False)
     apply_fsdp = apply_fsdp_to_mtp_decoder if hasattr(model, "mtp_layers") else apply_fsdp_to_decoder
