@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from .harness import run_on_ranks
+from .parity import inductor_settings
 
 
 def _model(n_layers=2, **kw):
@@ -64,7 +65,7 @@ def train_steps(rank, world_size, ep, compile, ac, steps=3):
                       activation_checkpoint=ac)
     moved = mock.patch.object(dispatch._Topology, "there", autospec=True, side_effect=dispatch._Topology.there)
     losses, moves = [], []
-    with moved as there:
+    with moved as there, inductor_settings(compile):
         for step in range(steps):
             g = torch.Generator().manual_seed(step)
             # One sequence length: each rank compiles once (recompiles as lengths change are the block test's).
