@@ -1,33 +1,36 @@
 """torchtitan hook: torchtitan's Trainer through `--module dtensor_moe.titan` on 4 CPU gloo ranks.
 
-The shrunk DeepSeek-V3 debug model (`deepseek_v3_debugmodel_cpu`), 10 steps, from one seed:
+The shrunk DeepSeek-V3 debug model (`deepseek_v3_debugmodel_cpu`), 5 steps, from one seed:
 - our EP=2 x ETP=2: the loss falls; the first step's gradients match torchtitan without EP
   (unparallelized experts, FSDP only), as do our EP=2 x ETP=1 ones;
 - our EP=2 agrees step by step with torchtitan's own EP=2 on the same mesh, our ETP=2 with ETP=1;
-- the step-5 checkpoint torchtitan's checkpointer wrote under our hook loads back and the resumed
-  steps 6..10 repeat the uninterrupted run;
+- the step-2 checkpoint torchtitan's checkpointer wrote under our hook loads back and the resumed
+  steps 3..5 repeat the uninterrupted run (step 4's loss is the first that the restored optimizer state
+  decides, step 5's the first that the restored learning-rate schedule does: step 3 runs at the
+  learning rate the optimizer's state holds);
 - the documented launcher (torchrun + dtensor_moe.titan.cpu_train) runs;
 - torchtitan's TP=2, PP=2 (1F1B, 2 microbatches) and CP=2 (its head-tail sequence sharding, our
-  all-gather-KV attention; blocks compiled, aot_eager) with our EP=2, 3 steps: losses, gradient norms, first-step gradients (both
+  all-gather-KV attention; blocks compiled, aot_eager: the suite's one compiled run, its check of compiled
+  blocks against eager) with our EP=2, 2 steps: losses, gradient norms, first-step gradients (both
   stages' under PP) and the expert biases after the last step match the unparallelized run, our hook
   at degree 1 on 2 ranks (same data-parallel degree, so same batches);
 - command-line combinations the hook cannot run are refused while parsing.
 The seed checkpoint is written under our hook and loaded by torchtitan's own runs: same keys.
 
-Tolerances. Loss and gradient norm per step: |dloss| < 1e-4, |dnorm| < 1e-4 relative; measured:
-ours EP=2 vs torchtitan EP=2 4.8e-7 and 1.2e-7 (the hook clips with per-mesh norms, torchtitan
-with two: the same norm, summed in another order), ETP=2 vs ETP=1 3.9e-5 (loss). Adam hides a wrong
-gradient scale from the loss (expert gradients 4x too small moved the loss by < 1e-4 in 10 steps
-and the norm by < 1e-5), so gradients are compared directly: max |g - g_ref| / max |g_ref| per
-parameter < 2e-2; measured 3.4e-3 against torchtitan without EP, from torchtitan's experts running
-in bfloat16 (EP groups tokens differently, so bf16 rounding differs), versus 0.75 for that 4x error.
-TP2 x EP2 and PP2 x EP2 against degree 1 use the same bounds; measured |dloss| 9.5e-7 and 4.8e-7,
-gradients 4.5e-7 (TP: each EP group holds one data-parallel rank's tokens, as the reference's ranks
-do, so the experts' bf16 GEMMs see the same rows) and 3.1e-3 (PP: the expert weight gradients are
-bf16 GEMMs per microbatch), expert biases bitwise equal. CP2 x EP2: |dloss| 4.8e-7, gradients
-3.2e-7 eager, 4.2e-7 with its blocks compiled (aot_eager; by hand), biases equal; with the gathered
-keys in contiguous order instead of torchtitan's head-tail one the first-step gradient of
-layers.0.attention.wq.weight was off by 0.18 relative.
+Tolerances. Loss and gradient norm per step: |dloss| < 1e-4, |dnorm| < 1e-4 relative; measured over 5 steps:
+ours EP=2 vs torchtitan EP=2 0.0 and 1.2e-7 (the hook clips with per-mesh norms, torchtitan with two: the
+same norm, summed in another order; 4.8e-7 in the loss over 10 steps), ETP=2 vs ETP=1 5.7e-6 and 3.2e-7
+(3.9e-5 in the loss over 10 steps). Adam hides a wrong gradient scale from the loss (expert gradients 4x too
+small moved the loss by < 1e-4 in 10 steps and the norm by < 1e-5), so gradients are compared directly: max
+|g - g_ref| / max |g_ref| per parameter < 2e-2; measured 3.4e-3 against torchtitan without EP, from
+torchtitan's experts running in bfloat16 (EP groups tokens differently, so bf16 rounding differs), versus
+0.75 for that 4x error. TP2 x EP2 and PP2 x EP2 against degree 1 use the same bounds; measured over 2 steps
+|dloss| 0.0 (9.5e-7 and 4.8e-7 over 3 steps), |dnorm| 1.1e-7 and 1.0e-7, gradients 4.6e-7 (TP: each EP group
+holds one data-parallel rank's tokens, as the reference's ranks do, so the experts' bf16 GEMMs see the same
+rows) and 3.4e-3 (PP: the expert weight gradients are bf16 GEMMs per microbatch), expert biases bitwise
+equal. CP2 x EP2: |dloss| 0.0 over 2 steps (4.8e-7 over 3), gradients 3.2e-7 eager, 4.2e-7 with its blocks
+compiled (aot_eager), biases equal; with the gathered keys in contiguous order instead of torchtitan's
+head-tail one the first-step gradient of layers.0.attention.wq.weight was off by 0.18 relative.
 """
 
 
@@ -44,7 +47,8 @@ pytest.importorskip("torchtitan")
 from .harness import run_on_ranks  # noqa: E402
 
 WORLD = 4
-STEPS = 10
+STEPS = 5
+RESUME_STEP = 2  # the checkpoint interval: saved at steps 2, 4 and 5
 LOSS_ATOL = 1e-4
 GRAD_NORM_RTOL = 1e-4
 GRAD_RTOL = 2e-2
@@ -53,8 +57,9 @@ GRAD_RTOL = 2e-2
 FP32_GRAD_RTOL = 1e-5
 _LOAD_ONLY = ("--checkpoint.enable", "--checkpoint.load_only")  # load the seed, write nothing
 # torchtitan's --compile.enable on its blocks (dynamo + AOTAutograd; no codegen: a CPU C++ build costs minutes).
-_COMPILED = ("--compile.enable", "--compile.backend", "aot_eager", "--training.steps", "3")
-# The launcher test's torchrun (2 ranks, 3 steps): ~30 s alone, minutes on a loaded 2-core machine.
+# Only CP2 x EP2 compiles: dynamo's tracing costs about 60 CPU s a 4-rank run, four eager runs' worth.
+_COMPILED = ("--compile.enable", "--compile.backend", "aot_eager")
+# The launcher test's torchrun (2 ranks, 2 steps): ~30 s alone, minutes on a loaded 2-core machine.
 LAUNCHER_TIMEOUT_S = 1.5 * float(os.environ.get("DTENSOR_MOE_TEST_TIMEOUT", "600"))
 
 
@@ -105,19 +110,20 @@ def _ours(dump, ep: int, etp: int, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Ten steps each, from one set of initial weights (CPU ranks initialize their shards
+    """STEPS steps each, from one set of initial weights (CPU ranks initialize their shards
     independently, so the first run writes a step-0 checkpoint that every other run loads)."""
     root = tmp_path_factory.mktemp("titan")
     # Model-only seed: saving optimizer state before the first step would create Adam's state.
-    etp = run_on_ranks(WORLD, _train, _ours(root / "etp", 2, 2, "--checkpoint.enable", "--checkpoint.last_save_model_only"), True)[0]
+    steps = ("--training.steps", str(STEPS))
+    etp = run_on_ranks(WORLD, _train, _ours(root / "etp", 2, 2, *steps, "--checkpoint.enable", "--checkpoint.interval",
+                                            str(RESUME_STEP), "--checkpoint.last_save_model_only"), True)[0]
     seed = ("--checkpoint.initial_load_path", str(root / "etp" / "checkpoint" / "step-0"), *_LOAD_ONLY)
     titan = _argv("deepseek_v3_debugmodel_cpu_titan_ep", root / "titan", *seed)
     return {
         "root": root,
         "ours_ep2_etp2": etp,
-        "ours_ep2": run_on_ranks(WORLD, _train, _ours(root / "ep", 2, 1, *seed))[0],
-        "ours_ep2_compiled": run_on_ranks(WORLD, _train, _ours(root / "epc", 2, 1, *seed, *_COMPILED))[0],
-        "titan_ep2": run_on_ranks(WORLD, _train, [*titan, "--parallelism.expert_parallel_degree", "2"])[0],
+        "ours_ep2": run_on_ranks(WORLD, _train, _ours(root / "ep", 2, 1, *seed, *steps))[0],
+        "titan_ep2": run_on_ranks(WORLD, _train, [*titan, *steps, "--parallelism.expert_parallel_degree", "2"])[0],
         # torchtitan without EP: every rank runs every expert, FSDP only (gradients only, one step).
         "titan_fsdp": run_on_ranks(WORLD, _train, [*titan, "--training.steps", "1"])[0],
     }
@@ -139,7 +145,7 @@ def _assert_same_grads(a, b, rtol=GRAD_RTOL):
 
 def test_ep_etp_loss_falls(runs):
     losses = [loss for _, loss, _ in runs["ours_ep2_etp2"]["log"]]
-    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.5, losses
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.25, losses  # measured 5.98 -> 5.52
 
 
 def test_gradients_match_unparallelized_experts(runs):
@@ -148,42 +154,37 @@ def test_gradients_match_unparallelized_experts(runs):
 
 
 def test_loss_parity_with_titan_ep(runs):
+    _print_errors("ours ep2 vs titan ep2", runs["ours_ep2"], runs["titan_ep2"])
     _assert_same_grads(runs["ours_ep2"]["grads"], runs["titan_ep2"]["grads"])
     _assert_same_steps(runs["ours_ep2"]["log"], runs["titan_ep2"]["log"])
 
 
-def test_compiled_blocks_match_eager(runs):
-    compiled, eager = runs["ours_ep2_compiled"]["log"], runs["ours_ep2"]["log"]
-    assert len(compiled) == 3
-    for (step, loss_c, gn_c), (_, loss_e, gn_e) in zip(compiled, eager):
-        assert abs(loss_c - loss_e) < LOSS_ATOL and abs(gn_c - gn_e) < GRAD_NORM_RTOL * gn_e, (step, loss_c, loss_e)
-    _assert_same_grads(runs["ours_ep2_compiled"]["grads"], runs["ours_ep2"]["grads"])
-
-
 def test_loss_parity_etp2_vs_etp1(runs):
+    _print_errors("etp2 vs etp1", runs["ours_ep2_etp2"], runs["ours_ep2"])
     _assert_same_steps(runs["ours_ep2_etp2"]["log"], runs["ours_ep2"]["log"])
 
 
 def test_checkpoint_resume(runs):
-    """Resumes from the step-5 checkpoint that torchtitan's checkpointer wrote under our hook."""
-    argv = _ours(runs["root"] / "etp", 2, 2, "--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.load_step", "5")
+    """Resumes from the step-2 checkpoint that torchtitan's checkpointer wrote under our hook."""
+    argv = _ours(runs["root"] / "etp", 2, 2, "--training.steps", str(STEPS), "--checkpoint.enable",
+                 "--checkpoint.load_only", "--checkpoint.load_step", str(RESUME_STEP))
     resumed = run_on_ranks(WORLD, _train, argv)[0]["log"]
     full = runs["ours_ep2_etp2"]["log"]
-    assert [s for s, _, _ in resumed] == list(range(6, STEPS + 1))
-    for (step, loss, gn), (_, loss_full, gn_full) in zip(resumed, full[5:]):
+    assert [s for s, _, _ in resumed] == list(range(RESUME_STEP + 1, STEPS + 1))
+    for (step, loss, gn), (_, loss_full, gn_full) in zip(resumed, full[RESUME_STEP:]):
         assert loss == pytest.approx(loss_full, rel=1e-5), step
         assert gn == pytest.approx(gn_full, rel=1e-4), step
 
 
 def test_cpu_launcher(tmp_path):
-    """The documented command: torchrun + dtensor_moe.titan.cpu_train (2 ranks, 3 steps, EP=2)."""
+    """The documented command: torchrun + dtensor_moe.titan.cpu_train (2 ranks, 2 steps, EP=2)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    cmd += ["-m", "dtensor_moe.titan.cpu_train", *_ours(tmp_path, 2, 1, "--training.steps", "3")]
+    cmd += ["-m", "dtensor_moe.titan.cpu_train", *_ours(tmp_path, 2, 1, "--training.steps", "2")]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCHER_TIMEOUT_S)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     log = re.sub(r"\x1b\[[0-9;]*m", "", out.stdout + out.stderr)
     losses = {int(s): float(v) for s, v in re.findall(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)", log)}
-    assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1], log[-3000:]
+    assert sorted(losses) == [1, 2] and losses[2] < losses[1], log[-3000:]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -228,7 +229,7 @@ def test_qwen3_moe_plan_keeps_torchtitan_names():
         assert [(s.axis, s.dim) for s in w1.steps[:2]] == [("ep", 0), ("etp", 1)]
 
 
-FOLDED_STEPS = 3
+FOLDED_STEPS = 2  # the second step runs on weights and expert biases the first one updated
 _PP = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B",
        "--parallelism.pipeline_parallel_microbatch_size", "1")  # 2 microbatches of one sequence each
 _CP = ("--parallelism.context_parallel_degree", "2")  # torchtitan's head-tail sequence sharding
@@ -238,7 +239,7 @@ _CP = ("--parallelism.context_parallel_degree", "2")  # torchtitan's head-tail s
 def folded(tmp_path_factory):
     """torchtitan's TP=2, PP=2 and CP=2 with our EP=2 on 4 ranks (data-parallel degree 2, so the same
     batches as 2 data-parallel ranks), and the unparallelized reference: our hook at degree 1 on 2
-    ranks (every rank runs every expert, FSDP only). Three steps each, from the step-0 checkpoint
+    ranks (every rank runs every expert, FSDP only). FOLDED_STEPS steps each, from the step-0 checkpoint
     the reference writes (a set-up of its own: `runs` can run on the other test process meanwhile)."""
     root = tmp_path_factory.mktemp("titan_folded")
     steps = ("--training.steps", str(FOLDED_STEPS))
@@ -256,9 +257,11 @@ def folded(tmp_path_factory):
 
 def _print_errors(name, a, b):
     dloss = max(abs(x[1] - y[1]) for x, y in zip(a["log"], b["log"]))
+    dnorm = max(abs(x[2] - y[2]) / y[2] for x, y in zip(a["log"], b["log"]))
     dgrad = max(((a["grads"][n] - g).abs().max() / g.abs().max()).item() for n, g in b["grads"].items())
     dbias = max((a["expert_bias"][n] - t).abs().max().item() for n, t in b["expert_bias"].items())
-    print(f"{name}: max |dloss| {dloss:.2e}, max rel grad err {dgrad:.2e}, max |dbias| {dbias:.2e}")
+    print(f"{name}: max |dloss| {dloss:.2e}, max rel dnorm {dnorm:.2e}, max rel grad err {dgrad:.2e}, "
+          f"max |dbias| {dbias:.2e}")
 
 
 def _assert_matches_reference(name, folded_run, ref, grad_rtol=GRAD_RTOL):
