@@ -54,10 +54,12 @@ MAX_POOLS = int(os.environ.get("DTENSOR_MOE_TEST_MAX_POOLS", "5"))
 # shared); DTENSOR_MOE_TEST_START_METHOD=spawn starts each worker from scratch instead.
 START_METHOD = os.environ.get("DTENSOR_MOE_TEST_START_METHOD", "forkserver")
 # torch._dynamo too: the custom ops' autograd imports it lazily, otherwise in every worker (seconds each).
+# torch._inductor.compile_fx: compiled tasks and torchtitan (its FlexAttention) import it, ~2 CPU s per worker.
+# Not torchtitan's `datasets`: pyarrow starts a jemalloc thread at import, and a forkserver must fork single-threaded.
 _PRELOAD = [
     "torch", "torch._dynamo", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
     "torch.distributed.checkpoint", "torch.distributed.pipelining", "pytest", "hypothesis", __name__,
-    "dtensor_moe", "dtensor_moe.train.model", "dtensor_moe.train.checkpoint",
+    "dtensor_moe", "dtensor_moe.train.model", "dtensor_moe.train.checkpoint", "torch._inductor.compile_fx",
 ]
 
 
