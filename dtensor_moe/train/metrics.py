@@ -109,12 +109,12 @@ def summary_lines(summary: dict, run_dir: str, parity_line: str | None = None) -
     """What the run trained and how it went, for the console (from summary.json)."""
     m, t, mesh = summary["config"]["model"], summary["config"]["training"], summary["mesh"]
     shared = f" + {m['num_shared_experts']} shared" if m["num_shared_experts"] else ""
+    fp8 = "".join(f", FP8 {what}" for key, what in (("expert_precision", "experts"), ("dispatch_precision", "dispatch"))
+                  if m.get(key) == "fp8")
     lines = [
         f"trained  {_si(summary['model_params'])}-parameter MoE LM ({m['n_layers']} layers, dim {m['dim']}, "
         f"{m['num_experts']} experts top-{m['top_k']}{shared}), {t['steps']} steps of {t['global_batch'] * t['seq_len']} "
-        f"tokens, {t['dtype']}" + "".join(f", FP8 {what}" for what, key in (("experts", "expert_precision"),
-                                                                          ("dispatch", "dispatch_precision"))
-                                            if m.get(key) == "fp8"),
+        f"tokens, {t['dtype']}{fp8}",
     ]
     hsdp = f"HSDP{mesh['dp_replicate']} x " if mesh["dp_replicate"] > 1 else ""
     cp, tp = mesh.get("cp", 1), mesh.get("tp", 1)
