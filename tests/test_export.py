@@ -28,9 +28,11 @@ def _train_and_save(rank, world, root):
 SAVED_DIMS = {"ep": 2}  # EDP2 x EP2 on 4 ranks: experts are FSDP-sharded on the EP dim (strided)
 
 
-@pytest.fixture
-def exported(tmp_path):
-    """A checkpoint saved on 4 ranks, exported with the CLI; returns (weights file, full model state)."""
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A checkpoint saved on 4 ranks, exported with the CLI; returns (weights file, full model state).
+    Once per module: the tests only read it."""
+    tmp_path = tmp_path_factory.mktemp("exported")
     want = run_on_ranks(4, _train_and_save, str(tmp_path / "run"))[0]
     assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
     return tmp_path / "out" / export.WEIGHTS, want

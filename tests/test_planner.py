@@ -72,7 +72,6 @@ MESHES = [
     (4, dict(ep=2, etp=2)),
     (4, dict(dp_replicate=2, ep=2)),
     (8, dict(ep=2, etp=2)),  # EDP2 x EP2 x ETP2
-    (8, dict(dp_replicate=2, ep=2, etp=2)),
     (8, dict(ep=4)),  # EDP2 x EP4: one expert per EP rank, so EDP shards D
     (8, dict(cp=2, ep=2, etp=2)),  # dense weights shard over dp_shard_cp
     (4, dict(tp=2, ep=2)),  # attention, embedding, head split over tp; norms replicated; router over dp_shard_tp

@@ -10,10 +10,11 @@ The shrunk DeepSeek-V3 debug model (`deepseek_v3_debugmodel_cpu`), 5 steps, from
   learning rate the optimizer's state holds);
 - the documented launcher (torchrun + dtensor_moe.titan.cpu_train) runs;
 - torchtitan's TP=2, PP=2 (1F1B, 2 microbatches) and CP=2 (its head-tail sequence sharding, our
-  all-gather-KV attention; blocks compiled, aot_eager: the suite's one compiled run, its check of compiled
-  blocks against eager) with our EP=2, 2 steps: losses, gradient norms, first-step gradients (both
-  stages' under PP) and the expert biases after the last step match the unparallelized run, our hook
-  at degree 1 on 2 ranks (same data-parallel degree, so same batches);
+  all-gather-KV attention) with our EP=2 on 4 ranks, and our EP=2 alone on 2 ranks with torchtitan's blocks
+  compiled (aot_eager: the suite's one compiled torchtitan run, its check of compiled blocks against
+  eager), 2 steps: losses, gradient norms, first-step gradients (both stages' under PP) and the expert
+  biases after the last step match the unparallelized run, our hook at degree 1 on 2 ranks (same
+  data-parallel degree, so same batches);
 - command-line combinations the hook cannot run are refused while parsing.
 The seed checkpoint is written under our hook and loaded by torchtitan's own runs: same keys.
 
@@ -28,9 +29,11 @@ torchtitan's experts running in bfloat16 (EP groups tokens differently, so bf16 
 |dloss| 0.0 (9.5e-7 and 4.8e-7 over 3 steps), |dnorm| 1.1e-7 and 1.0e-7, gradients 4.6e-7 (TP: each EP group
 holds one data-parallel rank's tokens, as the reference's ranks do, so the experts' bf16 GEMMs see the same
 rows) and 3.4e-3 (PP: the expert weight gradients are bf16 GEMMs per microbatch), expert biases bitwise
-equal. CP2 x EP2: |dloss| 0.0 over 2 steps (4.8e-7 over 3), gradients 3.2e-7 eager, 4.2e-7 with its blocks
-compiled (aot_eager), biases equal; with the gathered keys in contiguous order instead of torchtitan's
-head-tail one the first-step gradient of layers.0.attention.wq.weight was off by 0.18 relative.
+equal. CP2 x EP2: |dloss| 0.0 over 2 steps (4.8e-7 over 3), gradients 3.2e-7, biases equal; with the
+gathered keys in contiguous order instead of torchtitan's head-tail one the first-step gradient of
+layers.0.attention.wq.weight was off by 0.18 relative. EP2 on 2 ranks, blocks compiled (aot_eager): |dloss|
+4.8e-7, gradient norms equal, gradients 4.2e-3 (bf16 expert GEMMs over both data-parallel ranks' rows, as in
+torchtitan's EP runs), biases equal.
 """
 
 
@@ -57,7 +60,8 @@ GRAD_RTOL = 2e-2
 FP32_GRAD_RTOL = 1e-5
 _LOAD_ONLY = ("--checkpoint.enable", "--checkpoint.load_only")  # load the seed, write nothing
 # torchtitan's --compile.enable on its blocks (dynamo + AOTAutograd; no codegen: a CPU C++ build costs minutes).
-# Only CP2 x EP2 compiles: dynamo's tracing costs about 60 CPU s a 4-rank run, four eager runs' worth.
+# One 2-rank EP2 run compiles: dynamo traces on every rank, ~22 CPU s per rank (a 4-rank compiled CP2 x EP2 run
+# cost 88 CPU s, seven of its eager runs).
 _COMPILED = ("--compile.enable", "--compile.backend", "aot_eager")
 # The launcher test's torchrun (2 ranks, 2 steps): ~30 s alone, minutes on a loaded 2-core machine.
 LAUNCHER_TIMEOUT_S = 1.5 * float(os.environ.get("DTENSOR_MOE_TEST_TIMEOUT", "600"))
@@ -238,9 +242,10 @@ _CP = ("--parallelism.context_parallel_degree", "2")  # torchtitan's head-tail s
 @pytest.fixture(scope="module")
 def folded(tmp_path_factory):
     """torchtitan's TP=2, PP=2 and CP=2 with our EP=2 on 4 ranks (data-parallel degree 2, so the same
-    batches as 2 data-parallel ranks), and the unparallelized reference: our hook at degree 1 on 2
-    ranks (every rank runs every expert, FSDP only). FOLDED_STEPS steps each, from the step-0 checkpoint
-    the reference writes (a set-up of its own: `runs` can run on the other test process meanwhile)."""
+    batches as 2 data-parallel ranks), our EP=2 with compiled blocks on 2 ranks, and the unparallelized
+    reference: our hook at degree 1 on 2 ranks (every rank runs every expert, FSDP only). FOLDED_STEPS steps
+    each, from the step-0 checkpoint the reference writes (a set-up of its own: `runs` can run on the other
+    test process meanwhile)."""
     root = tmp_path_factory.mktemp("titan_folded")
     steps = ("--training.steps", str(FOLDED_STEPS))
     reference = run_on_ranks(2, _train, _ours(root / "dp2", 1, 1, *steps, "--checkpoint.enable",
@@ -251,7 +256,8 @@ def folded(tmp_path_factory):
         "reference": reference,
         "tp2_ep2": run_on_ranks(WORLD, _train, _ours(root / "tp2", 2, 1, *seed, *steps, *tp)),
         "pp2_ep2": run_on_ranks(WORLD, _train, _ours(root / "pp2", 2, 1, *seed, *steps, *_PP)),
-        "cp2_ep2": run_on_ranks(WORLD, _train, _ours(root / "cp2", 2, 1, *seed, *_COMPILED, *steps, *_CP)),
+        "cp2_ep2": run_on_ranks(WORLD, _train, _ours(root / "cp2", 2, 1, *seed, *steps, *_CP)),
+        "ep2_compiled": run_on_ranks(2, _train, _ours(root / "ep2c", 2, 1, *seed, *_COMPILED, *steps)),
     }
 
 
@@ -286,6 +292,12 @@ def test_pp2_ep2_matches_unparallelized(folded):
 
 
 def test_cp2_ep2_matches_unparallelized(folded):
-    """Our all-gather-KV attention on torchtitan's head-tail sequence parts; the MoEs fold over dp_shard * cp;
-    blocks compiled (aot_eager) against the eager reference."""
+    """Our all-gather-KV attention on torchtitan's head-tail sequence parts; the MoEs fold over dp_shard * cp."""
     _assert_matches_reference("cp2_ep2", folded["cp2_ep2"][0], folded["reference"], FP32_GRAD_RTOL)
+
+
+def test_compiled_ep2_matches_unparallelized(folded):
+    """torchtitan's blocks compiled (aot_eager) around our EP dispatch (the hook's frames: the dispatch before
+    the experts, the combine after), against the eager reference. GRAD_RTOL: each EP group holds both
+    data-parallel ranks' tokens, so the experts' bf16 GEMMs group rows differently from the reference's."""
+    _assert_matches_reference("ep2_compiled", folded["ep2_compiled"][0], folded["reference"])
