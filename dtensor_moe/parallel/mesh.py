@@ -144,15 +144,28 @@ class MoEMeshes:
     pp: "DeviceMesh | None"  # this rank's pipeline (one rank per stage); None when pp == 1
 
     @functools.cached_property
+    def expert_weights(self) -> "DeviceMesh":
+        """The (ep, etp) submesh expert weights are DTensors on (FSDP2 adds EDP / HSDP to it), without
+        its size-1 axes ("ep" when both are 1): see expert_by_plan."""
+        names = tuple(n for n in ("ep", "etp") if self.expert[n].size() > 1) or ("ep",)
+        return self.expert[names]
+
+    @functools.cached_property
     def expert_by_plan(self) -> "DeviceMesh":
         """The expert mesh with its axes in the plan's order of application (dp_replicate, ep, etp,
         edp): DTensor splits a dim sharded by several mesh axes left to right, so EDP then chunks
         each EP rank's experts as FSDP2 would. Built on first use (a collective), by compiled layers
-        whose experts gather over EDP inside the graph."""
+        whose experts gather over EDP inside the graph (so EDP or dp_replicate is > 1). Size-1 axes
+        are left out: a placement on one is the identity, and DTensor's sharding propagation tries
+        every combination of an op's strategies over every mesh axis (an in-place add of two
+        gradients on this mesh with two size-1 axes: 1.6 CPU s, at every new shape)."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        return DeviceMesh(self.expert.device_type, self.expert.mesh.permute(0, 2, 3, 1),
-                          mesh_dim_names=("dp_replicate", "ep", "etp", "edp"))
+        mesh = self.expert.mesh.permute(0, 2, 3, 1)
+        names = ("dp_replicate", "ep", "etp", "edp")
+        keep = [i for i, size in enumerate(mesh.shape) if size > 1]
+        return DeviceMesh(self.expert.device_type, mesh.reshape([mesh.shape[i] for i in keep]),
+                          mesh_dim_names=tuple(names[i] for i in keep))
 
 
 _MESH_CACHE: dict = {}

@@ -74,7 +74,7 @@ def shard_moe_layer(
 ):
     """Apply `plans` (names relative to `moe`) to one MoE layer of any model family.
 
-    Expert weights become DTensors on the (ep, etp) submesh, the dispatcher wraps the module that
+    Expert weights become DTensors on the (ep, etp) submesh (its axes of size > 1), the dispatcher wraps the module that
     owns them, and FSDP2 shards them over EDP (HSDP over dp_replicate) and the dense weights over
     the data-parallel ranks, each along the plan's dim. `grad_divisor`: see ExpertDispatcher.
     `fsdp_kwargs` None: no FSDP units here; the caller's unit around the layer takes its dense
@@ -91,7 +91,7 @@ def shard_moe_layer(
     ep_etp = meshes.expert["ep", "etp"]
     ours = isinstance(experts, GroupedExperts)  # takes ExpertInput and the weight-gradient scale
     in_graph = ours and not experts_unit and experts_fsdp_sharded(dims)
-    weight_mesh = meshes.expert_by_plan if in_graph else ep_etp
+    weight_mesh = meshes.expert_by_plan if in_graph else meshes.expert_weights
     for wp in experts_plans:
         attr = wp.name.rsplit(".", 1)[1]
         param = getattr(experts, attr)
