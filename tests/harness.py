@@ -392,7 +392,12 @@ def torchrun_on_ranks(cmd: list[str], env: dict | None = None) -> int:
 
 
 LEAK_THREADS = 4  # a leaked gloo group keeps 3 threads; a few more threads than at start-up is noise
-RECYCLE_THREADS = 24  # about eight leaked groups: run_on_ranks then replaces the pool
+# About eight leaked groups: run_on_ranks then replaces the pool. Compiled tasks leak this way on torch 2.13: a
+# torch.compile'd function that used a process group (a compiled all_reduce on a dist.new_group, backend "eager",
+# is enough) keeps the group and its 3 gloo threads alive after torch._dynamo.reset() and destroy_process_group;
+# no Python container or lru_cache holds it, its dynamo cache entry is gone. The session's leak report then names
+# those pools.
+RECYCLE_THREADS = 24
 
 
 def idle_leaks() -> dict:
