@@ -146,3 +146,23 @@ def test_checkpoint_reshards_pp2_to_pp1_and_back(tmp_path):
     stage0, stage1 = set(results[0]["stage_keys"]), set(results[2]["stage_keys"])
     assert not stage0 & stage1 and stage0 | stage1 == set(results[0]["all_keys"])
     assert any(k.startswith("optim.") and k.endswith(".exp_avg") for k in stage0)
+
+
+def test_step_hands_the_schedule_contiguous_microbatches():
+    """torch 2.11's pipeline stages refuse inputs whose strides differ from the contiguous shapes they were
+    built for (PipeliningShapeError); the main job's batches are column slices of their sequences."""
+    from types import SimpleNamespace
+
+    from dtensor_moe.parallel.pipeline import Pipeline
+
+    seen = {}
+
+    def step(inputs, target, losses, return_outputs):
+        seen.update(inputs=inputs, target=target)
+        losses.append(torch.tensor(2.0))
+
+    pipe = SimpleNamespace(_aux=[], has_first=True, has_last=True, microbatches=1, schedule=SimpleNamespace(step=step))
+    seq = torch.arange(18).view(2, 9)
+    assert Pipeline.step(pipe, seq[:, :-1], seq[:, 1:]) == (2.0, 0.0)
+    assert seen["inputs"].is_contiguous() and seen["target"].is_contiguous()
+    assert torch.equal(seen["inputs"], seq[:, :-1]) and torch.equal(seen["target"], seq[:, 1:])

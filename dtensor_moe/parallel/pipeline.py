@@ -104,11 +104,13 @@ class Pipeline:
     def step(self, inputs_BL: torch.Tensor, targets_BL: torch.Tensor) -> tuple[float, float]:
         """Forward and backward of every microbatch. Returns this rank's (cross-entropy, aux loss),
         each the mean over microbatches: the cross-entropy on the last stage (else 0), the aux loss
-        summed over this rank's stages' MoE layers (the caller sums it over stages)."""
+        summed over this rank's stages' MoE layers (the caller sums it over stages). Contiguous copies:
+        torch 2.11's stages check each microbatch's strides against the contiguous shapes they were built
+        for (a batch's inputs are a column slice of its sequences)."""
         self._aux.clear()
         losses: list[torch.Tensor] = []
-        self.schedule.step(inputs_BL if self.has_first else None, target=targets_BL if self.has_last else None,
-                           losses=losses, return_outputs=False)
+        self.schedule.step(inputs_BL.contiguous() if self.has_first else None,
+                           target=targets_BL.contiguous() if self.has_last else None, losses=losses, return_outputs=False)
         ce = sum(float(x.detach()) for x in losses) / self.microbatches if self.has_last else 0.0
         return ce, float(sum(self._aux)) / self.microbatches
 
