@@ -157,8 +157,7 @@ class MoEMeshes:
         each EP rank's experts as FSDP2 would. Built on first use (a collective), by compiled layers
         whose experts gather over EDP inside the graph (so EDP or dp_replicate is > 1). Size-1 axes
         are left out: a placement on one is the identity, and DTensor's sharding propagation tries
-        every combination of an op's strategies over every mesh axis (an in-place add of two
-        gradients on this mesh with two size-1 axes: 1.6 CPU s, at every new shape)."""
+        every combination of an op's strategies over every mesh axis, at every new shape (RESULTS.md)."""
         from torch.distributed.device_mesh import DeviceMesh
 
         mesh = self.expert.mesh.permute(0, 2, 3, 1)
