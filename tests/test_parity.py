@@ -104,7 +104,7 @@ COMPILED = {
     # Dynamo + AOTAutograd without codegen (aot_eager), as in the parity draw: the graphs our ops and DTensor
     # trace to, against the reference. Inductor's codegen runs in tests/test_compile.py (the main job's model
     # trained on EP2, the dispatch's ops inside its graphs, against eager): on CPU its cost is one C++ build per
-    # kernel, ~100 CPU s more for this case's graphs on 2 ranks.
+    # kernel on every rank.
     "compiled_single_process": (1, Case(1, 1, 1, 4, 2, 8, 6, (3,), load_balance="aux_loss", compile="aot_eager",
                                         seq_aux_loss_coeff=0.3, z_loss_coeff=0.01, num_expert_groups=2)),
     "compiled_ep2": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 1), num_shared_experts=1, compile="aot_eager", capacity_factor=0.5,

@@ -60,8 +60,8 @@ GRAD_RTOL = 2e-2
 FP32_GRAD_RTOL = 1e-5
 _LOAD_ONLY = ("--checkpoint.enable", "--checkpoint.load_only")  # load the seed, write nothing
 # torchtitan's --compile.enable on its blocks (dynamo + AOTAutograd; no codegen: a CPU C++ build costs minutes).
-# One 2-rank EP2 run compiles: dynamo traces on every rank, ~22 CPU s per rank (a 4-rank compiled CP2 x EP2 run
-# cost 88 CPU s, seven of its eager runs).
+# One 2-rank EP2 run compiles: dynamo traces on every rank (the 4-rank compiled CP2 x EP2 run it replaced cost
+# 88 CPU s; the `folded` fixture took 150 CPU s with it, 101 with this one).
 _COMPILED = ("--compile.enable", "--compile.backend", "aot_eager")
 # The launcher test's torchrun (2 ranks, 2 steps): ~30 s alone, minutes on a loaded 2-core machine.
 LAUNCHER_TIMEOUT_S = 1.5 * float(os.environ.get("DTENSOR_MOE_TEST_TIMEOUT", "600"))
