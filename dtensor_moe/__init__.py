@@ -19,7 +19,6 @@ _EXPORTS = {
     "ownership": "parallel.plan",
     "plan_moe": "parallel.plan",
     "parallelize_moe": "parallel.parallelize",
-    "parallelize_model": "parallel.parallelize",
     "TopKRouter": "router",
 }
 

@@ -165,7 +165,7 @@ def api_cases(tour: Tour, ckpt_ready):
     import torch.distributed as dist
 
     from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe, plan_moe
-    from dtensor_moe.parallel.parallelize import parallelize_model
+    from dtensor_moe.train.parallel.parallelize import parallelize_model
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
 

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtensor_moe import MoEParallelDims, parallelize_model
+from dtensor_moe import MoEParallelDims
+from dtensor_moe.train.parallel.parallelize import parallelize_model
 from dtensor_moe.train.config import ModelConfig
 from dtensor_moe.train.model import MoETransformer
 from dtensor_moe.train.optim import clip_grad_norm_

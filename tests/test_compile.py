@@ -59,7 +59,8 @@ def train_steps(rank, world_size, ep, compile, ac, steps=3):
     how many EP/ETP row movements each step ran."""
     import torch.nn.functional as F
 
-    from dtensor_moe import MoEParallelDims, parallelize_model
+    from dtensor_moe import MoEParallelDims
+    from dtensor_moe.train.parallel.parallelize import parallelize_model
     from dtensor_moe.parallel import dispatch
 
     torch._dynamo.reset()

@@ -15,8 +15,8 @@ def _train_pp_and_reference(rank: int, world_size: int, schedule: str, n_layers:
     import copy
 
     from dtensor_moe.parallel.mesh import MoEParallelDims
-    from dtensor_moe.parallel.parallelize import parallelize_model
-    from dtensor_moe.parallel.pipeline import Pipeline, cross_entropy, stage_view
+    from dtensor_moe.train.parallel.parallelize import parallelize_model
+    from dtensor_moe.train.parallel.pipeline import Pipeline, cross_entropy, stage_view
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.data import Batches
     from dtensor_moe.train.loop import _accumulating
@@ -91,8 +91,8 @@ def _reshard_pp2_pp1_pp2(rank: int, world_size: int, root: str) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from dtensor_moe.parallel.mesh import MoEParallelDims
-    from dtensor_moe.parallel.parallelize import parallelize_model
-    from dtensor_moe.parallel.pipeline import Pipeline, stage_view
+    from dtensor_moe.train.parallel.parallelize import parallelize_model
+    from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
     from dtensor_moe.train import checkpoint
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
@@ -153,7 +153,7 @@ def test_step_hands_the_schedule_contiguous_microbatches():
     built for (PipeliningShapeError); the main job's batches are column slices of their sequences."""
     from types import SimpleNamespace
 
-    from dtensor_moe.parallel.pipeline import Pipeline
+    from dtensor_moe.train.parallel.pipeline import Pipeline
 
     seen = {}
 

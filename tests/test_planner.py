@@ -33,10 +33,10 @@ def _measure_states(rank, world, model_kwargs, dims_kwargs, schedule="1f1b"):
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
 
-    from dtensor_moe.parallel.pipeline import Pipeline, stage_view
+    from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
-    from dtensor_moe.parallel.parallelize import parallelize_model
+    from dtensor_moe.train.parallel.parallelize import parallelize_model
 
     torch.manual_seed(0)
     cfg = ModelConfig(**model_kwargs)

@@ -1,4 +1,4 @@
-"""Apply the placement plan to every MoE layer of a model, in place."""
+"""Apply the placement plan to every MoE layer of a model, in place (the library's `parallelize_moe`)."""
 
 from dataclasses import dataclass
 
@@ -9,14 +9,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils.hooks import RemovableHandle
 
-from dtensor_moe.parallel.compile import AC_MODES, apply_activation_checkpointing, apply_compile
+from dtensor_moe.parallel.compile import AC_MODES, apply_compile
 from dtensor_moe.parallel.dispatch import ExpertDispatcher
 from dtensor_moe.experts import GroupedExperts
 from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
 from dtensor_moe.moe import LocalStats, MoE
 from dtensor_moe.parallel.plan import WeightPlan, plan_moe
-from dtensor_moe.parallel.context_parallel import apply_cp, check_cp_model
-from dtensor_moe.parallel.tensor_parallel import apply_tp, check_tp_model, scale_moe_gradients
 
 
 @dataclass(frozen=True)
@@ -145,16 +143,7 @@ def check_compile(activation_checkpoint: str, compile, prefix: str = ""):
                          "checkpointing without compile")
 
 
-def check_model_parallel(dims: MoEParallelDims, compile, prefix: str = ""):
-    """What dense TP and CP need of parallelize_model's other options, checked before any collective."""
-    if compile and dims.tp * dims.cp > 1:
-        # A compiled block is one FSDP unit on the dense mesh, but under TP the MoE's dense weights
-        # shard over tp too (another mesh), and CP's K/V all-gather is a DTensor redistribute.
-        raise ValueError(f"{prefix}compile with tp={dims.tp}, cp={dims.cp} is not supported yet; valid: compile with "
-                         "tp = cp = 1, or tp/cp without compile")
-
-
-def _moe_layers(module: nn.Module, dims: MoEParallelDims):
+def moe_layers(module: nn.Module, dims: MoEParallelDims):
     """Every MoE in `module` with its plan; every check before the first collective (and before any
     module changes), so a bad config never hangs a rank or leaves a half-parallelized model."""
     moes = [m for m in module.modules() if isinstance(m, MoE)]
@@ -166,7 +155,7 @@ def _moe_layers(module: nn.Module, dims: MoEParallelDims):
     return list(zip(moes, plans))
 
 
-def _fsdp_kwargs(mp_policy, reshard_after_forward: bool) -> dict:
+def fsdp_kwargs(mp_policy, reshard_after_forward: bool) -> dict:
     kwargs = {"reshard_after_forward": reshard_after_forward}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
@@ -189,71 +178,12 @@ def parallelize_moe(
     forward becomes one graph (its FSDP unit's hooks run around it); a string names the backend.
     """
     check_compile("none", compile)
-    layers = _moe_layers(module, dims)
+    layers = moe_layers(module, dims)
     meshes = dims.build_meshes(device_type)
     for m, moe_plans in layers:
-        shard_moe_layer(m, moe_plans, dims, meshes, _fsdp_kwargs(mp_policy, reshard_after_forward),
+        shard_moe_layer(m, moe_plans, dims, meshes, fsdp_kwargs(mp_policy, reshard_after_forward),
                         experts_unit=not compile, dispatch_precision=m.config.dispatch_precision)
         m.stats = DataParallelStats(meshes, dims)
         if compile:
             apply_compile(m, compile)
     return module
-
-
-def parallelize_model(
-    model: nn.Module,
-    dims: MoEParallelDims,
-    *,
-    device_type: str = "cuda",
-    mp_policy=None,
-    reshard_after_forward: bool = True,
-    compile: bool | str = False,
-    activation_checkpoint: str = "none",
-) -> nn.Module:
-    """torchtitan's chain for any model whose blocks are in `model.layers`: expert sharding (EP,
-    ETP), activation checkpointing ("none" | "full" | "selective"), compile (each block one graph),
-    then FSDP2/HSDP on each block and the root (embeddings, head; tied embeddings stay there).
-
-    Eagerly each MoE is its own FSDP unit (experts over EDP, router and shared experts over the
-    data-parallel ranks); compiled, the block's unit takes the MoE's dense weights too, so every
-    FSDP hook runs outside the block's graph, and under EDP / HSDP the experts gather their weights
-    inside it (see shard_moe_layer's `experts_unit`).
-
-    `dims.tp > 1`: the main job's model gets dense tensor parallelism with sequence parallelism
-    (parallel/tensor_parallel.py), FSDP2 then shards its weights over the data-parallel ranks too
-    (2-D). `dims.cp > 1`: each rank holds a contiguous part of every sequence; attention gathers
-    the keys and values over cp (parallel/context_parallel.py).
-    """
-    check_compile(activation_checkpoint, compile)
-    check_model_parallel(dims, compile)
-    if dims.tp > 1:
-        check_tp_model(model, dims.tp)
-    if dims.cp > 1:
-        check_cp_model(model, dims.cp)
-    layers = _moe_layers(model, dims)
-    meshes = dims.build_meshes(device_type)
-    fsdp_kwargs = _fsdp_kwargs(mp_policy, reshard_after_forward)
-    for m, moe_plans in layers:
-        shard_moe_layer(m, moe_plans, dims, meshes, None if compile else fsdp_kwargs, experts_unit=not compile,
-                        dispatch_precision=m.config.dispatch_precision)
-        m.stats = DataParallelStats(meshes, dims)
-        if dims.tp > 1:
-            scale_moe_gradients(m, dims.tp)
-    if dims.tp > 1:
-        apply_tp(model, meshes.tp)
-    if dims.cp > 1:
-        apply_cp(model, meshes.dense["cp"])
-    # Compiled experts are in no FSDP unit (eagerly the MoE's own units take care of them).
-    experts = {p for m, _ in layers for p in m.experts.parameters()} if compile else None
-    kwargs = {"mesh": dp_fsdp_mesh(meshes, dims)}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    for block in blocks:
-        apply_activation_checkpointing(block, activation_checkpoint)
-        if compile:
-            apply_compile(block, compile)
-        fully_shard(block, reshard_after_forward=reshard_after_forward, ignored_params=experts, **kwargs)
-    # The root's parameters are needed again right after forward (loss head), so keep them gathered.
-    fully_shard(model, reshard_after_forward=False, ignored_params=experts, **kwargs)
-    return model

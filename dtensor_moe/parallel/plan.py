@@ -232,31 +232,8 @@ def _tiles(boxes, shape) -> bool:
     return grid == len(nonempty)
 
 
-# Dense tensor parallelism with sequence parallelism for the main job's model (torchtitan's apply_tp):
-# (module path, style) pairs, applied by parallel/tensor_parallel.py. Between blocks the activations are
-# sequence-sharded over tp; attention gathers the sequence and splits the heads; the MoE takes its own
-# sequence slice as it is. Styles:
-#   embedding      rows (vocab) sharded, replicated token ids in, sequence-sharded out
-#   sequence       weights replicated, runs on the local sequence slice (norms)
-#   sequence_local the same, handing a plain tensor on (the MoE takes local tokens)
-#   gather_seq     all-gathers the sequence at the module's input
-#   colwise        output features sharded (whole heads: n_heads % tp == 0)
-#   rowwise        input features sharded, output reduce-scattered back to sequence slices
-#   head           output features sharded, sequence-sharded in, logits replicated out
-TP_ROOT_PLAN = (("tok_embeddings", "embedding"), ("norm", "sequence"), ("output", "head"))
-TP_BLOCK_PLAN = (
-    ("attention_norm", "sequence"),
-    ("attention", "gather_seq"),
-    ("attention.wq", "colwise"),
-    ("attention.wk", "colwise"),
-    ("attention.wv", "colwise"),
-    ("attention.wo", "rowwise"),
-    ("ffn_norm", "sequence_local"),
-)
-
-
 def check_pipeline(dims: MoEParallelDims, schedule: str, microbatches: int, n_layers: int, tie_embeddings: bool,
-                   compile: bool | str = False, prefix: str = "parallel."):
+                   prefix: str = "parallel."):
     """What the pipeline needs, checked before any collective (nothing when dims.pp == 1)."""
     if schedule not in PP_STAGES_PER_RANK:
         raise ValueError(f"{prefix}pp_schedule must be one of {list(PP_STAGES_PER_RANK)}, got {schedule!r}")
@@ -271,9 +248,6 @@ def check_pipeline(dims: MoEParallelDims, schedule: str, microbatches: int, n_la
     if tie_embeddings:
         raise ValueError(f"model.tie_embeddings=true is not supported with {prefix}pp > 1 (the embedding and the "
                          "output head live on different stages); valid: model.tie_embeddings=false, or pp=1")
-    if compile:
-        raise ValueError(f"training.compile is not supported with {prefix}pp > 1 yet (each MoE's load-balancing loss "
-                         "is attached to its output by a module hook); valid: compile=false, or pp=1")
     if schedule == "1f1b" and microbatches < pp:
         raise ValueError(f"{prefix}microbatches ({microbatches}) must be >= {prefix}pp ({pp}) for pp_schedule '1f1b'; "
                          f"valid: {list(range(pp, 4 * pp + 1))}, ... or pp_schedule 'gpipe'")

@@ -143,9 +143,9 @@ def _resume_target(args, cfg: Config, run_dir: str):
 
 def _check(cfg: Config, world: int):
     """Every config error, raised before any process group or collective exists."""
+    from dtensor_moe.parallel.parallelize import check_compile
     from dtensor_moe.parallel.plan import check_pipeline, plan_moe
-
-    from dtensor_moe.parallel.parallelize import check_compile, check_model_parallel
+    from dtensor_moe.train.parallel.parallelize import check_model_parallel
     from dtensor_moe.train.data import check_global_batch
 
     p, m = cfg.parallel, cfg.model  # types and ranges of every field were checked when the config was built
@@ -153,7 +153,7 @@ def _check(cfg: Config, world: int):
     plan_moe(m.moe_config(), dims)
     check_compile(cfg.training.activation_checkpoint, cfg.training.compile, "training.")
     check_model_parallel(dims, cfg.training.compile, "training.")
-    check_pipeline(dims, p.pp_schedule, p.num_microbatches, m.n_layers, m.tie_embeddings, cfg.training.compile)
+    check_pipeline(dims, p.pp_schedule, p.num_microbatches, m.n_layers, m.tie_embeddings)
     # CP and TP ranks split each sequence; the other ranks read different sequences.
     check_global_batch(cfg.training.global_batch, dims.dp_replicate * dims.dp_shard, p.num_microbatches)
 
@@ -210,8 +210,8 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
     from dtensor_moe.train.metrics import RunWriter, local_state_bytes, peak_memory_bytes
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
-    from dtensor_moe.parallel.parallelize import parallelize_model
-    from dtensor_moe.parallel.pipeline import Pipeline, cross_entropy, stage_view
+    from dtensor_moe.train.parallel.parallelize import parallelize_model
+    from dtensor_moe.train.parallel.pipeline import Pipeline, cross_entropy, stage_view
     from dtensor_moe.parallel.plan import plan_moe
 
     # The grad-norm all-reduce over the 3-axis expert mesh is one scalar per axis; not worth a warning per rank.

@@ -1,4 +1,4 @@
-"""Dense tensor parallelism with sequence parallelism: plan.py's TP plan as DTensor parallel styles.
+"""Dense tensor parallelism with sequence parallelism: tp_plan.py's TP plan as DTensor parallel styles.
 
 Only `parallelize_module` styles move activations (no hand-written collectives). Sequence
 parallelism hands each TP rank its own slice of every sequence between blocks, so an MoE there is
@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtensor_moe.routing import ScaleGrad
-from dtensor_moe.parallel.plan import TP_BLOCK_PLAN, TP_ROOT_PLAN
+from dtensor_moe.train.parallel.tp_plan import TP_BLOCK_PLAN, TP_ROOT_PLAN
 
 _STYLES = {
     "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
