@@ -18,7 +18,7 @@ SEARCHES = {
 
 _ONE = """
 import argparse, json, sys, time
-from dtensor_moe.tools.planner import report
+from dtensor_moe.cli import plan as report
 p = argparse.ArgumentParser()
 report.add_arguments(p)
 args = p.parse_args(sys.argv[1:])

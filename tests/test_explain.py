@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dtensor_moe.tools import explain as X
+from dtensor_moe.cli import explain as X
 from dtensor_moe.cli import main
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.parallel.mesh import MoEParallelDims

@@ -16,7 +16,8 @@ import pytest
 from dtensor_moe.tools import planner as P
 from dtensor_moe.parallel.mesh import EXPERT_AXES, PP_STAGES_PER_RANK, MoEParallelDims
 from dtensor_moe.parallel.plan import plan_moe, rank_coords
-from dtensor_moe.tools.presets import PRESETS, resolve, spec_from_model_config
+from dtensor_moe.cli.plan import resolve
+from dtensor_moe.tools.presets import PRESETS, spec_from_model_config
 
 from .harness import run_on_ranks
 

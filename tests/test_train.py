@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from dtensor_moe.cli import main
-from dtensor_moe.train import loop
+from dtensor_moe.cli import train as train_cli
 from dtensor_moe.train.config import load_config
 
 from .harness import torchrun_on_ranks
@@ -15,12 +15,12 @@ from .harness import torchrun_on_ranks
 def _ranks_in_pools(monkeypatch):
     """The launcher's torchrun of its ranks runs on the harness's pools (no torch import per rank); the
     1-process parity reference stays a real torchrun (the launcher's own command, checked once)."""
-    real_call = loop.subprocess.call
+    real_call = train_cli.subprocess.call
 
     def call(cmd, env=None):
         return real_call(cmd) if "dtensor_moe.train.loop" in cmd else torchrun_on_ranks(cmd, env)
 
-    monkeypatch.setattr(loop, "subprocess", SimpleNamespace(call=call))
+    monkeypatch.setattr(train_cli, "subprocess", SimpleNamespace(call=call))
 
 
 def test_tiny_cpu_run_falls_and_matches_one_process(tmp_path, capsys, monkeypatch):
@@ -89,14 +89,14 @@ def test_config_errors(overrides, match):
         assert load_config("configs/tiny_cpu.toml", overrides).training.global_batch == 12
         return
     with pytest.raises(ValueError, match=match):
-        from dtensor_moe.train.loop import _check
+        from dtensor_moe.cli.train import _check
 
         cfg = load_config("configs/tiny_cpu.toml", overrides)
         _check(cfg, cfg.parallel.nproc)
 
 
 def test_global_batch_checked_against_the_real_world_size_before_launch():
-    from dtensor_moe.train.loop import _check
+    from dtensor_moe.cli.train import _check
 
     cfg = load_config("configs/tiny_cpu_ep_only.toml", ["parallel.ep=16", "model.num_experts=16", "training.global_batch=32"])
     _check(cfg, 32)  # under torchrun on 32 ranks: ep=16 is valid although parallel.nproc says 8
@@ -193,15 +193,14 @@ def test_launcher_names_a_missing_or_malformed_config_file(tmp_path, capsys):
 def _parsed(argv):
     import argparse
 
-    from dtensor_moe.train import loop
 
     p = argparse.ArgumentParser()
-    loop.add_arguments(p)
+    train_cli.add_arguments(p)
     return p.parse_args(argv)
 
 
 def test_resume_does_not_swallow_an_override():
-    from dtensor_moe.train.loop import _resolve
+    from dtensor_moe.cli.train import _resolve
 
     args = _parsed(["--config", "configs/tiny_cpu.toml", "--resume", "training.steps=5", "parallel.ep=1"])
     cfg, _ = _resolve(args)

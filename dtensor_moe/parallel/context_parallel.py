@@ -9,7 +9,6 @@ Everything else (norms, the MoE, the loss) is per token. torch's experimental `c
 included, at the cost of holding a whole sequence's K and V per rank.
 """
 
-import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 

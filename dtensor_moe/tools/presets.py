@@ -8,7 +8,6 @@ counts the main model only).
 """
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from dtensor_moe.config import MoEConfig, check_groups
 from dtensor_moe.validate import check_int, check_type
@@ -160,31 +159,3 @@ def spec_from_model_config(cfg, name: str = "config") -> ModelSpec:
         num_expert_groups=cfg.num_expert_groups,
         num_limited_groups=cfg.num_limited_groups,
     )
-
-
-def _config_dirs() -> list[Path]:
-    here = Path(__file__).resolve().parent
-    return [Path.cwd() / "configs", here.parent / "configs", here / "configs"]
-
-
-def load_config(path: Path) -> ModelSpec:
-    from dtensor_moe.train.config import ModelConfig, read_toml
-
-    data = read_toml(str(path))  # a malformed file is named, with tomllib's line
-    if "model" not in data:
-        raise ValueError(f"{path}: a training config needs a [model] table (fields of dtensor_moe.train.model.ModelConfig)")
-    return spec_from_model_config(ModelConfig.from_dict(data["model"]), name=path.stem)
-
-
-def resolve(model: str) -> ModelSpec:
-    """A preset name, a path to a training config TOML, or the stem of one in a `configs/` folder."""
-    if model in PRESETS:
-        return PRESETS[model]
-    path = Path(model)
-    if path.is_file():
-        return load_config(path)
-    for d in _config_dirs():
-        if (d / f"{model}.toml").is_file():
-            return load_config(d / f"{model}.toml")
-    configs = sorted({p.stem for d in _config_dirs() if d.is_dir() for p in d.glob("*.toml")})
-    raise ValueError(f"unknown model {model!r}; valid: presets {sorted(PRESETS)}, configs {configs}, or a path to a .toml")

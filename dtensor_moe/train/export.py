@@ -20,7 +20,7 @@ with a fresh optimizer); it refuses to replace an existing step unless --force, 
 deletes the step's optimizer state. `load_safetensors_into(model, path)` fills a plain or
 parallelized model on any mesh. Bad input is one line on stderr and rc 2 for both commands.
 With `--hf` both commands move MoE layers between Hugging Face checkpoints and our layout instead
-(dtensor_moe/hf/checkpoint.py, docs/hf.md).
+(dtensor_moe/train/hf_checkpoint.py, docs/hf.md).
 """
 
 import json
@@ -129,54 +129,6 @@ def load_safetensors_into(model: nn.Module, path) -> nn.Module:
     return model
 
 
-def add_export_arguments(parser):
-    parser.add_argument("ckpt", help="checkpoint directory, or a run's checkpoint root (its latest is used); with --hf "
-                                     "also a directory written by `export` or `import --hf`")
-    parser.add_argument("out", nargs="?", help=f"output directory for {WEIGHTS} and {CONFIG} (not with --hf)")
-    parser.add_argument("--hf", metavar="OUT_DIR", help="write the MoE layers under a Hugging Face family's keys "
-                                                       "into OUT_DIR instead (docs/hf.md)")
-    parser.add_argument("--model-type", help="with --hf: qwen3_moe | mixtral | deepseek_v3 | gpt_oss (recorded by "
-                                             "`import --hf`, needed for the main job's weights)")
-    parser.add_argument("--force", action="store_true", help="with --hf: replace existing files in OUT_DIR")
-
-
-def _one_line_errors(command: str, fn) -> int:
-    try:
-        return fn()
-    except ValueError as e:
-        print(f"dtensor-moe {command}: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-
-
-def _export(args) -> Path:
-    if args.hf is not None:
-        from dtensor_moe.hf.checkpoint import export_hf
-
-        if args.out is not None:
-            raise ValueError(f"export --hf writes to its OUT_DIR ({args.hf}); drop the second positional ({args.out})")
-        return export_hf(args.ckpt, args.hf, args.model_type, args.force)
-    if args.out is None:
-        raise ValueError(f"export CKPT needs an output: OUT (a directory for {WEIGHTS} and {CONFIG}) or --hf OUT_DIR")
-    if args.model_type is not None or args.force:
-        raise ValueError("--model-type and --force go with --hf; export CKPT OUT takes neither")
-    return export_checkpoint(args.ckpt, args.out)
-
-
-def run_export(args) -> int:
-    return _one_line_errors("export", lambda: print(_export(args)) or 0)
-
-
-def add_import_arguments(parser):
-    parser.add_argument("safetensors", nargs="?", help=f"{WEIGHTS} written by `dtensor-moe export`, or its directory "
-                                                      "(with --hf: the output directory)")
-    parser.add_argument("out_ckpt", nargs="?", help="checkpoint root to write step_<step>/ into (resume from it with --resume)")
-    parser.add_argument("--hf", metavar="HF_DIR", help="import the MoE layers of a Hugging Face checkpoint directory "
-                                                      "instead, into the one positional OUT directory (docs/hf.md)")
-    parser.add_argument("--step", type=int, default=0, help="step number to record in the checkpoint (default 0)")
-    parser.add_argument("--force", action="store_true",
-                        help="replace an existing step_<step>/ (its optimizer state, if any, is deleted)")
-
-
 def import_weights(safetensors, out_ckpt, step: int = 0, force: bool = False) -> Path:
     """Writes `out_ckpt/step_<step>` (weights only); an existing step is replaced only with force."""
     from dtensor_moe.train.config import ModelConfig
@@ -204,19 +156,3 @@ def import_weights(safetensors, out_ckpt, step: int = 0, force: bool = False) ->
     if replaced_optimizer:
         print(f"replaced {path}: its optimizer state is deleted; resuming it starts AdamW fresh", file=sys.stderr)
     return path
-
-
-def _import(args) -> Path:
-    if args.hf is not None:
-        from dtensor_moe.hf.checkpoint import import_hf
-
-        if args.safetensors is None or args.out_ckpt is not None or args.step:
-            raise ValueError("import --hf HF_DIR takes exactly one positional, the output directory, and no --step")
-        return import_hf(args.hf, args.safetensors, args.force)
-    if args.out_ckpt is None:
-        raise ValueError("import takes SAFETENSORS OUT_CKPT (or --hf HF_DIR OUT)")
-    return import_weights(args.safetensors, args.out_ckpt, args.step, args.force)
-
-
-def run_import(args) -> int:
-    return _one_line_errors("import", lambda: print(_import(args)) or 0)

@@ -1,203 +1,26 @@
-"""`dtensor-moe train`: train the small MoE language model on CPU ranks (gloo) or GPUs (NCCL).
+"""The main job's training loop, run by every rank: build, parallelize, train, checkpoint, summarize.
 
-Outside torchrun it starts its local ranks itself through torch.distributed.run; under torchrun
-(also multi-node) it uses the environment as given. `--parity` then trains the same model on one
-process with the same data and fails if any step's loss differs by more than the tolerance.
+`dtensor-moe train` (dtensor_moe/cli/train.py) starts the ranks; `python -m dtensor_moe.train.loop
+CONFIG_JSON RUN_DIR` runs the 1-process parity reference.
 """
 
 import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
 import warnings
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
-from dtensor_moe.train.config import Config, is_override, load_config
-
-
-LAUNCHED = "DTENSOR_MOE_LAUNCHED"  # set for the ranks this launcher starts: it prints the summary itself
+from dtensor_moe.train.config import Config
 
 
-def add_arguments(p):
-    p.add_argument("--config", required=True, help="TOML file (see configs/)")
-    p.add_argument("--steps", type=int, help="override training.steps")
-    p.add_argument("--run-dir", help="output directory (default runs/<config name>)")
-    p.add_argument("--nproc", type=int, help="local ranks to start (default parallel.nproc)")
-    p.add_argument("--parity", action="store_true", help="also train on 1 process and compare losses step by step")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
-    p.add_argument("--resume", nargs="?", const="latest",
-                   help="resume from DIR: a step directory, or a checkpoint root (its newest intact step; "
-                        "default: the run dir's checkpoints)")
-    p.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep")
-    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.ep=4 training.lr=1e-3")
-
-
-def _resolve(args) -> tuple[Config, str]:
-    if args.resume is not None and is_override(args.resume):  # `--resume training.steps=5`: no DIR given
-        args.overrides, args.resume = [args.resume, *args.overrides], "latest"
-    overrides = list(args.overrides)
-    if args.steps is not None:
-        overrides.append(f"training.steps={args.steps}")
-    if args.nproc is not None:
-        overrides.append(f"parallel.nproc={args.nproc}")
-    cfg = load_config(args.config, overrides)
-    run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
-    return cfg, run_dir
-
-
-def _worker_argv(args, run_dir: str) -> list[str]:
-    argv = ["--config", args.config, "--run-dir", run_dir, "--checkpoint-every", str(args.checkpoint_every)]
-    argv += ["--keep-last", str(args.keep_last)]
-    if args.steps is not None:
-        argv += ["--steps", str(args.steps)]
-    if args.resume is not None:
-        argv += ["--resume", args.resume]
-    # --nproc travels as an override: torchrun would take "--nproc" for its own --nproc-per-node.
-    nproc = [] if args.nproc is None else [f"parallel.nproc={args.nproc}"]
-    return argv + list(args.overrides) + nproc
-
-
-# torchrun's standalone rendezvous binds a free port itself: a port picked here and bound later by
-# torchrun can be taken in between by another job on the machine (EADDRINUSE).
-_TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-
-
-def run(args) -> int:
-    """Bad input (config, arguments, checkpoints) is one line on stderr and rc 2, before any rank starts."""
-    under_torchrun = "LOCAL_RANK" in os.environ
-    try:
-        cfg, run_dir = _resolve(args)
-        _check_run_args(args, cfg, run_dir)  # torch-free: a bad flag is reported before torch is imported
-        _check(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun else cfg.parallel.nproc)
-        if under_torchrun and args.parity:
-            raise ValueError("--parity needs the local launcher: run `dtensor-moe train` without torchrun")
-        if args.resume is not None and not under_torchrun:
-            args.resume = str(_resume_target(args, cfg, run_dir))  # the ranks load exactly this step
-    except ValueError as e:
-        print(f"dtensor-moe train: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    if under_torchrun:  # this process is one rank
-        from dtensor_moe.train.checkpoint import CheckpointError
-
-        try:
-            train_ranks(cfg, run_dir, args)
-        except CheckpointError as e:  # raised alike on every rank (checkpoint checks are collective): say it once
-            if int(os.environ.get("RANK", 0)) == 0:
-                print(f"dtensor-moe train: {' '.join(str(e).split())}", file=sys.stderr)
-            return 2
-        if int(os.environ.get("RANK", 0)) == 0 and LAUNCHED not in os.environ:  # else the launcher prints it
-            print(console_summary(run_dir))
-        return 0
-    n = cfg.parallel.nproc
-    cmd = [*_TORCHRUN, f"--nproc-per-node={n}"]
-    cmd += ["-m", "dtensor_moe.cli", "train", *_worker_argv(args, run_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), LAUNCHED: "1"}
-    rc = subprocess.call(cmd, env=env)
-    if rc != 0:
-        return rc
-    rc, parity_line = parity(cfg, run_dir) if args.parity else (0, None)
-    print(console_summary(run_dir, parity_line))
-    return rc
-
-
-def console_summary(run_dir: str, parity_line: str | None = None) -> str:
-    from dtensor_moe.train.metrics import summary_lines
-
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        summary = json.load(f)
-    return "\n".join(summary_lines(summary, run_dir, parity_line))
-
-
-def _check_run_args(args, cfg: Config, run_dir: str):
-    if args.checkpoint_every < 0:
-        raise ValueError(f"--checkpoint-every must be >= 0 (steps between saves; 0: never), got {args.checkpoint_every}")
-    if args.keep_last < 1:
-        raise ValueError(f"--keep-last must be >= 1 (checkpoints kept on disk), got {args.keep_last}")
-    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
-        raise ValueError(f"--run-dir {run_dir!r} is a file, not a directory")
-
-
-def _resume_target(args, cfg: Config, run_dir: str):
-    """The verified step directory --resume names (or the newest intact one), fit for this model config."""
-    from dtensor_moe.train.checkpoint import config_diff, pick, saved_config, step_of
-
-    where = os.path.join(run_dir, "checkpoints") if args.resume == "latest" else args.resume
-    ckpt = pick(where)
-    diffs = config_diff(saved_config(ckpt), asdict(cfg.model), now="config")
-    if diffs:
-        raise ValueError(
-            f"--resume {ckpt} was saved with another model config ({'; '.join(diffs)}); train with the config "
-            f"it was saved with ({ckpt / 'model_config.json'}) or start a new --run-dir"
-        )
-    step = step_of(ckpt)
-    if step is not None and step >= cfg.training.steps:
-        raise ValueError(
-            f"--resume {ckpt} is at step {step}, training.steps is {cfg.training.steps}: nothing left to "
-            f"train; raise --steps above {step}"
-        )
-    return ckpt
-
-
-def _check(cfg: Config, world: int):
-    """Every config error, raised before any process group or collective exists."""
-    from dtensor_moe.parallel.parallelize import check_compile
-    from dtensor_moe.parallel.plan import check_pipeline, plan_moe
-    from dtensor_moe.train.parallel.parallelize import check_model_parallel
-    from dtensor_moe.train.data import check_global_batch
-
-    p, m = cfg.parallel, cfg.model  # types and ranges of every field were checked when the config was built
-    dims = _dims(cfg, world)
-    plan_moe(m.moe_config(), dims)
-    check_compile(cfg.training.activation_checkpoint, cfg.training.compile, "training.")
-    check_model_parallel(dims, cfg.training.compile, "training.")
-    check_pipeline(dims, p.pp_schedule, p.num_microbatches, m.n_layers, m.tie_embeddings)
-    # CP and TP ranks split each sequence; the other ranks read different sequences.
-    check_global_batch(cfg.training.global_batch, dims.dp_replicate * dims.dp_shard, p.num_microbatches)
-
-
-def _dims(cfg: Config, world: int):
+def parallel_dims(cfg: Config, world: int):
     from dtensor_moe.parallel.mesh import MoEParallelDims
 
     p = cfg.parallel
     return MoEParallelDims(world, dp_replicate=p.dp_replicate, cp=p.cp, tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp)
-
-
-def parity(cfg: Config, run_dir: str) -> tuple[int, str]:
-    """Train the same model on one process with the same global batches; compare per-step loss.
-
-    Returns (rc, the line that says how it went)."""
-    # The reference is the plain eager single process: no compile, no activation checkpointing.
-    # It accumulates gradients over the same microbatches (each MoE's load-balancing loss is per microbatch).
-    ref_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc=1, dp_replicate=1, ep=1, etp=1, tp=1, cp=1, pp=1,
-                                            microbatches=cfg.parallel.num_microbatches),
-                      training=replace(cfg.training, compile=False, activation_checkpoint="none"))
-    ref_dir = os.path.join(run_dir, "reference_1proc")
-    cmd = [*_TORCHRUN, "--nproc-per-node=1"]
-    cmd += ["-m", "dtensor_moe.train.loop", json.dumps(ref_cfg.to_dict()), ref_dir]
-    rc = subprocess.call(cmd)
-    if rc != 0:
-        return rc, f"the 1-process reference run failed (rc {rc}); nothing compared"
-    ours = _losses(run_dir)
-    ref = _losses(ref_dir)
-    if not ours or len(ours) != len(ref):
-        return 1, f"{len(ours)} steps here vs {len(ref)} in the 1-process run; nothing to compare: FAIL"
-    deltas = [abs(a - b) for a, b in zip(ours, ref)]
-    tol = cfg.training.parity_tolerance
-    report = {"steps": len(deltas), "max_abs_delta": max(deltas), "tolerance": tol, "per_step_abs_delta": deltas}
-    from dtensor_moe.train.metrics import write_json
-
-    write_json(os.path.join(run_dir, "parity.json"), report)
-    ok = max(deltas) <= tol
-    line = f"max |dloss| vs 1 process over {len(deltas)} steps = {max(deltas):.1e} (tolerance {tol:g}): {'pass' if ok else 'FAIL'}"
-    return (0 if ok else 1), line
-
-
-def _losses(run_dir: str) -> list[float]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line)["loss"] for line in f]
 
 
 def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> None:
@@ -227,7 +50,7 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
     # device_id binds NCCL to this rank's GPU up front (else every barrier warns that it guesses).
     dist.init_process_group("nccl" if p.device == "cuda" else "gloo", device_id=device if p.device == "cuda" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
-    dims = _dims(cfg, world)
+    dims = parallel_dims(cfg, world)
 
     torch.manual_seed(t.seed)  # same full weights on every rank before sharding
     model = MoETransformer(cfg.model).to(device)

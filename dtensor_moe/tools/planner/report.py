@@ -1,22 +1,13 @@
-"""The planner's output and command line: the ranked table, the top choice in plain words, JSON,
-and `dtensor-moe plan`'s `add_arguments` / `run`."""
+"""The planner's output: the ranked table, the top choice in plain words, JSON rows."""
 
-from dataclasses import asdict
-
-from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims, divisors
-from dtensor_moe.parallel.plan import check_pipeline
-from dtensor_moe.validate import check_int, check_positive
 from dtensor_moe.tools.planner.cost_model import (
-    COMPUTE_BYTES,
-    OPTIMIZER_MOMENTS,
-    RECOMPUTE,
     Hardware,
     Workload,
     mesh_geometry,
     node_span,
 )
-from dtensor_moe.tools.planner.search import TP_NOTE, Candidate, pipeline_degrees, plan
-from dtensor_moe.tools.presets import PRESETS, ModelSpec, resolve
+from dtensor_moe.tools.planner.search import Candidate
+from dtensor_moe.tools.presets import ModelSpec
 
 
 def _size(x: float, base: int) -> str:
@@ -98,84 +89,3 @@ def candidate_dict(c: Candidate) -> dict:
         "comm_bytes": {k: v._asdict() for k, v in c.comm.items()},
         "comm_time_s": c.comm_time_s, "tokens_per_rank": c.tokens, "fits": c.fits,
     }
-
-
-def add_arguments(p):
-    p.add_argument("--model", required=True, help=f"preset ({', '.join(PRESETS)}), a training config .toml, "
-                   "or its name under configs/")
-    p.add_argument("--gpus", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--micro-batch", type=int, default=1, help="sequences per data-parallel rank per microbatch")
-    p.add_argument("--microbatches", type=int, default=1, help="microbatches per step (pipeline, or accumulation)")
-    p.add_argument("--pp", type=int, default=0, help="pipeline stages (0: try every pp the schedule and layers allow)")
-    p.add_argument("--pp-schedule", choices=list(PP_STAGES_PER_RANK), default="1f1b")
-    p.add_argument("--dtype", choices=sorted(COMPUTE_BYTES), default="bf16", help="compute dtype (master weights fp32)")
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZER_MOMENTS), default="adamw")
-    p.add_argument("--recompute", choices=RECOMPUTE, default="full", help="activation checkpointing per block")
-    p.add_argument("--intra-bw", type=float, default=450.0, help="GB/s per GPU inside a node")
-    p.add_argument("--inter-bw", type=float, default=50.0, help="GB/s per GPU across nodes")
-    p.add_argument("--top", type=int, default=10, help="rows to show (>= 1)")
-    p.add_argument("--json", action="store_true")
-
-
-def _check_flags(args):
-    """The flags by their own names, before they become Workload / Hardware fields (GB/s -> bytes/s)."""
-    for flag in ("gpus", "gpus_per_node", "seq_len", "micro_batch", "microbatches", "top"):
-        check_int("--" + flag.replace("_", "-"), getattr(args, flag))
-    check_int("--pp", args.pp, minimum=0)
-    for flag in ("gpu_mem", "intra_bw", "inter_bw"):
-        check_positive("--" + flag.replace("_", "-"), getattr(args, flag))
-    if args.pp and args.gpus % args.pp:
-        raise ValueError(f"--pp ({args.pp}) must divide --gpus ({args.gpus}): pipeline stages of equal size; "
-                         f"valid --pp: {divisors(args.gpus)} (or 0: try each)")
-
-
-def _check_pipeline_flags(args, spec: ModelSpec):
-    if args.pp > 1:
-        check_pipeline(MoEParallelDims(args.gpus, pp=args.pp), args.pp_schedule, args.microbatches, spec.n_layers,
-                       spec.tie_embeddings, prefix="--")
-
-
-def run(args) -> int:
-    import json
-    import sys
-    import time
-
-    t0 = time.perf_counter()
-    try:
-        _check_flags(args)
-        spec = resolve(args.model)
-        _check_pipeline_flags(args, spec)
-        work = Workload(args.seq_len, args.micro_batch, args.dtype, args.optimizer, args.recompute, args.microbatches,
-                        args.pp_schedule)
-        hw = Hardware(args.gpus, args.gpus_per_node, args.gpu_mem, args.intra_bw * 1e9, args.inter_bw * 1e9)
-    except ValueError as e:
-        print(f"dtensor-moe plan: {e}", file=sys.stderr)
-        return 2
-    cands = plan(spec, work, hw, args.pp or None)
-    fitting = [c for c in cands if c.fits]
-    elapsed = time.perf_counter() - t0
-    tried = [args.pp] if args.pp else pipeline_degrees(hw.gpus, spec, work, hw.gpus_per_node)
-    pp_note = f"pp tried: {tried}" + (" (pp > 1 needs --microbatches >= pp under 1f1b)"
-                                      if tried == [1] and work.pp_schedule == "1f1b" else "")
-    if args.json:
-        print(json.dumps({
-            "model": spec.name, "hardware": asdict(hw), "workload": asdict(work), "note": TP_NOTE,
-            "pp_tried": tried, "enumerated": len(cands), "fitting": len(fitting), "elapsed_s": elapsed,
-            "candidates": [candidate_dict(c) for c in cands[: args.top]],
-        }, indent=1))
-        return 0
-    print(f"{spec.name} on {hw.gpus} GPUs ({hw.gpus_per_node}/node, {hw.gpu_mem_gib:g} GiB), seq {work.seq_len} x "
-          f"micro-batch {work.micro_batch} x {work.microbatches} microbatch(es), {work.dtype} compute / fp32 master, "
-          f"{work.optimizer}, recompute={work.recompute}, pp schedule {work.pp_schedule}")
-    print(f"{len(cands)} foldings enumerated ({TP_NOTE}; {pp_note}); {len(fitting)} fit; planned in {elapsed:.2f} s")
-    shown = fitting[: args.top] if fitting else cands[: args.top]
-    if not fitting:
-        print("Nothing fits; the smallest footprints:")
-    print(table(shown))
-    if fitting:
-        print()
-        print(explain_choice(spec, fitting[0], fitting[1] if len(fitting) > 1 else None, hw, work))
-    return 0

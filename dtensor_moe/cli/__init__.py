@@ -9,11 +9,11 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "train": ("dtensor_moe.train.loop", "train a small MoE language model on CPU ranks or GPUs"),
-    "plan": ("dtensor_moe.tools.planner.report", "choose EP x EDP x ETP from memory and traffic"),
-    "explain": ("dtensor_moe.tools.explain", "show which rank owns which slice of every weight"),
-    "export": ("dtensor_moe.train.export", "write a checkpoint's weights as safetensors"),
-    "import": ("dtensor_moe.train.export", "read safetensors weights back into a checkpoint"),
+    "train": ("dtensor_moe.cli.train", "train a small MoE language model on CPU ranks or GPUs"),
+    "plan": ("dtensor_moe.cli.plan", "choose EP x EDP x ETP from memory and traffic"),
+    "explain": ("dtensor_moe.cli.explain", "show which rank owns which slice of every weight"),
+    "export": ("dtensor_moe.cli.export", "write a checkpoint's weights as safetensors"),
+    "import": ("dtensor_moe.cli.export", "read safetensors weights back into a checkpoint"),
 }
 
 
@@ -38,7 +38,3 @@ def main(argv=None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     mod = importlib.import_module(SUBCOMMANDS[args.command][0])
     return (getattr(mod, f"run_{args.command}", None) or mod.run)(args) or 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

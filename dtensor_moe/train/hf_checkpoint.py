@@ -24,7 +24,8 @@ from dtensor_moe.config import MoEConfig
 from dtensor_moe.hf.convert import layer_prefix, moe_shapes, read_hf_moe, to_hf
 from dtensor_moe.hf.families import FAMILIES, family, getter, hf_fields, moe_config_from_hf
 from dtensor_moe.hf.reader import SafetensorsReader
-from dtensor_moe.train.export import read_json
+from dtensor_moe.train.config import ModelConfig
+from dtensor_moe.train.export import export_checkpoint, read_json
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
@@ -81,8 +82,6 @@ def _source(src: Path, model_type: str | None) -> tuple[str, MoEConfig, list[int
         if _sha256(src / WEIGHTS) != cfg.get("sha256"):
             raise ValueError(f"{src / WEIGHTS} is corrupted (sha256 differs from {CONFIG})")
         return cfg["hf_model_type"], MoEConfig(**cfg["moe"]), list(cfg["moe_layers"])
-    from dtensor_moe.train.config import ModelConfig
-
     if model_type is None:
         raise ValueError(f"{src} is the main job's export; name the Hugging Face family with --model-type "
                          f"(valid: {sorted(FAMILIES)})")
@@ -96,8 +95,6 @@ def export_hf(src, out_dir, model_type: str | None = None, force: bool = False) 
     src = Path(src)
     if not (src / WEIGHTS).is_file():
         import tempfile
-
-        from dtensor_moe.train.export import export_checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:
             export_checkpoint(src, tmp)

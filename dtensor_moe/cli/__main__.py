@@ -1,0 +1,5 @@
+import sys
+
+from dtensor_moe.cli import main
+
+sys.exit(main())
