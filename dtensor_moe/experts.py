@@ -7,6 +7,8 @@ w1 [E, F, D], w2 [E, D, F], w3 [E, F, D]: state dicts map one-to-one to torchtit
 """
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -83,55 +85,74 @@ def _with_bias(y_NO, b_EO, offs_E):
     return y_NO if b_EO is None else y_NO + expand_rows(b_EO, offs_E, y_NO.shape[0])
 
 
+@dataclass(frozen=True)
+class _SwiGLUOptions:
+    """_GroupedSwiGLU's non-tensor arguments, as one argument: its backward returns one None for
+    all of them (offs_E, a tensor, stays a positional input of its own).
+
+    `weight_grad_scale` multiplies only the weight (and bias) gradients. `accumulate`
+    (policy.weight_grad_accumulation; None under torch.compile) picks how the backward adds weight
+    gradients into existing ones. `host_counts`: the per-expert row counts on the host, or None.
+    `clamp`: (alpha, limit) of the clamped gate, None for silu. `add_b2` False: another rank adds b2
+    to these partial outputs. `precision`: MoEConfig.expert_precision."""
+
+    weight_grad_scale: float
+    accumulate: Callable[[torch.Size], str] | None
+    host_counts: list[int] | None
+    clamp: tuple[float, float] | None
+    add_b2: bool
+    precision: str
+
+
 class _GroupedSwiGLU(torch.autograd.Function):
     """y = (gate(x W1^T + b1, x W3^T + b3)) W2^T + b2 per expert, with a hand-ordered backward.
 
-    `weight_grad_scale` multiplies only the weight (and bias) gradients, on the smaller operand of
-    each GEMM (F-sized activations rather than D-sized tokens when F < D). In eager mode, when the
-    weights already hold gradients (gradient accumulation), `accumulate`
-    (policy.weight_grad_accumulation) adds the weight gradients into them inside the GEMMs and
-    autograd gets None; compiled graphs leave accumulation to autograd. `clamp`: (alpha, limit) of
-    the clamped gate, None for silu. `add_b2` False: another rank adds b2 to these partial outputs
-    (ETP sums them), yet b2's gradient is computed here too, so every replica holds the same one.
+    `weight_grad_scale` is applied on the smaller operand of each weight-gradient GEMM (F-sized
+    activations rather than D-sized tokens when F < D). In eager mode, when the weights already hold
+    gradients (gradient accumulation), `accumulate` adds the weight gradients into them inside the
+    GEMMs and autograd gets None; compiled graphs leave accumulation to autograd. With `add_b2`
+    False (ETP sums the partial outputs) b2's gradient is computed here too, so every replica holds
+    the same one. The weights stay inputs 1-3: _backward_accumulates reads their autograd nodes.
     """
 
     @staticmethod
-    def forward(ctx, x_ND, w1, w2, w3, offs_E, weight_grad_scale, accumulate, host_counts, b1, b2, b3, clamp, add_b2,
-                precision):
+    def forward(ctx, x_ND, w1, w2, w3, b1, b2, b3, offs_E, opts: _SwiGLUOptions):
         # The parameters themselves are the inputs (not their to_local() views): this backward owns
         # their gradients, and a view's backward may turn a skipped gradient into zeros to add.
         w1_EFD, w2_EDF, w3_EFD = (_shard(w).to(x_ND.dtype) for w in (w1, w2, w3))
         b1_EF, b2_ED, b3_EF = (None if b is None else _shard(b).to(x_ND.dtype) for b in (b1, b2, b3))
-        a_NF = _with_bias(mm(x_ND, w1_EFD.transpose(-2, -1), offs_E, precision, host_counts=host_counts), b1_EF, offs_E)
-        b_NF = _with_bias(mm(x_ND, w3_EFD.transpose(-2, -1), offs_E, precision, host_counts=host_counts), b3_EF, offs_E)
-        h_NF = swiglu(a_NF, b_NF) if clamp is None else clamped_swiglu(a_NF, b_NF, *clamp)
-        y_ND = _with_bias(mm(h_NF, w2_EDF.transpose(-2, -1), offs_E, precision, host_counts=host_counts),
-                          b2_ED if add_b2 else None, offs_E)
+        precision, host = opts.precision, opts.host_counts
+        a_NF = _with_bias(mm(x_ND, w1_EFD.transpose(-2, -1), offs_E, precision, host_counts=host), b1_EF, offs_E)
+        b_NF = _with_bias(mm(x_ND, w3_EFD.transpose(-2, -1), offs_E, precision, host_counts=host), b3_EF, offs_E)
+        h_NF = swiglu(a_NF, b_NF) if opts.clamp is None else clamped_swiglu(a_NF, b_NF, *opts.clamp)
+        y_ND = _with_bias(mm(h_NF, w2_EDF.transpose(-2, -1), offs_E, precision, host_counts=host),
+                          b2_ED if opts.add_b2 else None, offs_E)
         # What autograd would keep but silu(a), which the backward recomputes.
         ctx.save_for_backward(x_ND, a_NF, b_NF, h_NF, w1_EFD, w2_EDF, w3_EFD, offs_E)
-        ctx.scale, ctx.accumulate, ctx.host_counts, ctx.clamp = weight_grad_scale, accumulate, host_counts, clamp
-        ctx.precision = precision
+        ctx.opts = opts
         ctx.params, ctx.biases = (w1, w2, w3), (b1, b2, b3)
         return y_ND
 
     @staticmethod
     def backward(ctx, dy_ND):
         x_ND, a_NF, b_NF, h_NF, w1_EFD, w2_EDF, w3_EFD, offs_E = ctx.saved_tensors
-        scale, precision, host = ctx.scale, ctx.precision, ctx.host_counts
+        opts = ctx.opts
+        scale, precision, host = opts.weight_grad_scale, opts.precision, opts.host_counts
         dy_ND = dy_ND.contiguous()
         dh_NF = mm(dy_ND, w2_EDF, offs_E, precision, "dgrad", host)
-        if ctx.clamp is None:
+        if opts.clamp is None:
             da_NF, db_NF = swiglu_backward(dh_NF, a_NF, b_NF)
         else:
-            da_NF, db_NF = clamped_swiglu_backward(dh_NF, a_NF, b_NF, *ctx.clamp)
-        dx_ND = mm(da_NF, w1_EFD, offs_E, precision, "dgrad", host) + mm(db_NF, w3_EFD, offs_E, precision, "dgrad", host)
+            da_NF, db_NF = clamped_swiglu_backward(dh_NF, a_NF, b_NF, *opts.clamp)
+        dx_ND = (mm(da_NF, w1_EFD, offs_E, precision, "dgrad", host)
+                 + mm(db_NF, w3_EFD, offs_E, precision, "dgrad", host))
         dbs = [None if p is None else _like_param(segment_sum(g, offs_E) * scale, p)
                for g, p in zip((da_NF, dy_ND, db_NF), ctx.biases)]
-        grads = _existing_grads(ctx, (w1_EFD, w2_EDF, w3_EFD)) if ctx.accumulate is not None else None
+        grads = _existing_grads(ctx, (w1_EFD, w2_EDF, w3_EFD)) if opts.accumulate is not None else None
         if grads is not None:
             for out, g, x in zip(grads, (da_NF, dy_ND, db_NF), (x_ND, h_NF, x_ND)):
-                add_weight_grad_(out, g, x, offs_E, scale, host, ctx.accumulate(out.shape))
-            return dx_ND, None, None, None, None, None, None, None, *dbs, None, None, None
+                add_weight_grad_(out, g, x, offs_E, scale, host, opts.accumulate(out.shape))
+            return dx_ND, None, None, None, *dbs, None, None
         if scale != 1:  # on whichever operand of each weight-gradient GEMM is smaller
             F_, D = h_NF.shape[-1], x_ND.shape[-1]
             if 2 * F_ <= D:
@@ -146,7 +167,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
         dw1 = weight_grad(da_NF, x_ND, offs_E, precision, host)
         dw3 = weight_grad(db_NF, x_ND, offs_E, precision, host)
         dws = (_like_param(dw, p) for dw, p in zip((dw1, dw2, dw3), ctx.params))
-        return dx_ND, *dws, None, None, None, None, *dbs, None, None, None
+        return dx_ND, *dws, *dbs, None, None
 
 
 def grouped_swiglu(x_ND, counts_E, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale: float = 1.0,
@@ -158,7 +179,7 @@ def grouped_swiglu(x_ND, counts_E, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale: fl
     `host_counts`: counts_E as a host list when the caller has it without a sync (the eager
     dispatcher does, padded blocks always); the exact per-expert loop then reads no counts off the
     device, and the backward may add weight gradients into existing ones per expert.
-    `biases`: (b1_EF, b2_ED, b3_EF) or None; `clamp`, `add_b2`: see _GroupedSwiGLU. `precision` "fp8":
+    `biases`: (b1_EF, b2_ED, b3_EF) or None; `clamp`, `add_b2`: see _SwiGLUOptions. `precision` "fp8":
     the GEMMs where kernels/policy.py picks FP8 (MoEConfig.expert_precision)."""
     w1_EFD, w2_EDF, w3_EFD = (gather_for_compute(w) for w in (w1_EFD, w2_EDF, w3_EFD))
     if biases is not None:
@@ -170,8 +191,9 @@ def grouped_swiglu(x_ND, counts_E, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale: fl
         grouped = policy.grouped_mm_supported(x_ND, w1_EFD.shape)
         accumulate = policy.weight_grad_accumulation(x_ND, _shard(w1_EFD).shape, grouped, host_counts is not None,
                                                      precision)
-    return _GroupedSwiGLU.apply(x_ND, w1_EFD, w2_EDF, w3_EFD, offs_E, weight_grad_scale, accumulate, host_counts,
-                                *(biases or (None, None, None)), clamp, add_b2, precision)
+    opts = _SwiGLUOptions(weight_grad_scale=weight_grad_scale, accumulate=accumulate, host_counts=host_counts,
+                          clamp=clamp, add_b2=add_b2, precision=precision)
+    return _GroupedSwiGLU.apply(x_ND, w1_EFD, w2_EDF, w3_EFD, *(biases or (None, None, None)), offs_E, opts)
 
 
 class GroupedExperts(nn.Module):
