@@ -98,7 +98,9 @@ class MoE(nn.Module):
         x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
         r = self.router(x_TD, self.expert_bias)
         sorted_N, order_N, counts_E = expert_major(r.experts_TK.flatten(), cfg.num_experts)
-        if not recomputing():  # activation checkpointing's second forward must not count again
+        # Only training forwards steer the aux-free bias: an eval batch (module.eval()) must not move the next update,
+        # and activation checkpointing's second forward must not count again.
+        if self.training and not recomputing():
             with torch.no_grad():
                 self.tokens_per_expert += counts_E
         if cfg.load_balance == "aux_loss":

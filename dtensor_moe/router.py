@@ -61,7 +61,8 @@ class TopKRouter(nn.Module):
             weights_TK = torch.softmax(logits_TE.gather(-1, experts_TK), dim=-1)
         else:
             weights_TK = scores_TE.gather(-1, experts_TK)
-            if cfg.route_norm and cfg.top_k > 1:
+            # At top_k = 1 too: torchtitan, Megatron and Hugging Face's norm_topk_prob give weight 1 * route_scale.
+            if cfg.route_norm:
                 weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
         weights_TK = weights_TK * cfg.route_scale
         return Routing(weights_TK.to(x_TD.dtype), experts_TK, scores_TE, logits_TE)

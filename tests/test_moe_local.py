@@ -19,7 +19,7 @@ def naive_route(moe: MoE, x_TD):
     sel = scores if moe.expert_bias is None else scores + moe.expert_bias
     top = torch.stack([torch.topk(sel[t], cfg.top_k).indices for t in range(x_TD.shape[0])]).view(-1, cfg.top_k)
     w = scores.gather(1, top)
-    if cfg.route_norm and cfg.top_k > 1:
+    if cfg.route_norm:  # torchtitan's and Megatron's rule, K = 1 included
         w = w / w.sum(-1, keepdim=True)
     return top, w * cfg.route_scale
 
@@ -171,6 +171,27 @@ def test_aux_free_bias_steers_selection_not_weights():
     assert moe.tokens_per_expert[1] == 6
     moe.update_expert_bias()
     assert moe.expert_bias[1] < 5.0 and moe.tokens_per_expert.sum() == 0
+
+
+def test_route_norm_at_top_1_gives_route_scale():
+    """Hugging Face's norm_topk_prob, torchtitan's and Megatron's route_norm at K = 1: weight 1 * route_scale."""
+    for score_func in ("softmax", "sigmoid"):
+        moe = MoE(MoEConfig(dim=8, hidden_dim=4, num_experts=4, top_k=1, score_func=score_func, route_scale=2.5))
+        r = moe.router(torch.randn(5, 8))
+        torch.testing.assert_close(r.weights_TK, torch.full((5, 1), 2.5))
+
+
+def test_eval_forwards_leave_the_bias_statistics_alone():
+    """Evaluation batches (module.eval(), with or without no_grad) do not count towards the aux-free bias update."""
+    moe = MoE(MoEConfig(dim=8, hidden_dim=4, num_experts=4, top_k=2, load_balance="aux_free_bias"))
+    moe.eval()
+    with torch.no_grad():
+        moe(torch.randn(6, 8))
+    moe(torch.randn(6, 8))
+    assert moe.tokens_per_expert.sum() == 0
+    moe.train()
+    moe(torch.randn(6, 8))
+    assert moe.tokens_per_expert.sum() == 12
 
 
 def test_empty_batch():
