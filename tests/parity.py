@@ -26,66 +26,40 @@ from dtensor_moe import (
 from dtensor_moe import experts as experts_mod
 
 
-@dataclass(frozen=True)
+# The tests' layer unless a case says otherwise. swiglu_limit 1 is read only by "clamped_swiglu", whose
+# clamps then bind at these weight scales.
+_MOE = dict(dim=8, hidden_dim=6, aux_loss_coeff=0.1, swiglu_limit=1.0)
+
+
+def moe_config(*, num_experts: int, top_k: int, **kw) -> MoEConfig:
+    """A case's layer; the routing's sizes always spelled out, since most named cases are about them."""
+    return MoEConfig(num_experts=num_experts, top_k=top_k, **{**_MOE, **kw})
+
+
+@dataclass(frozen=True, kw_only=True)
 class Case:
-    dp_replicate: int
-    ep: int
-    etp: int
-    num_experts: int
-    top_k: int
-    dim: int
-    hidden_dim: int
+    """A parity case: the layer (`moe`) and how the test folds, feeds and runs it. Both sides run `moe`
+    as it is, except that the reference never pads to capacity (both modes drop the same pairs); under
+    expert_precision "fp8" both quantize the same rows (CPU emulation), so parity stays tight."""
+
+    dp_replicate: int = 1
+    ep: int = 1
+    etp: int = 1
+    cp: int = 1
+    tp: int = 1
+    moe: MoEConfig
     batch_per_rank: tuple[int, ...]  # sequences per data-parallel group: per rank when cp = tp = 1 (0 allowed)
     seq_len: int = 3  # a multiple of cp * tp: each of those ranks takes seq_len / (cp * tp) of every sequence
     hot_expert: int | None = None  # route (almost) every token to this expert
-    score_func: str = "softmax"
-    route_norm: bool = True
-    num_shared_experts: int = 0
-    load_balance: str = "none"
     seed: int = 0
     dtype: str = "float64"
     microbatches: int = 1  # > 1: the same slice again, gradients accumulating (FSDP syncs on the last)
     nan_token: int | None = None  # this token of the global batch is NaN: it must stay isolated
     compile: bool | str = False  # parallelize_moe(compile=...): True (inductor) or a backend name
-    num_expert_groups: int = 1
-    num_limited_groups: int = 1
-    router_bias: bool = False
-    expert_biases: bool = False
-    activation: str = "swiglu"  # "clamped_swiglu" runs with limit 1: clamps bind at these weight scales
-    cp: int = 1
-    tp: int = 1
-    expert_precision: str = "bf16"  # "fp8": both sides quantize the same rows (CPU emulation), so parity stays tight
-    seq_aux_loss_coeff: float = 0.0
-    z_loss_coeff: float = 0.0
-    capacity_factor: float | None = None
-    drop_policy: str = "probs"
-    pad_to_capacity: bool = False  # against the unpadded reference: both modes drop the same pairs
 
 
 def build(case: Case, world_size: int):
-    cfg = MoEConfig(
-        dim=case.dim,
-        hidden_dim=case.hidden_dim,
-        num_experts=case.num_experts,
-        top_k=case.top_k,
-        score_func=case.score_func,
-        route_norm=case.route_norm,
-        num_shared_experts=case.num_shared_experts,
-        load_balance=case.load_balance,
-        aux_loss_coeff=0.1,
-        num_expert_groups=case.num_expert_groups,
-        num_limited_groups=case.num_limited_groups,
-        router_bias=case.router_bias,
-        expert_biases=case.expert_biases,
-        activation=case.activation,
-        swiglu_limit=1.0,
-        expert_precision=case.expert_precision,
-        seq_aux_loss_coeff=case.seq_aux_loss_coeff,
-        z_loss_coeff=case.z_loss_coeff,
-        capacity_factor=case.capacity_factor,
-        drop_policy=case.drop_policy,
-        pad_to_capacity=case.pad_to_capacity,
-    )
+    cfg = case.moe
     dims = MoEParallelDims(world_size, dp_replicate=case.dp_replicate, cp=case.cp, tp=case.tp, ep=case.ep, etp=case.etp)
     dtype = getattr(torch, case.dtype)
     g = torch.Generator().manual_seed(case.seed)
@@ -93,18 +67,18 @@ def build(case: Case, world_size: int):
     with torch.no_grad():
         for p in ref.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=dtype) * 0.5)
-        if case.load_balance == "aux_free_bias":
+        if cfg.load_balance == "aux_free_bias":
             ref.expert_bias.copy_(torch.randn(cfg.num_experts, generator=g, dtype=dtype) * 0.01)
     total = sum(case.batch_per_rank)
-    x = torch.randn(total, case.seq_len, case.dim, generator=g, dtype=dtype)
+    x = torch.randn(total, case.seq_len, cfg.dim, generator=g, dtype=dtype)
     if case.hot_expert is not None:
         with torch.no_grad():
             x[..., 0] = 1.0 + 0.01 * x[..., 0]
             ref.router.gate.weight[:, 0] = 0.0
             ref.router.gate.weight[case.hot_expert, 0] = 20.0
-    grad_out = torch.randn(total, case.seq_len, case.dim, generator=g, dtype=dtype)
+    grad_out = torch.randn(total, case.seq_len, cfg.dim, generator=g, dtype=dtype)
     if case.nan_token is not None and total:
-        x.view(-1, case.dim)[case.nan_token % (total * case.seq_len), 0] = float("nan")
+        x.view(-1, cfg.dim)[case.nan_token % (total * case.seq_len), 0] = float("nan")
     return cfg, dims, ref, x, grad_out
 
 
@@ -184,7 +158,7 @@ def check_parity(rank: int, world_size: int, case: Case) -> dict:
     # From the second microbatch on, every expert weight gradient is summed by the GEMMs themselves.
     # Compiled graphs leave accumulation to autograd (the in-GEMM sum reads .grad, which a graph cannot),
     # and so do FP8 weight gradients (a fresh GEMM output).
-    in_gemm = 0 if case.compile or case.expert_precision == "fp8" else 3 * (n - 1)
+    in_gemm = 0 if case.compile or cfg.expert_precision == "fp8" else 3 * (n - 1)
     errs["accumulated_outside_gemm"] = float(n > 1 and fused.call_count != in_gemm)
     errs["grad:x"] = _err(x_r.grad, x_ref.grad[mine] * R * n)
     # Each rank's gradient shard against its owned box of the reference gradient: the boxes tile every

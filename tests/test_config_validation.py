@@ -8,7 +8,7 @@ import pytest
 
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.train.config import DataConfig, ModelConfig, ParallelConfig, TrainingConfig, load_config
+from dtensor_moe.train.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig, load_config
 
 MOE = dict(dim=8, hidden_dim=8, num_experts=8, top_k=2)
 
@@ -119,6 +119,10 @@ def test_parallel_dims_types(args, kwargs, message):
         (TrainingConfig, dict(max_norm=0), "training.max_norm must be > 0, got 0"),
         (TrainingConfig, dict(dtype="fp16"), "training.dtype must be one of ['float32', 'bf16'], got 'fp16'"),
         (TrainingConfig, dict(seed=-1), "training.seed must be in 0..4294967295, got -1"),
+        (TrainingConfig, dict(activation_checkpoint="some"), "training.activation_checkpoint must be one of ['none', "
+                                                             "'full', 'selective'], got 'some'"),
+        (TrainingConfig, dict(activation_checkpoint=1), "training.activation_checkpoint must be one of ['none', 'full', "
+                                                        "'selective'], got 1"),
         (DataConfig, dict(source="web"), "data.source must be one of ['corpus', 'synthetic'], got 'web'"),
     ],
 )
@@ -166,3 +170,44 @@ def test_validation_is_torch_free():
     code = ("import sys, dtensor_moe.validate, dtensor_moe.config, dtensor_moe.parallel.mesh, dtensor_moe.train.config; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _message(fn) -> str:
+    with pytest.raises(ValueError) as err:
+        fn()
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    "model,tp,message",
+    [
+        (dict(n_heads=4), 3, "model.n_heads (4) must be divisible by parallel.tp (3) so each TP rank owns whole heads; "
+                             "valid tp: [1, 2, 4]"),
+        (dict(tie_embeddings=True), 2, "parallel.tp=2 needs model.tie_embeddings = false (the embedding is sharded by "
+                                       "vocabulary rows, the head by output features); valid: model.tie_embeddings = "
+                                       "false, or parallel.tp = 1"),
+    ],
+)
+def test_tp_rules_read_the_same_from_the_config_and_the_model(model, tp, message):
+    """One rule, two entry points: the config names the field parallel.tp, parallelize_model's check the
+    argument tp; the rest of the message is the same."""
+    from dtensor_moe.train.model import MoETransformer
+    from dtensor_moe.train.parallel.tensor_parallel import check_tp_model
+
+    cfg = ModelConfig(vocab_size=256, dim=16, n_layers=1, moe_hidden_dim=8, num_experts=4, **model)
+    assert _message(lambda: Config(model=cfg, parallel=ParallelConfig(tp=tp))) == message
+    assert _message(lambda: check_tp_model(MoETransformer(cfg), tp)) == message.replace("parallel.", "")
+
+
+@pytest.mark.parametrize("mode", ["some", 1, None])
+def test_activation_checkpoint_modes_read_the_same_everywhere(mode):
+    """The config, parallelize_model's check_compile and apply_activation_checkpointing share one check."""
+    from torch import nn
+
+    from dtensor_moe.parallel.compile import apply_activation_checkpointing
+    from dtensor_moe.parallel.parallelize import check_compile
+
+    message = f"activation_checkpoint must be one of ['none', 'full', 'selective'], got {mode!r}"
+    assert _message(lambda: TrainingConfig(activation_checkpoint=mode)) == f"training.{message}"
+    assert _message(lambda: check_compile(mode, False, "training.")) == f"training.{message}"
+    assert _message(lambda: apply_activation_checkpointing(nn.Linear(2, 2), mode)) == message

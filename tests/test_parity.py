@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from .harness import run_on_ranks
-from .parity import Case, check_parity
+from .parity import Case, check_parity, moe_config
 from .strategies import WORLD_SIZES, cases
 
 TOL = 1e-10
@@ -25,44 +25,61 @@ def assert_parity(world_size: int, case: Case):
     assert any(k.startswith("grad:experts") for k in worst) and "out" in worst
 
 
+BATCH8 = (1, 2, 0, 1, 1, 3, 1, 1)  # sequences per rank, on 8 ranks
+
 NAMED = {
-    "edp2_ep2_etp2": (8, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3, 1, 2, 1, 1))),
-    "hsdp2_ep2_etp2": (8, Case(2, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3, 1, 2, 1, 1), load_balance="aux_loss",
-                               seq_aux_loss_coeff=0.3, z_loss_coeff=0.01)),
+    "edp2_ep2_etp2": (8, Case(ep=2, etp=2, moe=moe_config(num_experts=4, top_k=2),
+                              batch_per_rank=(2, 1, 0, 3, 1, 2, 1, 1))),
+    "hsdp2_ep2_etp2": (8, Case(dp_replicate=2, ep=2, etp=2, batch_per_rank=(2, 1, 0, 3, 1, 2, 1, 1),
+                               moe=moe_config(num_experts=4, top_k=2, load_balance="aux_loss", seq_aux_loss_coeff=0.3,
+                                              z_loss_coeff=0.01))),
     # Capacity 0.5: at most half the pairs fit, each rank drops some (the reference: per rank's slice).
-    "hsdp2_edp2_ep2": (8, Case(2, 2, 1, 6, 3, 8, 6, (1, 1, 2, 0, 1, 2, 1, 1), num_shared_experts=1,
-                               capacity_factor=0.5, drop_policy="position")),
+    "hsdp2_edp2_ep2": (8, Case(dp_replicate=2, ep=2, batch_per_rank=(1, 1, 2, 0, 1, 2, 1, 1),
+                               moe=moe_config(num_experts=6, top_k=3, num_shared_experts=1, capacity_factor=0.5,
+                                              drop_policy="position"))),
     # One expert at capacity 0.5 under ETP2 x EDP2: tokens whose only pair is dropped are sent nowhere
     # (their rows' gradient comes back as zeros; an IndexError before).
-    "etp2_edp2_tokens_sent_nowhere": (4, Case(1, 1, 2, 1, 1, 6, 6, (0, 1, 2, 2), seq_len=1, route_norm=False, seed=9074,
-                                              microbatches=2, capacity_factor=0.5, z_loss_coeff=0.01)),
-    "ep8": (8, Case(1, 8, 1, 8, 2, 8, 6, (1, 2, 0, 1, 1, 3, 1, 1))),
-    "edp8": (8, Case(1, 1, 1, 4, 2, 8, 6, (1, 2, 0, 1, 1, 3, 1, 1))),
-    "etp8": (8, Case(1, 1, 8, 4, 2, 8, 16, (1, 2, 0, 1, 1, 3, 1, 1))),
-    "ep4_uneven_edp": (8, Case(1, 4, 1, 4, 4, 8, 6, (1, 2, 0, 1, 1, 3, 1, 1))),  # E/EP=1 < EDP=2: FSDP shards D
-    "all_to_one_expert_top1": (4, Case(1, 2, 2, 4, 1, 8, 6, (2, 3, 1, 2), hot_expert=3)),
-    "top_k_equals_E": (4, Case(1, 2, 1, 4, 4, 8, 6, (2, 0, 1, 2), load_balance="aux_free_bias")),
-    "all_ranks_empty_but_one": (4, Case(1, 4, 1, 4, 2, 8, 6, (0, 0, 3, 0))),
-    "world6_ep3_etp2": (6, Case(1, 3, 2, 6, 2, 8, 6, (1, 2, 0, 1, 2, 1))),
+    "etp2_edp2_tokens_sent_nowhere": (4, Case(etp=2, batch_per_rank=(0, 1, 2, 2), seq_len=1, seed=9074, microbatches=2,
+                                              moe=moe_config(num_experts=1, top_k=1, dim=6, route_norm=False,
+                                                             capacity_factor=0.5, z_loss_coeff=0.01))),
+    "ep8": (8, Case(ep=8, moe=moe_config(num_experts=8, top_k=2), batch_per_rank=BATCH8)),
+    "edp8": (8, Case(moe=moe_config(num_experts=4, top_k=2), batch_per_rank=BATCH8)),
+    "etp8": (8, Case(etp=8, moe=moe_config(num_experts=4, top_k=2, hidden_dim=16), batch_per_rank=BATCH8)),
+    # E/EP=1 < EDP=2: FSDP shards D
+    "ep4_uneven_edp": (8, Case(ep=4, moe=moe_config(num_experts=4, top_k=4), batch_per_rank=BATCH8)),
+    "all_to_one_expert_top1": (4, Case(ep=2, etp=2, moe=moe_config(num_experts=4, top_k=1), batch_per_rank=(2, 3, 1, 2),
+                                       hot_expert=3)),
+    "top_k_equals_E": (4, Case(ep=2, moe=moe_config(num_experts=4, top_k=4, load_balance="aux_free_bias"),
+                               batch_per_rank=(2, 0, 1, 2))),
+    "all_ranks_empty_but_one": (4, Case(ep=4, moe=moe_config(num_experts=4, top_k=2), batch_per_rank=(0, 0, 3, 0))),
+    "world6_ep3_etp2": (6, Case(ep=3, etp=2, moe=moe_config(num_experts=6, top_k=2),
+                                batch_per_rank=(1, 2, 0, 1, 2, 1))),
     # Sequence-parallel input: each TP / CP rank holds its part of its group's sequences.
     # Sequences split over TP (and CP) ranks: the sequence-wise loss sums each sequence's pieces.
-    "tp2_ep2": (4, Case(1, 2, 1, 4, 2, 8, 6, (2, 1), seq_len=4, tp=2, load_balance="aux_loss", num_shared_experts=1,
-                        seq_aux_loss_coeff=0.3, z_loss_coeff=0.01)),
-    "cp2_tp2_etp2_hsdp2": (8, Case(2, 1, 2, 4, 2, 8, 6, (2, 1), seq_len=4, cp=2, tp=2, load_balance="aux_free_bias",
-                                   seq_aux_loss_coeff=0.3, capacity_factor=1.0)),
-    "single_process": (1, Case(1, 1, 1, 4, 2, 8, 6, (3,), load_balance="aux_loss")),
+    "tp2_ep2": (4, Case(ep=2, tp=2, batch_per_rank=(2, 1), seq_len=4,
+                        moe=moe_config(num_experts=4, top_k=2, load_balance="aux_loss", num_shared_experts=1,
+                                       seq_aux_loss_coeff=0.3, z_loss_coeff=0.01))),
+    "cp2_tp2_etp2_hsdp2": (8, Case(dp_replicate=2, etp=2, cp=2, tp=2, batch_per_rank=(2, 1), seq_len=4,
+                                   moe=moe_config(num_experts=4, top_k=2, load_balance="aux_free_bias",
+                                                  seq_aux_loss_coeff=0.3, capacity_factor=1.0))),
+    "single_process": (1, Case(moe=moe_config(num_experts=4, top_k=2, load_balance="aux_loss"), batch_per_rank=(3,))),
     # Second microbatch: expert weight gradients are added into .grad by the GEMMs themselves.
     # Groups aligned with EP ranks (two experts each), gpt-oss's router.
-    "ep4_accumulate": (4, Case(1, 4, 1, 8, 2, 8, 6, (2, 1, 0, 3), microbatches=2, num_expert_groups=4,
-                               num_limited_groups=2, score_func="topk_softmax", router_bias=True)),
-    "edp2_ep2_etp2_accumulate": (8, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3, 1, 2, 1, 1), microbatches=3)),
+    "ep4_accumulate": (4, Case(ep=4, batch_per_rank=(2, 1, 0, 3), microbatches=2,
+                               moe=moe_config(num_experts=8, top_k=2, num_expert_groups=4, num_limited_groups=2,
+                                              score_func="topk_softmax", router_bias=True))),
+    "edp2_ep2_etp2_accumulate": (8, Case(ep=2, etp=2, moe=moe_config(num_experts=4, top_k=2),
+                                         batch_per_rank=(2, 1, 0, 3, 1, 2, 1, 1), microbatches=3)),
     # FP8 experts (CPU emulation): pure EP quantizes exactly the reference's rows and expert blocks.
-    "ep2_fp8_accumulate": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 1), microbatches=2, expert_precision="fp8")),
-    "ep4_fp8": (4, Case(1, 4, 1, 8, 2, 16, 32, (2, 1, 0, 3), load_balance="aux_loss", expert_biases=True,
-                        expert_precision="fp8")),
+    "ep2_fp8_accumulate": (2, Case(ep=2, moe=moe_config(num_experts=4, top_k=2, expert_precision="fp8"),
+                                   batch_per_rank=(2, 1), microbatches=2)),
+    "ep4_fp8": (4, Case(ep=4, batch_per_rank=(2, 1, 0, 3),
+                        moe=moe_config(num_experts=8, top_k=2, dim=16, hidden_dim=32, load_balance="aux_loss",
+                                       expert_biases=True, expert_precision="fp8"))),
     # gpt-oss experts: b1/b3 F-sharded on ETP, b2 replicated there and added by one ETP rank.
-    "gpt_oss_experts_edp2_ep2_etp2": (8, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3, 1, 2, 1, 1), expert_biases=True,
-                                              activation="clamped_swiglu", microbatches=2)),
+    "gpt_oss_experts_edp2_ep2_etp2": (8, Case(ep=2, etp=2, batch_per_rank=(2, 1, 0, 3, 1, 2, 1, 1), microbatches=2,
+                                              moe=moe_config(num_experts=4, top_k=2, expert_biases=True,
+                                                             activation="clamped_swiglu"))),
 }
 
 
@@ -105,22 +122,30 @@ COMPILED = {
     # trace to, against the reference. Inductor's codegen runs in tests/test_compile.py (the main job's model
     # trained on EP2, the dispatch's ops inside its graphs, against eager): on CPU its cost is one C++ build per
     # kernel on every rank.
-    "compiled_single_process": (1, Case(1, 1, 1, 4, 2, 8, 6, (3,), load_balance="aux_loss", compile="aot_eager",
-                                        seq_aux_loss_coeff=0.3, z_loss_coeff=0.01, num_expert_groups=2)),
-    "compiled_ep2": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 1), num_shared_experts=1, compile="aot_eager", capacity_factor=0.5,
-                             load_balance="aux_loss", seq_aux_loss_coeff=0.3, z_loss_coeff=0.01, num_expert_groups=2)),
-    "compiled_gpt_oss_experts_ep2_etp2": (4, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3), load_balance="aux_free_bias",
-                                                  expert_biases=True, activation="clamped_swiglu",
-                                                  compile="aot_eager")),
+    "compiled_single_process": (1, Case(batch_per_rank=(3,), compile="aot_eager",
+                                        moe=moe_config(num_experts=4, top_k=2, load_balance="aux_loss",
+                                                       seq_aux_loss_coeff=0.3, z_loss_coeff=0.01,
+                                                       num_expert_groups=2))),
+    "compiled_ep2": (2, Case(ep=2, batch_per_rank=(2, 1), compile="aot_eager",
+                             moe=moe_config(num_experts=4, top_k=2, num_shared_experts=1, capacity_factor=0.5,
+                                            load_balance="aux_loss", seq_aux_loss_coeff=0.3, z_loss_coeff=0.01,
+                                            num_expert_groups=2))),
+    "compiled_gpt_oss_experts_ep2_etp2": (4, Case(ep=2, etp=2, batch_per_rank=(2, 1, 0, 3), compile="aot_eager",
+                                                  moe=moe_config(num_experts=4, top_k=2, load_balance="aux_free_bias",
+                                                                 expert_biases=True, activation="clamped_swiglu"))),
     # Experts sharded over EDP / replicated over HSDP: gathered and reduce-scattered inside the graph.
-    "compiled_edp2_ep2": (4, Case(1, 2, 1, 4, 2, 8, 6, (2, 1, 0, 3), load_balance="aux_loss", microbatches=2,
-                                  compile="aot_eager")),
-    "compiled_hsdp2_ep2": (4, Case(2, 2, 1, 4, 2, 8, 6, (1, 2, 3, 0), num_shared_experts=1, compile="aot_eager")),
+    "compiled_edp2_ep2": (4, Case(ep=2, moe=moe_config(num_experts=4, top_k=2, load_balance="aux_loss"),
+                                  batch_per_rank=(2, 1, 0, 3), microbatches=2, compile="aot_eager")),
+    "compiled_hsdp2_ep2": (4, Case(dp_replicate=2, ep=2, moe=moe_config(num_experts=4, top_k=2, num_shared_experts=1),
+                                   batch_per_rank=(1, 2, 3, 0), compile="aot_eager")),
     # pad_to_capacity: static pair-wise dispatch, one graph (fullgraph), a NaN token among the padded slots.
-    "compiled_padded_ep2": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 2), capacity_factor=0.5, pad_to_capacity=True,
-                                    expert_biases=True, nan_token=1, compile="aot_eager")),
-    "nan_token_ep2": (2, Case(1, 2, 1, 4, 2, 8, 6, (2, 2), load_balance="aux_loss", nan_token=1)),
-    "nan_token_ep2_etp2": (4, Case(1, 2, 2, 4, 2, 8, 6, (2, 1, 0, 3), nan_token=4)),
+    "compiled_padded_ep2": (2, Case(ep=2, batch_per_rank=(2, 2), nan_token=1, compile="aot_eager",
+                                    moe=moe_config(num_experts=4, top_k=2, capacity_factor=0.5, pad_to_capacity=True,
+                                                   expert_biases=True))),
+    "nan_token_ep2": (2, Case(ep=2, moe=moe_config(num_experts=4, top_k=2, load_balance="aux_loss"),
+                              batch_per_rank=(2, 2), nan_token=1)),
+    "nan_token_ep2_etp2": (4, Case(ep=2, etp=2, moe=moe_config(num_experts=4, top_k=2), batch_per_rank=(2, 1, 0, 3),
+                                   nan_token=4)),
 }
 
 

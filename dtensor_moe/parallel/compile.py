@@ -12,8 +12,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from dtensor_moe.kernels import grouped_mm  # noqa: F401  (registers the ops named below)
 from dtensor_moe.parallel import dispatch  # noqa: F401
-
-AC_MODES = ("none", "full", "selective")
+# The modes live in a torch-free module: train/config.py checks them before torch is imported.
+from dtensor_moe.parallel.activation_checkpoint import AC_MODES  # noqa: F401  (parallelize.py imports it from here)
+from dtensor_moe.parallel.activation_checkpoint import check_activation_checkpoint
 
 # Ops whose outputs selective checkpointing keeps: the expert-parallel exchange and the statistics'
 # all-reduce (so recomputation repeats no communication) and the expert GEMMs (the most FLOPs per byte kept).
@@ -34,8 +35,7 @@ def _keep_nothing(ctx, op, *args, **kwargs):
 def apply_activation_checkpointing(module: nn.Module, mode: str) -> nn.Module:
     """"full": keep only the block's input and recompute everything (the exchange included);
     "selective": also keep the exchange's and the GEMMs' outputs, so recomputation communicates nothing."""
-    if mode not in AC_MODES:
-        raise ValueError(f"activation_checkpoint must be one of {AC_MODES}, got {mode!r}")
+    check_activation_checkpoint(mode)
     if mode == "none":
         return module
     policy = _selective_policy if mode == "selective" else _keep_nothing

@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dtensor_moe.routing import ScaleGrad
-from dtensor_moe.train.parallel.tp_plan import TP_BLOCK_PLAN, TP_ROOT_PLAN
+from dtensor_moe.train.parallel.tp_plan import TP_BLOCK_PLAN, TP_ROOT_PLAN, check_tp_heads, check_tp_untied
 
 _STYLES = {
     "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -32,9 +32,7 @@ _STYLES = {
 def check_tp_model(model: nn.Module, tp: int):
     """What the TP plan needs from the model, checked before any collective."""
     cfg = getattr(model, "config", None)
-    if getattr(cfg, "tie_embeddings", False):
-        raise ValueError(f"tp={tp} with model.tie_embeddings = true is not supported (the embedding is sharded by "
-                         "vocabulary rows, the head by output features); valid: tie_embeddings = false, or tp = 1")
+    check_tp_untied(getattr(cfg, "tie_embeddings", False), tp)
     # A pipeline stage has None for the ends another stage holds.
     missing = [p for p, _ in TP_ROOT_PLAN if getattr(model, p, False) is not None and not _has(model, p)]
     missing += [f"layers.{i}.{p}" for i, b in getattr(model, "layers", {}).items() for p, _ in TP_BLOCK_PLAN
@@ -42,9 +40,7 @@ def check_tp_model(model: nn.Module, tp: int):
     if missing or cfg is None:
         raise ValueError(f"tp={tp} needs the main job's model (dtensor_moe.train.model.MoETransformer); "
                          f"missing modules {missing or ['config']}")
-    if cfg.n_heads % tp:
-        raise ValueError(f"model.n_heads ({cfg.n_heads}) must be divisible by tp ({tp}) so each TP rank owns whole heads; "
-                         f"valid tp: {[d for d in range(1, cfg.n_heads + 1) if cfg.n_heads % d == 0]}")
+    check_tp_heads(cfg.n_heads, tp)
 
 
 def _has(module: nn.Module, path: str) -> bool:

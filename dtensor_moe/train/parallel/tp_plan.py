@@ -1,4 +1,5 @@
-"""The main job's dense TP plan as plain data (torch-free: `dtensor-moe explain` prints it)."""
+"""The main job's dense TP plan as plain data, and its checks of the model config (torch-free: `dtensor-moe
+explain` prints the plan, and train/config.py checks a config before torch is imported)."""
 
 # Dense tensor parallelism with sequence parallelism for the main job's model (torchtitan's apply_tp):
 # (module path, style) pairs, applied by tensor_parallel.py. Between blocks the activations are
@@ -21,3 +22,17 @@ TP_BLOCK_PLAN = (
     ("attention.wo", "rowwise"),
     ("ffn_norm", "sequence_local"),
 )
+
+
+# The TP plan's needs from the model config, shared by train/config.py's Config (which names the
+# field parallel.tp: prefix "parallel.") and tensor_parallel.check_tp_model (the tp argument: prefix "").
+def check_tp_heads(n_heads: int, tp: int, prefix: str = "") -> None:
+    if n_heads % tp:
+        raise ValueError(f"model.n_heads ({n_heads}) must be divisible by {prefix}tp ({tp}) so each TP rank owns whole "
+                         f"heads; valid tp: {[d for d in range(1, n_heads + 1) if n_heads % d == 0]}")
+
+
+def check_tp_untied(tie_embeddings: bool, tp: int, prefix: str = "") -> None:
+    if tp > 1 and tie_embeddings:
+        raise ValueError(f"{prefix}tp={tp} needs model.tie_embeddings = false (the embedding is sharded by vocabulary "
+                         f"rows, the head by output features); valid: model.tie_embeddings = false, or {prefix}tp = 1")
