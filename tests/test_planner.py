@@ -23,7 +23,8 @@ from .harness import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 # Odd vocab (250) and small dims so FSDP pads some shards and some ranks hold less than others.
-TINY = dict(vocab_size=250, dim=24, n_layers=2, n_heads=4, num_experts=4, top_k=2, moe_hidden_dim=20, num_shared_experts=1)
+TINY = dict(vocab_size=250, dim=24, n_layers=2, n_heads=4, num_experts=4, top_k=2, moe_hidden_dim=20,
+            num_shared_experts=1)
 FP32 = P.Workload(seq_len=8, micro_batch=2, dtype="fp32")
 
 
@@ -101,7 +102,8 @@ def test_pipeline_state_memory_matches_measured(world, dims_kwargs, schedule, n_
     print(f"\n{world} ranks {dims_kwargs} {schedule}: exact on every rank; bytes {[m['params'] for m in measured]}")
 
 
-@pytest.mark.parametrize("world,dims_kwargs", MESHES, ids=[f"{w}-{'-'.join(f'{k}{v}' for k, v in d.items())}" for w, d in MESHES])
+@pytest.mark.parametrize("world,dims_kwargs", MESHES,
+                         ids=[f"{w}-{'-'.join(f'{k}{v}' for k, v in d.items())}" for w, d in MESHES])
 def test_state_memory_matches_measured(world, dims_kwargs):
     from dtensor_moe.train.config import ModelConfig
 
@@ -112,7 +114,8 @@ def test_state_memory_matches_measured(world, dims_kwargs):
     tensors = sum(u.count * len(u.plans) for u in units)
     worst = 0.0
     for rank, got in enumerate(measured):
-        want = dict(zip(("params", "grads", "optimizer"), P.state_bytes(P.held_numel(units, dims, rank), tensors, FP32)))
+        held = P.held_numel(units, dims, rank)
+        want = dict(zip(("params", "grads", "optimizer"), P.state_bytes(held, tensors, FP32)))
         for k in want:
             err = abs(want[k] - got[k]) / got[k]
             worst = max(worst, err)
@@ -138,7 +141,8 @@ def test_spec_matches_model_parameters():
         assert sum(u.count * len(u.plans) for u in units) == len(list(model.parameters()))
 
 
-@pytest.mark.parametrize("name,total", [("deepseek-v3-671b", 671e9), ("qwen3-235b-a22b", 235e9), ("qwen3-30b-a3b", 30.5e9), ("mixtral-8x7b", 46.7e9)])  # noqa: E501
+@pytest.mark.parametrize("name,total", [("deepseek-v3-671b", 671e9), ("qwen3-235b-a22b", 235e9),
+                                        ("qwen3-30b-a3b", 30.5e9), ("mixtral-8x7b", 46.7e9)])
 def test_preset_parameter_counts(name, total):
     dims = MoEParallelDims(1)
     n = P.held_numel(P.fsdp_units(PRESETS[name], dims), dims, 0)
@@ -154,7 +158,8 @@ def _brute_group(dims, axis, rank=0):
 
 @pytest.mark.parametrize("G", [4, 8, 6])
 def test_node_fractions_match_rank_placement(G):
-    for kw in (dict(ep=8), dict(ep=4, etp=2), dict(dp_replicate=2, ep=2, etp=4), dict(cp=2, ep=4), dict(dp_replicate=4, ep=2)):
+    for kw in (dict(ep=8), dict(ep=4, etp=2), dict(dp_replicate=2, ep=2, etp=4), dict(cp=2, ep=4),
+               dict(dp_replicate=4, ep=2)):
         for world in (64, 48):
             try:
                 d = MoEParallelDims(world, **kw)
@@ -190,7 +195,8 @@ def test_rates_node_fractions_follow_the_mesh_geometry():
 
 
 def test_footprint_key_covers_what_the_plan_reads():
-    """Foldings that share a footprint key get the same footprint from a fresh plan (the memo is sound)."""
+    """Foldings that share a footprint key get the same footprint from a fresh plan (the memo is sound):
+    no PlanCache, so every folding's weights are planned anew."""
     spec = resolve("qwen3-30b-a3b")
     seen = {}
     for dims in P.foldings(256, spec, P.Workload(seq_len=64)):
@@ -209,7 +215,7 @@ def test_plan_ranks_fitting_candidates_and_explains():
     keys = [c.time_per_token for c in fits]
     assert keys == sorted(keys)
     for c in cands:  # every candidate is a folding plan_moe accepts
-        plan_moe(spec.moe_config(), c.dims)
+        plan_moe(spec.moe, c.dims)
         assert c.dims.edp * c.dims.ep * c.dims.etp == c.dims.dp_shard * c.dims.cp * c.dims.tp
     best = fits[0]
     # Within one node every byte stays intra-node.
@@ -238,7 +244,8 @@ def test_bad_inputs_name_the_constraint():
         P.Workload(dtype="fp8")
     with pytest.raises(ValueError, match="deepseek-v3-671b"):
         resolve("no-such-model")
-    with pytest.raises(ValueError, match=r"Hardware\.gpus must be <= gpus_per_node or a multiple of gpus_per_node \(8\), got 12"):
+    with pytest.raises(ValueError,
+                       match=r"Hardware\.gpus must be <= gpus_per_node or a multiple of gpus_per_node \(8\), got 12"):
         P.Hardware(gpus=12, gpus_per_node=8)
 
 
@@ -264,17 +271,21 @@ NAN, INF = float("nan"), float("inf")
     (lambda: P.Workload(dtype=None), "Workload.dtype", "one of ['bf16', 'fp32'], got None"),
     (lambda: P.Workload(optimizer="lion"), "Workload.optimizer", "one of ['adamw', 'sgd'], got 'lion'"),
     (lambda: P.Workload(recompute=True), "Workload.recompute", "one of ['full', 'none'], got True"),
-    (lambda: replace(MIXTRAL, dim=0), "ModelSpec.dim", "an int >= 1, got 0"),
-    (lambda: replace(MIXTRAL, dim=4096.0), "ModelSpec.dim", "an int >= 1, got 4096.0"),
+    (lambda: replace(MIXTRAL, n_layers=0), "ModelSpec.n_layers", "an int >= 1, got 0"),
+    (lambda: replace(MIXTRAL, n_layers=32.0), "ModelSpec.n_layers", "an int >= 1, got 32.0"),
     (lambda: replace(MIXTRAL, vocab_size=True), "ModelSpec.vocab_size", "an int >= 1, got True"),
-    (lambda: replace(MIXTRAL, top_k=9), "ModelSpec.top_k", "an int in 1..8, got 9"),
-    (lambda: replace(MIXTRAL, num_shared_experts=-1), "ModelSpec.num_shared_experts", "an int >= 0, got -1"),
+    (lambda: replace(MIXTRAL, moe=None), "ModelSpec.moe", "a dtensor_moe.config.MoEConfig, got None"),
+    # The MoE fields are MoEConfig's, checked by it alone.
+    (lambda: replace(MIXTRAL, moe=replace(MIXTRAL.moe, dim=4096.0)), "MoEConfig.dim", "an int >= 1, got 4096.0"),
+    (lambda: replace(MIXTRAL, moe=replace(MIXTRAL.moe, num_shared_experts=-1)), "MoEConfig.num_shared_experts",
+     ">= 0, got -1"),
     (lambda: replace(MIXTRAL, n_dense_layers=33), "ModelSpec.n_dense_layers", "an int in 0..32, got 33"),
     (lambda: replace(MIXTRAL, n_dense_layers=1), "ModelSpec.dense_hidden_dim", "an int >= 1, got 0"),
     (lambda: replace(MIXTRAL, kv_width=0), "ModelSpec.kv_width", "an int >= 1, got 0"),
     (lambda: replace(MIXTRAL, tie_embeddings=1), "ModelSpec.tie_embeddings", "a bool, got 1"),
     (lambda: replace(MIXTRAL, name=""), "ModelSpec.name", "a non-empty string, got ''"),
-    (lambda: replace(MIXTRAL, attention=list(MIXTRAL.attention)), "ModelSpec.attention", "a tuple of (weight name, shape)"),
+    (lambda: replace(MIXTRAL, attention=list(MIXTRAL.attention)), "ModelSpec.attention",
+     "a tuple of (weight name, shape)"),
     (lambda: replace(MIXTRAL, attention=(("wq", (0, 8)),)), "ModelSpec.attention", "got entry ('wq', (0, 8))"),
 ])
 def test_input_dataclasses_name_the_field_and_range(make, field, valid):
@@ -327,14 +338,35 @@ def test_plan_cli_gpus_flag():
 
 
 def test_planner_package_layout_and_torch_free():
-    """Cost model, search and report are separate modules; the old import paths keep working, and
-    planning a preset from the CLI imports neither torch nor the training code."""
-    from dtensor_moe.cli import SUBCOMMANDS
-    from dtensor_moe.tools.planner import cost_model, report, search
-    from dtensor_moe.tools.planner import predicted_state_bytes
+    """The cost model is one module per concept, each importing only those before it (no cycles);
+    the package re-exports their names; planning a preset from the CLI imports neither torch nor the
+    training code."""
+    import ast
+    import importlib
 
-    assert predicted_state_bytes is cost_model.predicted_state_bytes
-    assert P.plan is search.plan and P.explain_choice is report.explain_choice and P.Workload is cost_model.Workload
+    from dtensor_moe.cli import SUBCOMMANDS
+    from dtensor_moe.tools.planner import cache, geometry, memory, pipeline, report, search, tokens, traffic, units
+    from dtensor_moe.tools.planner import predicted_state_bytes, workload
+
+    assert predicted_state_bytes is memory.predicted_state_bytes
+    assert P.plan is search.plan and P.explain_choice is report.explain_choice and P.Workload is workload.Workload
+    assert P.Hardware is workload.Hardware and P.mesh_geometry is geometry.mesh_geometry
+    assert P.pipeline_ranks is pipeline.pipeline_ranks and P.Footprint is units.Footprint
+    assert P.Rates is tokens.Rates and P.distinct_ranks is tokens.distinct_ranks
+    assert P.Memory is memory.Memory and P.Traffic is traffic.Traffic and P.PlanCache is cache.PlanCache
+    assert all(getattr(P, name) is not None for name in P.__all__)
+    order = ["cache", "workload", "geometry", "pipeline", "units", "tokens", "memory", "traffic", "search", "report"]
+    pkg = ROOT / "dtensor_moe" / "tools" / "planner"
+    assert sorted(order + ["__init__"]) == sorted(p.stem for p in pkg.glob("*.py"))
+    for i, name in enumerate(order):
+        tree = ast.parse((pkg / f"{name}.py").read_text())
+        modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        planner = {m.rsplit(".", 1)[-1] for m in modules if m.startswith("dtensor_moe.tools.planner.")}
+        assert planner <= set(order[:i]), (name, planner - set(order[:i]))
+        # Memo tables are a PlanCache's, made per search: no functools caches at module level.
+        assert "functools" not in modules and "lru_cache" not in (pkg / f"{name}.py").read_text(), name
+        importlib.import_module(f"dtensor_moe.tools.planner.{name}")
     mod = __import__(SUBCOMMANDS["plan"][0], fromlist=["run"])
     assert callable(mod.add_arguments) and callable(mod.run)
     code = ("import sys, io, contextlib; from dtensor_moe.cli import main\n"
@@ -351,7 +383,7 @@ def test_config_toml(tmp_path):
     path = tmp_path / "tiny.toml"
     path.write_text("[model]\n" + "\n".join(f"{k} = {v}" for k, v in TINY.items()) + "\n[train]\nsteps = 3\n")
     spec = resolve(str(path))
-    assert spec.vocab_size == 250 and spec.num_shared_experts == 1 and spec.name == "tiny"
+    assert spec.vocab_size == 250 and spec.moe.num_shared_experts == 1 and spec.name == "tiny"
     path.write_text("[model]\nbogus = 1\n")
     with pytest.raises(ValueError, match="unknown \\[model\\] keys"):
         resolve(str(path))
@@ -388,10 +420,11 @@ def _fake_pg_main(rank: int):
         for axis in ("dp_replicate", "edp", "ep", "etp"):  # the planner's groups are the real process groups
             size, stride = geo[axis]
             base = rank - dims.expert_coords(rank)[axis] * stride
-            assert dist.get_process_group_ranks(meshes.expert.get_group(axis)) == [base + j * stride for j in range(size)]
+            group = dist.get_process_group_ranks(meshes.expert.get_group(axis))
+            assert group == [base + j * stride for j in range(size)]
         t0 = time.perf_counter()
         if dims == best:  # every element of every MoE weight held dp_replicate times: O(world) per weight
-            for wp in plan_moe(spec.moe_config(), dims):
+            for wp in plan_moe(spec.moe, dims):
                 assert ownership(wp, dims).copies == dims.dp_replicate
         t_own = time.perf_counter() - t0
         c = P.evaluate(spec, dims, work, hw)
@@ -401,7 +434,8 @@ def _fake_pg_main(rank: int):
 
 
 def test_fake_process_group_16k():
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from tests.test_planner import _fake_pg_main; _fake_pg_main(12345)"
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
+            "from tests.test_planner import _fake_pg_main; _fake_pg_main(12345)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
@@ -413,7 +447,8 @@ def test_plan_cli_16k():
     """The CLI at 16,384 GPUs: its table and choice (its time is benchmarks/planner_speed.py's)."""
     cmd = [sys.executable, "-m", "dtensor_moe.cli", "plan", "--model", "deepseek-v3-671b", "--gpus", "16384",
            "--gpus-per-node", "8", "--gpu-mem", "141"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     header = next(i for i, l in enumerate(lines) if "edp" in l and "etp" in l and " ep " in l)
@@ -430,7 +465,8 @@ def test_plan_json():
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        assert main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "64", "--gpu-mem", "80", "--json", "--top", "3"]) == 0
+        argv = ["plan", "--model", "qwen3-30b-a3b", "--gpus", "64", "--gpu-mem", "80", "--json", "--top", "3"]
+        assert main(argv) == 0
     data = json.loads(buf.getvalue())
     assert data["enumerated"] >= data["fitting"] > 0 and len(data["candidates"]) == 3
     c = data["candidates"][0]
@@ -464,15 +500,17 @@ def test_distinct_ranks_matches_sampled_routing():
 
 def test_group_limited_routing_shrinks_the_priced_all_to_all():
     spec, work = resolve("deepseek-v3-671b"), P.Workload()
-    assert (spec.num_expert_groups, spec.num_limited_groups) == (8, 4)
+    assert (spec.moe.num_expert_groups, spec.moe.num_limited_groups) == (8, 4)
     dims = MoEParallelDims(64, ep=8, etp=1)
     fp = P.footprint(P.fsdp_units(spec, dims), dims)
     grouped = P.comm_bytes(spec, dims, work, 8, fp)["ep_all_to_all"]
-    free = P.comm_bytes(replace(spec, num_expert_groups=1, num_limited_groups=1), dims, work, 8, fp)["ep_all_to_all"]
+    ungrouped = replace(spec, moe=replace(spec.moe, num_expert_groups=1, num_limited_groups=1))
+    free = P.comm_bytes(ungrouped, dims, work, 8, fp)["ep_all_to_all"]
     ratio = P.distinct_ranks(256, 8, 8, 8, 4) / P.distinct_ranks(256, 8, 8)
     assert math.isclose(grouped.intra + grouped.inter, ratio * (free.intra + free.inter))
-    with pytest.raises(ValueError, match=r"ModelSpec.num_experts \(256\) must be divisible by ModelSpec.num_expert_groups"):
-        replace(spec, num_expert_groups=3, num_limited_groups=1)
+    with pytest.raises(ValueError,
+                       match=r"MoEConfig.num_experts \(256\) must be divisible by MoEConfig.num_expert_groups"):
+        replace(spec.moe, num_expert_groups=3, num_limited_groups=1)
 
 
 def _work(schedule, microbatches, **kw):
@@ -538,18 +576,24 @@ def test_pipeline_traffic_and_memory_by_hand():
     small = MoEParallelDims(8, pp=2, ep=2)
     share = P.stage_share(spec, 2, "1f1b", 0)
     fp = P.footprint(P.fsdp_units(spec, small, share, M), small)
-    assert P.comm_bytes(spec, small, work, 8, fp, P.PipelineRank(share, 2, 1))["pp_send_recv"] == P.Traffic(M * T * D * b, 0)
+    sends = P.comm_bytes(spec, small, work, 8, fp, P.PipelineRank(share, 2, 1))["pp_send_recv"]
+    assert sends == P.Traffic(M * T * D * b, 0)
+
+
+PLANS = P.PlanCache()  # the weight plans of _exhaustive's foldings, across its searches
 
 
 def _exhaustive(spec, dims, work, hw):
     """The candidate from every pipeline rank (range(pp), none skipped as dominated), each rank's footprint
-    from a fresh plan: what plan's memos, Rates/Held split and rank pruning must reproduce exactly."""
+    summed from its units' weight plans: what plan's memos (share_parts, footprint_key, rates_key), Rates/Held
+    split and rank pruning must reproduce exactly. The plans themselves are memoized on what they read
+    (test_footprint_key_covers_what_the_plan_reads plans every folding afresh)."""
     worst_mem = worst_comm = None
     for r in range(dims.pp):
         share = P.stage_share(spec, dims.pp, work.pp_schedule, r)
         sends = 2 * PP_STAGES_PER_RANK[work.pp_schedule] - (r == 0) - (r == dims.pp - 1) if dims.pp > 1 else 0
         rank = P.PipelineRank(share, P.in_flight(work, dims.pp, r), sends)
-        fp = P.footprint(P.fsdp_units(spec, dims, share, work.microbatches), dims)
+        fp = P.footprint(P.fsdp_units(spec, dims, share, work.microbatches, PLANS), dims)
         mem = P.rank_memory(spec, dims, work, fp, rank)
         comm = P.comm_bytes(spec, dims, work, hw.gpus_per_node, fp, rank)
         t = P.comm_time(comm.values(), hw)
@@ -603,9 +647,11 @@ def test_plan_equals_exhaustive_search(model, gpus, schedule, microbatches, top)
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--pp", "3"], "--pp (3) must divide --gpus (64): pipeline stages of equal size; valid --pp: [1, 2, 4, 8, 16, 32, 64] (or 0: try each)"),  # noqa: E501
+    (["--pp", "3"], "--pp (3) must divide --gpus (64): pipeline stages of equal size; "
+                    "valid --pp: [1, 2, 4, 8, 16, 32, 64] (or 0: try each)"),
     (["--pp", "2"], "--microbatches (1) must be >= --pp (2) for pp_schedule '1f1b'"),
-    (["--pp", "64", "--microbatches", "64"], "model.n_layers (32) must be >= the pipeline stages (64 = --pp 64 x 1 per rank"),
+    (["--pp", "64", "--microbatches", "64"],
+     "model.n_layers (32) must be >= the pipeline stages (64 = --pp 64 x 1 per rank"),
     (["--pp", "2", "--pp-schedule", "interleaved_1f1b", "--microbatches", "5"],
      "--microbatches (5) must be a multiple of max(1, microbatches // pp) = 2 for pp_schedule 'interleaved_1f1b'"),
 ])
@@ -615,11 +661,12 @@ def test_plan_cli_pp_errors(argv, msg):
 
 
 def test_plan_cli_pp():
-    rc, out, _ = _cli(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--pp", "2", "--microbatches", "8", "--top", "3"])
+    mixtral = ["plan", "--model", "mixtral-8x7b", "--gpus", "64"]
+    rc, out, _ = _cli([*mixtral, "--pp", "2", "--microbatches", "8", "--top", "3"])
     rows = [l.split() for l in out.splitlines() if l.strip()[:1].isdigit() and "|" in l]
     assert rc == 0 and len(rows) == 3 and all(r[1] == "2" for r in rows)
     assert "pp=2." in out and "- PP=2 outermost (1f1b, 8 microbatches): 32 ranks per stage" in out
-    rc, out, _ = _cli(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--microbatches", "8", "--json", "--top", "400"])
+    rc, out, _ = _cli([*mixtral, "--microbatches", "8", "--json", "--top", "400"])
     data = json.loads(out)
     assert rc == 0 and {c["pp"] for c in data["candidates"]} == {1, 2, 4, 8} and data["pp_tried"] == [1, 2, 4, 8]
     rc, out, _ = _cli(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--top", "1"])

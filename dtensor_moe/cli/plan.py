@@ -8,7 +8,7 @@ from pathlib import Path
 
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims, divisors
 from dtensor_moe.parallel.plan import check_pipeline
-from dtensor_moe.tools.planner.cost_model import COMPUTE_BYTES, OPTIMIZER_MOMENTS, RECOMPUTE, Hardware, Workload
+from dtensor_moe.tools.planner.workload import COMPUTE_BYTES, OPTIMIZER_MOMENTS, RECOMPUTE, Hardware, Workload
 from dtensor_moe.tools.planner.report import candidate_dict, explain_choice, table
 from dtensor_moe.tools.planner.search import TP_NOTE, pipeline_degrees, plan
 from dtensor_moe.tools.presets import PRESETS, ModelSpec, spec_from_model_config

@@ -9,7 +9,7 @@ counts the main model only).
 
 from dataclasses import dataclass
 
-from dtensor_moe.config import MoEConfig, check_groups
+from dtensor_moe.config import MoEConfig
 from dtensor_moe.validate import check_int, check_type
 
 Shape = tuple[int, ...]
@@ -19,54 +19,39 @@ Shape = tuple[int, ...]
 class ModelSpec:
     name: str
     vocab_size: int
-    dim: int
     n_layers: int
-    num_experts: int
-    top_k: int
-    moe_hidden_dim: int
-    num_shared_experts: int
+    moe: MoEConfig  # the MoE layers, checked by MoEConfig itself; its dim is the model's
     attention: tuple[tuple[str, Shape], ...]  # one layer's attention weights, norms included
     kv_width: int  # K plus V features per token (what ring attention passes around under CP)
     n_dense_layers: int = 0  # leading layers with a dense FFN instead of an MoE
     dense_hidden_dim: int = 0
     tie_embeddings: bool = False
-    num_expert_groups: int = 1  # group-limited routing (DeepSeek-V3): what the all-to-all sends
-    num_limited_groups: int = 1
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and self.name):
             raise ValueError(f"ModelSpec.name must be a non-empty string, got {self.name!r}")
-        for field in ("vocab_size", "dim", "n_layers", "num_experts", "moe_hidden_dim", "kv_width"):
+        for field in ("vocab_size", "n_layers", "kv_width"):
             check_int(f"ModelSpec.{field}", getattr(self, field))
-        check_int("ModelSpec.top_k", self.top_k, 1, self.num_experts)
-        check_int("ModelSpec.num_shared_experts", self.num_shared_experts, 0)
+        check_type("ModelSpec.moe", self.moe, MoEConfig, "a dtensor_moe.config.MoEConfig")
         check_int("ModelSpec.n_dense_layers", self.n_dense_layers, 0, self.n_layers)
         check_int("ModelSpec.dense_hidden_dim", self.dense_hidden_dim, 1 if self.n_dense_layers else 0)
         check_type("ModelSpec.tie_embeddings", self.tie_embeddings, bool, "a bool")
-        check_int("ModelSpec.num_expert_groups", self.num_expert_groups, 1, self.num_experts)
-        check_int("ModelSpec.num_limited_groups", self.num_limited_groups, 1, self.num_expert_groups)
-        check_groups(self, "ModelSpec.")
         what = "a tuple of (weight name, shape) pairs, each shape a tuple of integers >= 1"
         check_type("ModelSpec.attention", self.attention, tuple, what)
         for entry in self.attention:
-            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str) and isinstance(entry[1], tuple)
-                    and entry[1] and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in entry[1])):
+            if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
+                    and isinstance(entry[1], tuple) and entry[1]
+                    and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in entry[1])):
                 raise ValueError(f"ModelSpec.attention must be {what}, got entry {entry!r}")
+
+    @property
+    def dim(self) -> int:
+        """The model dim: the MoE layers' own, so it is given (and checked) once."""
+        return self.moe.dim
 
     @property
     def n_moe_layers(self) -> int:
         return self.n_layers - self.n_dense_layers
-
-    def moe_config(self) -> MoEConfig:
-        return MoEConfig(
-            dim=self.dim,
-            hidden_dim=self.moe_hidden_dim,
-            num_experts=self.num_experts,
-            top_k=self.top_k,
-            num_shared_experts=self.num_shared_experts,
-            num_expert_groups=self.num_expert_groups,
-            num_limited_groups=self.num_limited_groups,
-        )
 
     def layer_weights(self, dense_ffn: bool) -> tuple[tuple[str, Shape], ...]:
         """Weights of one transformer block outside its MoE module (the block's own FSDP unit)."""
@@ -75,7 +60,8 @@ class ModelSpec:
         ffn = ()
         if dense_ffn:
             Fd = self.dense_hidden_dim
-            ffn = (("feed_forward.w1.weight", (Fd, D)), ("feed_forward.w2.weight", (D, Fd)), ("feed_forward.w3.weight", (Fd, D)))
+            ffn = (("feed_forward.w1.weight", (Fd, D)), ("feed_forward.w2.weight", (D, Fd)),
+                   ("feed_forward.w3.weight", (Fd, D)))
         return (*norms, *self.attention, *ffn)
 
     def root_weights(self, first: bool = True, last: bool = True) -> tuple[tuple[str, Shape], ...]:
@@ -88,7 +74,8 @@ class ModelSpec:
 
 def _gqa(D: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool):
     q, kv = n_heads * head_dim, n_kv_heads * head_dim
-    w = [("attention.wq.weight", (q, D)), ("attention.wk.weight", (kv, D)), ("attention.wv.weight", (kv, D)), ("attention.wo.weight", (D, q))]  # noqa: E501
+    w = [("attention.wq.weight", (q, D)), ("attention.wk.weight", (kv, D)), ("attention.wv.weight", (kv, D)),
+         ("attention.wo.weight", (D, q))]
     if qk_norm:
         w += [("attention.q_norm.weight", (head_dim,)), ("attention.k_norm.weight", (head_dim,))]
     return tuple(w), 2 * kv
@@ -118,44 +105,40 @@ PRESETS: dict[str, ModelSpec] = {
     for s in (
         _preset(
             "deepseek-v3-671b",
-            vocab_size=129280, dim=7168, n_layers=61, n_dense_layers=3, dense_hidden_dim=18432,
-            num_experts=256, top_k=8, moe_hidden_dim=2048, num_shared_experts=1, num_expert_groups=8, num_limited_groups=4,
+            vocab_size=129280, n_layers=61, n_dense_layers=3, dense_hidden_dim=18432,
+            moe=MoEConfig(dim=7168, hidden_dim=2048, num_experts=256, top_k=8, num_shared_experts=1,
+                          num_expert_groups=8, num_limited_groups=4),
             attention=_mla(7168, n_heads=128, q_lora=1536, kv_lora=512, nope=128, rope=64, v=128),
         ),
         _preset(
             "qwen3-235b-a22b",
-            vocab_size=151936, dim=4096, n_layers=94, num_experts=128, top_k=8, moe_hidden_dim=1536,
-            num_shared_experts=0, attention=_gqa(4096, n_heads=64, n_kv_heads=4, head_dim=128, qk_norm=True),
+            vocab_size=151936, n_layers=94, moe=MoEConfig(dim=4096, hidden_dim=1536, num_experts=128, top_k=8),
+            attention=_gqa(4096, n_heads=64, n_kv_heads=4, head_dim=128, qk_norm=True),
         ),
         _preset(
             "qwen3-30b-a3b",
-            vocab_size=151936, dim=2048, n_layers=48, num_experts=128, top_k=8, moe_hidden_dim=768,
-            num_shared_experts=0, attention=_gqa(2048, n_heads=32, n_kv_heads=4, head_dim=128, qk_norm=True),
+            vocab_size=151936, n_layers=48, moe=MoEConfig(dim=2048, hidden_dim=768, num_experts=128, top_k=8),
+            attention=_gqa(2048, n_heads=32, n_kv_heads=4, head_dim=128, qk_norm=True),
         ),
         _preset(
             "mixtral-8x7b",
-            vocab_size=32000, dim=4096, n_layers=32, num_experts=8, top_k=2, moe_hidden_dim=14336,
-            num_shared_experts=0, attention=_gqa(4096, n_heads=32, n_kv_heads=8, head_dim=128, qk_norm=False),
+            vocab_size=32000, n_layers=32, moe=MoEConfig(dim=4096, hidden_dim=14336, num_experts=8, top_k=2),
+            attention=_gqa(4096, n_heads=32, n_kv_heads=8, head_dim=128, qk_norm=False),
         ),
     )
 }
 
 
 def spec_from_model_config(cfg, name: str = "config") -> ModelSpec:
-    """The shapes of `dtensor_moe.train.model.MoETransformer(cfg)` (wq, wk, wv, wo; every layer an MoE)."""
+    """The shapes of `dtensor_moe.train.model.MoETransformer(cfg)` (wq, wk, wv, wo; every layer an MoE).
+    `cfg` is the main job's ModelConfig, read through its own `moe_config()` (tools do not import train)."""
     D = cfg.dim
     return ModelSpec(
         name=name,
         vocab_size=cfg.vocab_size,
-        dim=D,
         n_layers=cfg.n_layers,
-        num_experts=cfg.num_experts,
-        top_k=cfg.top_k,
-        moe_hidden_dim=cfg.moe_hidden_dim,
-        num_shared_experts=cfg.num_shared_experts,
+        moe=cfg.moe_config(),
         attention=tuple((f"attention.{w}.weight", (D, D)) for w in ("wq", "wk", "wv", "wo")),
         kv_width=2 * D,
         tie_embeddings=cfg.tie_embeddings,
-        num_expert_groups=cfg.num_expert_groups,
-        num_limited_groups=cfg.num_limited_groups,
     )

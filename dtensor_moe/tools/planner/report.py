@@ -1,12 +1,8 @@
 """The planner's output: the ranked table, the top choice in plain words, JSON rows."""
 
-from dtensor_moe.tools.planner.cost_model import (
-    Hardware,
-    Workload,
-    mesh_geometry,
-    node_span,
-)
+from dtensor_moe.tools.planner.geometry import mesh_geometry, node_span
 from dtensor_moe.tools.planner.search import Candidate
+from dtensor_moe.tools.planner.workload import Hardware, Workload
 from dtensor_moe.tools.presets import ModelSpec
 
 
@@ -26,9 +22,9 @@ def table(cands: list[Candidate]) -> str:
     for i, c in enumerate(cands, 1):
         d, m = c.dims, c.memory
         mem = [_size(v, 1024) for v in (m.params, m.grads, m.optimizer, m.gathered, m.activations, m.total)]
-        rows.append((str(i), *(str(v) for v in (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, d.edp, d.ep, d.etp)), *mem,
-                     _size(c.intra, 1000), _size(c.inter, 1000), f"{c.comm_time_s * 1e3:.1f}", f"{c.bubble:.0%}",
-                     f"{c.time_per_token * 1e6:.2f}"))
+        degrees = (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, d.edp, d.ep, d.etp)
+        rows.append((str(i), *(str(v) for v in degrees), *mem, _size(c.intra, 1000), _size(c.inter, 1000),
+                     f"{c.comm_time_s * 1e3:.1f}", f"{c.bubble:.0%}", f"{c.time_per_token * 1e6:.2f}"))
     widths = [max(len(r[j]) for r in rows) for j in range(len(cols))]
     # Bars after pp, between the dense axes, the expert axes, memory and traffic.
     return "\n".join(
@@ -40,7 +36,7 @@ def table(cands: list[Candidate]) -> str:
 def explain_choice(spec: ModelSpec, best: Candidate, runner_up: Candidate | None, hw: Hardware,
                    work: Workload = Workload()) -> str:
     d, m, G, s = best.dims, best.memory, hw.gpus_per_node, best.share
-    E = spec.num_experts
+    E = spec.moe.num_experts
     ep_nodes = node_span(*mesh_geometry(d)["ep"], G)
     a2a = best.comm["ep_all_to_all"]
     a2a_total = a2a.intra + a2a.inter
@@ -55,15 +51,18 @@ def explain_choice(spec: ModelSpec, best: Candidate, runner_up: Candidate | None
            else f", each split {d.etp} ways along its hidden dim over {d.etp} neighbouring ranks (ETP)."),
         f"- EDP is not DP: the {d.dp_shard * d.cp * d.tp} ranks of a replica with their own tokens fold into "
         f"edp x ep x etp = {d.edp} x {d.ep} x {d.etp}; "
-        + (f"FSDP shards each EP x ETP slice over the {d.edp} EDP ranks" if d.edp > 1 else "EP x ETP alone shard the experts (edp=1)")
+        + (f"FSDP shards each EP x ETP slice over the {d.edp} EDP ranks" if d.edp > 1
+           else "EP x ETP alone shard the experts (edp=1)")
         + (f", and {d.dp_replicate} replicas (HSDP) all-reduce the sharded gradients." if d.dp_replicate > 1 else "."),
         *([f"- Dense TP={d.tp} (sequence-parallel): attention split by heads over {d.tp} neighbouring ranks, each of "
            f"which routes its own {best.tokens} tokens through the MoE."] if d.tp > 1 else []),
-        *([f"- PP={d.pp} outermost ({work.pp_schedule}, {work.microbatches} microbatches): {d.stage_size} ranks per stage; "
-           f"the rank with the most memory holds {s.layers} layer(s)" + " and the embedding" * s.first
-           + " and the head" * s.last + f"; pipeline bubble {best.bubble:.0%} of the step."] if d.pp > 1 else []),
+        *([f"- PP={d.pp} outermost ({work.pp_schedule}, {work.microbatches} microbatches): "
+           f"{d.stage_size} ranks per stage; the rank with the most memory holds {s.layers} layer(s)"
+           + " and the embedding" * s.first + " and the head" * s.last
+           + f"; pipeline bubble {best.bubble:.0%} of the step."] if d.pp > 1 else []),
         f"- An EP group spans {ep_nodes} node(s) of {G} GPUs: "
-        + (f"{a2a.intra / a2a_total:.0%} of the all-to-all bytes stay inside a node." if a2a_total else "no all-to-all traffic."),
+        + (f"{a2a.intra / a2a_total:.0%} of the all-to-all bytes stay inside a node." if a2a_total
+           else "no all-to-all traffic."),
         f"- Memory per rank: {_size(m.total, 1024)} of {hw.gpu_mem_gib:g} GiB; the largest part is {biggest} "
         f"({_size(parts[biggest], 1024)}).",
         f"- Communication per step: {_size(best.intra, 1000)} intra-node, {_size(best.inter, 1000)} inter-node "

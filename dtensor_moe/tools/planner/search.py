@@ -2,11 +2,12 @@
 
 Pipeline parallelism is outermost: pp > 1 only where the schedule runs it (`check_pipeline`: layers
 per stage, microbatches) and, beyond one node, with each stage on whole nodes (PP's sends cross
-nodes, every other group stays inside a stage). Dense TP stays inside a node with the CP group it splits the sequence with (cp * tp divides
-gpus_per_node, seq_len % (cp * tp) == 0); the experts never split over tp (their tensor parallelism is etp, folded over the
-same ranks). `plan_moe` stays the judge of which foldings are valid. Ranking: the foldings that fit
-in GPU memory first, by communication time per token (intra / intra_bw + inter / inter_bw, nothing
-overlapped) stretched by the pipeline bubble; then the rest by memory.
+nodes, every other group stays inside a stage). Dense TP stays inside a node with the CP group it
+splits the sequence with (cp * tp divides gpus_per_node, seq_len % (cp * tp) == 0); the experts
+never split over tp (their tensor parallelism is etp, folded over the same ranks). `plan_moe` stays
+the judge of which foldings are valid. Ranking: the foldings that fit in GPU memory first, by
+communication time per token (intra / intra_bw + inter / inter_bw, nothing overlapped) stretched by
+the pipeline bubble; then the rest by memory.
 """
 
 import gc
@@ -14,28 +15,13 @@ from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import MoEParallelDims, divisors
 from dtensor_moe.parallel.plan import check_pipeline
-from dtensor_moe.tools.planner.cost_model import (
-    GiB,
-    Hardware,
-    Held,
-    Memory,
-    PipelineRank,
-    StageShare,
-    Traffic,
-    UnitPart,
-    Workload,
-    bubble_fraction,
-    comm_time,
-    seconds,
-    ranks_held_costs,
-    pipeline_ranks,
-    rank_activations,
-    rates,
-    share_footprint,
-    share_parts,
-    step_tokens_per_rank,
-    token_traffic,
-)
+from dtensor_moe.tools.planner.cache import PlanCache
+from dtensor_moe.tools.planner.memory import Memory, rank_activations
+from dtensor_moe.tools.planner.pipeline import PipelineRank, StageShare, bubble_fraction, pipeline_ranks
+from dtensor_moe.tools.planner.tokens import rates
+from dtensor_moe.tools.planner.traffic import Held, Traffic, comm_time, ranks_held_costs, seconds, token_traffic
+from dtensor_moe.tools.planner.units import UnitPart, share_footprint, share_parts
+from dtensor_moe.tools.planner.workload import GiB, Hardware, Workload, step_tokens_per_rank
 from dtensor_moe.tools.presets import ModelSpec
 
 TP_NOTE = "dense tp (sequence-parallel) with its cp x tp group inside a node; the experts' tensor parallelism is etp"
@@ -87,7 +73,7 @@ def foldings(world: int, spec: ModelSpec, work: Workload, gpus_per_node: int = 8
 
 
 def _stage_foldings(world: int, pp: int, spec: ModelSpec, work: Workload, gpus_per_node: int):
-    moe = spec.moe_config()
+    moe = spec.moe
     stage = world // pp
     stage_divs = divisors(stage)
     for dp_rep in stage_divs:
@@ -109,8 +95,8 @@ def _stage_foldings(world: int, pp: int, spec: ModelSpec, work: Workload, gpus_p
 
 
 def _with_experts(dense: MoEParallelDims, ep: int, etp: int) -> MoEParallelDims:
-    """replace(dense, ep=ep, etp=etp) without re-running MoEParallelDims' checks per folding (they were
-    half of a 16k-GPU search's function calls): `dense` passed them, and all that ep and etp add is
+    """replace(dense, ep=ep, etp=etp) without re-running MoEParallelDims' checks per folding (a large
+    share of a big search's function calls): `dense` passed them, and all that ep and etp add is
     that ep * etp divides dp_shard * cp * tp, which the loops above ensure (tests/test_planner.py
     rebuilds every folding of a search through the constructor)."""
     dims = object.__new__(MoEParallelDims)
@@ -159,21 +145,23 @@ class _Tokens(NamedTuple):
 
 
 def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware,
-             held: tuple[Held, ...] | None = None) -> Candidate:
+             held: tuple[Held, ...] | None = None, cache: PlanCache | None = None) -> Candidate:
     """Every pipeline rank that can be the worst (`pipeline_ranks`, with what its weights cost): the
     most memory, the slowest traffic."""
+    cache = PlanCache() if cache is None else cache
     if held is None:
-        held = _held(spec, dims, work, hw, pipeline_ranks(spec, dims.pp, work), {})
-    return _candidate(dims, hw, _weights(held, hw), _tokens(spec, dims, work, hw, tuple(h.rank for h in held)))[0]
+        held = _held(spec, dims, work, hw, pipeline_ranks(spec, dims.pp, work), {}, cache)
+    ranks = tuple(h.rank for h in held)
+    return _candidate(dims, hw, _weights(held, hw), _tokens(spec, dims, work, hw, ranks, cache))[0]
 
 
 def _held(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware, ranks: tuple[PipelineRank, ...],
-          parts: dict) -> tuple[Held, ...]:
+          parts: dict, cache: PlanCache) -> tuple[Held, ...]:
     """What each rank's weights cost; the units' parts memoized in `parts` on footprint_key and
     whether pp is 1 (the root's all-gathers per step differ), across pp and dp_replicate."""
     key = footprint_key(dims), dims.pp == 1
     if key not in parts:
-        parts[key] = share_parts(spec, dims, work.microbatches)
+        parts[key] = share_parts(spec, dims, work.microbatches, cache)
     return ranks_held_costs(dims, work, hw.gpus_per_node, [(r, share_footprint(parts[key], r.share)) for r in ranks])
 
 
@@ -183,8 +171,8 @@ def _weights(held: tuple[Held, ...], hw: Hardware) -> tuple[_Weights, ...]:
 
 
 def _tokens(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware,
-            ranks: tuple[PipelineRank, ...]) -> _Tokens:
-    r, out = rates(spec, dims, work, hw.gpus_per_node), []
+            ranks: tuple[PipelineRank, ...], cache: PlanCache) -> _Tokens:
+    r, out = rates(spec, dims, work, hw.gpus_per_node, cache), []
     for rank in ranks:
         traffic = token_traffic(r, rank)
         out.append(_RankTokens(rank_activations(r, rank), traffic, comm_time(traffic.values(), hw)))
@@ -215,17 +203,21 @@ def _candidate(dims: MoEParallelDims, hw: Hardware, weights: tuple[_Weights, ...
 _UNSEEN = object()
 
 
-def plan(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None) -> list[Candidate]:
-    """All valid candidates (with `pp`, or every pp the search tries), sorted by `_candidate`'s key."""
+def plan(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None, cache: PlanCache | None = None
+         ) -> list[Candidate]:
+    """All valid candidates (with `pp`, or every pp the search tries), sorted by `_candidate`'s key.
+    The cost model's memo tables are `cache`'s, a fresh PlanCache unless given one."""
+    cache = PlanCache() if cache is None else cache
     # What a pipeline rank's weights cost depends on the folding only through footprint_key and pp,
-    # what its tokens cost only through rates_key: each computed once, shared by the foldings.
+    # what its tokens cost only through rates_key: each computed once, shared by the foldings. These
+    # tables are keyed without spec, work and hw, which one search fixes, so they live only here.
     ranks: dict[int, tuple[PipelineRank, ...]] = {}
     parts: dict[tuple, dict[str, UnitPart]] = {}
     weights: dict[tuple, tuple[_Weights, ...] | None] = {}
     tokens: dict[tuple, _Tokens] = {}
     cands, keys = [], []
-    # Hundreds of thousands of acyclic tuples: reference counting frees them; the cyclic collector's
-    # passes over the growing list of candidates cost a quarter of a 16k-GPU search.
+    # Hundreds of thousands of acyclic tuples: reference counting frees them, and the cyclic
+    # collector's passes over the growing list of candidates would be a large part of a big search.
     collecting = gc.isenabled()
     gc.disable()
     try:
@@ -235,14 +227,14 @@ def plan(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None) -
             key = footprint_key(dims), dims.pp
             if (w := weights.get(key, _UNSEEN)) is _UNSEEN:
                 try:
-                    w = _weights(_held(spec, dims, work, hw, ranks[dims.pp], parts), hw)
+                    w = _weights(_held(spec, dims, work, hw, ranks[dims.pp], parts, cache), hw)
                 except ValueError:  # plan_moe rejected the folding
                     w = None
                 weights[key] = w
             if w is None:
                 continue
             if (t := tokens.get(rkey := rates_key(dims))) is None:
-                t = tokens[rkey] = _tokens(spec, dims, work, hw, ranks[dims.pp])
+                t = tokens[rkey] = _tokens(spec, dims, work, hw, ranks[dims.pp], cache)
             c, key = _candidate(dims, hw, w, t)
             cands.append(c)
             keys.append(key)

@@ -1,0 +1,105 @@
+"""Memory per rank in one training step: sharded state, the gathered FSDP working set, activations.
+
+- fp32 sharded params, fp32 sharded grads, optimizer state (AdamW: two fp32 moments and a step
+  scalar per tensor): FSDP2's MixedPrecisionPolicy keeps sharded params in fp32 and all-gathers in
+  the compute dtype.
+- the gathered working set: root unit kept gathered, current + prefetched block, one block's
+  unsharded grads in compute and reduce dtype. Under pp torch.distributed.pipelining keeps every
+  FSDP unit unsharded from its first backward to the step's gradient reduction and accumulates the
+  unsharded gradients (reduce dtype), so a pipeline rank's working set is all of its units,
+  gathered, twice.
+- activations (an estimate), for each microbatch in flight.
+
+The weights' part (`held_memory`) follows from rank 0's footprint, the activations from the
+folding's `Rates` times the rank's share.
+"""
+
+from typing import NamedTuple
+
+from dtensor_moe.parallel.mesh import MoEParallelDims
+from dtensor_moe.tools.planner.pipeline import PipelineRank, stage_share, whole_model
+from dtensor_moe.tools.planner.tokens import Rates, rates
+from dtensor_moe.tools.planner.units import Footprint, fsdp_units, held_numel
+from dtensor_moe.tools.planner.workload import MASTER_BYTES, OPTIMIZER_MOMENTS, REDUCE_BYTES, STEP_BYTES, Workload
+from dtensor_moe.tools.presets import ModelSpec, spec_from_model_config
+
+
+class Memory(NamedTuple):  # a tuple, like Traffic: built for every pipeline rank of every folding
+    params: float
+    grads: float
+    optimizer: float
+    gathered: float
+    activations: float
+
+    @property
+    def states(self) -> float:
+        """Params + grads + optimizer state: what stays allocated between steps."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.states + self.gathered + self.activations
+
+
+def state_bytes(held: int, tensors: int, work: Workload) -> tuple[int, int, int]:
+    """(params, grads, optimizer state) bytes of a rank holding `held` elements of `tensors` parameters."""
+    moments = OPTIMIZER_MOMENTS[work.optimizer]
+    opt = held * MASTER_BYTES * moments + (tensors * STEP_BYTES if moments else 0)
+    return held * MASTER_BYTES, held * MASTER_BYTES, opt
+
+
+def held_memory(work: Workload, pp: int, fp: Footprint) -> tuple[int, int, int, int]:
+    """(params, grads, optimizer state, gathered working set) bytes of a rank with footprint `fp`."""
+    b = work.compute_bytes
+    if pp == 1:
+        # Root stays gathered; one block computing while the next is prefetched; one block's unsharded
+        # grads in compute dtype plus their reduce-dtype copy for the reduce-scatter.
+        working = b * (fp.gathered_root + 2 * fp.gathered_block) + fp.gathered_block * (b + REDUCE_BYTES)
+    else:  # every unit gathered, its gradients accumulated unsharded, one block's fresh gradient
+        working = (b + REDUCE_BYTES) * (fp.gathered_root + fp.gathered_blocks) + b * fp.gathered_block
+    return (*state_bytes(fp.held, fp.tensors, work), working)
+
+
+def rank_activations(r: Rates, rank: PipelineRank) -> float:
+    s = rank.share
+    logits, logits_grad = (r.logits, r.logits_grad) if s.last else (0, 0)
+    if r.recompute:  # block inputs, plus one block's activations while it is recomputed
+        saved = s.layers * r.block_input
+        recomputed = max(r.moe_layer if s.moe_layers else 0, r.dense_layer if s.dense_layers else 0)
+    else:
+        saved, recomputed = s.moe_layers * r.moe_layer + s.dense_layers * r.dense_layer, 0
+    return rank.in_flight * (saved + logits) + recomputed + logits_grad
+
+
+def activation_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, rank: PipelineRank | None = None
+                     ) -> float:
+    """Saved activations of a (pipeline) rank (estimate): inputs and outputs of every linear, routed
+    copies, logits, for each microbatch in flight; one block's more while it is recomputed.
+
+    MoE: after the ETP gather a rank holds etp * top_k * T routed tokens of width D and the same
+    tokens' F/etp-wide hidden activations (three of them), so the hidden part is independent of etp;
+    the combine keeps the experts' D-wide outputs of those pairs for the routing weights' gradient.
+    """
+    return rank_activations(rates(spec, dims, work), rank or whole_model(spec))
+
+
+def rank_memory(spec: ModelSpec, dims: MoEParallelDims, work: Workload, fp: Footprint,
+                rank: PipelineRank | None = None) -> Memory:
+    return Memory(*held_memory(work, dims.pp, fp), activation_bytes(spec, dims, work, rank))
+
+
+def memory_of(r: Rates, held) -> Memory:
+    """A rank's memory from its folding's Rates and its weights' costs (`traffic.Held`)."""
+    return Memory(*held.memory, rank_activations(r, held.rank))
+
+
+def predicted_state_bytes(model_cfg, dims: MoEParallelDims, rank: int, optimizer: str = "adamw",
+                          pp_schedule: str = "1f1b") -> dict[str, int]:
+    """Params, grads and optimizer-state bytes the planner predicts for `rank` of a training run of
+    `dtensor_moe.train.model.ModelConfig` (sharded state is fp32 whatever the compute dtype): the
+    layers of its pipeline stages, sharded over its stage's ranks."""
+    spec = spec_from_model_config(model_cfg)
+    units = fsdp_units(spec, dims, stage_share(spec, dims.pp, pp_schedule, dims.pp_coord(rank)))
+    tensors = sum(u.count * len(u.plans) for u in units)
+    work = Workload(dtype="fp32", optimizer=optimizer)
+    return dict(zip(("params", "grads", "optimizer"), state_bytes(held_numel(units, dims, rank), tensors, work)))

@@ -1,0 +1,72 @@
+"""The planner's inputs besides the model: what a step runs (`Workload`), on what (`Hardware`), and
+the byte sizes both imply.
+
+A step is `microbatches` microbatches of `micro_batch` sequences per data-parallel rank. Between
+blocks a rank holds seq_len / (cp * tp) tokens of each sequence (`tokens_per_rank`).
+"""
+
+from dataclasses import dataclass
+
+from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims
+from dtensor_moe.validate import check_choice, check_int, check_positive
+
+GiB = 2**30
+COMPUTE_BYTES = {"bf16": 2, "fp32": 4}
+OPTIMIZER_MOMENTS = {"adamw": 2, "sgd": 0}
+RECOMPUTE = ("none", "full")
+MASTER_BYTES = 4  # sharded params, grads and optimizer state are fp32 under either dtype
+REDUCE_BYTES = 4  # gradients are reduced in fp32 (torchtitan's default reduce_dtype)
+STEP_BYTES = 4  # AdamW's per-tensor step counter (a float32 scalar)
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int = 4096
+    micro_batch: int = 1  # sequences per data-parallel rank per microbatch
+    dtype: str = "bf16"
+    optimizer: str = "adamw"
+    recompute: str = "full"  # "full": each block's activations are recomputed in backward
+    microbatches: int = 1  # per step: pipeline microbatches, or gradient accumulation without pp
+    pp_schedule: str = "1f1b"
+
+    def __post_init__(self):
+        check_int("Workload.seq_len", self.seq_len)
+        check_int("Workload.micro_batch", self.micro_batch)
+        check_int("Workload.microbatches", self.microbatches)
+        check_choice("Workload.pp_schedule", self.pp_schedule, PP_STAGES_PER_RANK)
+        check_choice("Workload.dtype", self.dtype, COMPUTE_BYTES)
+        check_choice("Workload.optimizer", self.optimizer, OPTIMIZER_MOMENTS)
+        check_choice("Workload.recompute", self.recompute, RECOMPUTE)
+
+    @property
+    def compute_bytes(self) -> int:
+        return COMPUTE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus: int
+    gpus_per_node: int = 8
+    gpu_mem_gib: float = 80.0
+    intra_bw: float = 450e9  # bytes/s one direction per GPU (NVLink)
+    inter_bw: float = 50e9  # bytes/s per GPU (one 400 Gb/s NIC each)
+
+    def __post_init__(self):
+        check_int("Hardware.gpus", self.gpus)
+        check_int("Hardware.gpus_per_node", self.gpus_per_node)
+        for name in ("gpu_mem_gib", "intra_bw", "inter_bw"):
+            check_positive(f"Hardware.{name}", getattr(self, name))
+        if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
+            raise ValueError(f"Hardware.gpus must be <= gpus_per_node or a multiple of gpus_per_node "
+                             f"({self.gpus_per_node}), got {self.gpus}")
+
+
+def tokens_per_rank(work: Workload, dims: MoEParallelDims) -> int:
+    """Tokens of a microbatch a rank holds between blocks (and routes through each MoE): its CP part,
+    its TP slice."""
+    return work.micro_batch * work.seq_len // (dims.cp * dims.tp)
+
+
+def step_tokens_per_rank(work: Workload, dims: MoEParallelDims) -> float:
+    """The step's tokens over the world: a pipeline of pp ranks carries each microbatch."""
+    return work.microbatches * tokens_per_rank(work, dims) / dims.pp
