@@ -211,3 +211,16 @@ def test_activation_checkpoint_modes_read_the_same_everywhere(mode):
     assert _message(lambda: TrainingConfig(activation_checkpoint=mode)) == f"training.{message}"
     assert _message(lambda: check_compile(mode, False, "training.")) == f"training.{message}"
     assert _message(lambda: apply_activation_checkpointing(nn.Linear(2, 2), mode)) == message
+
+
+@pytest.mark.parametrize("model", [
+    {},
+    {"tie_embeddings": True, "num_shared_experts": 2, "n_layers": 3},
+    {"router_bias": True, "expert_biases": True, "num_experts": 6, "top_k": 3, "moe_hidden_dim": 24},
+])
+def test_num_params_counts_the_models_parameters(model):
+    """The launcher's checkpoint-size estimate counts what MoETransformer actually holds."""
+    from dtensor_moe.train.model import MoETransformer
+
+    cfg = ModelConfig(**model)
+    assert cfg.num_params() == sum(p.numel() for p in MoETransformer(cfg).parameters())

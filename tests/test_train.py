@@ -1,7 +1,6 @@
 """`dtensor-moe train` end to end on 8 CPU ranks (EDP2 x EP2 x ETP2) with --parity."""
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -13,14 +12,13 @@ from .harness import torchrun_on_ranks
 
 
 def _ranks_in_pools(monkeypatch):
-    """The launcher's torchrun of its ranks runs on the harness's pools (no torch import per rank); the
-    1-process parity reference stays a real torchrun (the launcher's own command, checked once)."""
-    real_call = train_cli.subprocess.call
+    """The launcher's torchruns (its ranks and the 1-process parity reference) run on the harness's pools (no
+    torch import per rank); tests/test_supervision.py runs the real launcher, torchrun and ranks."""
 
-    def call(cmd, env=None):
-        return real_call(cmd) if "dtensor_moe.train.loop" in cmd else torchrun_on_ranks(cmd, env)
+    def launch(cmd, env, run_dir, nproc, timeout_s):
+        return torchrun_on_ranks(cmd, env)
 
-    monkeypatch.setattr(train_cli, "subprocess", SimpleNamespace(call=call))
+    monkeypatch.setattr(train_cli, "_launch", launch)
 
 
 def test_tiny_cpu_run_falls_and_matches_one_process(tmp_path, capsys, monkeypatch):

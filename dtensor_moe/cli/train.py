@@ -7,12 +7,14 @@ process with the same data and fails if any step's loss differs by more than the
 
 import json
 import os
-import subprocess
+import shutil
 import sys
 from dataclasses import asdict, replace
 
+from dtensor_moe.cli.launch import DIVERGED_RC, RunDirLock, Supervisor, clear_run_state
 from dtensor_moe.train.config import Config, is_override, load_config
 from dtensor_moe.train.loop import parallel_dims, train_ranks
+from dtensor_moe.train.supervision import INTERRUPTED_RC, PREEMPTED_RC, read_stopped
 
 
 LAUNCHED = "DTENSOR_MOE_LAUNCHED"  # set for the ranks this launcher starts: it prints the summary itself
@@ -63,19 +65,38 @@ _TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
 def run(args) -> int:
-    """Bad input (config, arguments, checkpoints) is one line on stderr and rc 2, before any rank starts."""
+    """Bad input (config, arguments, checkpoints, the machine) is one line on stderr and rc 2, before any rank starts;
+    so is a run dir another run holds, with its holder's pid."""
     under_torchrun = "LOCAL_RANK" in os.environ
+    owner = not under_torchrun or (int(os.environ.get("RANK", 0)) == 0 and LAUNCHED not in os.environ)
+    lock = None
     try:
         cfg, run_dir = _resolve(args)
         _check_run_args(args, cfg, run_dir)  # torch-free: a bad flag is reported before torch is imported
         _check(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun else cfg.parallel.nproc)
         if under_torchrun and args.parity:
             raise ValueError("--parity needs the local launcher: run `dtensor-moe train` without torchrun")
+        if owner:  # a bad config creates no run dir; a held one is refused before its checkpoints are read
+            _check_run_dir(cfg, run_dir)
+            lock = RunDirLock(run_dir)
         if args.resume is not None and not under_torchrun:
             args.resume = str(_resume_target(args, cfg, run_dir))  # the ranks load exactly this step
+        if owner:
+            _check_device(cfg)
+            clear_run_state(run_dir)
     except ValueError as e:
         print(f"dtensor-moe train: {' '.join(str(e).split())}", file=sys.stderr)
+        if lock is not None:
+            lock.release()
         return 2
+    try:
+        return _run(args, cfg, run_dir, under_torchrun)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(args, cfg: Config, run_dir: str, under_torchrun: bool) -> int:
     if under_torchrun:  # this process is one rank
         from dtensor_moe.train.checkpoint import CheckpointError
 
@@ -85,19 +106,69 @@ def run(args) -> int:
             if int(os.environ.get("RANK", 0)) == 0:
                 print(f"dtensor-moe train: {' '.join(str(e).split())}", file=sys.stderr)
             return 2
-        if int(os.environ.get("RANK", 0)) == 0 and LAUNCHED not in os.environ:  # else the launcher prints it
-            print(console_summary(run_dir))
-        return 0
+        if LAUNCHED in os.environ:  # the launcher reports how the run ended
+            return 0
+        return _report_under_torchrun(run_dir)
     n = cfg.parallel.nproc
     cmd = [*_TORCHRUN, f"--nproc-per-node={n}"]
     cmd += ["-m", "dtensor_moe.cli", "train", *_worker_argv(args, run_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), LAUNCHED: "1"}
-    rc = subprocess.call(cmd, env=env)
+    rc = _launch(cmd, env, run_dir, n, cfg.parallel.timeout_s)
     if rc != 0:
         return rc
     rc, parity_line = parity(cfg, run_dir) if args.parity else (0, None)
     print(console_summary(run_dir, parity_line))
     return rc
+
+
+def _launch(cmd: list[str], env: dict, run_dir: str, nproc: int, timeout_s: float) -> int:
+    return Supervisor(cmd, env, run_dir, nproc, timeout_s).run()
+
+
+def _report_under_torchrun(run_dir: str) -> int:
+    """Under an outside torchrun (no launcher of ours) each rank exits with the run's code; rank 0 says why."""
+    stopped = read_stopped(run_dir)
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    if stopped is None:
+        if rank0:
+            print(console_summary(run_dir))
+        return 0
+    if stopped["reason"] == "diverged":
+        if rank0:
+            print(f"dtensor-moe train: {stopped['what']} at step {stopped['step']}; last good checkpoint: "
+                  f"{stopped.get('last_checkpoint') or 'none'}", file=sys.stderr)
+        return DIVERGED_RC
+    if rank0:
+        print(f"dtensor-moe train: stopped by {stopped['signal']} after step {stopped['step']}; checkpoint "
+              f"{stopped['checkpoint']}; continue with --resume", file=sys.stderr)
+    return INTERRUPTED_RC if stopped["signal"] == "SIGINT" else PREEMPTED_RC
+
+
+def _check_run_dir(cfg: Config, run_dir: str):
+    """A writable run dir with room for a checkpoint."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--run-dir {run_dir!r} cannot be created: {e.strerror}") from None
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"--run-dir {run_dir!r} is not writable; choose another --run-dir")
+    # fp32 weights and AdamW's two moments; a save writes into a temporary directory before the old one goes.
+    need = 3 * 4 * cfg.model.num_params()
+    free = shutil.disk_usage(run_dir).free
+    if free < need:
+        raise ValueError(f"--run-dir {run_dir!r} has {free / 2**20:.1f} MiB free; a checkpoint of this model needs "
+                         f"about {need / 2**20:.1f} MiB (weights + AdamW state); free space or choose another --run-dir")
+
+
+def _check_device(cfg: Config):
+    if cfg.parallel.device == "cuda":
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        valid = "parallel.device = 'cpu'" + (f", or parallel.nproc <= {have}" if have else "")
+        if have < cfg.parallel.nproc:
+            raise ValueError(f"parallel.device = 'cuda' with parallel.nproc = {cfg.parallel.nproc} needs that many "
+                             f"GPUs; this machine has {have} (torch {torch.__version__}); valid: {valid}")
 
 
 def console_summary(run_dir: str, parity_line: str | None = None) -> str:
@@ -167,7 +238,7 @@ def parity(cfg: Config, run_dir: str) -> tuple[int, str]:
     ref_dir = os.path.join(run_dir, "reference_1proc")
     cmd = [*_TORCHRUN, "--nproc-per-node=1"]
     cmd += ["-m", "dtensor_moe.train.loop", json.dumps(ref_cfg.to_dict()), ref_dir]
-    rc = subprocess.call(cmd)
+    rc = _launch(cmd, dict(os.environ), ref_dir, 1, cfg.parallel.timeout_s)
     if rc != 0:
         return rc, f"the 1-process reference run failed (rc {rc}); nothing compared"
     ours = _losses(run_dir)

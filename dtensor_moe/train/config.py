@@ -73,6 +73,14 @@ class ModelConfig:
     def moe_config(self) -> MoEConfig:
         return MoEConfig(**{f.name: getattr(self, MOE_RENAMED.get(f.name, f.name)) for f in fields(MoEConfig)})
 
+    def num_params(self) -> int:
+        """Parameters of train.model.MoETransformer for this config, torch-free (the launcher's disk check)."""
+        D, E, F = self.dim, self.num_experts, self.moe_hidden_dim
+        moe = E * D + E * self.router_bias + 3 * E * F * D + 3 * self.num_shared_experts * F * D
+        moe += (2 * E * F + E * D) * self.expert_biases
+        block = 4 * D * D + 2 * D + moe
+        return self.vocab_size * D * (1 if self.tie_embeddings else 2) + self.n_layers * block + D
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -87,11 +95,14 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b (2 stages per rank)
     # Per step; the gradient is accumulated over them (also with pp = 1). 0: one per pipeline stage.
     microbatches: int = 0
+    # A rank with no progress for this long (no step done) stops the whole job, named with its step (the launcher's
+    # watchdog; collectives time out at max(timeout_s, 60)). Long enough for a first compiled step or a large save.
+    timeout_s: float = 900.0
 
     def __post_init__(self):
         check_fields(self, "parallel.", nproc=at_least(1), device=("cpu", "cuda"), dp_replicate=at_least(1),
                      ep=at_least(1), etp=at_least(1), tp=at_least(1), cp=at_least(1), pp=at_least(1),
-                     pp_schedule=tuple(PP_STAGES_PER_RANK), microbatches=at_least(0))
+                     pp_schedule=tuple(PP_STAGES_PER_RANK), microbatches=at_least(0), timeout_s=above(0))
 
     @property
     def num_microbatches(self) -> int:

@@ -12,8 +12,10 @@ import sys
 import time
 import warnings
 from dataclasses import asdict
+from datetime import timedelta
 
 from dtensor_moe.train.config import Config
+from dtensor_moe.train.supervision import RankSupervision, write_stopped
 
 
 def parallel_dims(cfg: Config, world: int):
@@ -24,7 +26,13 @@ def parallel_dims(cfg: Config, world: int):
 
 
 def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> None:
-    """The training loop, run by every rank (environment set by torchrun)."""
+    """The training loop, run by every rank (environment set by torchrun). A stop signal ends it after the step
+    every rank agrees on, saved; a non-finite loss or gradient norm before that step's update (supervision.py)."""
+    with RankSupervision(run_dir, int(os.environ.get("RANK", 0))) as supervision:
+        _train(cfg, run_dir, args, label, supervision)
+
+
+def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervision) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -48,7 +56,10 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
     else:
         device = torch.device("cpu")
     # device_id binds NCCL to this rank's GPU up front (else every barrier warns that it guesses).
-    dist.init_process_group("nccl" if p.device == "cuda" else "gloo", device_id=device if p.device == "cuda" else None)
+    # The rendezvous shares this timeout: at least a minute, so a busy machine's slow start is no stall (the
+    # launcher's heartbeat watchdog holds timeout_s itself).
+    dist.init_process_group("nccl" if p.device == "cuda" else "gloo", device_id=device if p.device == "cuda" else None,
+                            timeout=timedelta(seconds=max(p.timeout_s, 60)))
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = parallel_dims(cfg, world)
 
@@ -86,15 +97,31 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
                       cp_rank=coords["cp"], cp=dims.cp, microbatches=p.num_microbatches)
 
     ckpt = _checkpointing(args, run_dir, t.steps)
-    start = ckpt.resume(model, optimizer, scheduler) if ckpt else 0
+    start = ckpt.resume(model, optimizer, scheduler)
     writer = RunWriter(run_dir, t.steps, resumed_at=start, label=label) if rank == 0 else None
     tokens_per_step = t.global_batch * t.seq_len
     state = None
     for step in range(start, t.steps):
+        supervision.beat(step)
         t0 = time.perf_counter()
         inputs_BL, targets_BL = (b.to(device) for b in batches(step))
         ce, aux = forward_backward(inputs_BL, targets_BL)
         grad_norm = clip_grad_norm_(model.parameters(), t.max_norm, pp_group)
+        # One small all-gather per step for loss, aux loss, each rank's peak memory (float64 holds byte counts
+        # exactly) and its stop vote. Ranks' batches are equal-sized: the mean of means is the global mean.
+        # Stages are outermost: the cross-entropy is the last stage's, the aux loss sums over stages.
+        local = torch.tensor([ce, aux, peak_memory_bytes(device), supervision.flag], dtype=torch.float64,
+                             device=device)
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(gathered, local)
+        per_rank = torch.stack(gathered).cpu()
+        per_stage = per_rank.view(dims.pp, dims.stage_size, -1)
+        # Every rank sees the same gathered losses and global norm, so all of them stop here or none.
+        bad = _divergence(per_rank[:, :2], float(grad_norm))
+        if bad:
+            if rank == 0:
+                write_stopped(run_dir, "diverged", step + 1, what=bad, last_checkpoint=ckpt.last())
+            break
         optimizer.step()
         if step == t.steps - 1:
             state = local_state_bytes(model, optimizer)
@@ -102,14 +129,6 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
         optimizer.zero_grad(set_to_none=True)
         for part in parts:
             part.update_expert_bias()
-        # One small all-gather per step for loss, aux loss and each rank's peak memory (float64
-        # holds byte counts exactly). Ranks' batches are equal-sized: the mean of means is the global mean.
-        # Stages are outermost: the cross-entropy is the last stage's, the aux loss sums over stages.
-        local = torch.tensor([ce, aux, peak_memory_bytes(device)], dtype=torch.float64, device=device)
-        gathered = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(gathered, local)
-        per_rank = torch.stack(gathered).cpu()
-        per_stage = per_rank.view(dims.pp, dims.stage_size, -1)
         dt = time.perf_counter() - t0
         if writer:
             writer.step({
@@ -119,8 +138,12 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
                 "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                 "peak_mem_per_rank_gib": (per_rank[:, 2] / 2**30).tolist(),
             })
-        if ckpt:
-            ckpt.maybe_save(step + 1, model, optimizer, scheduler)
+        saved = ckpt.maybe_save(step + 1, model, optimizer, scheduler, now=bool(per_rank[:, 3].max()))
+        if per_rank[:, 3].max():
+            if rank == 0:
+                write_stopped(run_dir, "signal", step + 1, signal=supervision.requested or "a stop signal",
+                              checkpoint=str(saved))
+            break
     states = [None] * world
     dist.all_gather_object(states, state)
     if writer:
@@ -147,6 +170,18 @@ def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> N
         })
     dist.barrier()  # no rank tears down gloo while a peer still talks to it
     dist.destroy_process_group()
+
+
+def _divergence(losses, grad_norm: float) -> str | None:
+    """Why this step must not update the weights: a non-finite loss on some rank, or a gradient norm that is not
+    finite or is exactly 0 (a diverged model whose saturated outputs pass no gradient trains no more)."""
+    import math
+
+    if not bool(losses.isfinite().all()):
+        return f"non-finite loss ({', '.join(f'{v:g}' for v in losses.flatten().tolist() if not math.isfinite(v))})"
+    if not math.isfinite(grad_norm) or grad_norm == 0:
+        return f"gradient norm {grad_norm:g}"
+    return None
 
 
 def _accumulating(model, microbatches: int, loss_fn):
@@ -190,18 +225,26 @@ class _Checkpointing:
                     scheduler.step()
         return step
 
-    def maybe_save(self, step: int, model, optimizer, scheduler):
-        if self.every and (step % self.every == 0 or step == self.total):
+    def maybe_save(self, step: int, model, optimizer, scheduler, now: bool = False):
+        """Saves at every `every` steps, the last step, and `now` (a stop signal); the saved path, or None."""
+        if now or (self.every and (step % self.every == 0 or step == self.total)):
             from dtensor_moe.train.checkpoint import save
 
-            save(self.root, step, model, optimizer, extra={"lr_scheduler": scheduler.state_dict()}, keep_last=self.keep_last)
-
-
-def _checkpointing(args, run_dir: str, total_steps: int) -> _Checkpointing | None:
-    if args is None or (not args.checkpoint_every and args.resume is None):
+            return save(self.root, step, model, optimizer, extra={"lr_scheduler": scheduler.state_dict()},
+                        keep_last=self.keep_last)
         return None
-    root = os.path.join(run_dir, "checkpoints")
-    return _Checkpointing(root, args.checkpoint_every, args.keep_last, args.resume, total_steps)
+
+    def last(self) -> str | None:
+        from dtensor_moe.train.checkpoint import latest
+
+        found = latest(self.root) if os.path.isdir(self.root) else None
+        return None if found is None else str(found)
+
+
+def _checkpointing(args, run_dir: str, total_steps: int) -> _Checkpointing:
+    """Also without --checkpoint-every: a stop signal saves the step it ends on."""
+    every, keep_last, resume = (0, 3, None) if args is None else (args.checkpoint_every, args.keep_last, args.resume)
+    return _Checkpointing(os.path.join(run_dir, "checkpoints"), every, keep_last, resume, total_steps)
 
 
 if __name__ == "__main__":  # the 1-process parity reference: python -m dtensor_moe.train.loop CONFIG_JSON RUN_DIR

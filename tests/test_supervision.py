@@ -1,0 +1,98 @@
+"""`dtensor-moe train` under a scheduler, with real processes: SIGTERM preempts with the step saved and `--resume`
+continues it, a second run into the same run dir is refused, a stalled rank stops the job naming it, and killing the
+launcher leaves no rank behind. Two ranks of a small model, so each launch costs a few CPU seconds."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dtensor_moe.train.supervision import read_heartbeats
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["parallel.nproc=2", "parallel.ep=2", "parallel.etp=1", "model.dim=32", "model.n_layers=1",
+         "model.moe_hidden_dim=32", "training.seq_len=32", "training.global_batch=4", "data.source=synthetic"]
+
+
+def _launch(run_dir: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "dtensor_moe.cli", "train", "--config", "configs/tiny_cpu.toml", "--run-dir",
+           str(run_dir), *SMALL, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int, timeout: float = 120) -> dict[int, dict]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        beats = read_heartbeats(run_dir)
+        if len(beats) == 2 and all((b["step"] or 0) >= step for b in beats.values()):
+            return beats
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} within {timeout} s: {read_heartbeats(run_dir)}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z" if sys.platform == "linux" else True
+
+
+def _all_gone(pids, timeout: float = 20) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_sigterm_saves_the_step_and_resume_continues(tmp_path):
+    run_dir = tmp_path / "run"
+    first = _launch(run_dir, "training.steps=1000")
+    beats = _wait_for_step(run_dir, first, 2)
+    second = _launch(run_dir, "training.steps=3")
+    assert second.wait(60) == 2
+    assert f"is in use by another `dtensor-moe train` (pid {first.pid})" in second.stderr.read()
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(60) == 75
+    err = first.stderr.read()
+    stopped = json.loads((run_dir / "stopped.json").read_text())
+    step = stopped["step"]
+    assert f"stopped by SIGTERM after step {step}; checkpoint" in err, err
+    assert Path(stopped["checkpoint"]).name == f"step_{step:08d}" and Path(stopped["checkpoint"]).is_dir()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == step  # the step every rank finished is the one saved: nothing lost
+    assert _all_gone([b["pid"] for b in beats.values()])
+    resumed = _launch(run_dir, f"training.steps={step + 2}", "--resume")
+    assert resumed.wait(120) == 0, resumed.stderr.read()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, step + 3))  # appended after the saved step
+
+
+def test_a_stalled_rank_stops_the_job_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _launch(run_dir, "training.steps=100000", "parallel.timeout_s=6")
+    beats = _wait_for_step(run_dir, proc, 1)
+    os.kill(beats[1]["pid"], signal.SIGSTOP)
+    t0 = time.time()
+    assert proc.wait(60) == 124
+    assert time.time() - t0 < 6 + 10
+    err = proc.stderr.read()
+    assert f"rank 1 (pid {beats[1]['pid']}, stopped (SIGSTOP?)) made no progress for" in err, err
+    assert _all_gone([b["pid"] for b in beats.values()])
+
+
+def test_killing_the_launcher_leaves_no_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _launch(run_dir, "training.steps=100000")
+    beats = _wait_for_step(run_dir, proc, 1)
+    proc.kill()
+    proc.wait(10)
+    assert _all_gone([b["pid"] for b in beats.values()]), "ranks outlived their launcher"
