@@ -47,7 +47,7 @@ def check_routing(cfg, prefix: str):
 
 
 def check_groups(cfg, prefix: str):
-    """Group-limited routing's constraints (also the planner's ModelSpec)."""
+    """Group-limited routing's constraints."""
     E, G = cfg.num_experts, cfg.num_expert_groups
     if E % G:
         valid = [g for g in range(1, E + 1) if E % g == 0]
