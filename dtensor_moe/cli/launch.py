@@ -109,7 +109,9 @@ class Supervisor:
         missing = sorted(set(range(self.nproc)) - set(ranks))
         if missing and now - started > max(self.timeout_s, STARTUP_S):
             self.stalled = f"ranks {missing} did not start within {max(self.timeout_s, STARTUP_S):g} s; stopped the job"
-        stale = {r: b for r, b in ranks.items() if now - b["time"] > self.timeout_s}
+        # Before its first step a rank builds and compiles: the start-up allowance, not timeout_s, applies.
+        stale = {r: b for r, b in ranks.items()
+                 if now - b["time"] > (self.timeout_s if b["step"] is not None else max(self.timeout_s, STARTUP_S))}
         if stale and not missing:
             r, beat = min(stale.items(), key=lambda kv: kv[1]["time"])
             state = {"T": "stopped (SIGSTOP?)", "D": "in uninterruptible I/O"}.get(_process_state(beat["pid"]), "")
