@@ -21,6 +21,7 @@ from dtensor_moe.train.supervision import (
     RANKS_DIR,
     STOP_SIGNALS,
     STOPPED,
+    describe_stop,
     die_with_parent,
     read_heartbeats,
     read_stopped,
@@ -28,7 +29,6 @@ from dtensor_moe.train.supervision import (
 
 LOCK = ".lock"
 STALLED_RC = 124  # coreutils' timeout: the job was stopped for making no progress
-DIVERGED_RC = 3
 STARTUP_S = 300  # importing torch and building the model on a loaded machine is no stall
 
 
@@ -75,9 +75,6 @@ class Supervisor:
         self.signals: list[str] = []
         self.stalled: str | None = None
 
-    def _ranks(self) -> dict[int, dict]:
-        return read_heartbeats(self.run_dir)
-
     def _on_signal(self, signum, _frame):
         name = STOP_SIGNALS[signal.Signals(signum)]
         self.signals.append(name)
@@ -85,7 +82,7 @@ class Supervisor:
             print("dtensor-moe train: second SIGINT: stopping every rank now", file=sys.stderr, flush=True)
             self._kill()
             return
-        ranks = self._ranks()
+        ranks = read_heartbeats(self.run_dir)
         if len(ranks) < self.nproc:  # still starting: nothing trained yet that a checkpoint could keep
             self._kill()
             return
@@ -105,7 +102,7 @@ class Supervisor:
 
     def _check_stall(self, started: float):
         now = time.time()
-        ranks = self._ranks()
+        ranks = read_heartbeats(self.run_dir)
         missing = sorted(set(range(self.nproc)) - set(ranks))
         if missing and now - started > max(self.timeout_s, STARTUP_S):
             self.stalled = f"ranks {missing} did not start within {max(self.timeout_s, STARTUP_S):g} s; stopped the job"
@@ -143,15 +140,11 @@ class Supervisor:
             print(f"dtensor-moe train: {self.stalled}", file=sys.stderr)
             return STALLED_RC
         stopped = read_stopped(self.run_dir)
-        if stopped and stopped["reason"] == "diverged":
-            print(f"dtensor-moe train: {stopped['what']} at step {stopped['step']}: stopped before the optimizer "
-                  f"step; last good checkpoint: {stopped.get('last_checkpoint') or 'none'}", file=sys.stderr)
-            return DIVERGED_RC
+        if stopped:
+            line, code = describe_stop(stopped)
+            print(f"dtensor-moe train: {line}", file=sys.stderr)
+            return code
         if self.signals:
-            if stopped and stopped["reason"] == "signal":
-                print(f"dtensor-moe train: stopped by {stopped['signal']} after step {stopped['step']}; checkpoint "
-                      f"{stopped['checkpoint']}; continue with the same command and --resume", file=sys.stderr)
-            else:
-                print(f"dtensor-moe train: stopped by {self.signals[0]} before a step could be saved", file=sys.stderr)
+            print(f"dtensor-moe train: stopped by {self.signals[0]} before a step could be saved", file=sys.stderr)
             return INTERRUPTED_RC if self.signals[0] == "SIGINT" else PREEMPTED_RC
         return rc

@@ -11,10 +11,10 @@ import shutil
 import sys
 from dataclasses import asdict, replace
 
-from dtensor_moe.cli.launch import DIVERGED_RC, RunDirLock, Supervisor, clear_run_state
+from dtensor_moe.cli.launch import RunDirLock, Supervisor, clear_run_state
 from dtensor_moe.train.config import Config, is_override, load_config
 from dtensor_moe.train.loop import parallel_dims, train_ranks
-from dtensor_moe.train.supervision import INTERRUPTED_RC, PREEMPTED_RC, read_stopped
+from dtensor_moe.train.supervision import describe_stop, read_stopped
 
 
 LAUNCHED = "DTENSOR_MOE_LAUNCHED"  # set for the ranks this launcher starts: it prints the summary itself
@@ -133,15 +133,10 @@ def _report_under_torchrun(run_dir: str) -> int:
         if rank0:
             print(console_summary(run_dir))
         return 0
-    if stopped["reason"] == "diverged":
-        if rank0:
-            print(f"dtensor-moe train: {stopped['what']} at step {stopped['step']}; last good checkpoint: "
-                  f"{stopped.get('last_checkpoint') or 'none'}", file=sys.stderr)
-        return DIVERGED_RC
+    line, code = describe_stop(stopped)
     if rank0:
-        print(f"dtensor-moe train: stopped by {stopped['signal']} after step {stopped['step']}; checkpoint "
-              f"{stopped['checkpoint']}; continue with --resume", file=sys.stderr)
-    return INTERRUPTED_RC if stopped["signal"] == "SIGINT" else PREEMPTED_RC
+        print(f"dtensor-moe train: {line}", file=sys.stderr)
+    return code
 
 
 def _check_run_dir(cfg: Config, run_dir: str):
@@ -238,6 +233,7 @@ def parity(cfg: Config, run_dir: str) -> tuple[int, str]:
     ref_dir = os.path.join(run_dir, "reference_1proc")
     cmd = [*_TORCHRUN, "--nproc-per-node=1"]
     cmd += ["-m", "dtensor_moe.train.loop", json.dumps(ref_cfg.to_dict()), ref_dir]
+    clear_run_state(ref_dir)  # a previous reference's stop note must not decide this one's exit code
     rc = _launch(cmd, dict(os.environ), ref_dir, 1, cfg.parallel.timeout_s)
     if rc != 0:
         return rc, f"the 1-process reference run failed (rc {rc}); nothing compared"

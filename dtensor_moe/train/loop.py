@@ -138,8 +138,9 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
                 "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                 "peak_mem_per_rank_gib": (per_rank[:, 2] / 2**30).tolist(),
             })
-        saved = ckpt.maybe_save(step + 1, model, optimizer, scheduler, now=bool(per_rank[:, 3].max()))
-        if per_rank[:, 3].max():
+        stop = bool(per_rank[:, 3].max())  # some rank got a stop signal: every rank saves this step and stops
+        saved = ckpt.maybe_save(step + 1, model, optimizer, scheduler, now=stop)
+        if stop:
             if rank == 0:
                 write_stopped(run_dir, "signal", step + 1, signal=supervision.requested or "a stop signal",
                               checkpoint=str(saved))
@@ -237,7 +238,7 @@ class _Checkpointing:
     def last(self) -> str | None:
         from dtensor_moe.train.checkpoint import latest
 
-        found = latest(self.root) if os.path.isdir(self.root) else None
+        found = latest(self.root)
         return None if found is None else str(found)
 
 

@@ -25,6 +25,7 @@ STOPPED = "stopped.json"
 # EX_TEMPFAIL: stopped for the scheduler with the state saved; `dtensor-moe train --resume` continues.
 PREEMPTED_RC = 75
 INTERRUPTED_RC = 130
+DIVERGED_RC = 3
 STOP_SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGUSR1: "SIGUSR1", signal.SIGINT: "SIGINT"}
 _PR_SET_PDEATHSIG = 1
 
@@ -101,3 +102,13 @@ def read_stopped(run_dir) -> dict | None:
         return json.loads((Path(run_dir) / STOPPED).read_text())
     except (OSError, ValueError):
         return None
+
+
+def describe_stop(stopped: dict) -> tuple[str, int]:
+    """The one line and exit code for a run that `write_stopped` ended early (under our launcher or torchrun)."""
+    if stopped["reason"] == "diverged":
+        return (f"{stopped['what']} at step {stopped['step']}: stopped before the optimizer step; last good "
+                f"checkpoint: {stopped.get('last_checkpoint') or 'none'}", DIVERGED_RC)
+    return (f"stopped by {stopped['signal']} after step {stopped['step']}; checkpoint {stopped['checkpoint']}; "
+            "continue with the same command and --resume",
+            INTERRUPTED_RC if stopped["signal"] == "SIGINT" else PREEMPTED_RC)
