@@ -6,6 +6,7 @@ Exports resolve lazily (PEP 562) so torch-free tools (`dtensor-moe plan`) start 
 import importlib
 
 _EXPORTS = {
+    "ExpertParallel": "parallel.parallelize",
     "GroupedExperts": "experts",
     "grouped_swiglu": "experts",
     "MoE": "moe",

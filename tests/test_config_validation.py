@@ -205,7 +205,7 @@ def test_activation_checkpoint_modes_read_the_same_everywhere(mode):
     from torch import nn
 
     from dtensor_moe.parallel.compile import apply_activation_checkpointing
-    from dtensor_moe.parallel.parallelize import check_compile
+    from dtensor_moe.parallel.compile import check_compile
 
     message = f"activation_checkpoint must be one of ['none', 'full', 'selective'], got {mode!r}"
     assert _message(lambda: TrainingConfig(activation_checkpoint=mode)) == f"training.{message}"

@@ -13,7 +13,6 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from dtensor_moe.kernels import grouped_mm  # noqa: F401  (registers the ops named below)
 from dtensor_moe.parallel import dispatch  # noqa: F401
 # The modes live in a torch-free module: train/config.py checks them before torch is imported.
-from dtensor_moe.parallel.activation_checkpoint import AC_MODES  # noqa: F401  (parallelize.py imports it from here)
 from dtensor_moe.parallel.activation_checkpoint import check_activation_checkpoint
 
 # Ops whose outputs selective checkpointing keeps: the expert-parallel exchange and the statistics'
@@ -75,3 +74,16 @@ def apply_compile(module: nn.Module, compile: bool | str = True, fullgraph: bool
 
     module.forward = forward
     return module
+
+
+def check_compile(activation_checkpoint: str, compile, prefix: str = ""):
+    """What compile and activation checkpointing need, checked before any collective."""
+    check_activation_checkpoint(activation_checkpoint, prefix)
+    if not compile:
+        return
+    if activation_checkpoint != "none":
+        # torch 2.13's AOTAutograd fails to save the DeviceMesh of DTensor weight gradients inside a
+        # compiled checkpoint region ("tensors_saved_with_vc_check").
+        raise ValueError(f"{prefix}activation_checkpoint={activation_checkpoint!r} together with {prefix}compile is not "
+                         f"supported yet; valid: {prefix}compile with activation_checkpoint 'none', or activation "
+                         "checkpointing without compile")

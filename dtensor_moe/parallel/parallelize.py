@@ -1,165 +1,211 @@
-"""Apply the placement plan to every MoE layer of a model, in place (the library's `parallelize_moe`)."""
-
-from dataclasses import dataclass
+"""The library's two ways to parallelize MoE layers: `ExpertParallel`, the placement plan as a DTensor
+`ParallelStyle` that goes into a `parallelize_module` plan beside torch's ColwiseParallel / RowwiseParallel
+(torchtitan applies its own expert parallelism the same way), and `parallelize_moe`, that style applied to a
+whole module tree.
+"""
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.utils.hooks import RemovableHandle
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.parallel import ParallelStyle
 
-from dtensor_moe.parallel.compile import AC_MODES, apply_compile
-from dtensor_moe.parallel.dispatch import ExpertDispatcher
-from dtensor_moe.experts import GroupedExperts
-from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
-from dtensor_moe.moe import LocalStats, MoE
-from dtensor_moe.parallel.plan import WeightPlan, plan_moe
+from dtensor_moe.moe import MoE
+from dtensor_moe.parallel.compile import apply_compile
+from dtensor_moe.parallel.mesh import DENSE_AXES, EXPERT_AXES, MoEMeshes, MoEParallelDims
+from dtensor_moe.parallel.shard import experts_fsdp_sharded, fsdp_kwargs, moe_layers, shard_and_connect
 
-
-@dataclass(frozen=True)
-class ExpertParallelHooks:
-    """Kept on a parallelized experts module as `expert_parallel`: its dispatcher and hook handles."""
-
-    dispatcher: ExpertDispatcher
-    pre_handle: RemovableHandle
-    post_handle: RemovableHandle
+TP_REDUCE = ("sum", "mean")
 
 
-def _all_reduce(t: torch.Tensor, groups) -> torch.Tensor:
-    t = t.clone()
-    for g in groups:
-        dist.all_reduce(t, group=g)
-    return t
+class ExpertParallel(ParallelStyle):
+    """Shards every `dtensor_moe.MoE` in the module it is applied to (the MoE itself, or any module holding
+    MoE layers, e.g. `"layers.*.moe"` or the whole model) exactly as `parallelize_moe` does: expert weights
+    become DTensors by the placement plan (`plan_moe`: E over EP, F over ETP), `ExpertDispatcher` moves
+    tokens around the experts, load-balancing statistics reduce over every rank with its own tokens
+    (`DataParallelStats`), and FSDP2 shards the experts over EDP / HSDP and the router and shared experts
+    over those ranks.
 
+        meshes = dims.build_meshes("cuda")
+        parallelize_module(model, meshes.tp, {"attn.wq": ColwiseParallel(), ...,
+                                              "moe": ExpertParallel(dims)})
+        fully_shard(model, mesh=meshes.dp)   # the dense rest; the MoE's own units are left alone
 
-class DataParallelStats(LocalStats):
-    """Sums load-balancing statistics over exactly the ranks that see different tokens, and
-    per-sequence statistics over the CP and (sequence-parallel) TP ranks, which hold pieces of the
-    same sequences."""
+    `dims` (`MoEParallelDims`), or `meshes` (`MoEMeshes` from `dims.build_meshes`; its degrees are read off
+    them). The mesh `parallelize_module` hands every style in the plan (the dense TP mesh, or the world
+    mesh) only gives the device type when `device_type` is None: the expert mesh (dp_replicate, edp, ep,
+    etp) folds over the same ranks as the dense one, so no 1-D slice of either is enough; the style builds
+    (or takes) both folded meshes and uses all of their axes. `src_data_rank` (`parallelize_module`'s, 0
+    by default) is honoured as torch's styles honour it: every rank takes the layer's parameters from
+    that group rank on each axis of its pipeline stage (meta weights are not sent); None slices each
+    rank's own copy, so all ranks must hold the same weights (`parallelize_moe`'s behaviour).
 
-    def __init__(self, meshes: MoEMeshes, dims: MoEParallelDims):
-        dp_mesh = meshes.moe_dp
-        self.groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim) if dp_mesh.size(i) > 1]
-        self.num_ranks = dp_mesh.size()
-        self.sequence_groups = [meshes.dense.get_group(a) for a in ("cp", "tp") if getattr(dims, a) > 1]
+    `fsdp` True (default): the layer's FSDP2 units are made here (`mp_policy`, `reshard_after_forward` are
+    theirs), so a later `fully_shard` of the model or of its blocks skips the MoE's parameters. False: no
+    units here; the caller's `fully_shard` around the layer takes its router and shared experts and must
+    leave the experts out (`ignored_params=ExpertParallel.expert_parameters(model)`): under EDP / HSDP
+    their weights are DTensors on the whole expert mesh, gathered over EDP inside the forward and their
+    gradients reduce-scattered back (`experts.gather_for_compute`). Needs `dims.tp == 1`, where the
+    caller's data-parallel mesh holds every rank with its own tokens.
 
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(t, self.groups)
+    `compile` (True, or a backend name): each MoE's forward compiles as one graph (`fullgraph=True`)
+    inside its FSDP2 unit's hooks, the experts then in no unit (gathered in the graph, as above). This
+    is the supported route to a compiled layer: FSDP2's hooks cannot be traced (torch 2.11-2.13), so
+    `torch.compile(m, fullgraph=True)` of a module `m` that holds one of the layer's units fails, with
+    an error that names this route (a hook ahead of each unit's own). `torch.compile` of the MoE itself
+    compiles when its experts have no unit (no EDP / HSDP): a compiled module's own hooks run outside
+    its graph. With `fsdp=False` no unit is in the way of any `fullgraph` compile.
 
-    def sequence_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(t, self.sequence_groups) if self.sequence_groups else t
-
-
-def _fsdp_mesh(mesh, dims: MoEParallelDims, shard_axis: str):
-    return mesh["dp_replicate", shard_axis] if dims.dp_replicate > 1 else mesh[shard_axis]
-
-
-def _placement_fn(module: nn.Module, plans: tuple[WeightPlan, ...]):
-    by_param = {module.get_parameter(wp.name): Shard(wp.fsdp_step.dim) for wp in plans}
-    return lambda p: by_param.get(p)
-
-
-def shard_moe_layer(
-    moe: nn.Module,
-    plans: tuple[WeightPlan, ...],
-    dims: MoEParallelDims,
-    meshes: MoEMeshes,
-    fsdp_kwargs: dict | None,
-    grad_divisor: float | None = None,
-    experts_unit: bool = True,
-    dispatch_precision: str = "bf16",
-):
-    """Apply `plans` (names relative to `moe`) to one MoE layer of any model family.
-
-    Expert weights become DTensors on the (ep, etp) submesh (its axes of size > 1), the dispatcher wraps the module that
-    owns them, and FSDP2 shards them over EDP (HSDP over dp_replicate) and the dense weights over
-    the data-parallel ranks, each along the plan's dim. `grad_divisor`: see ExpertDispatcher.
-    `fsdp_kwargs` None: no FSDP units here; the caller's unit around the layer takes its dense
-    weights (compiled blocks, whose FSDP hooks must stay outside the graph). `experts_unit` False
-    (compiled layers): no FSDP unit for the experts; under EDP / HSDP their weights are DTensors on the whole
-    expert mesh, gathered over EDP in the forward and their gradients reduce-scattered back, both
-    DTensor redistributions inside the graph (experts.gather_for_compute). `dispatch_precision`:
-    MoEConfig.dispatch_precision, the EP/ETP token payload's.
+    `tp_reduce` (`dims.tp > 1`: every TP rank holds its own slice of each sequence, sequence parallelism):
+    "sum" (default) sums the MoE's weight gradients over the tp ranks as DTensor sums a TP-sharded
+    weight's, so the whole plan follows one loss convention (the loss of a tp group, averaged over the
+    data-parallel groups by FSDP); "mean" averages over them as over every data-parallel rank, each
+    rank's loss its own (`parallelize_moe`'s convention). Bad arguments raise ValueError here; bad
+    degrees for a layer, a module with no MoE or one already parallelized, before any collective.
     """
-    experts_plans = tuple(wp for wp in plans if wp.role == "expert")
-    dense_plans = tuple(wp for wp in plans if wp.role == "dense")
-    owner_name = experts_plans[0].name.rsplit(".", 1)[0]
-    experts = moe.get_submodule(owner_name)
-    ep_etp = meshes.expert["ep", "etp"]
-    ours = isinstance(experts, GroupedExperts)  # takes ExpertInput and the weight-gradient scale
-    in_graph = ours and not experts_unit and experts_fsdp_sharded(dims)
-    weight_mesh = meshes.expert_by_plan if in_graph else meshes.expert_weights
-    for wp in experts_plans:
-        attr = wp.name.rsplit(".", 1)[1]
-        param = getattr(experts, attr)
-        placements = [Shard(s.dim) if s else Replicate() for s in map(wp.step_on, weight_mesh.mesh_dim_names)]
-        # src_data_rank=None: every rank already holds the same full (or meta) weight, so slice locally.
-        dt = distribute_tensor(param.data, weight_mesh, placements, src_data_rank=None)
-        setattr(experts, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
-    if dims.ep * dims.etp > 1:
-        divisor = dims.ep * dims.etp if grad_divisor is None else grad_divisor
-        d = ExpertDispatcher(ep_etp.get_group("ep"), ep_etp.get_group("etp"), divisor, dispatch_precision)
-        pre, post = d.hooks(ours)
-        experts.expert_parallel = ExpertParallelHooks(
-            d, experts.register_forward_pre_hook(pre), experts.register_forward_hook(post))
-    if fsdp_kwargs is None:
+
+    def __init__(
+        self,
+        dims: MoEParallelDims | None = None,
+        *,
+        meshes: MoEMeshes | None = None,
+        device_type: str | None = None,
+        fsdp: bool = True,
+        mp_policy=None,
+        reshard_after_forward: bool = True,
+        compile: bool | str = False,
+        tp_reduce: str = "sum",
+    ):
+        super().__init__()
+        if dims is not None and not isinstance(dims, MoEParallelDims):
+            raise ValueError(f"ExpertParallel: dims must be a MoEParallelDims, got {type(dims).__name__}")
+        if meshes is not None:
+            if not isinstance(meshes, MoEMeshes):
+                raise ValueError(f"ExpertParallel: meshes must be the MoEMeshes of MoEParallelDims.build_meshes, "
+                                 f"got {type(meshes).__name__}")
+            built = meshes_dims(meshes)
+            if dims is not None and dims != built:
+                raise ValueError(f"ExpertParallel: dims {dims} differ from the degrees of meshes {built}; pass one")
+            if device_type not in (None, meshes.dense.device_type):
+                raise ValueError(f"ExpertParallel: device_type {device_type!r} differs from the meshes' "
+                                 f"{meshes.dense.device_type!r}")
+            dims, device_type = built, meshes.dense.device_type
+        if dims is None:
+            raise ValueError("ExpertParallel needs dims (a MoEParallelDims) or meshes (a MoEMeshes)")
+        check_backend(compile, "ExpertParallel: ")
+        if tp_reduce not in TP_REDUCE:
+            raise ValueError(f"ExpertParallel: tp_reduce must be one of {list(TP_REDUCE)}, got {tp_reduce!r}")
+        if not fsdp and mp_policy is not None:
+            raise ValueError("ExpertParallel: mp_policy is the layer's FSDP2 units' and fsdp=False makes none; "
+                             "valid: fsdp=True with mp_policy, or mp_policy on your own fully_shard")
+        if not fsdp and dims.tp > 1:
+            # The router and shared experts see other tokens on every tp rank, so their gradients must
+            # be reduced over tp too: a unit on the caller's data-parallel mesh (dp_shard) would miss it.
+            raise ValueError(f"ExpertParallel: fsdp=False with tp={dims.tp} is not supported (the router and "
+                             f"shared experts must be sharded over every rank with its own tokens, "
+                             f"{dims.moe_dp_axis}); valid: fsdp=True, or tp=1")
+        self.dims, self.meshes, self.device_type = dims, meshes, device_type
+        self.fsdp, self.compile, self.tp_reduce = fsdp, compile, tp_reduce
+        self.unit_kwargs = fsdp_kwargs(mp_policy, reshard_after_forward) if fsdp else None
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        layers = moe_layers(module, self.dims, "ExpertParallel")
+        if not layers:
+            raise ValueError(f"ExpertParallel applies to a dtensor_moe.MoE or a module holding MoE layers; "
+                             f"{type(module).__name__} holds none (in a parallelize_module plan, key it by the "
+                             "MoE's path, e.g. 'layers.0.moe' or 'layers.*.moe'; torchtitan's MoE: dtensor_moe.titan)")
+        device_type = self.device_type or device_mesh.device_type
+        if device_mesh is not None and device_mesh.device_type != device_type:
+            raise ValueError(f"ExpertParallel: parallelize_module's mesh is on {device_mesh.device_type!r}, the "
+                             f"expert meshes on {device_type!r}; valid: the same device type")
+        meshes = self.meshes or self.dims.build_meshes(device_type)
+        for moe, plans in layers:
+            if self.src_data_rank is not None:
+                broadcast_parameters(moe, meshes.moe_dp, self.src_data_rank)
+            # First of the layer's pre-hooks: under compile, the tp gradient scale's autograd node taken on the
+            # AsyncCollectiveTensor itself lost the MoE's input gradient (grad:x off by 0.6, torch 2.13).
+            moe.register_forward_pre_hook(_plain_input)
+            shard_and_connect(moe, plans, self.dims, meshes, self.unit_kwargs,
+                              experts_unit=self.fsdp and not self.compile, sum_over_tp=self.tp_reduce == "sum")
+            if self.compile:
+                apply_compile(moe, self.compile)
+            refuse_tracing_fsdp_hooks(moe, experts_fsdp_sharded(self.dims))
+        return module
+
+    @staticmethod
+    def expert_parameters(module: nn.Module) -> set[nn.Parameter]:
+        """Every MoE's expert weights in `module`: `fully_shard(..., ignored_params=...)` with `fsdp=False`."""
+        return {p for m in module.modules() if isinstance(m, MoE) for p in m.experts.parameters()}
+
+
+def _plain_input(module, args):
+    """TP styles hand on their local outputs (`use_local_output`) as AsyncCollectiveTensors, and a graph
+    compiled on one loses its gradient (torch 2.13: the compiled MoE's input gradient came back None, under
+    torch.compile of the layer and under `compile=`): the MoE takes a plain copy (one [T, D] copy a layer)."""
+    if isinstance(args[0], AsyncCollectiveTensor):
+        return (args[0].clone(), *args[1:])
+    return None
+
+
+# torch.compile(moe) compiles each of moe's hooks written outside torch as a graph of its own, and this one's
+# would take the AsyncCollectiveTensor in: never a frame of its own (eager), still traced inside a larger graph.
+torch._dynamo.eval_frame.skip_code(_plain_input.__code__)
+
+
+def meshes_dims(meshes: MoEMeshes) -> MoEParallelDims:
+    """The degrees `meshes` were built with (MoEParallelDims.build_meshes)."""
+    names = (meshes.dense.mesh_dim_names, meshes.expert.mesh_dim_names)
+    if names != (DENSE_AXES, EXPERT_AXES):
+        raise ValueError(f"ExpertParallel: meshes must have the dense axes {DENSE_AXES} and the expert axes "
+                         f"{EXPERT_AXES} (MoEParallelDims.build_meshes), got {names}")
+    dp_replicate, dp_shard, cp, tp = meshes.dense.shape
+    ep, etp = meshes.expert.shape[2:]
+    pp = 1 if meshes.pp is None else meshes.pp.size()
+    return MoEParallelDims(meshes.dense.size() * pp, dp_replicate, dp_shard, cp, tp, ep, etp, pp)
+
+
+def check_backend(compile, prefix: str = ""):
+    if isinstance(compile, bool):
         return
-    # With no expert data-parallel axis every expert slice has one owner: FSDP on a 1-rank mesh
-    # would only copy the weights in and out around each use (~60 ms per step at DeepSeek scale).
-    ignored = set(experts.parameters()) if ours and (in_graph or not experts_fsdp_sharded(dims)) else None
-    if ignored is None:
-        fully_shard(
-            experts,
-            mesh=_fsdp_mesh(meshes.expert, dims, "edp"),
-            shard_placement_fn=_placement_fn(moe, experts_plans),
-            **fsdp_kwargs,
-        )
-    fully_shard(moe, mesh=_fsdp_mesh(meshes.moe_dp, dims, dims.moe_dp_axis), shard_placement_fn=_placement_fn(moe, dense_plans),
-                ignored_params=ignored, **fsdp_kwargs)
+    valid = torch.compiler.list_backends(exclude_tags=())
+    if not isinstance(compile, str) or compile not in valid:
+        raise ValueError(f"{prefix}compile must be True, False or a torch.compile backend name {valid}, "
+                         f"got {compile!r}")
 
 
-def dp_fsdp_mesh(meshes: MoEMeshes, dims: MoEParallelDims):
-    """The mesh dense weights are FSDP-sharded on: data-parallel ranks, HSDP over dp_replicate."""
-    return _fsdp_mesh(meshes.dp, dims, meshes.dp.mesh_dim_names[-1])
+@torch.no_grad()
+def broadcast_parameters(module: nn.Module, mesh, src_data_rank: int):
+    """Every parameter of `module` from group rank `src_data_rank` on each axis of `mesh`, in place."""
+    for p in module.parameters():
+        if p.is_meta:
+            continue
+        for axis in range(mesh.ndim):
+            if mesh.size(axis) > 1:
+                dist.broadcast(p.data, group=mesh.get_group(axis), group_src=src_data_rank)
 
 
-def experts_fsdp_sharded(dims: MoEParallelDims) -> bool:
-    """Whether the experts are sharded or replicated over data-parallel ranks (EDP or HSDP)."""
-    return dims.edp * dims.dp_replicate > 1
+def refuse_tracing_fsdp_hooks(moe: nn.Module, experts_sharded: bool):
+    """Ahead of each FSDP2 unit's hooks in the layer, one that dynamo cannot trace either but whose reason
+    names the supported route: `fullgraph=True` then stops there with that error, not FSDP2's bare
+    "Attempted to call function marked as skipped"; without fullgraph the graph breaks there as it would at
+    FSDP2's hook. Eagerly (and for a compiled module's own hooks, which run outside its graph) a no-op."""
+    for name, unit in moe.named_modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        what = ("its experts are an FSDP2 unit over EDP / HSDP" if name and experts_sharded else
+                "it is an FSDP2 unit (the router and shared experts over the data-parallel ranks)")
+        reason = (f"dtensor_moe: this MoE layer cannot be traced into a graph: {what}, and torch.compile cannot trace "
+                  "FSDP2's hooks. Supported: ExpertParallel(..., compile=True) or parallelize_moe(..., compile=True) "
+                  "(the layer's forward one fullgraph graph inside its FSDP2 hooks; a string names the backend); "
+                  "torch.compile of the MoE module itself when its experts have no EDP / HSDP unit; or "
+                  "ExpertParallel(..., fsdp=False) with your own FSDP2 units outside the compiled module")
 
+        def fsdp2_hooks_cannot_be_traced(module, args):
+            return None
 
-def check_compile(activation_checkpoint: str, compile, prefix: str = ""):
-    """What compile and activation checkpointing need, checked before any collective."""
-    if activation_checkpoint not in AC_MODES:
-        raise ValueError(f"{prefix}activation_checkpoint must be one of {list(AC_MODES)}, got {activation_checkpoint!r}")
-    if not compile:
-        return
-    if activation_checkpoint != "none":
-        # torch 2.13's AOTAutograd fails to save the DeviceMesh of DTensor weight gradients inside a
-        # compiled checkpoint region ("tensors_saved_with_vc_check").
-        raise ValueError(f"{prefix}activation_checkpoint={activation_checkpoint!r} together with {prefix}compile is not "
-                         f"supported yet; valid: {prefix}compile with activation_checkpoint 'none', or activation "
-                         "checkpointing without compile")
-
-
-def moe_layers(module: nn.Module, dims: MoEParallelDims):
-    """Every MoE in `module` with its plan; every check before the first collective (and before any
-    module changes), so a bad config never hangs a rank or leaves a half-parallelized model."""
-    moes = [m for m in module.modules() if isinstance(m, MoE)]
-    plans = [plan_moe(m.config, dims) for m in moes]
-    done = [n for n, m in module.named_modules() if isinstance(m, MoE) and isinstance(m.experts.w1, DTensor)]
-    if done:
-        raise ValueError(f"parallelize_moe: MoE layers {done} are already parallelized (their expert weights are "
-                         "DTensors); parallelize a fresh copy of the unparallelized module instead")
-    return list(zip(moes, plans))
-
-
-def fsdp_kwargs(mp_policy, reshard_after_forward: bool) -> dict:
-    kwargs = {"reshard_after_forward": reshard_after_forward}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
-    return kwargs
+        unit.register_forward_pre_hook(torch.compiler.disable(fsdp2_hooks_cannot_be_traced, reason=reason),
+                                       prepend=True)
 
 
 def parallelize_moe(
@@ -171,19 +217,19 @@ def parallelize_moe(
     reshard_after_forward: bool = True,
     compile: bool | str = False,
 ) -> nn.Module:
-    """Shard every `MoE` in `module` by its placement plan (EP, ETP, FSDP2 over EDP / HSDP).
+    """Shard every `MoE` in `module` by its placement plan (EP, ETP, FSDP2 over EDP / HSDP): the
+    `ExpertParallel` style applied to the whole tree, each rank slicing its own copy of the weights
+    (no broadcast) and the tp ranks averaged like every data-parallel rank (`tp_reduce="mean"`).
 
     Dense parts outside the MoE layers are left for the caller's own `fully_shard` (on
     `dims.build_meshes(...).dp`), as in torchtitan's parallelize functions. `compile`: each MoE's
     forward becomes one graph (its FSDP unit's hooks run around it); a string names the backend.
+    This, not `torch.compile(..., fullgraph=True)` of a module holding the layer's FSDP2 units, is
+    how a parallelized layer compiles (see ExpertParallel). A module with no MoE is returned as is.
     """
-    check_compile("none", compile)
-    layers = moe_layers(module, dims)
-    meshes = dims.build_meshes(device_type)
-    for m, moe_plans in layers:
-        shard_moe_layer(m, moe_plans, dims, meshes, fsdp_kwargs(mp_policy, reshard_after_forward),
-                        experts_unit=not compile, dispatch_precision=m.config.dispatch_precision)
-        m.stats = DataParallelStats(meshes, dims)
-        if compile:
-            apply_compile(m, compile)
+    style = ExpertParallel(dims, device_type=device_type, mp_policy=mp_policy,
+                           reshard_after_forward=reshard_after_forward, compile=compile, tp_reduce="mean")
+    style.src_data_rank = None
+    if any(isinstance(m, MoE) for m in module.modules()):
+        style._apply(module, None)
     return module

@@ -3,18 +3,11 @@
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from dtensor_moe.parallel.compile import apply_activation_checkpointing, apply_compile
+from dtensor_moe.parallel.compile import apply_activation_checkpointing, apply_compile, check_compile
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.parallel.parallelize import (
-    DataParallelStats,
-    check_compile,
-    dp_fsdp_mesh,
-    fsdp_kwargs,
-    moe_layers,
-    shard_moe_layer,
-)
+from dtensor_moe.parallel.shard import dp_fsdp_mesh, fsdp_kwargs, moe_layers, shard_and_connect
 from dtensor_moe.train.parallel.context_parallel import apply_cp, check_cp_model
-from dtensor_moe.train.parallel.tensor_parallel import apply_tp, check_tp_model, scale_moe_gradients
+from dtensor_moe.train.parallel.tensor_parallel import apply_tp, check_tp_model
 
 
 def check_model_parallel(dims: MoEParallelDims, compile, prefix: str = ""):
@@ -27,7 +20,6 @@ def check_model_parallel(dims: MoEParallelDims, compile, prefix: str = ""):
         # shard over tp too (another mesh), and CP's K/V all-gather is a DTensor redistribute.
         raise ValueError(f"{prefix}compile with tp={dims.tp}, cp={dims.cp} is not supported yet; valid: compile with "
                          "tp = cp = 1, or tp/cp without compile")
-
 
 
 def parallelize_model(
@@ -64,11 +56,8 @@ def parallelize_model(
     meshes = dims.build_meshes(device_type)
     unit_kwargs = fsdp_kwargs(mp_policy, reshard_after_forward)
     for m, moe_plans in layers:
-        shard_moe_layer(m, moe_plans, dims, meshes, None if compile else unit_kwargs, experts_unit=not compile,
-                        dispatch_precision=m.config.dispatch_precision)
-        m.stats = DataParallelStats(meshes, dims)
-        if dims.tp > 1:
-            scale_moe_gradients(m, dims.tp)
+        shard_and_connect(m, moe_plans, dims, meshes, None if compile else unit_kwargs, experts_unit=not compile,
+                          sum_over_tp=True)
     if dims.tp > 1:
         apply_tp(model, meshes.tp)
     if dims.cp > 1:

@@ -2,7 +2,8 @@
 
 Only `parallelize_module` styles move activations (no hand-written collectives). Sequence
 parallelism hands each TP rank its own slice of every sequence between blocks, so an MoE there is
-data-parallel over tp: see `scale_moe_gradients` for the one thing that changes around it.
+data-parallel over tp: see `dtensor_moe.parallel.shard.scale_moe_gradients` for the one thing that changes
+around it.
 """
 
 from torch import nn
@@ -15,7 +16,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dtensor_moe.routing import ScaleGrad
 from dtensor_moe.train.parallel.tp_plan import TP_BLOCK_PLAN, TP_ROOT_PLAN, check_tp_heads, check_tp_untied
 
 _STYLES = {
@@ -55,12 +55,3 @@ def apply_tp(model: nn.Module, tp_mesh) -> None:
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {p: _STYLES[s]() for p, s in TP_BLOCK_PLAN})
     parallelize_module(model, tp_mesh, {p: _STYLES[s]() for p, s in TP_ROOT_PLAN if getattr(model, p) is not None})
-
-
-def scale_moe_gradients(moe: nn.Module, tp: int) -> None:
-    """The loss is replicated over tp (each TP rank's loss is its data-parallel group's loss), so
-    TP-sharded weights sum their gradients over tp; an MoE treats the tp ranks as data-parallel and
-    averages over them, as over every rank with its own tokens. Its output gradient is scaled by tp
-    to match that convention, and its input gradient back by 1/tp."""
-    moe.register_forward_pre_hook(lambda _, args: (ScaleGrad.apply(args[0], 1.0 / tp), *args[1:]))
-    moe.register_forward_hook(lambda _, args, out: ScaleGrad.apply(out, float(tp)))

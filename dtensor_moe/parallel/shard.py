@@ -1,0 +1,170 @@
+"""The mechanics of applying the placement plan to one MoE layer, in place: expert weights as DTensors, the
+dispatcher's hooks, FSDP2 units, the data-parallel statistics. `ExpertParallel` (parallelize.py), the main
+job's `parallelize_model` and the torchtitan hook all shard a layer through `shard_moe_layer` here."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.utils.hooks import RemovableHandle
+
+from dtensor_moe.parallel.dispatch import ExpertDispatcher
+from dtensor_moe.experts import GroupedExperts
+from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
+from dtensor_moe.moe import LocalStats, MoE
+from dtensor_moe.routing import ScaleGrad
+from dtensor_moe.parallel.plan import WeightPlan, plan_moe
+
+
+@dataclass(frozen=True)
+class ExpertParallelHooks:
+    """Kept on a parallelized experts module as `expert_parallel`: its dispatcher and hook handles."""
+
+    dispatcher: ExpertDispatcher
+    pre_handle: RemovableHandle
+    post_handle: RemovableHandle
+
+
+def _all_reduce(t: torch.Tensor, groups) -> torch.Tensor:
+    t = t.clone()
+    for g in groups:
+        dist.all_reduce(t, group=g)
+    return t
+
+
+class DataParallelStats(LocalStats):
+    """Sums load-balancing statistics over exactly the ranks that see different tokens, and
+    per-sequence statistics over the CP and (sequence-parallel) TP ranks, which hold pieces of the
+    same sequences."""
+
+    def __init__(self, meshes: MoEMeshes, dims: MoEParallelDims):
+        dp_mesh = meshes.moe_dp
+        self.groups = [dp_mesh.get_group(i) for i in range(dp_mesh.ndim) if dp_mesh.size(i) > 1]
+        self.num_ranks = dp_mesh.size()
+        self.sequence_groups = [meshes.dense.get_group(a) for a in ("cp", "tp") if getattr(dims, a) > 1]
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(t, self.groups)
+
+    def sequence_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(t, self.sequence_groups) if self.sequence_groups else t
+
+
+def _fsdp_mesh(mesh, dims: MoEParallelDims, shard_axis: str):
+    return mesh["dp_replicate", shard_axis] if dims.dp_replicate > 1 else mesh[shard_axis]
+
+
+def _placement_fn(module: nn.Module, plans: tuple[WeightPlan, ...]):
+    by_param = {module.get_parameter(wp.name): Shard(wp.fsdp_step.dim) for wp in plans}
+    return lambda p: by_param.get(p)
+
+
+def shard_moe_layer(
+    moe: nn.Module,
+    plans: tuple[WeightPlan, ...],
+    dims: MoEParallelDims,
+    meshes: MoEMeshes,
+    fsdp_kwargs: dict | None,
+    grad_divisor: float | None = None,
+    experts_unit: bool = True,
+    dispatch_precision: str = "bf16",
+):
+    """Apply `plans` (names relative to `moe`) to one MoE layer of any model family.
+
+    Expert weights become DTensors on the (ep, etp) submesh (its axes of size > 1), the dispatcher wraps the module that
+    owns them, and FSDP2 shards them over EDP (HSDP over dp_replicate) and the dense weights over
+    the data-parallel ranks, each along the plan's dim. `grad_divisor`: see ExpertDispatcher.
+    `fsdp_kwargs` None: no FSDP units here; the caller's unit around the layer takes its dense
+    weights (compiled blocks, whose FSDP hooks must stay outside the graph). `experts_unit` False
+    (compiled layers): no FSDP unit for the experts; under EDP / HSDP their weights are DTensors on the whole
+    expert mesh, gathered over EDP in the forward and their gradients reduce-scattered back, both
+    DTensor redistributions inside the graph (experts.gather_for_compute). `dispatch_precision`:
+    MoEConfig.dispatch_precision, the EP/ETP token payload's.
+    """
+    experts_plans = tuple(wp for wp in plans if wp.role == "expert")
+    dense_plans = tuple(wp for wp in plans if wp.role == "dense")
+    owner_name = experts_plans[0].name.rsplit(".", 1)[0]
+    experts = moe.get_submodule(owner_name)
+    ep_etp = meshes.expert["ep", "etp"]
+    ours = isinstance(experts, GroupedExperts)  # takes ExpertInput and the weight-gradient scale
+    in_graph = ours and not experts_unit and experts_fsdp_sharded(dims)
+    weight_mesh = meshes.expert_by_plan if in_graph else meshes.expert_weights
+    for wp in experts_plans:
+        attr = wp.name.rsplit(".", 1)[1]
+        param = getattr(experts, attr)
+        placements = [Shard(s.dim) if s else Replicate() for s in map(wp.step_on, weight_mesh.mesh_dim_names)]
+        # src_data_rank=None: every rank already holds the same full (or meta) weight, so slice locally.
+        dt = distribute_tensor(param.data, weight_mesh, placements, src_data_rank=None)
+        setattr(experts, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
+    if dims.ep * dims.etp > 1:
+        divisor = dims.ep * dims.etp if grad_divisor is None else grad_divisor
+        d = ExpertDispatcher(ep_etp.get_group("ep"), ep_etp.get_group("etp"), divisor, dispatch_precision)
+        pre, post = d.hooks(ours)
+        experts.expert_parallel = ExpertParallelHooks(
+            d, experts.register_forward_pre_hook(pre), experts.register_forward_hook(post))
+    if fsdp_kwargs is None:
+        return
+    # With no expert data-parallel axis every expert slice has one owner: FSDP on a 1-rank mesh
+    # would only copy the weights in and out around each use (~60 ms per step at DeepSeek scale).
+    ignored = set(experts.parameters()) if ours and (in_graph or not experts_fsdp_sharded(dims)) else None
+    if ignored is None:
+        fully_shard(
+            experts,
+            mesh=_fsdp_mesh(meshes.expert, dims, "edp"),
+            shard_placement_fn=_placement_fn(moe, experts_plans),
+            **fsdp_kwargs,
+        )
+    fully_shard(moe, mesh=_fsdp_mesh(meshes.moe_dp, dims, dims.moe_dp_axis), shard_placement_fn=_placement_fn(moe, dense_plans),
+                ignored_params=ignored, **fsdp_kwargs)
+
+
+def dp_fsdp_mesh(meshes: MoEMeshes, dims: MoEParallelDims):
+    """The mesh dense weights are FSDP-sharded on: data-parallel ranks, HSDP over dp_replicate."""
+    return _fsdp_mesh(meshes.dp, dims, meshes.dp.mesh_dim_names[-1])
+
+
+def experts_fsdp_sharded(dims: MoEParallelDims) -> bool:
+    """Whether the experts are sharded or replicated over data-parallel ranks (EDP or HSDP)."""
+    return dims.edp * dims.dp_replicate > 1
+
+
+def moe_layers(module: nn.Module, dims: MoEParallelDims, caller: str = "parallelize_moe"):
+    """Every MoE in `module` with its plan; every check before the first collective (and before any
+    module changes), so a bad config never hangs a rank or leaves a half-parallelized model."""
+    moes = [m for m in module.modules() if isinstance(m, MoE)]
+    plans = [plan_moe(m.config, dims) for m in moes]
+    done = [n for n, m in module.named_modules() if isinstance(m, MoE) and isinstance(m.experts.w1, DTensor)]
+    if done:
+        raise ValueError(f"{caller}: MoE layers {done} are already parallelized (their expert weights are "
+                         "DTensors); parallelize a fresh copy of the unparallelized module instead")
+    return list(zip(moes, plans))
+
+
+def fsdp_kwargs(mp_policy, reshard_after_forward: bool) -> dict:
+    kwargs = {"reshard_after_forward": reshard_after_forward}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    return kwargs
+
+
+def scale_moe_gradients(moe: nn.Module, tp: int) -> None:
+    """Under sequence parallelism the loss is replicated over tp (each TP rank's loss is its data-parallel
+    group's loss), so TP-sharded weights sum their gradients over tp; an MoE treats the tp ranks as
+    data-parallel and averages over them, as over every rank with its own tokens. Its output gradient is
+    scaled by tp to match that convention, and its input gradient back by 1/tp."""
+    moe.register_forward_pre_hook(lambda _, args: (ScaleGrad.apply(args[0], 1.0 / tp), *args[1:]))
+    moe.register_forward_hook(lambda _, args, out: ScaleGrad.apply(out, float(tp)))
+
+
+def shard_and_connect(moe: MoE, plans: tuple[WeightPlan, ...], dims: MoEParallelDims, meshes: MoEMeshes,
+                      unit_kwargs: dict | None, experts_unit: bool, sum_over_tp: bool) -> None:
+    """One `MoE` of this library: `shard_moe_layer`, its statistics over the data-parallel ranks and, with
+    `sum_over_tp` under tp > 1, its gradients summed over tp like a TP-sharded weight's."""
+    shard_moe_layer(moe, plans, dims, meshes, unit_kwargs, experts_unit=experts_unit,
+                    dispatch_precision=moe.config.dispatch_precision)
+    moe.stats = DataParallelStats(meshes, dims)
+    if sum_over_tp and dims.tp > 1:
+        scale_moe_gradients(moe, dims.tp)
