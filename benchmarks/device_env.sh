@@ -1,4 +1,4 @@
-# Sourced by the device scripts (run_fp8.sh, run_wgrad.sh, fp8_loss_check.sh) after they set OUT: the run's folder, environment
+# Sourced by the device scripts (fp8_loss_check.sh) after they set OUT: the run's folder, environment
 # and log, headed by the GPU, driver, torch, CUDA and Triton versions.
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

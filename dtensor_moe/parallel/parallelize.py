@@ -150,7 +150,8 @@ def _plain_input(module, args):
 
 # torch.compile(moe) compiles each of moe's hooks written outside torch as a graph of its own, and this one's
 # would take the AsyncCollectiveTensor in: never a frame of its own (eager), still traced inside a larger graph.
-torch._dynamo.eval_frame.skip_code(_plain_input.__code__)
+if hasattr(torch._dynamo.eval_frame, "skip_code"):
+    torch._dynamo.eval_frame.skip_code(_plain_input.__code__)
 
 
 def meshes_dims(meshes: MoEMeshes) -> MoEParallelDims:

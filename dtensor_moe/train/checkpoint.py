@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 TRAIN_STATE = "train_state.pt"
+RUN_CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints: where the main job saves
 MODEL_CONFIG = "model_config.json"
 MANIFEST = "manifest.json"
 ALLOW_UNVERIFIED = "DTENSOR_MOE_ALLOW_UNVERIFIED"
@@ -104,10 +105,12 @@ def _incomplete(path: Path) -> str:
 def pick(path) -> Path:
     """The checkpoint `load(path)` reads, checked against its manifest (a collective when distributed).
 
-    A step directory must be intact, else CheckpointError naming the step and the file. A root gives
-    its newest intact step; newer damaged or incomplete ones are skipped with a one-line note.
+    A step directory must be intact, else CheckpointError naming the step and the file. A root (or a run
+    dir, whose `checkpoints/` is one) gives its newest intact step; newer damaged or incomplete ones are skipped with a one-line note.
     """
     path = Path(path)
+    if not _steps(path) and (path / RUN_CHECKPOINTS).is_dir():  # a run dir: the main job saves under it
+        path = path / RUN_CHECKPOINTS
     if _is_complete(path) or _STEP_DIR.match(path.name):
         problem = verify(path) if _is_complete(path) else _incomplete(path) if path.is_dir() else "no such directory"
         if problem:
