@@ -102,9 +102,12 @@ def main():
         rows.append(bench(name, args, dev, dtype))
         r = rows[-1]
         errs = {k: f"{v:.1e}" for k, v in r.items() if k.endswith("vs_fp32")}
-        print(f"{name:22s} graphs {r['graphs']} breaks {r['graph_breaks']}  eager {r['eager_ms']:8.2f} ms  "
-              f"compiled {r['compiled_ms']:8.2f} ms  x{r['speedup']:.2f}  (first call {r['compiled_first_call_s']:.1f} s) {errs}",
-              flush=True)
+        print(
+            f"{name:22s} graphs {r['graphs']} breaks {r['graph_breaks']}  eager {r['eager_ms']:8.2f} ms  "
+            f"compiled {r['compiled_ms']:8.2f} ms  x{r['speedup']:.2f}  "
+            f"(first call {r['compiled_first_call_s']:.1f} s) {errs}",
+            flush=True,
+        )
         torch._dynamo.reset()
         if dev.type == "cuda":
             torch.cuda.empty_cache()

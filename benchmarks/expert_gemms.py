@@ -123,8 +123,11 @@ def checks(dev) -> dict:
     w = torch.randn(3, 48, 64, device=dev, dtype=torch.bfloat16)
     g = torch.randn(70, 48, device=dev, dtype=torch.bfloat16)
     # Triton against the torch path on the same GPU tensors.
-    for label, fn in [("rows", lambda: fp8.quantize_rows(x)), ("weight_cols", lambda: fp8._quantize(w, "weight_cols", None)),
-                      ("token_cols", lambda: fp8._quantize(x, "token_cols", offs))]:
+    for label, fn in [
+        ("rows", lambda: fp8.quantize_rows(x)),
+        ("weight_cols", lambda: fp8._quantize(w, "weight_cols", None)),
+        ("token_cols", lambda: fp8._quantize(x, "token_cols", offs)),
+    ]:
         tri = fn()
         with mock.patch.object(policy, "runs_triton", lambda t: False):
             ref = fn()
@@ -152,17 +155,34 @@ def checks(dev) -> dict:
     want = fp8.fp8_grouped_weight_grad(cpu(qg), cpu(sg), cpu(qx), cpu(sx), cpu(ends), torch.float32)
     out["gemm_wgrad_vs_dequantized"] = rel(dw.cpu(), want)
     out["wgrad_empty_expert_max_abs"] = dw[1].abs().max().item()
-    out["fp8_vs_bf16_fwd_rel"] = rel(fp8.grouped_mm(x, w.transpose(-2, -1), offs), grouped_mm(x, w.transpose(-2, -1), offs))
+    out["fp8_vs_bf16_fwd_rel"] = rel(
+        fp8.grouped_mm(x, w.transpose(-2, -1), offs), grouped_mm(x, w.transpose(-2, -1), offs)
+    )
     for name, op, args in [
         ("quantize_rows", fp8.quantize_rows, (x,)),
-        ("quantize_cols", fp8.quantize_cols, (x, offs.new_tensor([0, 20]), offs.new_tensor([20, 70]),
-                                              offs.new_tensor([0, 20]), [64, 70], 0, 70, 1)),
-        ("fp8_grouped_mm", fp8.fp8_grouped_mm, (q, s, fp8.quantize_rows(w.reshape(-1, 64))[0].view(3, 48, 64).transpose(-2, -1),
-                                                fp8.quantize_rows(w.reshape(-1, 64))[1].view(3, 48), offs, torch.bfloat16)),
+        (
+            "quantize_cols",
+            fp8.quantize_cols,
+            (x, offs.new_tensor([0, 20]), offs.new_tensor([20, 70]), offs.new_tensor([0, 20]), [64, 70], 0, 70, 1),
+        ),
+        (
+            "fp8_grouped_mm",
+            fp8.fp8_grouped_mm,
+            (
+                q,
+                s,
+                fp8.quantize_rows(w.reshape(-1, 64))[0].view(3, 48, 64).transpose(-2, -1),
+                fp8.quantize_rows(w.reshape(-1, 64))[1].view(3, 48),
+                offs,
+                torch.bfloat16,
+            ),
+        ),
         ("fp8_grouped_weight_grad", fp8.fp8_grouped_weight_grad, (qg, sg, qx, sx, ends, torch.bfloat16)),
     ]:
-        for utils, label in ((None, ""), (("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"),
-                                           " without test_schema")):
+        for utils, label in (
+            (None, ""),
+            (("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"), " without test_schema"),
+        ):
             try:
                 torch.library.opcheck(op, args, **({} if utils is None else {"test_utils": utils}))
                 out[f"opcheck:{name}{label}"] = "ok"
@@ -198,8 +218,12 @@ def main():
         res["gemms"] += entries
         res["weight_quant"].append(wq)
         for e in entries:
-            print(f"{name:9s} {e['gemm']:9s} I={e['I']:5d} O={e['O']:5d} bf16 {e['bf16_tflops']:6.0f} fp8 {e['fp8_tflops']:6.0f} "
-                  f"TFLOP/s ({e['fp8_tflops'] / e['bf16_tflops']:.2f}x)", flush=True)
+            print(
+                f"{name:9s} {e['gemm']:9s} I={e['I']:5d} O={e['O']:5d} "
+                f"bf16 {e['bf16_tflops']:6.0f} fp8 {e['fp8_tflops']:6.0f} "
+                f"TFLOP/s ({e['fp8_tflops'] / e['bf16_tflops']:.2f}x)",
+                flush=True,
+            )
         print(f"{name:9s} weight quantization (3 weights, 2 layouts): {wq['weight_quant_ms']:.2f} ms", flush=True)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

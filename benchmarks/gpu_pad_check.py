@@ -33,7 +33,11 @@ def _step(moe, x):
     x = x.detach().requires_grad_()
     y = moe(x)
     y.float().square().mean().backward()
-    return y.detach(), x.grad, {n.removeprefix("_orig_mod."): p.grad for n, p in moe.named_parameters() if p.grad is not None}
+    return (
+        y.detach(),
+        x.grad,
+        {n.removeprefix("_orig_mod."): p.grad for n, p in moe.named_parameters() if p.grad is not None},
+    )
 
 
 def _rel(a, b):

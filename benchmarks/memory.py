@@ -115,8 +115,10 @@ def main():
         for name, r in results.items():
             peak = f"{r['peak_step_bytes'] / mib:.0f}" if "peak_step_bytes" in r else "-"
             d = r["dims"]
-            print(f"| {name} | {d['dp_replicate']} | {d['edp']} | {d['ep']} | {r['param_bytes'] / mib:.1f} | "
-                  f"{r['grad_bytes'] / mib:.1f} | {r['optim_bytes'] / mib:.1f} | {r['total_bytes'] / mib:.1f} | {peak} |")
+            print(
+                f"| {name} | {d['dp_replicate']} | {d['edp']} | {d['ep']} | {r['param_bytes'] / mib:.1f} | "
+                f"{r['grad_bytes'] / mib:.1f} | {r['optim_bytes'] / mib:.1f} | {r['total_bytes'] / mib:.1f} | {peak} |"
+            )
         if "target" in res:
             t = res["target"]
             print(f"target ep_edp total <= ep_only / edp * {TARGET_SLACK}: ratio {t['ratio_to_ep_only_over_edp']:.4f} "

@@ -59,7 +59,9 @@ def main() -> int:
             "parity_tolerance": p["tolerance"], "state_bytes_rank0": got, "planner_state_bytes_rank0": want,
             "final_loss": s["final_loss"], "device": s["device"], "torch": s["torch"],
         })
-    print(f"{'mesh':<14} {'tok/s/rank':>10} {'peak GiB':>9} {'max|dloss|':>11} {'state MiB meas':>15} {'planner':>8} rc")
+    print(
+        f"{'mesh':<14} {'tok/s/rank':>10} {'peak GiB':>9} {'max|dloss|':>11} {'state MiB meas':>15} {'planner':>8} rc"
+    )
     for r in rows:
         if "final_loss" not in r:
             print(f"{r['mesh']:<14} {'failed':>10} {'':>9} {'':>11} {'':>15} {'':>8} {r['rc']}")

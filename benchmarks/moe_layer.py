@@ -156,8 +156,11 @@ def numerics_config(cfg: MoEConfig) -> MoEConfig:
                      dispatch_precision=cfg.dispatch_precision)
 
 
-KERNEL_KINDS = (("all-to-all", ("nccl",)), ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "gemv", "wgrad_accumulate")),
-                ("gather", ("gather", "index")))
+KERNEL_KINDS = (
+    ("all-to-all", ("nccl",)),
+    ("gemm", ("gemm", "cutlass", "nvjet", "sm90_xmma", "gemv", "wgrad_accumulate")),
+    ("gather", ("gather", "index")),
+)
 
 
 def kernel_kind(name: str) -> str:
@@ -304,7 +307,9 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak, precision="bf16
     out = {"shape": name, "mesh": mesh, "precision": precision, "dispatch_precision": args.dispatch_precision,
            "D": D, "F": F, "E": E, "K": K, "T": T, "numerics": numerics}
     progress(rank, name, mesh, "timing")
-    def train_step():  # one microbatch of a training step: fresh gradients (the GEMMs' outputs become .grad), FSDP's reductions
+
+    # One microbatch of a training step: fresh gradients (the GEMMs' outputs become .grad), FSDP's reductions.
+    def train_step():
         step()
         moe.zero_grad(set_to_none=True)
 
@@ -420,17 +425,50 @@ def fmt(v, spec):
 
 def row_cells(r) -> tuple:
     gemms = "/".join(fmt(r.get(f"{g}_tflops"), ".0f") for g in ("fwd", "dgrad", "wgrad"))
-    return (r["shape"], r["mesh"], r["precision"], fmt(r.get("vs_bf16"), ".2f"), gemms, fmt(r.get("requant_ms"), ".2f"),
-            fmt(r["ms"], ".2f"), fmt(r["host_ms"], ".2f"), fmt(r["tflops"], ".0f"), fmt(r["pct_dense_peak"], ".0f"),
-            fmt(r.get("titan_tflops"), ".0f"), fmt(r.get("ratio"), ".2f"), fmt(r.get("step_ms"), ".2f"),
-            fmt(sum(r.get("sent_bytes", {}).values()) / 1e6 if r.get("sent_bytes") else None, ".1f"),
-            fmt(r.get("a2a_gbps_in_step"), ".0f"), fmt(r.get("a2a_ceiling_gbps"), ".0f"),
-            fmt(r["gemm_ceiling_tflops"], ".0f"), fmt(max(r["numerics"].values()), ".1e"), fmt(r["peak_mem_gib"], ".1f"))
+    return (
+        r["shape"],
+        r["mesh"],
+        r["precision"],
+        fmt(r.get("vs_bf16"), ".2f"),
+        gemms,
+        fmt(r.get("requant_ms"), ".2f"),
+        fmt(r["ms"], ".2f"),
+        fmt(r["host_ms"], ".2f"),
+        fmt(r["tflops"], ".0f"),
+        fmt(r["pct_dense_peak"], ".0f"),
+        fmt(r.get("titan_tflops"), ".0f"),
+        fmt(r.get("ratio"), ".2f"),
+        fmt(r.get("step_ms"), ".2f"),
+        fmt(sum(r.get("sent_bytes", {}).values()) / 1e6 if r.get("sent_bytes") else None, ".1f"),
+        fmt(r.get("a2a_gbps_in_step"), ".0f"),
+        fmt(r.get("a2a_ceiling_gbps"), ".0f"),
+        fmt(r["gemm_ceiling_tflops"], ".0f"),
+        fmt(max(r["numerics"].values()), ".1e"),
+        fmt(r["peak_mem_gib"], ".1f"),
+    )
 
 
-HEAD = ("shape", "mesh", "prec", "x bf16", "fwd/dgrad/wgrad", "requant ms", "ms", "host ms", "TFLOP/s", "%peak", "titan",
-        "ratio", "step ms", "sent MB", "a2a GB/s", "a2a ceil",
-        "gemm ceil", "num err", "GiB")
+HEAD = (
+    "shape",
+    "mesh",
+    "prec",
+    "x bf16",
+    "fwd/dgrad/wgrad",
+    "requant ms",
+    "ms",
+    "host ms",
+    "TFLOP/s",
+    "%peak",
+    "titan",
+    "ratio",
+    "step ms",
+    "sent MB",
+    "a2a GB/s",
+    "a2a ceil",
+    "gemm ceil",
+    "num err",
+    "GiB",
+)
 
 
 def print_table(res):

@@ -67,7 +67,9 @@ def main():
         print(f"| {r['case']} | {tuple(r['mesh'])} | {r['first_add_cpu_s']:.4f} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"torch": torch.__version__, "repeats": args.repeats, "rows": rows}, indent=1) + "\n")
+        args.json.write_text(
+            json.dumps({"torch": torch.__version__, "repeats": args.repeats, "rows": rows}, indent=1) + "\n"
+        )
 
 
 if __name__ == "__main__":

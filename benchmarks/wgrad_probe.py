@@ -18,11 +18,11 @@ import argparse
 import json
 
 import torch
+from expert_gemms import cuda_ms  # run from benchmarks/ or as benchmarks/wgrad_probe.py
 
 from dtensor_moe.kernels import wgrad as wgrad_kernel
 from dtensor_moe.kernels.grouped_mm import add_weight_grad_, grouped_weight_grad
 from dtensor_moe.train.metrics import write_json
-from expert_gemms import cuda_ms  # run from benchmarks/ or as benchmarks/wgrad_probe.py
 
 SHAPES = {  # D, F, experts, routed rows: moe_layer.py's local shapes, and DeepSeek's per rank at EP=2
     "deepseek": (7168, 2048, 256, 8192 * 8),
@@ -112,7 +112,10 @@ def main():
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print("| shape | orientation | method | ms | TFLOP/s | err vs fp32 |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['orientation']} | {r['method']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['rel_err']:.1e} |")
+        print(
+            f"| {r['shape']} | {r['orientation']} | {r['method']} | {r['ms']:.3f} | {r['tflops']:.0f} "
+            f"| {r['rel_err']:.1e} |"
+        )
     write_json(args.out, {"torch": torch.__version__, "rows": rows})
     if args.configs_out:
         with open(args.configs_out, "w") as f:

@@ -63,7 +63,9 @@ def check_groups(cfg, prefix: str):
 def _check_capacity(cfg, prefix: str):
     cf = cfg.capacity_factor
     if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf < float("inf")):
-        raise ValueError(f"{prefix}capacity_factor must be a finite number > 0, or None (no capacity limit), got {cf!r}")
+        raise ValueError(
+            f"{prefix}capacity_factor must be a finite number > 0, or None (no capacity limit), got {cf!r}"
+        )
     if cfg.pad_to_capacity and cf is None:
         # Padding fills every expert's block to its capacity, which only a capacity factor defines.
         raise ValueError(f"{prefix}pad_to_capacity=True needs {prefix}capacity_factor (a finite number > 0; "

@@ -170,9 +170,19 @@ class _GroupedSwiGLU(torch.autograd.Function):
         return dx_ND, *dws, *dbs, None, None
 
 
-def grouped_swiglu(x_ND, counts_E, w1_EFD, w2_EDF, w3_EFD, weight_grad_scale: float = 1.0,
-                   host_counts: list[int] | None = None, biases: tuple | None = None,
-                   clamp: tuple[float, float] | None = None, add_b2: bool = True, precision: str = "bf16") -> torch.Tensor:
+def grouped_swiglu(
+    x_ND,
+    counts_E,
+    w1_EFD,
+    w2_EDF,
+    w3_EFD,
+    weight_grad_scale: float = 1.0,
+    host_counts: list[int] | None = None,
+    biases: tuple | None = None,
+    clamp: tuple[float, float] | None = None,
+    add_b2: bool = True,
+    precision: str = "bf16",
+) -> torch.Tensor:
     """Rows grouped by expert (counts_E[e] rows for expert e) through each expert's SwiGLU.
 
     The weights may be DTensors: the GEMMs run on their local shards, in x_ND's dtype.

@@ -66,9 +66,9 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
 class TokenCopies:
     """Expert-major row n is pair pair_N[n] = t * K + k (token t's k-th choice) for expert
     expert_N[n]; weight_TK[t, k] weighs it in the combine. Capacity-dropped pairs come last, with
-    expert id E and weight 0: whoever holds the per-expert counts runs only the rows before them. The experts expand the tokens and
-    combine their outputs with it; an expert-parallel dispatcher instead sends each token once per
-    rank, copies it there, and sums its outputs there before they return."""
+    expert id E and weight 0: whoever holds the per-expert counts runs only the rows before them. The
+    experts expand the tokens and combine their outputs with it; an expert-parallel dispatcher instead
+    sends each token once per rank, copies it there, and sums its outputs there before they return."""
 
     pair_N: torch.Tensor
     expert_N: torch.Tensor

@@ -39,8 +39,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's dtensor_moe, as the CLI subprocesses get through PYTHONPATH
-VALID = re.compile(r"must be|must equal|valid|one of|expects|expected| in \[|needs|pass --|not found|is a file|is a directory|"
-                   r"nothing left|already")
+VALID = re.compile(
+    r"must be|must equal|valid|one of|expects|expected| in \[|needs|pass --|not found|is a file|is a directory|"
+    r"nothing left|already"
+)
 TIMEOUT_S = 240.0
 TINY_TOML = """\
 # The tour's own tiny job: 2 CPU ranks, EP2, 4 steps.
@@ -165,9 +167,9 @@ def api_cases(tour: Tour, ckpt_ready):
     import torch.distributed as dist
 
     from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe, plan_moe
-    from dtensor_moe.train.parallel.parallelize import parallelize_model
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
+    from dtensor_moe.train.parallel.parallelize import parallelize_model
 
     def moe_cfg(**kw):
         return MoEConfig(**{"dim": 16, "hidden_dim": 8, "num_experts": 8, "top_k": 2, **kw})
@@ -215,8 +217,14 @@ def api_cases(tour: Tour, ckpt_ready):
             bad = [k for k, v in moe.state_dict().items() if not torch.equal(v.full_tensor(), before[k])]
             return f"changed: {bad}" if bad else ""
 
-        api(tour, P, "parallelize_moe twice on the same module",
-            lambda: parallelize_moe(moe, MoEParallelDims(1), device_type="cpu"), ["already parallelized"], after=unchanged)
+        api(
+            tour,
+            P,
+            "parallelize_moe twice on the same module",
+            lambda: parallelize_moe(moe, MoEParallelDims(1), device_type="cpu"),
+            ["already parallelized"],
+            after=unchanged,
+        )
         F = "API forward"
         api(tour, F, "MoE(dim=16)(x of shape [2, 3, 15])", lambda: moe(torch.randn(2, 3, 15)), ["dim=16", "15"])
         api(tour, F, "MoE(dim=16)(integer tensor [2, 3, 16])", lambda: moe(torch.ones(2, 3, 16, dtype=torch.long)),
@@ -234,9 +242,17 @@ def api_cases(tour: Tour, ckpt_ready):
     other = MoETransformer(cfg)
     state = {k: v.clone() for k, v in other.state_dict().items()}
     opt = torch.optim.AdamW(other.parameters())
-    api(tour, "API checkpoint", "load(step_4 saved with top_k=2, model with top_k=1)",
-        lambda: load(step_dir(tour.pristine, 4), other, opt), ["top_k", "step_00000004"], valid=False,
-        after=lambda: "" if all(torch.equal(v, state[k]) for k, v in other.state_dict().items()) else "model was modified")
+    api(
+        tour,
+        "API checkpoint",
+        "load(step_4 saved with top_k=2, model with top_k=1)",
+        lambda: load(step_dir(tour.pristine, 4), other, opt),
+        ["top_k", "step_00000004"],
+        valid=False,
+        after=lambda: (
+            "" if all(torch.equal(v, state[k]) for k, v in other.state_dict().items()) else "model was modified"
+        ),
+    )
 
 
 def _free_port() -> int:
@@ -302,7 +318,9 @@ def cli(tour: Tour, area: str, tried: str, argv, fields, *, valid: bool = True, 
         r.verdict, r.why = "unclear", "traceback on stderr"
     elif expect_rc != 0 and len(lines) != 1:
         r.verdict, r.why = "unclear", f"{len(lines)} stderr lines"
-    elif why := _names(first_line, fields, valid) or next((f"message has {a!r}" for a in absent if a in first_line), ""):
+    elif why := _names(first_line, fields, valid) or next(
+        (f"message has {a!r}" for a in absent if a in first_line), ""
+    ):
         r.verdict, r.why = "unclear", why
     elif run_dir is not None and not existed and Path(run_dir).exists():
         r.verdict, r.why = "unclear", "a run dir was created: ranks started"
@@ -334,7 +352,11 @@ def config_cases(tour: Tour, jobs):
     train("training.steps=ten", ["training.steps=ten"], ["training.steps", "int"])
     train("training.global_batch=0", ["training.global_batch=0"], ["training.global_batch"])
     train("training.seq_len=0", ["training.seq_len=0"], ["training.seq_len"])
-    train("training.seq_len=2048 (> model.max_seq_len 1024)", ["training.seq_len=2048"], ["training.seq_len", "max_seq_len"])
+    train(
+        "training.seq_len=2048 (> model.max_seq_len 1024)",
+        ["training.seq_len=2048"],
+        ["training.seq_len", "max_seq_len"],
+    )
     train("model.top_k=16 (> num_experts 8)", ["model.top_k=16"], ["model.top_k", "num_experts"])
     train("parallel.ep=3 (ep*etp=6 does not divide 8 ranks)", ["parallel.ep=3"], ["ep", "Valid ep"])
     train("training.global_batch=12 on 8 ranks", ["training.global_batch=12"], ["training.global_batch", "8"])
@@ -383,16 +405,30 @@ def config_cases(tour: Tour, jobs):
         ("plan --inter-bw 0", ["plan", "--model", "tiny_cpu", "--gpus", "16", "--inter-bw", "0"], ["--inter-bw"]),
         ("plan --top -3", ["plan", "--model", "tiny_cpu", "--gpus", "8", "--top", "-3"], ["--top"]),
         ("plan --model nope", ["plan", "--model", "nope", "--gpus", "8"], ["nope", "presets"]),
-        ("plan --model bad.toml (syntax error)", ["plan", "--model", str(bad_toml), "--gpus", "8"], ["bad.toml", "line 3"]),
-        ("plan --recompute some", ["plan", "--model", "tiny_cpu", "--gpus", "8", "--recompute", "some"],
-         ["--recompute", "full"]),
+        (
+            "plan --model bad.toml (syntax error)",
+            ["plan", "--model", str(bad_toml), "--gpus", "8"],
+            ["bad.toml", "line 3"],
+        ),
+        (
+            "plan --recompute some",
+            ["plan", "--model", "tiny_cpu", "--gpus", "8", "--recompute", "some"],
+            ["--recompute", "full"],
+        ),
         ("explain --world 8 --ep 3", ["explain", "--world", "8", "--ep", "3", "--experts", "4"], ["ep", "Valid ep"]),
         ("explain --experts 6 --ep 4", ["explain", "--world", "8", "--ep", "4", "--experts", "6"], ["ep", "experts"]),
         ("explain --experts 0", ["explain", "--world", "2", "--experts", "0"], ["--experts"]),
-        ("explain --hidden-dim 0", ["explain", "--world", "2", "--experts", "4", "--hidden-dim", "0"], ["--hidden-dim"]),
-        ("explain --png into a missing directory",
-         ["explain", "--world", "2", "--experts", "4", "--png", str(s / "no_such_dir" / "grid.png")],
-         ["--png", "no_such_dir", "does not exist"], {"valid": False}),
+        (
+            "explain --hidden-dim 0",
+            ["explain", "--world", "2", "--experts", "4", "--hidden-dim", "0"],
+            ["--hidden-dim"],
+        ),
+        (
+            "explain --png into a missing directory",
+            ["explain", "--world", "2", "--experts", "4", "--png", str(s / "no_such_dir" / "grid.png")],
+            ["--png", "no_such_dir", "does not exist"],
+            {"valid": False},
+        ),
     ]:
         tried, argv, fields, *kw = case
         jobs.append((cli, tour, PL, tried, argv, fields, kw[0] if kw else {}))
@@ -464,13 +500,28 @@ def checkpoint_cases(tour: Tour, jobs):
     def resume(tried, name, damage, target, fields, extra=(), **kw):
         root = _copy(tour, name)
         damage(root)
-        jobs.append((cli, tour, C, tried, ["train", "--config", tiny, "--run-dir", str(root.parent), "--resume",
-                                           str(target(root)), *extra], fields, {"run_dir": str(root.parent), "valid": False, **kw}))
+        jobs.append(
+            (
+                cli,
+                tour,
+                C,
+                tried,
+                ["train", "--config", tiny, "--run-dir", str(root.parent), "--resume", str(target(root)), *extra],
+                fields,
+                {"run_dir": str(root.parent), "valid": False, **kw},
+            )
+        )
 
     resume("--resume step_4 with __1_0.distcp truncated", "c_trunc", lambda r: _truncate(r / step4 / "__1_0.distcp"),
            lambda r: r / step4, [step4, "__1_0.distcp", "truncated"], ["training.steps=6"])
-    resume("--resume step_4 with 8 bytes flipped in __0_0.distcp", "c_flip", lambda r: _flip(r / step4 / "__0_0.distcp"),
-           lambda r: r / step4, [step4, "__0_0.distcp", "corrupted"], ["training.steps=6"])
+    resume(
+        "--resume step_4 with 8 bytes flipped in __0_0.distcp",
+        "c_flip",
+        lambda r: _flip(r / step4 / "__0_0.distcp"),
+        lambda r: r / step4,
+        [step4, "__0_0.distcp", "corrupted"],
+        ["training.steps=6"],
+    )
     resume("--resume step_4 with .metadata deleted", "c_nometa", lambda r: (r / step4 / ".metadata").unlink(),
            lambda r: r / step4, [step4, ".metadata", "missing"], ["training.steps=6"])
     resume("--resume step_4 with model.top_k=1 (another config, same shapes)", "c_topk", lambda r: None,
@@ -489,9 +540,17 @@ def checkpoint_cases(tour: Tour, jobs):
                   "accepted_check": _exported_step(s / "out_fallback", "2")}))
     root = _copy(tour, "c_nomanifest")
     (root / step4 / "manifest.json").unlink()
-    jobs.append((cli, tour, C, "export step_4 with manifest.json deleted (refused; the opt-in is named)",
-                 ["export", str(root / step4), str(s / "out_nomanifest")], [step4, "manifest.json", "DTENSOR_MOE_ALLOW_UNVERIFIED"],
-                 {"valid": False, "guard": [str(root)]}))
+    jobs.append(
+        (
+            cli,
+            tour,
+            C,
+            "export step_4 with manifest.json deleted (refused; the opt-in is named)",
+            ["export", str(root / step4), str(s / "out_nomanifest")],
+            [step4, "manifest.json", "DTENSOR_MOE_ALLOW_UNVERIFIED"],
+            {"valid": False, "guard": [str(root)]},
+        )
+    )
     root = _copy(tour, "c_nomanifest_flip")
     (root / step4 / "manifest.json").unlink()
     _flip(root / step4 / "__0_0.distcp")
@@ -508,8 +567,17 @@ def checkpoint_cases(tour: Tour, jobs):
     jobs.append((cli, tour, C, "import a model.safetensors of random bytes",
                  ["import", str(garbage / "model.safetensors"), str(s / "imp_garbage")], ["model.safetensors"],
                  {"valid": False}))
-    jobs.append((cli, tour, C, "import --hf from a missing directory", ["import", "--hf", str(s / "no_hf"), str(s / "imp_hf")],
-                 ["no_hf"], {"valid": False}))
+    jobs.append(
+        (
+            cli,
+            tour,
+            C,
+            "import --hf from a missing directory",
+            ["import", "--hf", str(s / "no_hf"), str(s / "imp_hf")],
+            ["no_hf"],
+            {"valid": False},
+        )
+    )
     jobs.append((cli, tour, C, "export CKPT with neither OUT nor --hf", ["export", str(tour.pristine / step4)],
                  ["OUT", "--hf"], {"absent": ["--force"]}))
     (s / "out_is_file").write_text("x\n")
@@ -648,7 +716,9 @@ def nan_worker(out_path: str):
         ((yl * g[rank]).sum() + aux_l).backward()
 
         def same(a, b):
-            return torch.equal(a.isnan(), b.isnan()) and torch.allclose(a.nan_to_num(0.0), b.nan_to_num(0.0), atol=1e-10)
+            return torch.equal(a.isnan(), b.isnan()) and torch.allclose(
+                a.nan_to_num(0.0), b.nan_to_num(0.0), atol=1e-10
+            )
 
         grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in moe.named_parameters()}
         ref_grads = dict((n, p.grad) for n, p in ref.named_parameters())

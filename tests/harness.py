@@ -30,9 +30,9 @@ import sys
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing as mp
-from multiprocessing.reduction import ForkingPickler
 
 # Inductor compiles in the compiling process, not in a pool of compile workers per rank (its pool's
 # threads outlive the task, and its processes fork from each rank on an already full 2-core machine).

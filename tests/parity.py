@@ -25,7 +25,6 @@ from dtensor_moe import (
 )
 from dtensor_moe import experts as experts_mod
 
-
 # The tests' layer unless a case says otherwise. swiglu_limit 1 is read only by "clamped_swiglu", whose
 # clamps then bind at these weight scales.
 _MOE = dict(dim=8, hidden_dim=6, aux_loss_coeff=0.1, swiglu_limit=1.0)

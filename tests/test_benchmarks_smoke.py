@@ -38,7 +38,9 @@ def test_moe_layer_smoke(tmp_path):
     for mesh in ("ep2", "etp2", "edp2"):
         assert rows[mesh]["ratio"] == rows[mesh]["tflops"] / 7 and rows[mesh]["step_ms"] > 0
     assert rows["local"]["ratio"] is None  # no EP=1 baseline line given
-    assert rows["ep2"]["profile"]["top"] and rows["ep2"]["a2a_ceiling_gbps"] > 0 and "a2a_ceiling_gbps" not in rows["edp2"]
+    assert (
+        rows["ep2"]["profile"]["top"] and rows["ep2"]["a2a_ceiling_gbps"] > 0 and "a2a_ceiling_gbps" not in rows["edp2"]
+    )
     assert any(t["what"] == "bf16 numerics max rel err" and t["ok"] for t in res["targets"])
     # The FP8 dispatch payload on the same routing (seeded): its token rows cross as D + 4 bytes against bf16's 2D.
     fp8_out = tmp_path / "moe_layer_fp8.json"

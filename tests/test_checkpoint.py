@@ -93,7 +93,11 @@ def assert_bit_identical(got: dict, want: dict):
 
 
 def extra_for(sched) -> dict:
-    return {"data_pos": SAVE_STEP * GLOBAL_BATCH, "rng": torch.Generator().manual_seed(7).get_state(), "lr_scheduler": sched.state_dict()}
+    return {
+        "data_pos": SAVE_STEP * GLOBAL_BATCH,
+        "rng": torch.Generator().manual_seed(7).get_state(),
+        "lr_scheduler": sched.state_dict(),
+    }
 
 
 def _save_and_resume_same_mesh(rank, world, root, dims):
@@ -340,7 +344,10 @@ def test_checkpoint_without_manifest_is_refused_unless_allowed(tmp_path, capsys,
     with pytest.raises(CheckpointError, match=r"step_00000001 cannot be read: rank 0: RuntimeError"):
         load(ckpt, model, opt)
     assert _unchanged(model, before) == []
-    assert "step_00000001 has no manifest.json (DTENSOR_MOE_ALLOW_UNVERIFIED=1); loading it unverified" in capsys.readouterr().err
+    assert (
+        "step_00000001 has no manifest.json (DTENSOR_MOE_ALLOW_UNVERIFIED=1); loading it unverified"
+        in capsys.readouterr().err
+    )
 
 
 def test_root_falls_back_to_newest_intact_step_and_says_so(tmp_path, capsys):
@@ -355,7 +362,9 @@ def test_root_falls_back_to_newest_intact_step_and_says_so(tmp_path, capsys):
         "step_00000002 (incomplete: train_state.pt missing); loading step_00000001, the newest intact step"
     ]
     _truncate(step_dir(tmp_path, 1) / "__0_0.distcp")
-    with pytest.raises(CheckpointError, match=r"no intact checkpoint under .*step_00000001 \(__0_0\.distcp is truncated"):
+    with pytest.raises(
+        CheckpointError, match=r"no intact checkpoint under .*step_00000001 \(__0_0\.distcp is truncated"
+    ):
         load(tmp_path, model, opt)
 
 
@@ -376,7 +385,10 @@ def test_damage_is_found_on_every_rank(tmp_path):
     "change,listed",
     [
         ({"n_heads": 4}, "n_heads: saved 2 vs model 4"),
-        ({"top_k": 1, "score_func": "sigmoid"}, "score_func: saved 'softmax' vs model 'sigmoid', top_k: saved 2 vs model 1"),
+        (
+            {"top_k": 1, "score_func": "sigmoid"},
+            "score_func: saved 'softmax' vs model 'sigmoid', top_k: saved 2 vs model 1",
+        ),
         ({"route_scale": 2.0}, "route_scale: saved 1.0 vs model 2.0"),
     ],
 )

@@ -27,7 +27,8 @@ def test_compiled_block_has_no_graph_breaks_and_recompiles_at_most_once():
 
     from dtensor_moe.parallel.compile import apply_compile
 
-    # Every feature (groups, gate bias, gpt-oss's experts, all three balance losses, capacity) must trace without breaks.
+    # Every feature (groups, gate bias, gpt-oss's experts, all three balance losses, capacity) must trace
+    # without breaks.
     model = _model(n_layers=1, load_balance="aux_loss", num_expert_groups=2, num_limited_groups=1, router_bias=True,
                    expert_biases=True, activation="clamped_swiglu", swiglu_limit=1.0, seq_aux_loss_coeff=0.1,
                    z_loss_coeff=0.01, capacity_factor=1.0)
@@ -60,8 +61,8 @@ def train_steps(rank, world_size, ep, compile, ac, steps=3):
     import torch.nn.functional as F
 
     from dtensor_moe import MoEParallelDims
-    from dtensor_moe.train.parallel.parallelize import parallelize_model
     from dtensor_moe.parallel import dispatch
+    from dtensor_moe.train.parallel.parallelize import parallelize_model
 
     torch._dynamo.reset()
     model = _model(load_balance="aux_free_bias")

@@ -92,7 +92,12 @@ def compiled_plain_experts(rank: int, world_size: int):
         experts.w_EDD.grad = reference.experts.w_EDD.grad = None
     # A backend's failure (a frame run eagerly) is counted as "unimplemented", not as a graph break.
     reasons = [*counters["graph_break"], *counters["unimplemented"]]
-    return [r for r in reasons if "dtensor_moe" in r], [r for r in reasons if "dtensor_moe" not in r], COMPILED_MOVES, worst
+    return (
+        [r for r in reasons if "dtensor_moe" in r],
+        [r for r in reasons if "dtensor_moe" not in r],
+        COMPILED_MOVES,
+        worst,
+    )
 
 
 def test_dispatch_around_plain_experts_compiles_without_break():

@@ -27,35 +27,60 @@ MOE = dict(dim=8, hidden_dim=8, num_experts=8, top_k=2)
         (dict(route_scale=-1.0), "MoEConfig.route_scale must be > 0, got -1.0"),
         (dict(route_scale=0), "MoEConfig.route_scale must be > 0, got 0"),
         (dict(route_norm=1), "MoEConfig.route_norm must be a bool (true or false), got 1 (int)"),
-        (dict(score_func=None), "MoEConfig.score_func must be one of ['softmax', 'sigmoid', 'topk_softmax'], got None "
-                                "(NoneType)"),
-        (dict(num_expert_groups=3), "MoEConfig.num_experts (8) must be divisible by MoEConfig.num_expert_groups (3); "
-                                    "valid num_expert_groups: [1, 2, 4, 8]"),
+        (
+            dict(score_func=None),
+            "MoEConfig.score_func must be one of ['softmax', 'sigmoid', 'topk_softmax'], got None (NoneType)",
+        ),
+        (
+            dict(num_expert_groups=3),
+            "MoEConfig.num_experts (8) must be divisible by MoEConfig.num_expert_groups (3); "
+            "valid num_expert_groups: [1, 2, 4, 8]",
+        ),
         (dict(num_expert_groups=0), "MoEConfig.num_expert_groups must be in 1..num_experts (8), got 0"),
-        (dict(num_expert_groups=16), "MoEConfig.num_expert_groups (16) must be <= num_experts (8); valid "
-                                     "num_expert_groups: 1..8"),
-        (dict(num_expert_groups=4, num_limited_groups=5), "MoEConfig.num_limited_groups (5) must be <= "
-                                                          "num_expert_groups (4); valid num_limited_groups: 1..4"),
-        (dict(num_expert_groups=4, num_limited_groups=0), "MoEConfig.num_limited_groups must be in 1..num_expert_groups "
-                                                          "(4), got 0"),
-        (dict(num_expert_groups=4, num_limited_groups=1, top_k=3), "MoEConfig.top_k (3) must be <= num_limited_groups * "
-         "num_experts / num_expert_groups (1 * 8 / 4 = 2), the experts the kept groups hold; valid top_k: 1..2"),
+        (
+            dict(num_expert_groups=16),
+            "MoEConfig.num_expert_groups (16) must be <= num_experts (8); valid num_expert_groups: 1..8",
+        ),
+        (
+            dict(num_expert_groups=4, num_limited_groups=5),
+            "MoEConfig.num_limited_groups (5) must be <= num_expert_groups (4); valid num_limited_groups: 1..4",
+        ),
+        (
+            dict(num_expert_groups=4, num_limited_groups=0),
+            "MoEConfig.num_limited_groups must be in 1..num_expert_groups (4), got 0",
+        ),
+        (
+            dict(num_expert_groups=4, num_limited_groups=1, top_k=3),
+            "MoEConfig.top_k (3) must be <= num_limited_groups * "
+            "num_experts / num_expert_groups (1 * 8 / 4 = 2), the experts the kept groups hold; valid top_k: 1..2",
+        ),
         (dict(router_bias=0), "MoEConfig.router_bias must be a bool (true or false), got 0 (int)"),
         (dict(seq_aux_loss_coeff=-1), "MoEConfig.seq_aux_loss_coeff must be >= 0, got -1"),
         (dict(z_loss_coeff=math.nan), "MoEConfig.z_loss_coeff must be a finite number >= 0, got nan"),
-        (dict(capacity_factor=0), "MoEConfig.capacity_factor must be a finite number > 0, or None (no capacity "
-                                  "limit), got 0"),
-        (dict(capacity_factor="1"), "MoEConfig.capacity_factor must be a finite number > 0, or None (no capacity "
-                                    "limit), got '1'"),
-        (dict(capacity_factor=math.inf), "MoEConfig.capacity_factor must be a finite number > 0, or None (no capacity "
-                                         "limit), got inf"),
+        (
+            dict(capacity_factor=0),
+            "MoEConfig.capacity_factor must be a finite number > 0, or None (no capacity limit), got 0",
+        ),
+        (
+            dict(capacity_factor="1"),
+            "MoEConfig.capacity_factor must be a finite number > 0, or None (no capacity limit), got '1'",
+        ),
+        (
+            dict(capacity_factor=math.inf),
+            "MoEConfig.capacity_factor must be a finite number > 0, or None (no capacity limit), got inf",
+        ),
         (dict(drop_policy="random"), "MoEConfig.drop_policy must be one of ['probs', 'position'], got 'random'"),
-        (dict(pad_to_capacity=True), "MoEConfig.pad_to_capacity=True needs MoEConfig.capacity_factor (a finite "
-                                     "number > 0; every expert gets exactly ceil(tokens * top_k / num_experts * "
-                                     "capacity_factor) rows), got MoEConfig.capacity_factor=None; valid: "
-                                     "pad_to_capacity false, or a capacity_factor"),
-        (dict(pad_to_capacity=1, capacity_factor=1.0), "MoEConfig.pad_to_capacity must be a bool (true or false), "
-                                                       "got 1 (int)"),
+        (
+            dict(pad_to_capacity=True),
+            "MoEConfig.pad_to_capacity=True needs MoEConfig.capacity_factor (a finite "
+            "number > 0; every expert gets exactly ceil(tokens * top_k / num_experts * "
+            "capacity_factor) rows), got MoEConfig.capacity_factor=None; valid: "
+            "pad_to_capacity false, or a capacity_factor",
+        ),
+        (
+            dict(pad_to_capacity=1, capacity_factor=1.0),
+            "MoEConfig.pad_to_capacity must be a bool (true or false), got 1 (int)",
+        ),
         (dict(activation="gelu"), "MoEConfig.activation must be one of ['swiglu', 'clamped_swiglu'], got 'gelu'"),
         (dict(swiglu_limit=0.0), "MoEConfig.swiglu_limit must be > 0, got 0.0"),
         (dict(expert_biases=1), "MoEConfig.expert_biases must be a bool (true or false), got 1 (int)"),
@@ -78,7 +103,11 @@ def test_ints_are_fine_for_float_fields():
         ((8,), dict(ep="2"), "MoEParallelDims.ep must be an int >= 1, got '2' (str)"),
         ((8,), dict(etp=True), "MoEParallelDims.etp must be an int >= 1, got True (bool)"),
         ((8.0,), dict(), "MoEParallelDims.world_size must be an int >= 1, got 8.0"),
-        ((8,), dict(dp_shard=None), "MoEParallelDims.dp_shard must be an int -1 (the rest of the world) or >= 1, got None (NoneType)"),
+        (
+            (8,),
+            dict(dp_shard=None),
+            "MoEParallelDims.dp_shard must be an int -1 (the rest of the world) or >= 1, got None (NoneType)",
+        ),
         ((8,), dict(ep=0), "ep must be >= 1, got 0"),  # the range messages stay as they were
     ],
 )
@@ -93,18 +122,37 @@ def test_parallel_dims_types(args, kwargs, message):
     [
         (ModelConfig, dict(top_k=2.5), "model.top_k must be an int in 1..num_experts (8), got 2.5"),
         (ModelConfig, dict(top_k=9), "model.top_k (9) must be <= num_experts (8); valid top_k: 1..8"),
-        (ModelConfig, dict(n_heads=3), "model.dim (64) must be divisible by model.n_heads (3); valid n_heads: [1, 2, 4, 8, 16, 32]"),
-        (ModelConfig, dict(n_heads=64), "model.dim / model.n_heads = 1 (the head dim) must be even for rotary embeddings; "
-                                        "valid n_heads for dim 64: [1, 2, 4, 8, 16, 32]"),
+        (
+            ModelConfig,
+            dict(n_heads=3),
+            "model.dim (64) must be divisible by model.n_heads (3); valid n_heads: [1, 2, 4, 8, 16, 32]",
+        ),
+        (
+            ModelConfig,
+            dict(n_heads=64),
+            "model.dim / model.n_heads = 1 (the head dim) must be even for rotary embeddings; "
+            "valid n_heads for dim 64: [1, 2, 4, 8, 16, 32]",
+        ),
         (ModelConfig, dict(moe_hidden_dim=0), "model.moe_hidden_dim must be >= 1, got 0"),
         (ModelConfig, dict(route_scale=math.nan), "model.route_scale must be a finite number > 0, got nan"),
         (ModelConfig, dict(norm_eps=0.0), "model.norm_eps must be > 0, got 0.0"),
         (ModelConfig, dict(max_seq_len=0), "model.max_seq_len must be >= 1, got 0"),
-        (ModelConfig, dict(tie_embeddings="yes"), "model.tie_embeddings must be a bool (true or false), got 'yes' (str)"),
-        (ModelConfig, dict(num_expert_groups=3), "model.num_experts (8) must be divisible by model.num_expert_groups (3); "
-                                                 "valid num_expert_groups: [1, 2, 4, 8]"),
-        (ModelConfig, dict(capacity_factor=-1.0), "model.capacity_factor must be a finite number > 0, or None (no "
-                                                  "capacity limit), got -1.0"),
+        (
+            ModelConfig,
+            dict(tie_embeddings="yes"),
+            "model.tie_embeddings must be a bool (true or false), got 'yes' (str)",
+        ),
+        (
+            ModelConfig,
+            dict(num_expert_groups=3),
+            "model.num_experts (8) must be divisible by model.num_expert_groups (3); "
+            "valid num_expert_groups: [1, 2, 4, 8]",
+        ),
+        (
+            ModelConfig,
+            dict(capacity_factor=-1.0),
+            "model.capacity_factor must be a finite number > 0, or None (no capacity limit), got -1.0",
+        ),
         (ParallelConfig, dict(ep=2.0), "parallel.ep must be an int >= 1, got 2.0"),
         (ParallelConfig, dict(nproc=0), "parallel.nproc must be >= 1, got 0"),
         (ParallelConfig, dict(device="tpu"), "parallel.device must be one of ['cpu', 'cuda'], got 'tpu'"),
@@ -119,10 +167,16 @@ def test_parallel_dims_types(args, kwargs, message):
         (TrainingConfig, dict(max_norm=0), "training.max_norm must be > 0, got 0"),
         (TrainingConfig, dict(dtype="fp16"), "training.dtype must be one of ['float32', 'bf16'], got 'fp16'"),
         (TrainingConfig, dict(seed=-1), "training.seed must be in 0..4294967295, got -1"),
-        (TrainingConfig, dict(activation_checkpoint="some"), "training.activation_checkpoint must be one of ['none', "
-                                                             "'full', 'selective'], got 'some'"),
-        (TrainingConfig, dict(activation_checkpoint=1), "training.activation_checkpoint must be one of ['none', 'full', "
-                                                        "'selective'], got 1"),
+        (
+            TrainingConfig,
+            dict(activation_checkpoint="some"),
+            "training.activation_checkpoint must be one of ['none', 'full', 'selective'], got 'some'",
+        ),
+        (
+            TrainingConfig,
+            dict(activation_checkpoint=1),
+            "training.activation_checkpoint must be one of ['none', 'full', 'selective'], got 1",
+        ),
         (DataConfig, dict(source="web"), "data.source must be one of ['corpus', 'synthetic'], got 'web'"),
     ],
 )
@@ -160,15 +214,19 @@ def test_missing_and_malformed_config_files(tmp_path):
     with pytest.raises(ValueError, match=r"bad\.toml' is not valid TOML: Invalid value \(at line 3, column 11\)"):
         load_config(str(bad))
     bad.write_text("model = 3\n")
-    with pytest.raises(ValueError, match=r"\[model\] in .*bad\.toml must be a table of key = value lines, got model = 3"):
+    with pytest.raises(
+        ValueError, match=r"\[model\] in .*bad\.toml must be a table of key = value lines, got model = 3"
+    ):
         load_config(str(bad))
     with pytest.raises(ValueError, match="is a directory, not a TOML file"):
         load_config(str(tmp_path))
 
 
 def test_validation_is_torch_free():
-    code = ("import sys, dtensor_moe.validate, dtensor_moe.config, dtensor_moe.parallel.mesh, dtensor_moe.train.config; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, dtensor_moe.validate, dtensor_moe.config, dtensor_moe.parallel.mesh, dtensor_moe.train.config; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -204,8 +262,7 @@ def test_activation_checkpoint_modes_read_the_same_everywhere(mode):
     """The config, parallelize_model's check_compile and apply_activation_checkpointing share one check."""
     from torch import nn
 
-    from dtensor_moe.parallel.compile import apply_activation_checkpointing
-    from dtensor_moe.parallel.compile import check_compile
+    from dtensor_moe.parallel.compile import apply_activation_checkpointing, check_compile
 
     message = f"activation_checkpoint must be one of ['none', 'full', 'selective'], got {mode!r}"
     assert _message(lambda: TrainingConfig(activation_checkpoint=mode)) == f"training.{message}"

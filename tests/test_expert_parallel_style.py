@@ -119,7 +119,10 @@ def tp_and_ep_plan(rank: int, world_size: int) -> dict:
     ref = Reference(dims)
     meshes = dims.build_meshes("cpu")
     out = {}
-    for name, style in (("eager", ExpertParallel(dims)), ("compiled", ExpertParallel(meshes=meshes, compile="aot_eager"))):
+    for name, style in (
+        ("eager", ExpertParallel(dims)),
+        ("compiled", ExpertParallel(meshes=meshes, compile="aot_eager")),
+    ):
         torch._dynamo.reset()
         model = parallelize_module(ref.copy(perturb_moe=rank > 0), meshes.tp, _tp_plan(style))
         fully_shard(model, mesh=dp_fsdp_mesh(meshes, dims))
@@ -201,12 +204,23 @@ def test_bad_arguments_raise_at_construction(kwargs, match):
         ExpertParallel(**kwargs)
 
 
-@pytest.mark.parametrize("module,dims,match", [
-    (nn.Linear(D, D), MoEParallelDims(4, ep=2), r"applies to a dtensor_moe.MoE or a module holding MoE layers; "
-                                                r"Linear holds none"),
-    (MoE(CONFIG), MoEParallelDims(3, etp=3), r"hidden_dim \(4\) must be divisible by etp \(3\)"),
-    (nn.Sequential(nn.Linear(D, D), MoE(CONFIG)), MoEParallelDims(3, ep=3), r"num_experts \(4\) must be divisible by ep"),
-])
+@pytest.mark.parametrize(
+    "module,dims,match",
+    [
+        (
+            nn.Linear(D, D),
+            MoEParallelDims(4, ep=2),
+            r"applies to a dtensor_moe.MoE or a module holding MoE layers; "
+            r"Linear holds none",
+        ),
+        (MoE(CONFIG), MoEParallelDims(3, etp=3), r"hidden_dim \(4\) must be divisible by etp \(3\)"),
+        (
+            nn.Sequential(nn.Linear(D, D), MoE(CONFIG)),
+            MoEParallelDims(3, ep=3),
+            r"num_experts \(4\) must be divisible by ep",
+        ),
+    ],
+)
 def test_bad_modules_raise_before_any_collective(module, dims, match):
     """No process group exists in this process: a collective would fail with another error."""
     with pytest.raises(ValueError, match=match):

@@ -20,7 +20,10 @@ README_CONFIG = MoEConfig(dim=8, hidden_dim=8, num_experts=4, top_k=1, num_share
 CASES = [
     (README_CONFIG, MoEParallelDims(8, ep=2, etp=2)),  # EDP2 x EP2 x ETP2
     (MoEConfig(dim=6, hidden_dim=4, num_experts=2, top_k=1), MoEParallelDims(8, dp_replicate=2, ep=2)),
-    (MoEConfig(dim=5, hidden_dim=6, num_experts=3, top_k=1, num_shared_experts=2), MoEParallelDims(12, cp=2, ep=3, etp=2)),
+    (
+        MoEConfig(dim=5, hidden_dim=6, num_experts=3, top_k=1, num_shared_experts=2),
+        MoEParallelDims(12, cp=2, ep=3, etp=2),
+    ),
     (README_CONFIG, MoEParallelDims(8, cp=2, tp=2, ep=2, etp=2)),  # the MoE's dense weights over dp_shard_cp_tp
     (README_CONFIG, MoEParallelDims(16, pp=2, tp=2, ep=2, etp=2)),  # one stage's ranks: the tables are stage-local
 ]
@@ -71,7 +74,9 @@ def test_text_shows_the_dense_axes():
     dims = MoEParallelDims(8, cp=2, tp=2, ep=2, etp=2)
     text = X.describe(README_CONFIG, dims)
     rows = [line.split() for line in text.splitlines() if re.match(r"^\s+\d+ \|", line)]
-    assert [(int(r[-2]), int(r[-1])) for r in rows] == [(dims.dense_coords(i)["cp"], dims.dense_coords(i)["tp"]) for i in range(8)]
+    assert [(int(r[-2]), int(r[-1])) for r in rows] == [
+        (dims.dense_coords(i)["cp"], dims.dense_coords(i)["tp"]) for i in range(8)
+    ]
     assert "dense TP (sequence-parallel between blocks), groups 0-1 2-3 4-5 6-7:" in text
     assert "attention.wq=colwise" in text and "shard over dp_shard_cp_tp" in text
 
@@ -113,7 +118,9 @@ def test_png_without_matplotlib(tmp_path, monkeypatch):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         assert main([*README_ARGS, "--png", str(path)]) == 0
     assert X.describe(*CASES[0]) in out.getvalue() and "written" not in out.getvalue()
-    assert err.getvalue() == f"dtensor-moe explain: --png needs matplotlib (pip install matplotlib); {path} not written\n"
+    assert (
+        err.getvalue() == f"dtensor-moe explain: --png needs matplotlib (pip install matplotlib); {path} not written\n"
+    )
     assert not path.exists()
 
 
@@ -150,7 +157,9 @@ def test_png_into_a_missing_directory_is_refused_before_any_output(tmp_path):
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()) as out:
         assert main([*README_ARGS, "--png", str(path)]) == 2
-    assert err.getvalue() == f"dtensor-moe explain: --png {str(path)!r}: directory {str(path.parent)!r} does not exist\n"
+    assert (
+        err.getvalue() == f"dtensor-moe explain: --png {str(path)!r}: directory {str(path.parent)!r} does not exist\n"
+    )
     assert out.getvalue() == ""
 
 

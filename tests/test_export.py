@@ -42,7 +42,11 @@ def test_export_file_opens_with_safetensors_and_keeps_names(exported):
     path, want = exported
     got = load_file(path)
     assert got.keys() == want.keys()
-    assert "layers.0.moe.experts.w1" in got and got["layers.0.moe.experts.w1"].shape == (CFG.num_experts, CFG.moe_hidden_dim, CFG.dim)
+    assert "layers.0.moe.experts.w1" in got and got["layers.0.moe.experts.w1"].shape == (
+        CFG.num_experts,
+        CFG.moe_hidden_dim,
+        CFG.dim,
+    )
     for k, v in want.items():
         assert torch.equal(got[k], v), k
     assert json.loads(path.with_name(export.CONFIG).read_text()) == dataclasses.asdict(CFG)
@@ -78,7 +82,9 @@ def test_load_safetensors_into_sharded_mesh_bit_exact(exported, dims):
 def test_import_into_other_config_names_the_differences(exported):
     path, _ = exported
     model, _, _ = build(1, None, seed=0, cfg=ModelConfig(**{**CFG.__dict__, "num_experts": 8}))
-    with pytest.raises(ValueError, match=r"layers\.0\.moe\.experts\.w1: file \[4, 8, 16\] vs model \[8, 8, 16\]") as err:
+    with pytest.raises(
+        ValueError, match=r"layers\.0\.moe\.experts\.w1: file \[4, 8, 16\] vs model \[8, 8, 16\]"
+    ) as err:
         export.load_safetensors_into(model, path)
     assert "num_experts: saved 4 vs model 8" in str(err.value)
 
@@ -140,7 +146,10 @@ def test_export_without_output_or_with_hf_only_flags_says_which(tmp_path, capsys
 @pytest.mark.parametrize(
     "setup,message",
     [
-        (lambda w: w.unlink(), "no safetensors file at '{w}'; give model.safetensors written by `dtensor-moe export`, or its directory"),
+        (
+            lambda w: w.unlink(),
+            "no safetensors file at '{w}'; give model.safetensors written by `dtensor-moe export`, or its directory",
+        ),
         (lambda w: w.write_bytes(b"\0" * 7), "{w} is not a readable safetensors file"),
         (lambda w: w.with_name(export.CONFIG).write_text("{"), "{c} is not valid JSON"),
     ],
@@ -158,5 +167,7 @@ def test_import_bad_files(one_process_export, tmp_path, capsys, setup, message):
 def test_safetensors_into_a_model_whose_config_keeps_the_shapes(one_process_export):
     _, weights = one_process_export
     model, _, _ = build(1, None, seed=0, cfg=ModelConfig(**{**CFG.__dict__, "n_heads": 4, "top_k": 1}))
-    with pytest.raises(ValueError, match=r"model config differs: n_heads: saved 2 vs model 4, top_k: saved 2 vs model 1"):
+    with pytest.raises(
+        ValueError, match=r"model config differs: n_heads: saved 2 vs model 4, top_k: saved 2 vs model 1"
+    ):
         export.load_safetensors_into(model, weights)

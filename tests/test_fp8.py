@@ -187,7 +187,9 @@ def fp8_payload_against_unquantized(rank, world_size, etp, pad=False):
         forward = dict(dispatch.SENT_BYTES)
         (y * dy[lo:hi]).sum().backward()
         backward = {k: v - forward.get(k, 0) for k, v in dispatch.SENT_BYTES.items()}
-        res.append({"out": y.detach(), "grad:x": x_r.grad, **{n: p.grad.full_tensor() for n, p in model.named_parameters()}})
+        res.append(
+            {"out": y.detach(), "grad:x": x_r.grad, **{n: p.grad.full_tensor() for n, p in model.named_parameters()}}
+        )
         sent.append((forward, backward))
     rel = {k: ((res[1][k].float() - res[0][k].float()).norm() / res[0][k].float().norm()).item() for k in res[0]}
     (fwd_bf16, bwd_bf16), (fwd_fp8, bwd_fp8) = sent

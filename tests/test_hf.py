@@ -60,7 +60,15 @@ def checkpoints(tmp_path_factory):
 def test_to_hf_writes_save_pretrained_keys_and_round_trips(model_type, checkpoints):
     """Our layer -> their keys: exactly the keys and shapes save_pretrained wrote for that layer, and
     reading them back gives our tensors again."""
-    from dtensor_moe.hf import SafetensorsReader, StateDictReader, family, layer_prefix, load_hf_moe, moe_config_from_hf, to_hf
+    from dtensor_moe.hf import (
+        SafetensorsReader,
+        StateDictReader,
+        family,
+        layer_prefix,
+        load_hf_moe,
+        moe_config_from_hf,
+        to_hf,
+    )
     from dtensor_moe.moe import MoE
 
     fam = family(model_type)
@@ -70,7 +78,9 @@ def test_to_hf_writes_save_pretrained_keys_and_round_trips(model_type, checkpoin
     moe = load_hf_moe(MoE(cfg).double(), reader, fam, prefix)
     ours = {k: v for k, v in moe.state_dict().items() if k != "tokens_per_expert"}
     theirs = to_hf(ours, fam, prefix)
-    assert {k: reader.shape(k) for k in reader.keys() if k.startswith(prefix)} == {k: tuple(v.shape) for k, v in theirs.items()}
+    assert {k: reader.shape(k) for k in reader.keys() if k.startswith(prefix)} == {
+        k: tuple(v.shape) for k, v in theirs.items()
+    }
     for k, v in theirs.items():
         assert torch.equal(v, reader.read(k)), k
     again = load_hf_moe(MoE(cfg).double(), StateDictReader(theirs), fam, prefix)
@@ -95,9 +105,11 @@ def parallel_from_checkpoint(rank, world_size, ckpt_dir, model_type, ep, etp, x,
     load_hf_moe(moe, reader, fam, prefix, dims)
     # What this rank must read: its boxes (gpt-oss's interleaved gate/up: the 2F columns once each
     # for w1 and w3), buffers whole; the layer holds far more.
-    owned = sum(math.prod(s.stop - s.start for s in owned_box(wp, dims, rank))
-                * (2 if model_type == "gpt_oss" and wp.name in ("experts.w1", "experts.w3", "experts.b1", "experts.b3") else 1)
-                for wp in plan_moe(cfg, dims))
+    owned = sum(
+        math.prod(s.stop - s.start for s in owned_box(wp, dims, rank))
+        * (2 if model_type == "gpt_oss" and wp.name in ("experts.w1", "experts.w3", "experts.b1", "experts.b3") else 1)
+        for wp in plan_moe(cfg, dims)
+    )
     owned += 0 if moe.expert_bias is None else moe.expert_bias.numel()
     layer = sum(math.prod(reader.shape(k)) for k in reader.keys() if k.startswith(prefix))
 
@@ -115,7 +127,9 @@ def test_parallel_layer_from_checkpoint_matches_transformers(model_type, ep, etp
     """The reference is the block of transformers' from_pretrained of the same checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoints[model_type], dtype=torch.float64, experts_implementation=EXPERTS)
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoints[model_type], dtype=torch.float64, experts_implementation=EXPERTS
+    )
     g = torch.Generator().manual_seed(2)
     x = torch.randn(8, 3, 8, generator=g, dtype=torch.float64)
     dy = torch.randn(8, 3, 8, generator=g, dtype=torch.float64)
@@ -152,7 +166,9 @@ def test_cli_import_then_export_hf_gives_back_the_checkpoint_layers(model_type, 
         assert torch.equal(v, hf[k]), k
     fields = json.loads((tmp_path / "theirs" / "config.json").read_text())
     hf_config = json.loads((src / "config.json").read_text())
-    assert all(hf_config.get(k, v) == v for k, v in fields.items() if k not in ("sha256", "moe_layers", "num_experts")), fields
+    assert all(
+        hf_config.get(k, v) == v for k, v in fields.items() if k not in ("sha256", "moe_layers", "num_experts")
+    ), fields
 
 
 def test_cli_hf_refuses_bad_input_in_one_line(checkpoints, tmp_path, capsys):

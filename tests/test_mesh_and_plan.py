@@ -42,9 +42,21 @@ def test_bad_degrees_raise_clear_errors(kwargs, match):
 @pytest.mark.parametrize(
     "cfg,dims,match",
     [
-        (dict(num_experts=6), dict(ep=4), r"num_experts \(6\) must be divisible by ep \(4\).*valid ep for this world: \[1, 2\]"),
-        (dict(hidden_dim=6), dict(etp=4), r"hidden_dim \(6\) must be divisible by etp \(4\).*valid etp with ep=1: \[1, 2\]"),
-        (dict(num_experts=6), dict(tp=2, ep=4), r"num_experts \(6\) must be divisible by ep \(4\).*valid ep for this world: \[1, 2\]"),
+        (
+            dict(num_experts=6),
+            dict(ep=4),
+            r"num_experts \(6\) must be divisible by ep \(4\).*valid ep for this world: \[1, 2\]",
+        ),
+        (
+            dict(hidden_dim=6),
+            dict(etp=4),
+            r"hidden_dim \(6\) must be divisible by etp \(4\).*valid etp with ep=1: \[1, 2\]",
+        ),
+        (
+            dict(num_experts=6),
+            dict(tp=2, ep=4),
+            r"num_experts \(6\) must be divisible by ep \(4\).*valid ep for this world: \[1, 2\]",
+        ),
     ],
 )
 def test_bad_model_for_mesh_raises(cfg, dims, match):
@@ -120,7 +132,9 @@ def test_tiling_check_detects_overlap_and_holes():
     assert _tiles([(s(0, 2), s(0, 4)), (s(2, 4), s(0, 4))], (4, 4))
     assert not _tiles([(s(0, 3), s(0, 4)), (s(2, 4), s(0, 4))], (4, 4))  # overlap
     assert not _tiles([(s(0, 2), s(0, 4))], (4, 4))  # hole
-    nested = WeightPlan("w", "expert", (4, 4), (ShardStep("ep", 0), ShardStep("etp", 0)), ("dp_replicate",), (2, 4), False)
+    nested = WeightPlan(
+        "w", "expert", (4, 4), (ShardStep("ep", 0), ShardStep("etp", 0)), ("dp_replicate",), (2, 4), False
+    )
     # Sharding dim 0 over ep and again over etp with chunk math is still a tiling; a plan that
     # ignores an axis is caught as double ownership:
     dims = MoEParallelDims(4, ep=2, etp=2)

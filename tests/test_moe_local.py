@@ -215,8 +215,11 @@ def test_grouped_mm_kernel_matches_loop(dtype):
     E, F_, D = 4, 16, 8
     counts = torch.tensor([5, 0, 7, 4])
     x = torch.randn(int(counts.sum()), D, dtype=dtype, requires_grad=True)
-    ws = [torch.randn(E, F_, D, dtype=dtype, requires_grad=True), torch.randn(E, D, F_, dtype=dtype, requires_grad=True),
-          torch.randn(E, F_, D, dtype=dtype, requires_grad=True)]
+    ws = [
+        torch.randn(E, F_, D, dtype=dtype, requires_grad=True),
+        torch.randn(E, D, F_, dtype=dtype, requires_grad=True),
+        torch.randn(E, F_, D, dtype=dtype, requires_grad=True),
+    ]
     assert policy.grouped_mm_supported(x, ws[0].shape), f"torch._grouped_mm unavailable on CPU for {dtype}"
     y_kernel = grouped_swiglu(x, counts, *ws)
     with _loop_only(False):
@@ -250,7 +253,9 @@ def test_weight_grad_scale_scales_only_weight_grads(dim, hidden, use_kernel):
     torch.manual_seed(0)
     counts = torch.tensor([5, 0, 7, 4])
     x = torch.randn(16, dim, dtype=dtype, requires_grad=True)
-    ws = [torch.randn(s, dtype=dtype, requires_grad=True) for s in ((4, hidden, dim), (4, dim, hidden), (4, hidden, dim))]
+    ws = [
+        torch.randn(s, dtype=dtype, requires_grad=True) for s in ((4, hidden, dim), (4, dim, hidden), (4, hidden, dim))
+    ]
     g = torch.randn(16, dim, dtype=dtype)
     with _loop_only(use_kernel):
         ref = torch.autograd.grad(grouped_swiglu(x, counts, *ws), [x, *ws], g)
@@ -324,8 +329,12 @@ def test_sequence_aux_and_z_losses_match_their_definitions(score_func):
     z = 0.02 * torch.logsumexp(logits, -1).square().mean()
     for got, want in ((moe.seq_aux_loss, seq), (moe.z_loss, z)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(torch.autograd.grad(got, w, retain_graph=True)[0], torch.autograd.grad(want, w, retain_graph=True)[0],
-                                   rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            torch.autograd.grad(got, w, retain_graph=True)[0],
+            torch.autograd.grad(want, w, retain_graph=True)[0],
+            rtol=1e-12,
+            atol=1e-12,
+        )
     assert moe.aux_loss is None and len(moe.losses()) == 2
 
 

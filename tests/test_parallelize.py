@@ -33,7 +33,9 @@ def _mixed_precision_layer(rank: int, world_size: int, ep: int) -> dict:
         "out_err": ((y.float() - y_ref[rank]).abs().max() / y_ref.abs().max()).item(),
         "param_dtype": str(w1.dtype),
         "grad_dtype": str(w1.grad.dtype),
-        "grad_err": ((w1.grad.full_tensor() - ref.experts.w1.grad).abs().max() / ref.experts.w1.grad.abs().max()).item(),
+        "grad_err": (
+            (w1.grad.full_tensor() - ref.experts.w1.grad).abs().max() / ref.experts.w1.grad.abs().max()
+        ).item(),
     }
 
 
@@ -84,6 +86,7 @@ def test_dispatch_sends_each_token_once_per_rank(etp):
 
 def _parallelize_twice(rank, world_size):
     import pytest
+
     from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
 
     moe = MoE(MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2))

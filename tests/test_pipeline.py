@@ -15,13 +15,13 @@ def _train_pp_and_reference(rank: int, world_size: int, schedule: str, n_layers:
     import copy
 
     from dtensor_moe.parallel.mesh import MoEParallelDims
-    from dtensor_moe.train.parallel.parallelize import parallelize_model
-    from dtensor_moe.train.parallel.pipeline import Pipeline, cross_entropy, stage_view
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.data import Batches
     from dtensor_moe.train.loop import _accumulating
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.optim import clip_grad_norm_
+    from dtensor_moe.train.parallel.parallelize import parallelize_model
+    from dtensor_moe.train.parallel.pipeline import Pipeline, cross_entropy, stage_view
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=32, dim=8, n_layers=n_layers, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=4,
@@ -31,8 +31,18 @@ def _train_pp_and_reference(rank: int, world_size: int, schedule: str, n_layers:
     dims = MoEParallelDims(world_size, ep=ep, etp=etp, tp=tp, pp=2)
     pp_mesh = dims.build_meshes("cpu").pp
     # Sequence parallelism hands each TP rank its own slice of the hidden states between stages.
-    pipe = Pipeline(copy.deepcopy(ref), pp_mesh, schedule, microbatches, BATCH // dims.dp, SEQ, SEQ // tp, torch.float64,
-                    torch.device("cpu"), lambda m: parallelize_model(m, dims, device_type="cpu"))
+    pipe = Pipeline(
+        copy.deepcopy(ref),
+        pp_mesh,
+        schedule,
+        microbatches,
+        BATCH // dims.dp,
+        SEQ,
+        SEQ // tp,
+        torch.float64,
+        torch.device("cpu"),
+        lambda m: parallelize_model(m, dims, device_type="cpu"),
+    )
     model = stage_view(pipe.parts)
     tokens = torch.randint(0, cfg.vocab_size, (500,), generator=torch.Generator().manual_seed(1))
     ours = Batches(tokens, SEQ, BATCH, 0, dims.dense_coords(rank)["dp_shard"], dims.dp_shard, microbatches=microbatches)
@@ -91,12 +101,12 @@ def _reshard_pp2_pp1_pp2(rank: int, world_size: int, root: str) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from dtensor_moe.parallel.mesh import MoEParallelDims
-    from dtensor_moe.train.parallel.parallelize import parallelize_model
-    from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
     from dtensor_moe.train import checkpoint
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.optim import build_optimizer
+    from dtensor_moe.train.parallel.parallelize import parallelize_model
+    from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
     cfg = ModelConfig(vocab_size=32, dim=8, n_layers=4, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=4,
                       load_balance="aux_free_bias")

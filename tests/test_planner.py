@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from dtensor_moe.tools import planner as P
+from dtensor_moe.cli.plan import resolve
 from dtensor_moe.parallel.mesh import EXPERT_AXES, PP_STAGES_PER_RANK, MoEParallelDims
 from dtensor_moe.parallel.plan import plan_moe, rank_coords
-from dtensor_moe.cli.plan import resolve
+from dtensor_moe.tools import planner as P
 from dtensor_moe.tools.presets import PRESETS, spec_from_model_config
 
 from .harness import run_on_ranks
@@ -35,10 +35,10 @@ def _measure_states(rank, world, model_kwargs, dims_kwargs, schedule="1f1b"):
     import torch.nn.functional as F
     from torch.distributed.tensor import DTensor
 
-    from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.parallel.parallelize import parallelize_model
+    from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
     torch.manual_seed(0)
     cfg = ModelConfig(**model_kwargs)
@@ -345,8 +345,19 @@ def test_planner_package_layout_and_torch_free():
     import importlib
 
     from dtensor_moe.cli import SUBCOMMANDS
-    from dtensor_moe.tools.planner import cache, geometry, memory, pipeline, report, search, tokens, traffic, units
-    from dtensor_moe.tools.planner import predicted_state_bytes, workload
+    from dtensor_moe.tools.planner import (
+        cache,
+        geometry,
+        memory,
+        pipeline,
+        predicted_state_bytes,
+        report,
+        search,
+        tokens,
+        traffic,
+        units,
+        workload,
+    )
 
     assert predicted_state_bytes is memory.predicted_state_bytes
     assert P.plan is search.plan and P.explain_choice is report.explain_choice and P.Workload is workload.Workload
@@ -458,10 +469,10 @@ def test_plan_cli_16k():
 
 
 def test_plan_json():
-    from dtensor_moe.cli import main
-
     import contextlib
     import io
+
+    from dtensor_moe.cli import main
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):

@@ -41,7 +41,9 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z" if sys.platform == "linux" else True
+    return (
+        Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z" if sys.platform == "linux" else True
+    )
 
 
 def _all_gone(pids, timeout: float = 20) -> bool:

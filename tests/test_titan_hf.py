@@ -107,7 +107,9 @@ def _load_and_train(rank: int, world: int, argv: list[str], tokens) -> dict:
     return {"keys": keys, "logits": logits, "losses": losses}
 
 
-@pytest.mark.parametrize("model_type, config", [("qwen3_moe", "qwen3_moe_tiny_cpu"), ("deepseek_v3", "deepseek_v3_hf_cpu")])
+@pytest.mark.parametrize(
+    "model_type, config", [("qwen3_moe", "qwen3_moe_tiny_cpu"), ("deepseek_v3", "deepseek_v3_hf_cpu")]
+)
 def test_hf_checkpoint_loads_through_titan_adapters(tmp_path, model_type, config):
     tokens = torch.randint(0, 382, (2, 32), generator=torch.Generator().manual_seed(0))
     logits_hf, hf_keys = _write_checkpoint(model_type, tmp_path / "hf", tokens)

@@ -73,13 +73,24 @@ def test_summary_names_fp8(model, tail):
         (["modelx.dim=3"], r"must look like section.key=value"),
         (["parallel.pp=3"], r"pp \(3\) must divide world_size 8"),
         (["parallel.pp=2", "model.tie_embeddings=true"], r"tie_embeddings=true is not supported with parallel.pp > 1"),
-        (["parallel.pp=2", "parallel.microbatches=1"], r"microbatches \(1\) must be >= parallel.pp \(2\) for pp_schedule '1f1b'"),
-        (["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], r"model.n_layers \(2\) must be >= the pipeline stages \(4"),
+        (
+            ["parallel.pp=2", "parallel.microbatches=1"],
+            r"microbatches \(1\) must be >= parallel.pp \(2\) for pp_schedule '1f1b'",
+        ),
+        (
+            ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],
+            r"model.n_layers \(2\) must be >= the pipeline stages \(4",
+        ),
         (["parallel.pp_schedule=zb"], r"parallel.pp_schedule must be one of \['gpipe', '1f1b', 'interleaved_1f1b'\]"),
-        (["parallel.pp=2", "parallel.microbatches=3", "parallel.pp_schedule=gpipe"],
-         r"global_batch \(16\) must be divisible by the data-parallel size \(4\) times parallel.microbatches \(3\) = 12"),
-        (["parallel.pp=2", "model.n_layers=4", "parallel.microbatches=5", "parallel.pp_schedule=interleaved_1f1b"],
-         r"microbatches \(5\) must be a multiple of max\(1, microbatches // pp\) = 2"),
+        (
+            ["parallel.pp=2", "parallel.microbatches=3", "parallel.pp_schedule=gpipe"],
+            r"global_batch \(16\) must be divisible by the data-parallel size \(4\) times "
+            r"parallel.microbatches \(3\) = 12",
+        ),
+        (
+            ["parallel.pp=2", "model.n_layers=4", "parallel.microbatches=5", "parallel.pp_schedule=interleaved_1f1b"],
+            r"microbatches \(5\) must be a multiple of max\(1, microbatches // pp\) = 2",
+        ),
     ],
 )
 def test_config_errors(overrides, match):
@@ -96,10 +107,17 @@ def test_config_errors(overrides, match):
 def test_global_batch_checked_against_the_real_world_size_before_launch():
     from dtensor_moe.cli.train import _check
 
-    cfg = load_config("configs/tiny_cpu_ep_only.toml", ["parallel.ep=16", "model.num_experts=16", "training.global_batch=32"])
+    cfg = load_config(
+        "configs/tiny_cpu_ep_only.toml", ["parallel.ep=16", "model.num_experts=16", "training.global_batch=32"]
+    )
     _check(cfg, 32)  # under torchrun on 32 ranks: ep=16 is valid although parallel.nproc says 8
     with pytest.raises(ValueError, match=r"global_batch \(16\) must be divisible by the data-parallel size \(32\)"):
-        _check(load_config("configs/tiny_cpu_ep_only.toml", ["parallel.ep=16", "model.num_experts=16", "training.global_batch=16"]), 32)
+        _check(
+            load_config(
+                "configs/tiny_cpu_ep_only.toml", ["parallel.ep=16", "model.num_experts=16", "training.global_batch=16"]
+            ),
+            32,
+        )
 
 
 def test_global_batch_must_split_over_data_ranks():
@@ -152,24 +170,36 @@ TINY = ["train", "--config", "configs/tiny_cpu.toml"]
         (["training.steps=ten"], "training.steps must be an int >= 1, got 'ten' (str)"),
         (["training.global_batch=0"], "training.global_batch must be >= 1, got 0"),
         (["training.seq_len=0"], "training.seq_len must be >= 1, got 0"),
-        (["training.seq_len=2048"], "training.seq_len (2048) must be <= model.max_seq_len (1024); valid seq_len: 1..1024 "
-                                    "(or raise model.max_seq_len)"),
+        (
+            ["training.seq_len=2048"],
+            "training.seq_len (2048) must be <= model.max_seq_len (1024); valid seq_len: 1..1024 "
+            "(or raise model.max_seq_len)",
+        ),
         (["--steps", "-3"], "training.steps must be >= 1, got -3"),
         (["--nproc", "0"], "parallel.nproc must be >= 1, got 0"),
         (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0 (steps between saves; 0: never), got -1"),
         (["--keep-last", "0"], "--keep-last must be >= 1 (checkpoints kept on disk), got 0"),
         (["model.top_k=2.5"], "model.top_k must be an int in 1..num_experts (8), got 2.5"),
         (["parallel.ep=3"], "ep * etp = 3*2 must divide dp_shard * cp * tp = 8"),
-        (["parallel.tp=3"], "model.n_heads (4) must be divisible by parallel.tp (3) so each TP rank owns whole heads; "
-                            "valid tp: [1, 2, 4]"),
-        (["parallel.cp=2", "parallel.tp=2", "training.seq_len=6"],
-         "training.seq_len (6) must be divisible by parallel.cp * parallel.tp (2*2)"),
+        (
+            ["parallel.tp=3"],
+            "model.n_heads (4) must be divisible by parallel.tp (3) so each TP rank owns whole heads; "
+            "valid tp: [1, 2, 4]",
+        ),
+        (
+            ["parallel.cp=2", "parallel.tp=2", "training.seq_len=6"],
+            "training.seq_len (6) must be divisible by parallel.cp * parallel.tp (2*2)",
+        ),
         (["parallel.tp=2", "model.tie_embeddings=true"], "parallel.tp=2 needs model.tie_embeddings = false"),
         (["parallel.cp=4", "parallel.tp=4"], "dp_replicate * cp * tp = 1*4*4 = 16 must divide world_size 8"),
-        (["parallel.tp=2", "parallel.ep=4", "training.compile=true"],
-         "training.compile with tp=2, cp=1 is not supported yet"),
-        (["parallel.cp=2", "parallel.tp=2", "training.global_batch=5"],
-         "training.global_batch (5) must be divisible by the data-parallel size (2)"),
+        (
+            ["parallel.tp=2", "parallel.ep=4", "training.compile=true"],
+            "training.compile with tp=2, cp=1 is not supported yet",
+        ),
+        (
+            ["parallel.cp=2", "parallel.tp=2", "training.global_batch=5"],
+            "training.global_batch (5) must be divisible by the data-parallel size (2)",
+        ),
     ],
 )
 def test_launcher_rejects_bad_input_in_one_line(tmp_path, capsys, argv, message):
@@ -204,7 +234,9 @@ def test_resume_does_not_swallow_an_override():
     cfg, _ = _resolve(args)
     assert args.resume == "latest" and cfg.training.steps == 5 and cfg.parallel.ep == 1
     args = _parsed(["--config", "configs/tiny_cpu.toml", "--resume", "runs/lr=1e-3/checkpoints"])
-    assert _resolve(args)[0].training.steps == 50 and args.resume == "runs/lr=1e-3/checkpoints"  # a path, not an override
+    assert (
+        _resolve(args)[0].training.steps == 50 and args.resume == "runs/lr=1e-3/checkpoints"
+    )  # a path, not an override
 
 
 def _tiny_checkpoint(root, step):
@@ -218,7 +250,9 @@ def _tiny_checkpoint(root, step):
 def test_resume_problems_are_caught_by_the_launcher(tmp_path, capsys):
     run = tmp_path / "run"
     assert main([*TINY, "--run-dir", str(run), "--resume"]) == 2
-    assert capsys.readouterr().err.startswith(f"dtensor-moe train: no complete checkpoint at or under '{run / 'checkpoints'}'")
+    assert capsys.readouterr().err.startswith(
+        f"dtensor-moe train: no complete checkpoint at or under '{run / 'checkpoints'}'"
+    )
     ckpt = _tiny_checkpoint(run / "checkpoints", 4)
     assert main([*TINY, "--run-dir", str(run), "--resume", "model.n_heads=2", "model.top_k=1"]) == 2
     assert capsys.readouterr().err == (
@@ -231,7 +265,9 @@ def test_resume_problems_are_caught_by_the_launcher(tmp_path, capsys):
                                        f"left to train; raise --steps above 4\n")
     (ckpt / "__0_0.distcp").write_bytes(b"")
     assert main([*TINY, "--run-dir", str(run), "--resume", str(ckpt)]) == 2
-    assert capsys.readouterr().err.startswith(f"dtensor-moe train: checkpoint {ckpt} cannot be loaded: __0_0.distcp is truncated")
+    assert capsys.readouterr().err.startswith(
+        f"dtensor-moe train: checkpoint {ckpt} cannot be loaded: __0_0.distcp is truncated"
+    )
 
 
 def test_run_results_survive_a_missing_matplotlib(tmp_path, monkeypatch, capsys):

@@ -22,7 +22,8 @@ def both(fn):
 torch.manual_seed(0)
 # Weighted gather-sum: as the local combine (idx a permutation of the rows, [T, K]) and as the
 # expert-side combine (rows read by up to K slots, empty slots -1, rows nobody reads have none).
-for R, K, D, N, empty in [(7, 1, 5, 7, 0.0), (6, 2, 1030, 12, 0.0), (4, 8, 24, 32, 0.0), (9, 3, 16, 11, 0.6), (0, 2, 8, 0, 0.0)]:
+CASES = [(7, 1, 5, 7, 0.0), (6, 2, 1030, 12, 0.0), (4, 8, 24, 32, 0.0), (9, 3, 16, 11, 0.6), (0, 2, 8, 0, 0.0)]
+for R, K, D, N, empty in CASES:
     slots = torch.randperm(R * K)
     keep = slots[: N] if empty else slots
     idx = torch.full((R * K,), -1, dtype=torch.long)
@@ -55,7 +56,8 @@ for R, K, D, N, empty in [(7, 1, 5, 7, 0.0), (6, 2, 1030, 12, 0.0), (4, 8, 24, 3
 for R, K, D, N in [(6, 3, 1030, 9), (4, 2, 5, 3), (0, 2, 8, 4)]:
     y_ND = torch.randn(N, D)
     idx_RK = torch.randint(-1, N, (R, K))
-    want = torch.stack([sum((y_ND[i] for i in row if i >= 0), torch.zeros(D)) for row in idx_RK.tolist()]) if R else y_ND[:0]
+    rows = [sum((y_ND[i] for i in row if i >= 0), torch.zeros(D)) for row in idx_RK.tolist()]
+    want = torch.stack(rows) if R else y_ND[:0]
     for got in both(lambda: combine.gather_sum(y_ND, idx_RK, idx_RK, None)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

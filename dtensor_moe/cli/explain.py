@@ -65,11 +65,18 @@ def fmt_ranks(ranks: list[int]) -> str:
 def describe(config: MoEConfig, dims: MoEParallelDims) -> str:
     plans = plan_moe(config, dims)
     lines = [
-        *([f"world {dims.world_size} = pp {dims.pp} x {dims.stage_size}: pipeline stage s holds ranks "
-           f"s*{dims.stage_size} .. s*{dims.stage_size}+{dims.stage_size - 1}; below, one stage (stage-local ranks):"]
-          if dims.pp > 1 else []),
+        *(
+            [
+                f"world {dims.world_size} = pp {dims.pp} x {dims.stage_size}: pipeline stage s holds ranks "
+                f"s*{dims.stage_size} .. s*{dims.stage_size}+{dims.stage_size - 1}; "
+                "below, one stage (stage-local ranks):"
+            ]
+            if dims.pp > 1
+            else []
+        ),
         f"{'stage' if dims.pp > 1 else 'world'} {dims.stage_size}: dense mesh dp_replicate={dims.dp_replicate} x "
-        f"dp_shard={dims.dp_shard} x cp={dims.cp} x tp={dims.tp}; expert mesh dp_replicate={dims.dp_replicate} x edp={dims.edp} x "
+        f"dp_shard={dims.dp_shard} x cp={dims.cp} x tp={dims.tp}; "
+        f"expert mesh dp_replicate={dims.dp_replicate} x edp={dims.edp} x "
         f"ep={dims.ep} x etp={dims.etp}",
         f"MoE: {config.num_experts} experts, dim {config.dim}, hidden {config.hidden_dim}, "
         f"{config.num_shared_experts} shared expert(s). ETP ranks are consecutive, then EP, then EDP.",
@@ -117,7 +124,9 @@ def save_png(config: MoEConfig, dims: MoEParallelDims, path: str):
     ncols = min(3, panels)
     nrows = -(-panels // ncols)
     rows, cols = dims.stage_size // (dims.ep * dims.etp), dims.ep * dims.etp
-    fig, axes = plt.subplots(nrows, ncols, figsize=(ncols * max(3.0, 0.9 * cols + 1), nrows * max(2.5, 0.7 * rows + 1.2)), squeeze=False)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(ncols * max(3.0, 0.9 * cols + 1), nrows * max(2.5, 0.7 * rows + 1.2)), squeeze=False
+    )
     for ax, wp in zip(axes.flat, plans):
         grid, boxes = rank_grid(wp, dims)
         cmap = plt.get_cmap("tab20" if len(boxes) <= 20 else "viridis", len(boxes))
@@ -125,7 +134,9 @@ def save_png(config: MoEConfig, dims: MoEParallelDims, path: str):
         if rows * cols <= 256:  # labels are unreadable beyond that
             for i in range(rows):
                 for j in range(cols):
-                    ax.text(j, i, f"r{i * cols + j}\n{fmt_box(boxes[grid[i][j]])}", ha="center", va="center", fontsize=6)
+                    ax.text(
+                        j, i, f"r{i * cols + j}\n{fmt_box(boxes[grid[i][j]])}", ha="center", va="center", fontsize=6
+                    )
         ax.set_title(f"{wp.name}\n" + " ".join(f"{a}:{p}" for a, p in wp.placements().items()), fontsize=7)
         ax.set_xlabel(f"ep x etp = {dims.ep} x {dims.etp}", fontsize=7)
         ax.set_ylabel(f"dp_replicate x edp = {dims.dp_replicate} x {dims.edp}", fontsize=7)
@@ -138,7 +149,9 @@ def save_png(config: MoEConfig, dims: MoEParallelDims, path: str):
     for ax in list(axes.flat)[panels:]:
         ax.axis("off")
     stages = f" (pp {dims.pp} stages of {dims.stage_size}; grids: one stage)" if dims.pp > 1 else ""
-    fig.suptitle(f"world {dims.world_size}{stages}: colour = slice held (same colour = copies over dp_replicate)", fontsize=9)
+    fig.suptitle(
+        f"world {dims.world_size}{stages}: colour = slice held (same colour = copies over dp_replicate)", fontsize=9
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -147,9 +160,16 @@ def save_png(config: MoEConfig, dims: MoEParallelDims, path: str):
 def _dense_panel(ax, dims: MoEParallelDims, plt):
     """The dense mesh in rank order: a row per data-parallel group, its CP x TP ranks across."""
     cols = dims.cp * dims.tp
-    _row_panel(ax, plt, dims.stage_size // cols, cols, lambda i, j: f"r{i * cols + j}\ncp{j // dims.tp} tp{j % dims.tp}",
-               "dense mesh: colour = sequences read\n(cp parts, tp slices of each)", f"cp x tp = {dims.cp} x {dims.tp}",
-               f"dp_replicate x dp_shard = {dims.dp_replicate} x {dims.dp_shard}")
+    _row_panel(
+        ax,
+        plt,
+        dims.stage_size // cols,
+        cols,
+        lambda i, j: f"r{i * cols + j}\ncp{j // dims.tp} tp{j % dims.tp}",
+        "dense mesh: colour = sequences read\n(cp parts, tp slices of each)",
+        f"cp x tp = {dims.cp} x {dims.tp}",
+        f"dp_replicate x dp_shard = {dims.dp_replicate} x {dims.dp_shard}",
+    )
 
 
 def _pipeline_panel(ax, dims: MoEParallelDims, plt):
@@ -193,7 +213,19 @@ def add_arguments(p):
 
 def _check_flags(args):
     """The flags by their own names (MoEConfig's messages would say num_experts for --experts)."""
-    for flag in ("world", "ep", "etp", "dp_replicate", "cp", "tp", "pp", "experts", "dim", "hidden_dim", "shared_experts"):
+    for flag in (
+        "world",
+        "ep",
+        "etp",
+        "dp_replicate",
+        "cp",
+        "tp",
+        "pp",
+        "experts",
+        "dim",
+        "hidden_dim",
+        "shared_experts",
+    ):
         check_int("--" + flag.replace("_", "-"), getattr(args, flag), minimum=0 if flag == "shared_experts" else 1)
     if args.png:
         parent = os.path.dirname(os.path.abspath(args.png))
@@ -206,8 +238,9 @@ def run(args) -> int:
         _check_flags(args)
         config = MoEConfig(dim=args.dim, hidden_dim=args.hidden_dim, num_experts=args.experts, top_k=1,
                            num_shared_experts=args.shared_experts)
-        dims = MoEParallelDims(args.world, dp_replicate=args.dp_replicate, cp=args.cp, tp=args.tp, ep=args.ep, etp=args.etp,
-                               pp=args.pp)
+        dims = MoEParallelDims(
+            args.world, dp_replicate=args.dp_replicate, cp=args.cp, tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp
+        )
         print(describe(config, dims))
     except ValueError as e:
         print(f"dtensor-moe explain: {e}", file=sys.stderr)

@@ -47,7 +47,9 @@ def run_export(args) -> int:
 def add_import_arguments(parser):
     parser.add_argument("safetensors", nargs="?", help=f"{WEIGHTS} written by `dtensor-moe export`, or its directory "
                                                       "(with --hf: the output directory)")
-    parser.add_argument("out_ckpt", nargs="?", help="checkpoint root to write step_<step>/ into (resume from it with --resume)")
+    parser.add_argument(
+        "out_ckpt", nargs="?", help="checkpoint root to write step_<step>/ into (resume from it with --resume)"
+    )
     parser.add_argument("--hf", metavar="HF_DIR", help="import the MoE layers of a Hugging Face checkpoint directory "
                                                       "instead, into the one positional OUT directory (docs/hf.md)")
     parser.add_argument("--step", type=int, default=0, help="step number to record in the checkpoint (default 0)")

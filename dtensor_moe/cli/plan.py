@@ -8,9 +8,9 @@ from pathlib import Path
 
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims, divisors
 from dtensor_moe.parallel.plan import check_pipeline
-from dtensor_moe.tools.planner.workload import COMPUTE_BYTES, OPTIMIZER_MOMENTS, RECOMPUTE, Hardware, Workload
 from dtensor_moe.tools.planner.report import candidate_dict, explain_choice, table
 from dtensor_moe.tools.planner.search import TP_NOTE, pipeline_degrees, plan
+from dtensor_moe.tools.planner.workload import COMPUTE_BYTES, OPTIMIZER_MOMENTS, RECOMPUTE, Hardware, Workload
 from dtensor_moe.tools.presets import PRESETS, ModelSpec, spec_from_model_config
 from dtensor_moe.validate import check_int, check_positive
 
@@ -24,7 +24,9 @@ def load_config(path: Path) -> ModelSpec:
 
     data = read_toml(str(path))  # a malformed file is named, with tomllib's line
     if "model" not in data:
-        raise ValueError(f"{path}: a training config needs a [model] table (fields of dtensor_moe.train.model.ModelConfig)")
+        raise ValueError(
+            f"{path}: a training config needs a [model] table (fields of dtensor_moe.train.model.ModelConfig)"
+        )
     return spec_from_model_config(ModelConfig.from_dict(data["model"]), name=path.stem)
 
 
@@ -39,7 +41,9 @@ def resolve(model: str) -> ModelSpec:
         if (d / f"{model}.toml").is_file():
             return load_config(d / f"{model}.toml")
     configs = sorted({p.stem for d in _config_dirs() if d.is_dir() for p in d.glob("*.toml")})
-    raise ValueError(f"unknown model {model!r}; valid: presets {sorted(PRESETS)}, configs {configs}, or a path to a .toml")
+    raise ValueError(
+        f"unknown model {model!r}; valid: presets {sorted(PRESETS)}, configs {configs}, or a path to a .toml"
+    )
 
 
 def add_arguments(p):

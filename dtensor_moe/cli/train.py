@@ -16,7 +16,6 @@ from dtensor_moe.train.config import Config, is_override, load_config
 from dtensor_moe.train.loop import parallel_dims, train_ranks
 from dtensor_moe.train.supervision import describe_stop, read_stopped
 
-
 LAUNCHED = "DTENSOR_MOE_LAUNCHED"  # set for the ranks this launcher starts: it prints the summary itself
 
 
@@ -151,8 +150,10 @@ def _check_run_dir(cfg: Config, run_dir: str):
     need = 3 * 4 * cfg.model.num_params()
     free = shutil.disk_usage(run_dir).free
     if free < need:
-        raise ValueError(f"--run-dir {run_dir!r} has {free / 2**20:.1f} MiB free; a checkpoint of this model needs "
-                         f"about {need / 2**20:.1f} MiB (weights + AdamW state); free space or choose another --run-dir")
+        raise ValueError(
+            f"--run-dir {run_dir!r} has {free / 2**20:.1f} MiB free; a checkpoint of this model needs "
+            f"about {need / 2**20:.1f} MiB (weights + AdamW state); free space or choose another --run-dir"
+        )
 
 
 def _check_device(cfg: Config):
@@ -176,7 +177,9 @@ def console_summary(run_dir: str, parity_line: str | None = None) -> str:
 
 def _check_run_args(args, cfg: Config, run_dir: str):
     if args.checkpoint_every < 0:
-        raise ValueError(f"--checkpoint-every must be >= 0 (steps between saves; 0: never), got {args.checkpoint_every}")
+        raise ValueError(
+            f"--checkpoint-every must be >= 0 (steps between saves; 0: never), got {args.checkpoint_every}"
+        )
     if args.keep_last < 1:
         raise ValueError(f"--keep-last must be >= 1 (checkpoints kept on disk), got {args.keep_last}")
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
@@ -208,8 +211,8 @@ def _check(cfg: Config, world: int):
     """Every config error, raised before any process group or collective exists."""
     from dtensor_moe.parallel.compile import check_compile
     from dtensor_moe.parallel.plan import check_pipeline, plan_moe
-    from dtensor_moe.train.parallel.parallelize import check_model_parallel
     from dtensor_moe.train.data import check_global_batch
+    from dtensor_moe.train.parallel.parallelize import check_model_parallel
 
     p, m = cfg.parallel, cfg.model  # types and ranges of every field were checked when the config was built
     dims = parallel_dims(cfg, world)
@@ -248,7 +251,8 @@ def parity(cfg: Config, run_dir: str) -> tuple[int, str]:
 
     write_json(os.path.join(run_dir, "parity.json"), report)
     ok = max(deltas) <= tol
-    line = f"max |dloss| vs 1 process over {len(deltas)} steps = {max(deltas):.1e} (tolerance {tol:g}): {'pass' if ok else 'FAIL'}"
+    line = (f"max |dloss| vs 1 process over {len(deltas)} steps = {max(deltas):.1e} (tolerance {tol:g}): "
+            f"{'pass' if ok else 'FAIL'}")
     return (0 if ok else 1), line
 
 

@@ -43,7 +43,9 @@ def _read(reader, fam: Family, layout, prefix: str, name: str, box) -> torch.Ten
                              f"{sorted(fam.direct)} and the experts")
         key = prefix + fam.direct[name]
         if key not in reader.keys():
-            raise ValueError(f"{key} is missing from the Hugging Face weights ({fam.model_type} stores our {name} there)")
+            raise ValueError(
+                f"{key} is missing from the Hugging Face weights ({fam.model_type} stores our {name} there)"
+            )
         t = reader.read(key, box)
     want = tuple(s.stop - s.start for s in box)
     if tuple(t.shape) != want:
@@ -57,7 +59,10 @@ def read_hf_moe(reader, fam: Family, prefix: str, shapes: dict[str, tuple], boxe
     in `boxes` (whole where absent), in the checkpoint's dtype."""
     layout = fam.layout(reader.keys(), prefix, shapes["experts.w1"][1])
     boxes = boxes or {}
-    return {name: _read(reader, fam, layout, prefix, name, boxes.get(name, full_box(shape))) for name, shape in shapes.items()}
+    return {
+        name: _read(reader, fam, layout, prefix, name, boxes.get(name, full_box(shape)))
+        for name, shape in shapes.items()
+    }
 
 
 def moe_shapes(config) -> dict[str, tuple]:
@@ -85,9 +90,13 @@ def to_hf(state: dict[str, torch.Tensor], fam: Family, prefix: str) -> dict[str,
     """Full tensors of one layer under our names (an unparallelized MoE's state dict) -> the keys and
     layout save_pretrained writes for `fam` (per-expert where the family has one, gpt-oss fused)."""
     out = {prefix + fam.direct[n]: t for n, t in state.items() if not n.startswith("experts.") and n in fam.direct}
-    unmapped = sorted(n for n in state if not n.startswith("experts.") and n not in fam.direct and n != "tokens_per_expert")
+    unmapped = sorted(
+        n for n in state if not n.startswith("experts.") and n not in fam.direct and n != "tokens_per_expert"
+    )
     if unmapped:
-        raise ValueError(f"{fam.model_type} has no counterpart of our {unmapped}; valid: {sorted(fam.direct)} and the experts")
+        raise ValueError(
+            f"{fam.model_type} has no counterpart of our {unmapped}; valid: {sorted(fam.direct)} and the experts"
+        )
     layout = PerExpert(prefix, *fam.per_expert) if fam.per_expert else GptOss(prefix)
     experts = {n.removeprefix("experts."): t for n, t in state.items() if n.startswith("experts.")}
     out.update(layout.write(experts))

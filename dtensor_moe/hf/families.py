@@ -61,7 +61,9 @@ def _qwen3(get) -> MoEConfig:
 
 def _qwen3_layers(get) -> list[int]:
     skip, step = set(get("mlp_only_layers", None) or []), get("decoder_sparse_step", 1)
-    return [i for i in range(get("num_hidden_layers")) if i not in skip and _qwen3_experts(get) > 0 and (i + 1) % step == 0]
+    return [
+        i for i in range(get("num_hidden_layers")) if i not in skip and _qwen3_experts(get) > 0 and (i + 1) % step == 0
+    ]
 
 
 def _mixtral(get) -> MoEConfig:
@@ -78,12 +80,19 @@ def _deepseek_v3(get) -> MoEConfig:
     _silu(get, "deepseek_v3")
     K = get("num_experts_per_tok")
     # e_score_correction_bias is the aux-loss-free bias: the buffer exists only with that balancing.
-    return MoEConfig(dim=get("hidden_size"), hidden_dim=get("moe_intermediate_size"),
-                     num_experts=get("n_routed_experts"), top_k=K, score_func="sigmoid",
-                     route_norm=_normed(get, "deepseek_v3", K, get("norm_topk_prob", True)),
-                     route_scale=float(get("routed_scaling_factor", 1.0)), num_shared_experts=get("n_shared_experts", 0),
-                     load_balance="aux_free_bias", num_expert_groups=get("n_group", 1),
-                     num_limited_groups=get("topk_group", 1))
+    return MoEConfig(
+        dim=get("hidden_size"),
+        hidden_dim=get("moe_intermediate_size"),
+        num_experts=get("n_routed_experts"),
+        top_k=K,
+        score_func="sigmoid",
+        route_norm=_normed(get, "deepseek_v3", K, get("norm_topk_prob", True)),
+        route_scale=float(get("routed_scaling_factor", 1.0)),
+        num_shared_experts=get("n_shared_experts", 0),
+        load_balance="aux_free_bias",
+        num_expert_groups=get("n_group", 1),
+        num_limited_groups=get("topk_group", 1),
+    )
 
 
 def _gpt_oss(get) -> MoEConfig:

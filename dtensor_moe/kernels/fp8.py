@@ -108,8 +108,16 @@ def _(x_NI):
 
 
 @torch.library.custom_op("dtensor_moe::fp8_quantize_cols", mutates_args=())
-def quantize_cols(x_NC: torch.Tensor, starts_G: torch.Tensor, ends_G: torch.Tensor, dsts_G: torch.Tensor,
-                  out_shape: list[int], group_stride: int, col_stride: int, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_cols(
+    x_NC: torch.Tensor,
+    starts_G: torch.Tensor,
+    ends_G: torch.Tensor,
+    dsts_G: torch.Tensor,
+    out_shape: list[int],
+    group_stride: int,
+    col_stride: int,
+    pad: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group g and column c, amax over rows starts_G[g]:ends_G[g] of x_NC: q (flat layout
     q[g * group_stride + c * col_stride + dsts_G[g] + row - start], each group's rows padded with
     zeros to a multiple of `pad`, of shape out_shape) and s [G, C]. Slots no group writes are left unset."""

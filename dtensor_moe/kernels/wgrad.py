@@ -66,8 +66,12 @@ def _kernel():
         for k0 in range(start, end, BLOCK_K):
             rows = k0 + rk
             in_rows = rows < end
-            g_OK = tl.load(g_ptr + rows[None, :] * O + ro[:, None], mask=in_rows[None, :] & (ro[:, None] < O), other=0.0)
-            x_KI = tl.load(x_ptr + rows[:, None] * I + ri[None, :], mask=in_rows[:, None] & (ri[None, :] < I), other=0.0)
+            g_OK = tl.load(
+                g_ptr + rows[None, :] * O + ro[:, None], mask=in_rows[None, :] & (ro[:, None] < O), other=0.0
+            )
+            x_KI = tl.load(
+                x_ptr + rows[:, None] * I + ri[None, :], mask=in_rows[:, None] & (ri[None, :] < I), other=0.0
+            )
             acc = tl.dot(g_OK, x_KI, acc)
         if ATOMIC:
             tl.atomic_add(out, (acc * alpha).to(out_ptr.dtype.element_ty), mask=in_tile, sem="relaxed")

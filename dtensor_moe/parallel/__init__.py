@@ -1,1 +1,2 @@
-"""Parallelism: the folded meshes, the placement plan, the expert-parallel dispatch, and parallelize_* that applies them."""
+"""Parallelism: the folded meshes, the placement plan, the expert-parallel dispatch, and ExpertParallel /
+parallelize_moe that apply them."""

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from dtensor_moe.kernels import grouped_mm  # noqa: F401  (registers the ops named below)
 from dtensor_moe.parallel import dispatch  # noqa: F401
+
 # The modes live in a torch-free module: train/config.py checks them before torch is imported.
 from dtensor_moe.parallel.activation_checkpoint import check_activation_checkpoint
 
@@ -84,6 +85,8 @@ def check_compile(activation_checkpoint: str, compile, prefix: str = ""):
     if activation_checkpoint != "none":
         # torch 2.13's AOTAutograd fails to save the DeviceMesh of DTensor weight gradients inside a
         # compiled checkpoint region ("tensors_saved_with_vc_check").
-        raise ValueError(f"{prefix}activation_checkpoint={activation_checkpoint!r} together with {prefix}compile is not "
-                         f"supported yet; valid: {prefix}compile with activation_checkpoint 'none', or activation "
-                         "checkpointing without compile")
+        raise ValueError(
+            f"{prefix}activation_checkpoint={activation_checkpoint!r} together with {prefix}compile is not "
+            f"supported yet; valid: {prefix}compile with activation_checkpoint 'none', or activation "
+            "checkpointing without compile"
+        )

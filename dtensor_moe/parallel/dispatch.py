@@ -268,7 +268,17 @@ def ep_plan(counts_E: torch.Tensor, expert_N: torch.Tensor, pair_N: torch.Tensor
     inv = inverse_permutation(idx)[:, None]
     local_counts = torch.tensor(sz.local_counts, dtype=torch.int64)
     if not K:
-        return C_host, C_mine.sum((0, 1)), local_counts, idx, inv, idx.new_empty(0), idx.new_empty(0, 1), idx.clone(), inv.clone()
+        return (
+            C_host,
+            C_mine.sum((0, 1)),
+            local_counts,
+            idx,
+            inv,
+            idx.new_empty(0),
+            idx.new_empty(0, 1),
+            idx.clone(),
+            inv.clone(),
+        )
     n_send, n_pairs = sum(sz.rows.send), sum(sz.pairs.send)  # n_pairs: the kept pairs, which come first
     rank_N, cell_N, pair_N = rank_N[:n_pairs], cell_N[:n_pairs], pair_N[:n_pairs]
     # Non-needed cells land in a dummy slot past the end: a scatter, no sort.
@@ -279,7 +289,9 @@ def ep_plan(counts_E: torch.Tensor, expert_N: torch.Tensor, pair_N: torch.Tensor
     # the receiver by this ETP rank's share of the rows gathered over the ETP group.
     shift_N = torch.tensor(sz.shift, device=dev).index_select(0, rank_N)
     packed = (slot.index_select(0, cell_N) + shift_N) * K + pair_N % K
-    row_k = topo.there(packed, sz.pairs, ("plan", "there"), etp_offset=sum(sz.rows.peer[: topo.etp_rank]) * K).index_select(0, idx)
+    row_k = topo.there(
+        packed, sz.pairs, ("plan", "there"), etp_offset=sum(sz.rows.peer[: topo.etp_rank]) * K
+    ).index_select(0, idx)
     cells = torch.full((sum(sz.rows.peer) * K,), -1, device=dev, dtype=row_k.dtype)
     row_readers = cells.scatter_(0, row_k, torch.arange(row_k.numel(), device=dev)).view(-1, K)
     return C_host, C_mine.sum((0, 1)), local_counts, idx, inv, send_token, token_rows, row_k // K, row_readers

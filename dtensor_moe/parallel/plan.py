@@ -154,7 +154,11 @@ def plan_moe(config: MoEConfig, dims: MoEParallelDims) -> tuple[WeightPlan, ...]
     dense = [("router.gate.weight", (E, D))] + ([("router.gate.bias", (E,))] if config.router_bias else [])
     if config.num_shared_experts:
         Fs = F * config.num_shared_experts
-        dense += [("shared_experts.w1.weight", (Fs, D)), ("shared_experts.w2.weight", (D, Fs)), ("shared_experts.w3.weight", (Fs, D))]
+        dense += [
+            ("shared_experts.w1.weight", (Fs, D)),
+            ("shared_experts.w2.weight", (D, Fs)),
+            ("shared_experts.w3.weight", (Fs, D)),
+        ]
     dp_axis = dims.moe_dp_axis
     for name, shape in dense:
         d = fsdp_dim(shape, sizes[dp_axis], prefer=tuple(range(len(shape))))

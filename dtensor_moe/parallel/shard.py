@@ -11,12 +11,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils.hooks import RemovableHandle
 
-from dtensor_moe.parallel.dispatch import ExpertDispatcher
 from dtensor_moe.experts import GroupedExperts
-from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
 from dtensor_moe.moe import LocalStats, MoE
-from dtensor_moe.routing import ScaleGrad
+from dtensor_moe.parallel.dispatch import ExpertDispatcher
+from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
 from dtensor_moe.parallel.plan import WeightPlan, plan_moe
+from dtensor_moe.routing import ScaleGrad
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,13 @@ def shard_moe_layer(
             shard_placement_fn=_placement_fn(moe, experts_plans),
             **fsdp_kwargs,
         )
-    fully_shard(moe, mesh=_fsdp_mesh(meshes.moe_dp, dims, dims.moe_dp_axis), shard_placement_fn=_placement_fn(moe, dense_plans),
-                ignored_params=ignored, **fsdp_kwargs)
+    fully_shard(
+        moe,
+        mesh=_fsdp_mesh(meshes.moe_dp, dims, dims.moe_dp_axis),
+        shard_placement_fn=_placement_fn(moe, dense_plans),
+        ignored_params=ignored,
+        **fsdp_kwargs,
+    )
 
 
 def dp_fsdp_mesh(meshes: MoEMeshes, dims: MoEParallelDims):

@@ -23,8 +23,8 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.deepseek_v3 import parallelize_deepseekv3
 from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel as _titan_deepseek_v3
 from torchtitan.models.qwen3.config_registry import qwen3_moe_debug as _titan_qwen3_moe
-from torchtitan.trainer import Trainer as TitanTrainer
 from torchtitan.tools.utils import device_type
+from torchtitan.trainer import Trainer as TitanTrainer
 
 from .models import deepseek_v3_tiny, qwen3_moe_tiny
 from .parallelize import parallelize_titan, sum_reductions
@@ -59,7 +59,9 @@ def _tiny_cpu(config: TitanTrainer.Config, flavor: str, model) -> TitanTrainer.C
     """`config` with a tiny `model` and the CPU run settings of this module's tiny configs."""
     config.model_spec = replace(config.model_spec, flavor=flavor, model=model)
     config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=TINY_VOCAB))
-    config.training = replace(config.training, local_batch_size=2, seq_len=32, steps=10, mixed_precision_param="float32")
+    config.training = replace(
+        config.training, local_batch_size=2, seq_len=32, steps=10, mixed_precision_param="float32"
+    )
     config.optimizer.param_groups[0].optimizer_kwargs["lr"] = 3e-3
     config.activation_checkpoint = None
     config.checkpoint = replace(config.checkpoint, interval=5)
@@ -68,7 +70,9 @@ def _tiny_cpu(config: TitanTrainer.Config, flavor: str, model) -> TitanTrainer.C
 
 
 def deepseek_v3_debugmodel_cpu() -> Trainer.Config:
-    return _with(_tiny_cpu(_titan_deepseek_v3(), "debugmodel_cpu", deepseek_v3_tiny(TINY_VOCAB)), Trainer, parallelize_titan)
+    return _with(
+        _tiny_cpu(_titan_deepseek_v3(), "debugmodel_cpu", deepseek_v3_tiny(TINY_VOCAB)), Trainer, parallelize_titan
+    )
 
 
 def deepseek_v3_hf_cpu() -> Trainer.Config:

@@ -12,7 +12,6 @@ import sys
 import types
 
 
-
 def _no_op(*args, **kwargs):
     return None
 

@@ -31,15 +31,19 @@ from torchtitan.tools.utils import device_type
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.parallel.compile import apply_compile
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.parallel.shard import shard_moe_layer
 from dtensor_moe.parallel.plan import WeightPlan, plan_moe
+from dtensor_moe.parallel.shard import shard_moe_layer
 
 from .context_parallel import apply_cp
 from .trainer import ExpertMeshParallelDims
 
 # Plan names (dtensor_moe's MoE) -> torchtitan's names, relative to the MoE module.
 _EXPERTS = "routed_experts.inner_experts"
-_TITAN_NAMES = {"experts.w1": f"{_EXPERTS}.w1_EFD", "experts.w2": f"{_EXPERTS}.w2_EDF", "experts.w3": f"{_EXPERTS}.w3_EFD"}
+_TITAN_NAMES = {
+    "experts.w1": f"{_EXPERTS}.w1_EFD",
+    "experts.w2": f"{_EXPERTS}.w2_EDF",
+    "experts.w3": f"{_EXPERTS}.w3_EFD",
+}
 
 
 def moe_config(moe: MoE) -> MoEConfig:

@@ -1,1 +1,2 @@
-"""The main job (`dtensor-moe train`): model, data, optimizer, loop, metrics, checkpoints, export, and its configuration."""
+"""The main job (`dtensor-moe train`): model, data, optimizer, loop, metrics, checkpoints, export, and its
+configuration."""

@@ -94,7 +94,9 @@ def _steps(root: Path) -> list[tuple[int, Path]]:
     """Every step_NNNNNNNN directory under root, newest first (complete or not)."""
     if not root.is_dir():
         return []
-    return sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()), reverse=True)
+    return sorted(
+        ((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()), reverse=True
+    )
 
 
 def _incomplete(path: Path) -> str:
@@ -106,7 +108,8 @@ def pick(path) -> Path:
     """The checkpoint `load(path)` reads, checked against its manifest (a collective when distributed).
 
     A step directory must be intact, else CheckpointError naming the step and the file. A root (or a run
-    dir, whose `checkpoints/` is one) gives its newest intact step; newer damaged or incomplete ones are skipped with a one-line note.
+    dir, whose `checkpoints/` is one) gives its newest intact step; newer damaged or incomplete ones are
+    skipped with a one-line note.
     """
     path = Path(path)
     if not _steps(path) and (path / RUN_CHECKPOINTS).is_dir():  # a run dir: the main job saves under it
@@ -188,7 +191,9 @@ def verify(ckpt) -> str | None:
     sized = sorted(n for n in sizes if (ckpt / n).is_file() and (ckpt / n).stat().st_size == sizes[n])
     digests, errors = _digests(ckpt, sized)
     problems += errors
-    problems += [f"{n} is corrupted (sha256 differs from {MANIFEST})" for n in sized if n in digests and digests[n] != shas[n]]
+    problems += [
+        f"{n} is corrupted (sha256 differs from {MANIFEST})" for n in sized if n in digests and digests[n] != shas[n]
+    ]
     return "; ".join(problems) or None
 
 
@@ -243,7 +248,9 @@ def _config_dict(model: nn.Module) -> dict | None:
     return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None
 
 
-def save(root, step: int, model: nn.Module, optimizer=None, extra: dict | None = None, keep_last: int | None = 3) -> Path:
+def save(
+    root, step: int, model: nn.Module, optimizer=None, extra: dict | None = None, keep_last: int | None = 3
+) -> Path:
     """Writes `root/step_<step>` atomically and keeps the newest `keep_last` (None keeps all)."""
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -279,8 +286,13 @@ def save(root, step: int, model: nn.Module, optimizer=None, extra: dict | None =
         raise RuntimeError(f"saving checkpoint step {step}: cannot read back {'; '.join(errors)}")
 
     def publish():
-        manifest = {"step": step, "files": {n: {"bytes": (tmp / n).stat().st_size, "sha256": digests[n]} for n in names}}
-        _write_durably(tmp / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode()))
+        manifest = {
+            "step": step,
+            "files": {n: {"bytes": (tmp / n).stat().st_size, "sha256": digests[n]} for n in names},
+        }
+        _write_durably(
+            tmp / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
+        )
         _fsync_dir(tmp)
         _publish(tmp, final)
         _prune(root, keep_last, final)
@@ -294,8 +306,10 @@ def _failures(e: CheckpointException) -> str:
     per_rank = getattr(e, "failures", None) or {}
     if not per_rank:
         return str(e)
-    return "; ".join(f"rank {r}: {type(f[0] if isinstance(f, tuple) else f).__name__}: {f[0] if isinstance(f, tuple) else f}"
-                     for r, f in sorted(per_rank.items()))
+    return "; ".join(
+        f"rank {r}: {type(f[0] if isinstance(f, tuple) else f).__name__}: {f[0] if isinstance(f, tuple) else f}"
+        for r, f in sorted(per_rank.items())
+    )
 
 
 def _publish(tmp: Path, final: Path):
@@ -351,7 +365,11 @@ def config_diff(saved: dict | None, current: dict | None, now: str = "model") ->
     """`field: saved X vs <now> Y` for each field both configs have and that differs."""
     if saved is None or current is None:
         return []
-    return [f"{k}: saved {saved[k]!r} vs {now} {current[k]!r}" for k in sorted(saved.keys() & current.keys()) if saved[k] != current[k]]
+    return [
+        f"{k}: saved {saved[k]!r} vs {now} {current[k]!r}"
+        for k in sorted(saved.keys() & current.keys())
+        if saved[k] != current[k]
+    ]
 
 
 def saved_config(ckpt) -> dict | None:
@@ -403,7 +421,11 @@ def _check_compatible(ckpt: Path, metadata, model: nn.Module, model_sd: dict, wa
     # Fields that keep every shape (n_heads, top_k, score_func, ...) still change what the weights mean.
     cfg_diff = describe_config_diff(saved_config(ckpt), model)
     if problems or cfg_diff:
-        head = "does not fit this model (saved from another model config?)" if problems else "was saved from another model config"
+        head = (
+            "does not fit this model (saved from another model config?)"
+            if problems
+            else "was saved from another model config"
+        )
         raise CheckpointError(
             f"checkpoint {ckpt} {head}:\n" + "\n".join(x for x in (problems, cfg_diff) if x)
             + f"\nBuild the model with the checkpoint's config ({ckpt / MODEL_CONFIG}) or load another checkpoint."

@@ -57,7 +57,9 @@ def export_checkpoint(ckpt, out_dir) -> Path:
     """Reads the model part of a checkpoint (any mesh it was saved from) in this one process."""
     ckpt = pick(ckpt)  # verified against its manifest
     if not (ckpt / MODEL_CONFIG).is_file():
-        raise ValueError(f"{ckpt} has no {MODEL_CONFIG}; export needs a checkpoint saved from a model with a dataclass config")
+        raise ValueError(
+            f"{ckpt} has no {MODEL_CONFIG}; export needs a checkpoint saved from a model with a dataclass config"
+        )
     metadata = dcp.FileSystemReader(ckpt).read_metadata()
     tensors = {
         k.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
@@ -91,7 +93,9 @@ def _weights_path(path) -> Path:
 def read_config(path) -> dict:
     weights = _weights_path(path)
     if not weights.is_file():
-        raise ValueError(f"no safetensors file at {str(weights)!r}; give {WEIGHTS} written by `dtensor-moe export`, or its directory")
+        raise ValueError(
+            f"no safetensors file at {str(weights)!r}; give {WEIGHTS} written by `dtensor-moe export`, or its directory"
+        )
     cfg = weights.with_name(CONFIG)
     if not cfg.is_file():
         raise ValueError(f"no {CONFIG} next to {weights}; `dtensor-moe export` writes both files")

@@ -37,13 +37,13 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from dtensor_moe.parallel.plan import plan_moe
     from dtensor_moe.train.data import Batches, load_tokens
     from dtensor_moe.train.metrics import RunWriter, local_state_bytes, peak_memory_bytes
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
     from dtensor_moe.train.parallel.parallelize import parallelize_model
     from dtensor_moe.train.parallel.pipeline import Pipeline, cross_entropy, stage_view
-    from dtensor_moe.parallel.plan import plan_moe
 
     # The grad-norm all-reduce over the 3-axis expert mesh is one scalar per axis; not worth a warning per rank.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -152,23 +152,30 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
 
         rows = writer.rows
         steady = [r["tokens_per_s"] for r in rows[3:]] or [r["tokens_per_s"] for r in rows]
-        writer.finish({
-            "config": cfg.to_dict(),
-            "model_params": n_params,
-            "world_size": world,
-            "mesh": {**asdict(dims), "edp": dims.edp, "dense": dict(zip(("dp_replicate", "dp_shard", "cp", "tp"), dims.dense_shape))},
-            "placement_plan": [asdict(wp) for wp in plan_moe(cfg.model.moe_config(), dims)],
-            "final_loss": rows[-1]["loss"] if rows else None,
-            "median_tokens_per_s": statistics.median(steady) if steady else None,
-            "median_tokens_per_s_per_rank": statistics.median(steady) / world if steady else None,
-            "peak_mem_per_rank_gib": max((r["peak_mem_per_rank_gib"] for r in rows), key=max, default=None),
-            # Measured local bytes after the last step vs the planner's prediction (dtensor-moe plan).
-            "state_bytes_per_rank": states,
-            "planner_state_bytes_per_rank": [predicted_state_bytes(cfg.model, dims, r, pp_schedule=p.pp_schedule)
-                                             for r in range(world)],
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        })
+        writer.finish(
+            {
+                "config": cfg.to_dict(),
+                "model_params": n_params,
+                "world_size": world,
+                "mesh": {
+                    **asdict(dims),
+                    "edp": dims.edp,
+                    "dense": dict(zip(("dp_replicate", "dp_shard", "cp", "tp"), dims.dense_shape)),
+                },
+                "placement_plan": [asdict(wp) for wp in plan_moe(cfg.model.moe_config(), dims)],
+                "final_loss": rows[-1]["loss"] if rows else None,
+                "median_tokens_per_s": statistics.median(steady) if steady else None,
+                "median_tokens_per_s_per_rank": statistics.median(steady) / world if steady else None,
+                "peak_mem_per_rank_gib": max((r["peak_mem_per_rank_gib"] for r in rows), key=max, default=None),
+                # Measured local bytes after the last step vs the planner's prediction (dtensor-moe plan).
+                "state_bytes_per_rank": states,
+                "planner_state_bytes_per_rank": [
+                    predicted_state_bytes(cfg.model, dims, r, pp_schedule=p.pp_schedule) for r in range(world)
+                ],
+                "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            }
+        )
     dist.barrier()  # no rank tears down gloo while a peer still talks to it
     dist.destroy_process_group()
 
@@ -249,8 +256,7 @@ def _checkpointing(args, run_dir: str, total_steps: int) -> _Checkpointing:
 
 
 if __name__ == "__main__":  # the 1-process parity reference: python -m dtensor_moe.train.loop CONFIG_JSON RUN_DIR
-    from dtensor_moe.train.config import ModelConfig
-    from dtensor_moe.train.config import DataConfig, ParallelConfig, TrainingConfig
+    from dtensor_moe.train.config import DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 
     raw = json.loads(sys.argv[1])
     ref = Config(ModelConfig(**raw["model"]), ParallelConfig(**raw["parallel"]), TrainingConfig(**raw["training"]),

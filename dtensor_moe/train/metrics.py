@@ -68,7 +68,11 @@ class RunWriter:
         except Exception as e:  # noqa: BLE001 - the plot is a convenience; the numbers are in metrics.jsonl
             if os.path.exists(png):
                 os.remove(png)  # an earlier run's plot would pass for this one's
-            why = "matplotlib is not installed (pip install matplotlib)" if isinstance(e, ImportError) else f"{type(e).__name__}: {e}"
+            why = (
+                "matplotlib is not installed (pip install matplotlib)"
+                if isinstance(e, ImportError)
+                else f"{type(e).__name__}: {e}"
+            )
             print(f"loss.png not written: {why}; the losses are in metrics.jsonl", file=sys.stderr)
 
 
@@ -113,7 +117,8 @@ def summary_lines(summary: dict, run_dir: str, parity_line: str | None = None) -
                   if m.get(key) == "fp8")
     lines = [
         f"trained  {_si(summary['model_params'])}-parameter MoE LM ({m['n_layers']} layers, dim {m['dim']}, "
-        f"{m['num_experts']} experts top-{m['top_k']}{shared}), {t['steps']} steps of {t['global_batch'] * t['seq_len']} "
+        f"{m['num_experts']} experts top-{m['top_k']}{shared}), "
+        f"{t['steps']} steps of {t['global_batch'] * t['seq_len']} "
         f"tokens, {t['dtype']}{fp8}",
     ]
     hsdp = f"HSDP{mesh['dp_replicate']} x " if mesh["dp_replicate"] > 1 else ""
@@ -121,7 +126,8 @@ def summary_lines(summary: dict, run_dir: str, parity_line: str | None = None) -
     dense = f"FSDP{mesh['dp_shard'] * cp}" + (f" (CP{cp})" if cp > 1 else "") + (f" x TP{tp}" if tp > 1 else "")
     pp = f"PP{mesh['pp']} stages, each: " if mesh.get("pp", 1) > 1 else ""
     lines.append(
-        f"mesh     {summary['world_size']} ranks on {summary['device']}: {pp}experts {hsdp}EDP{mesh['edp']} x EP{mesh['ep']} x "
+        f"mesh     {summary['world_size']} ranks on {summary['device']}: "
+        f"{pp}experts {hsdp}EDP{mesh['edp']} x EP{mesh['ep']} x "
         f"ETP{mesh['etp']}, dense weights {hsdp}{dense}"
     )
     if summary["final_loss"] is not None:
@@ -133,6 +139,10 @@ def summary_lines(summary: dict, run_dir: str, parity_line: str | None = None) -
         lines.append(f"memory   {peak:.2f} GiB {what} per rank (largest rank)")
     if parity_line:
         lines.append(f"parity   {parity_line}")
-    files = [f + ("/" if os.path.isdir(os.path.join(run_dir, f)) else "") for f in RUN_FILES if os.path.exists(os.path.join(run_dir, f))]
+    files = [
+        f + ("/" if os.path.isdir(os.path.join(run_dir, f)) else "")
+        for f in RUN_FILES
+        if os.path.exists(os.path.join(run_dir, f))
+    ]
     lines.append(f"run dir  {run_dir}: {', '.join(files)}")
     return lines

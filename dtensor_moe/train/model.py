@@ -26,7 +26,9 @@ class CausalAttention(nn.Module):
 
     def forward(self, q_BHLK, k_BHLK, v_BHLK):
         positions_L = torch.arange(q_BHLK.shape[-2], device=q_BHLK.device)
-        return F.scaled_dot_product_attention(rope(q_BHLK, positions_L), rope(k_BHLK, positions_L), v_BHLK, is_causal=True)
+        return F.scaled_dot_product_attention(
+            rope(q_BHLK, positions_L), rope(k_BHLK, positions_L), v_BHLK, is_causal=True
+        )
 
 
 class Attention(nn.Module):

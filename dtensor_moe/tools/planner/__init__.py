@@ -20,28 +20,76 @@ Torch-free: planning a preset imports neither torch nor the training code.
 
 from dtensor_moe.tools.planner.cache import Memo, PlanCache
 from dtensor_moe.tools.planner.geometry import (
-    chain_inter_fraction, mesh_geometry, node_span, pairwise_intra_fraction, ring_inter_fraction,
+    chain_inter_fraction,
+    mesh_geometry,
+    node_span,
+    pairwise_intra_fraction,
+    ring_inter_fraction,
 )
 from dtensor_moe.tools.planner.memory import (
-    Memory, activation_bytes, memory_of, predicted_state_bytes, rank_activations, rank_memory, state_bytes,
+    Memory,
+    activation_bytes,
+    memory_of,
+    predicted_state_bytes,
+    rank_activations,
+    rank_memory,
+    state_bytes,
 )
 from dtensor_moe.tools.planner.pipeline import (
-    PipelineRank, StageShare, bubble_fraction, in_flight, pipeline_ranks, stage_share,
+    PipelineRank,
+    StageShare,
+    bubble_fraction,
+    in_flight,
+    pipeline_ranks,
+    stage_share,
 )
 from dtensor_moe.tools.planner.report import candidate_dict, explain_choice, table
 from dtensor_moe.tools.planner.search import (
-    TP_NOTE, Candidate, evaluate, footprint_key, foldings, pipeline_degrees, plan, rates_key,
+    TP_NOTE,
+    Candidate,
+    evaluate,
+    foldings,
+    footprint_key,
+    pipeline_degrees,
+    plan,
+    rates_key,
 )
 from dtensor_moe.tools.planner.tokens import Rates, distinct_ranks, rates
 from dtensor_moe.tools.planner.traffic import (
-    Held, Traffic, comm_bytes, comm_time, held_costs, ranks_held_costs, seconds, token_traffic, traffic_of,
+    Held,
+    Traffic,
+    comm_bytes,
+    comm_time,
+    held_costs,
+    ranks_held_costs,
+    seconds,
+    token_traffic,
+    traffic_of,
 )
 from dtensor_moe.tools.planner.units import (
-    Footprint, Unit, UnitPart, combine, footprint, fsdp_units, held_numel, share_footprint, share_parts, unit_part,
+    Footprint,
+    Unit,
+    UnitPart,
+    combine,
+    footprint,
+    fsdp_units,
+    held_numel,
+    share_footprint,
+    share_parts,
+    unit_part,
 )
 from dtensor_moe.tools.planner.workload import (
-    COMPUTE_BYTES, MASTER_BYTES, OPTIMIZER_MOMENTS, RECOMPUTE, REDUCE_BYTES, STEP_BYTES, GiB, Hardware, Workload,
-    step_tokens_per_rank, tokens_per_rank,
+    COMPUTE_BYTES,
+    MASTER_BYTES,
+    OPTIMIZER_MOMENTS,
+    RECOMPUTE,
+    REDUCE_BYTES,
+    STEP_BYTES,
+    GiB,
+    Hardware,
+    Workload,
+    step_tokens_per_rank,
+    tokens_per_rank,
 )
 
 __all__ = [

@@ -30,8 +30,11 @@ class ContextParallelAttention(nn.Module):
 def check_cp_model(model: nn.Module, cp: int):
     """Every attention must be the main job's CausalAttention, which this module knows how to split."""
     blocks = getattr(model, "layers", {})
-    bad = [i for i, b in blocks.items() if not isinstance(getattr(getattr(b, "attention", None), "inner_attention", None),
-                                                             CausalAttention)]
+    bad = [
+        i
+        for i, b in blocks.items()
+        if not isinstance(getattr(getattr(b, "attention", None), "inner_attention", None), CausalAttention)
+    ]
     if bad or not blocks:
         raise ValueError(f"cp={cp} needs the main job's model (dtensor_moe.train.model.MoETransformer): blocks {bad} "
                          "have no attention.inner_attention of type CausalAttention")

@@ -109,8 +109,12 @@ class Pipeline:
         for (a batch's inputs are a column slice of its sequences)."""
         self._aux.clear()
         losses: list[torch.Tensor] = []
-        self.schedule.step(inputs_BL.contiguous() if self.has_first else None,
-                           target=targets_BL.contiguous() if self.has_last else None, losses=losses, return_outputs=False)
+        self.schedule.step(
+            inputs_BL.contiguous() if self.has_first else None,
+            target=targets_BL.contiguous() if self.has_last else None,
+            losses=losses,
+            return_outputs=False,
+        )
         ce = sum(float(x.detach()) for x in losses) / self.microbatches if self.has_last else 0.0
         return ce, float(sum(self._aux)) / self.microbatches
 
