@@ -55,27 +55,62 @@ def _all_gone(pids, timeout: float = 20) -> bool:
     return False
 
 
-def test_sigterm_saves_the_step_and_resume_continues(tmp_path):
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+STEPS = 60  # ~3 s of steps: the SIGTERM below lands well before the end
+
+
+def test_sigterm_saves_the_step_and_resume_continues_bit_identically(tmp_path):
+    """Preempted at whatever step the signal finds, then resumed: every step's loss and gradient norm equal an
+    uninterrupted run's bit for bit (same config, same steps), and no step is lost or repeated."""
     run_dir = tmp_path / "run"
-    first = _launch(run_dir, "training.steps=1000")
+    first = _launch(run_dir, f"training.steps={STEPS}")
     beats = _wait_for_step(run_dir, first, 2)
-    second = _launch(run_dir, "training.steps=3")
-    assert second.wait(60) == 2
-    assert f"is in use by another `dtensor-moe train` (pid {first.pid})" in second.stderr.read()
+    t0 = time.time()
     first.send_signal(signal.SIGTERM)
     assert first.wait(60) == 75
+    assert time.time() - t0 < 60
     err = first.stderr.read()
     stopped = json.loads((run_dir / "stopped.json").read_text())
     step = stopped["step"]
+    assert step < STEPS, "the run ended before the signal: nothing was tested"
     assert f"stopped by SIGTERM after step {step}; checkpoint" in err, err
     assert Path(stopped["checkpoint"]).name == f"step_{step:08d}" and Path(stopped["checkpoint"]).is_dir()
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["step"] == step  # the step every rank finished is the one saved: nothing lost
+    assert _rows(run_dir)[-1]["step"] == step  # the step every rank finished is the one saved: nothing lost
     assert _all_gone([b["pid"] for b in beats.values()])
-    resumed = _launch(run_dir, f"training.steps={step + 2}", "--resume")
+    resumed = _launch(run_dir, f"training.steps={STEPS}", "--resume")
+    whole = _launch(tmp_path / "whole", f"training.steps={STEPS}")
     assert resumed.wait(120) == 0, resumed.stderr.read()
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, step + 3))  # appended after the saved step
+    assert whole.wait(120) == 0, whole.stderr.read()
+    got, want = _rows(run_dir), _rows(tmp_path / "whole")
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))  # appended after the saved step
+    assert [(r["loss"], r["grad_norm"], r["lr"]) for r in got] == [(r["loss"], r["grad_norm"], r["lr"]) for r in want]
+
+
+def test_sigint_stops_the_job_and_a_second_one_at_once(tmp_path):
+    """A second run into a busy run dir is refused at once; a first SIGINT (Ctrl-C) stops after the step with a
+    checkpoint (rc 130); in another run, SIGINT twice kills every rank at once. Either way no process is left."""
+    run_dir = tmp_path / "run"
+    proc = _launch(run_dir, "training.steps=100000")
+    beats = _wait_for_step(run_dir, proc, 1)
+    second, t0 = _launch(run_dir, "training.steps=3"), time.time()
+    assert second.wait(60) == 2 and time.time() - t0 < 30
+    assert f"is in use by another `dtensor-moe train` (pid {proc.pid})" in second.stderr.read()
+    assert proc.poll() is None  # the first run goes on
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 130
+    assert "stopped by SIGINT after step" in proc.stderr.read()
+    assert _all_gone([b["pid"] for b in beats.values()])
+    proc = _launch(tmp_path / "again", "training.steps=100000")
+    beats = _wait_for_step(tmp_path / "again", proc, 1)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)  # one signal pending at a time: two sent at once arrive as one
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 130
+    assert "second SIGINT: stopping every rank now" in proc.stderr.read()
+    assert _all_gone([b["pid"] for b in beats.values()])
 
 
 def test_a_stalled_rank_stops_the_job_naming_it(tmp_path):
