@@ -144,9 +144,10 @@ def test_parallel_layer_from_checkpoint_matches_transformers(model_type, ep, etp
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_cli_import_then_export_hf_gives_back_the_checkpoint_layers(model_type, checkpoints, tmp_path):
+def test_cli_import_export_import_hf_round_trips_bit_exactly(model_type, checkpoints, tmp_path):
     """import --hf: every MoE layer in our names; export --hf of that: bit for bit what save_pretrained
-    wrote for those layers, and the family's MoE config fields as in its config.json."""
+    wrote for those layers, and the family's MoE and layer config fields as in its config.json; import
+    --hf of that export: our file again, every tensor and its dtype, and the same config.json."""
     from safetensors.torch import load_file
 
     from dtensor_moe import cli
@@ -166,21 +167,23 @@ def test_cli_import_then_export_hf_gives_back_the_checkpoint_layers(model_type, 
         assert torch.equal(v, hf[k]), k
     fields = json.loads((tmp_path / "theirs" / "config.json").read_text())
     hf_config = json.loads((src / "config.json").read_text())
-    assert all(
-        hf_config.get(k, v) == v for k, v in fields.items() if k not in ("sha256", "moe_layers", "num_experts")
-    ), fields
+    assert all(hf_config.get(k, v) == v for k, v in fields.items() if k not in ("sha256", "num_experts")), fields
+    assert cli.main(["import", "--hf", str(tmp_path / "theirs"), str(tmp_path / "again")]) == 0
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    assert set(again) == set(ours)
+    for k, v in again.items():
+        assert v.dtype == ours[k].dtype == torch.float64 and torch.equal(v, ours[k]), k
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == json.loads(
+        (tmp_path / "ours" / "config.json").read_text()
+    )
 
 
 def test_cli_hf_refuses_bad_input_in_one_line(checkpoints, tmp_path, capsys):
     """No silent replacement, a corrupted import is named, and a main-job model a family cannot
     express is refused naming the fields; one that it can is written under its keys."""
-    import dataclasses
-
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from dtensor_moe import cli
-    from dtensor_moe.train.config import ModelConfig
-    from dtensor_moe.train.model import MoETransformer
 
     out = tmp_path / "ours"
     assert cli.main(["import", "--hf", str(checkpoints["qwen3_moe"]), str(out)]) == 0
@@ -193,11 +196,8 @@ def test_cli_hf_refuses_bad_input_in_one_line(checkpoints, tmp_path, capsys):
     assert cli.main(["export", str(out), "--hf", str(tmp_path / "x")]) == 2
     assert "model.safetensors is corrupted (sha256 differs from config.json)" in capsys.readouterr().err
 
-    cfg = ModelConfig(vocab_size=32, dim=8, n_layers=1, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=6)
     main = tmp_path / "main"
-    main.mkdir()
-    save_file(MoETransformer(cfg).state_dict(), main / "model.safetensors")
-    (main / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    _main_job_export(main, n_layers=1)
     assert cli.main(["export", str(main), "--hf", str(tmp_path / "oss"), "--model-type", "gpt_oss"]) == 2
     assert capsys.readouterr().err.startswith("dtensor-moe export: this MoE layer cannot be written as gpt_oss: "
                                               "score_func='softmax' (as gpt_oss: 'topk_softmax'), router_bias=False")
@@ -205,6 +205,186 @@ def test_cli_hf_refuses_bad_input_in_one_line(checkpoints, tmp_path, capsys):
     keys = set(load_file(tmp_path / "qwen" / "model.safetensors"))
     assert keys == {"model.layers.0.mlp.gate.weight"} | {f"model.layers.0.mlp.experts.{e}.{n}_proj.weight"
                                                           for e in range(4) for n in ("gate", "up", "down")}
+
+
+def _main_job_export(out, n_layers: int, **moe) -> dict:
+    """A `dtensor-moe export` of the main job's model (`moe`: its MoE fields) with random weights in
+    bfloat16, the aux-free bias in float32 (as DeepSeek-V3 keeps its correction bias); its tensors."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    from dtensor_moe.train.config import ModelConfig
+    from dtensor_moe.train.model import MoETransformer
+
+    cfg = ModelConfig(vocab_size=32, dim=8, n_layers=n_layers, n_heads=2, moe_hidden_dim=6,
+                      **{"num_experts": 4, "top_k": 2, **moe})
+    g = torch.Generator().manual_seed(3)
+    state = {k: torch.randn(v.shape, generator=g).to(torch.float32 if k.endswith("expert_bias") else torch.bfloat16)
+             for k, v in MoETransformer(cfg).state_dict().items()}
+    out.mkdir()
+    save_file(state, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    return state
+
+
+# A main-job MoE that each family expresses.
+MAIN_JOB_MOE = {
+    "qwen3_moe": {},
+    "mixtral": {},
+    "deepseek_v3": dict(num_experts=8, score_func="sigmoid", num_expert_groups=4, num_limited_groups=2,
+                        route_scale=2.5, num_shared_experts=1, load_balance="aux_free_bias"),
+    "gpt_oss": dict(score_func="topk_softmax", router_bias=True, expert_biases=True, activation="clamped_swiglu"),
+}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_cli_main_job_export_hf_then_import_hf_round_trips_bit_exactly(model_type, tmp_path):
+    """export --hf of the main job's weights, then import --hf of what it wrote: every MoE tensor of
+    every layer again, equal and in its dtype."""
+    from safetensors.torch import load_file
+
+    from dtensor_moe import cli
+
+    main = _main_job_export(tmp_path / "main", n_layers=2, **MAIN_JOB_MOE[model_type])
+    argv = ["export", str(tmp_path / "main"), "--hf", str(tmp_path / "hf"), "--model-type", model_type]
+    assert cli.main(argv) == 0
+    assert cli.main(["import", "--hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    ours = load_file(tmp_path / "ours" / "model.safetensors")
+    moe = {k: v for k, v in main.items() if ".moe." in k}
+    assert set(ours) == set(moe) and {k.split(".moe.")[0] for k in ours} == {"layers.0", "layers.1"}
+    for k, v in ours.items():
+        assert v.dtype == moe[k].dtype and torch.equal(v, moe[k]), k
+    assert {v.dtype for v in ours.values()} == {torch.bfloat16, torch.float32} if model_type == "deepseek_v3" else {
+        torch.bfloat16
+    }
+
+
+def _edited_copy(src, out, edit):
+    """A copy of checkpoint directory `src` (Hugging Face's, or import --hf's: then its sha256 is
+    brought up to date) with `edit(tensors, config)` applied."""
+    import hashlib
+
+    from safetensors.torch import load_file, save_file
+
+    tensors, config = load_file(src / "model.safetensors"), json.loads((src / "config.json").read_text())
+    edit(tensors, config)
+    out.mkdir()
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    if "sha256" in config:
+        config["sha256"] = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def _zeros(tensors, key, shape):
+    tensors[key] = torch.zeros(shape, dtype=torch.float64)
+
+
+def _not_a_layer(layer: int, model_type: str, problem: str) -> str:
+    return (f"dtensor-moe import: the Hugging Face weights under 'model.layers.{layer}.mlp.' are not a {model_type} "
+            f"MoE layer of this config: {problem}")
+
+
+IMPORT_REFUSALS = {  # an edit of the tiny Qwen3-MoE checkpoint (tensors, config.json) -> the line import --hf prints
+    "fewer_experts_in_config": (
+        lambda t, c: c.update(num_local_experts=3),
+        _not_a_layer(0, "qwen3_moe", "model.layers.0.mlp.gate.weight has shape (4, 8), expected (3, 8) (and 3 more)"),
+    ),
+    "larger_tensor": (
+        lambda t, c: _zeros(t, "model.layers.0.mlp.experts.1.down_proj.weight", (8, 7)),
+        _not_a_layer(0, "qwen3_moe", "model.layers.0.mlp.experts.1.down_proj.weight has shape (8, 7), expected (8, 6)"),
+    ),
+    "missing_key": (
+        lambda t, c: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"),
+        _not_a_layer(1, "qwen3_moe", "model.layers.1.mlp.experts.3.up_proj.weight (shape (6, 8)) is missing"),
+    ),
+    "unexpected_key": (
+        lambda t, c: _zeros(t, "model.layers.0.mlp.experts.4.gate_proj.weight", (6, 8)),
+        _not_a_layer(0, "qwen3_moe", "model.layers.0.mlp.experts.4.gate_proj.weight (shape (6, 8)) is unexpected"),
+    ),
+    "wrong_family": (
+        lambda t, c: c.update(model_type="mixtral"),
+        _not_a_layer(0, "mixtral", "model.layers.0.mlp.experts.0.w1.weight (shape (12, 8)) is missing (and 23 more)"),
+    ),
+    "unknown_family": (
+        lambda t, c: c.update(model_type="qwen2_moe"),
+        "dtensor-moe import: Hugging Face model_type 'qwen2_moe' is not supported; valid: ['deepseek_v3', 'gpt_oss', "
+        "'mixtral', 'qwen3_moe']",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", IMPORT_REFUSALS)
+def test_cli_import_hf_refuses_checkpoint_config_mismatch_in_one_line(case, checkpoints, tmp_path, capsys):
+    """A tensor of another shape than config.json implies (never a silent slice of a larger one), a
+    missing or unexpected key, or a wrong family: one line naming it and rc 2, nothing written."""
+    from dtensor_moe import cli
+
+    edit, line = IMPORT_REFUSALS[case]
+    bad = _edited_copy(checkpoints["qwen3_moe"], tmp_path / "bad", edit)
+    assert cli.main(["import", "--hf", str(bad), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == line + "\n"
+    assert not (tmp_path / "out").exists()
+
+
+def _not_its_layers(problem: str) -> str:
+    return ("dtensor-moe export: {}/model.safetensors does not hold the mixtral MoE layers [0, 1] its config.json "
+            f"describes: {problem}")
+
+
+EXPORT_REFUSALS = {  # an edit of import --hf's directory of the tiny Mixtral -> the line export --hf prints ({}: it)
+    "larger_tensor": (
+        lambda t, c: _zeros(t, "layers.0.moe.experts.w2", (4, 8, 7)),
+        _not_its_layers("layers.0.moe.experts.w2 has shape (4, 8, 7), expected (4, 8, 6)"),
+    ),
+    "missing_key": (
+        lambda t, c: t.pop("layers.1.moe.router.gate.weight"),
+        _not_its_layers("layers.1.moe.router.gate.weight (shape (4, 8)) is missing"),
+    ),
+    "unexpected_key": (
+        lambda t, c: _zeros(t, "layers.2.moe.router.gate.weight", (4, 8)),
+        _not_its_layers("layers.2.moe.router.gate.weight (shape (4, 8)) is unexpected"),
+    ),
+    "config_without_layer_count": (
+        lambda t, c: c.pop("num_hidden_layers"),
+        "dtensor-moe export: {}/config.json lacks ['num_hidden_layers'], which import --hf writes; import the "
+        "checkpoint again",
+    ),
+    "dense_layer": (
+        lambda t, c: c.update(moe_layers=[1]),
+        "dtensor-moe export: this MoE layer cannot be written as mixtral: MoE layers [1] of 2 (as mixtral: [0, 1]); "
+        "valid model types: ['qwen3_moe']",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", EXPORT_REFUSALS)
+def test_cli_export_hf_refuses_a_source_unlike_its_config_in_one_line(case, checkpoints, tmp_path, capsys):
+    """What import --hf of export --hf's output would refuse or read differently is refused before
+    writing: one line naming the tensor or field, rc 2."""
+    from dtensor_moe import cli
+
+    assert cli.main(["import", "--hf", str(checkpoints["mixtral"]), str(tmp_path / "ours")]) == 0
+    edit, line = EXPORT_REFUSALS[case]
+    bad = _edited_copy(tmp_path / "ours", tmp_path / "bad", edit)
+    assert cli.main(["export", str(bad), "--hf", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == line.format(bad) + "\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_export_hf_refuses_deepseek_v3_without_its_correction_bias(tmp_path, capsys):
+    """DeepSeek-V3 always stores e_score_correction_bias: a main-job layer without aux-free balancing
+    (no expert_bias) would come back with one, so it is refused as such."""
+    from dtensor_moe import cli
+
+    _main_job_export(tmp_path / "main", n_layers=1, **{**MAIN_JOB_MOE["deepseek_v3"], "load_balance": "aux_loss"})
+    argv = ["export", str(tmp_path / "main"), "--hf", str(tmp_path / "out"), "--model-type", "deepseek_v3"]
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err == ("dtensor-moe export: this MoE layer cannot be written as deepseek_v3: "
+                                       "load_balance='aux_loss' (as deepseek_v3: 'aux_free_bias'); valid model types: "
+                                       "[]\n")
+    assert not (tmp_path / "out").exists()
 
 
 def test_reader_follows_the_shard_index(tmp_path):

@@ -4,7 +4,7 @@
 family, prefix, dims)`: one layer from a checkpoint, each rank reading only its own slices
 (`SafetensorsReader`). `to_hf(state, family, prefix)`: our layer's tensors under their keys.
 `moe_config_from_hf(config)`: a layer's `MoEConfig`. Files: reader.py (lazy reads), layout.py (expert
-layouts), families.py (key names, configs), convert.py (both directions), block.py, checkpoint.py.
+layouts), families.py (key names, configs), convert.py (both directions, keys and shapes checked), block.py.
 """
 
 from dtensor_moe.hf.block import from_hf_block

@@ -36,28 +36,32 @@ def _tensors(moe: MoE) -> dict[str, torch.Tensor]:
 
 def _read(reader, fam: Family, layout, prefix: str, name: str, box) -> torch.Tensor:
     if name.startswith("experts."):
-        t = layout.read(reader, name.removeprefix("experts."), box)
-    else:
-        if name not in fam.direct:
-            raise ValueError(f"{fam.model_type} has no counterpart of our {name}; valid MoE tensors for it: "
-                             f"{sorted(fam.direct)} and the experts")
-        key = prefix + fam.direct[name]
-        if key not in reader.keys():
-            raise ValueError(
-                f"{key} is missing from the Hugging Face weights ({fam.model_type} stores our {name} there)"
-            )
-        t = reader.read(key, box)
-    want = tuple(s.stop - s.start for s in box)
-    if tuple(t.shape) != want:
-        raise ValueError(f"{prefix}: our {name} slice {want} reads {tuple(t.shape)} from the Hugging Face weights; "
-                         f"the checkpoint does not match this MoEConfig")
-    return t
+        return layout.read(reader, name.removeprefix("experts."), box)
+    return reader.read(prefix + fam.direct[name], box)
+
+
+def check_tensors(have: dict[str, tuple], want: dict[str, tuple], mismatch: str) -> None:
+    """A ValueError, `mismatch` then the first wrongly shaped, missing or unexpected tensor of `have`
+    (key -> shape) against `want` and how many more there are, unless they agree."""
+    problems = [f"{k} has shape {have[k]}, expected {s}" for k, s in sorted(want.items()) if have.get(k, s) != s]
+    problems += [f"{k} (shape {s}) is missing" for k, s in sorted(want.items()) if k not in have]
+    problems += [f"{k} (shape {have[k]}) is unexpected" for k in sorted(have) if k not in want]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ValueError(f"{mismatch}: {problems[0]}{more}")
 
 
 def read_hf_moe(reader, fam: Family, prefix: str, shapes: dict[str, tuple], boxes: dict | None = None) -> dict:
     """Our tensors (name -> global shape in `shapes`) of the layer under `prefix`, each only its box
-    in `boxes` (whole where absent), in the checkpoint's dtype."""
+    in `boxes` (whole where absent), in the checkpoint's dtype. First every key under `prefix` and its
+    shape are checked (a box would silently cut a larger tensor): a ValueError names the first that
+    differs."""
     layout = fam.layout(reader.keys(), prefix, shapes["experts.w1"][1])
+    with torch.device("meta"):
+        want = _their_tensors({n: torch.empty(s) for n, s in shapes.items()}, fam, layout, prefix)
+    check_tensors({k: reader.shape(k) for k in reader.keys() if k.startswith(prefix)},
+                  {k: tuple(t.shape) for k, t in want.items()},
+                  f"the Hugging Face weights under {prefix!r} are not a {fam.model_type} MoE layer of this config")
     boxes = boxes or {}
     return {
         name: _read(reader, fam, layout, prefix, name, boxes.get(name, full_box(shape)))
@@ -74,7 +78,8 @@ def moe_shapes(config) -> dict[str, tuple]:
 @torch.no_grad()
 def load_hf_moe(moe: MoE, reader, fam: Family, prefix: str, dims: MoEParallelDims | None = None) -> MoE:
     """Fills `moe` (plain, or parallelized by `parallelize_moe` with `dims`; then on every rank,
-    each reading only its own slices) from the layer under `prefix` (e.g. "model.layers.3.mlp.")."""
+    each reading only its own slices, after checking every key and shape under it) from the layer under
+    `prefix` (e.g. "model.layers.3.mlp.")."""
     boxes = {}
     if dims is not None:
         rank = dist.get_rank() if dist.is_initialized() else 0
@@ -86,18 +91,19 @@ def load_hf_moe(moe: MoE, reader, fam: Family, prefix: str, dims: MoEParallelDim
     return moe
 
 
-def to_hf(state: dict[str, torch.Tensor], fam: Family, prefix: str) -> dict[str, torch.Tensor]:
-    """Full tensors of one layer under our names (an unparallelized MoE's state dict) -> the keys and
-    layout save_pretrained writes for `fam` (per-expert where the family has one, gpt-oss fused)."""
-    out = {prefix + fam.direct[n]: t for n, t in state.items() if not n.startswith("experts.") and n in fam.direct}
-    unmapped = sorted(
-        n for n in state if not n.startswith("experts.") and n not in fam.direct and n != "tokens_per_expert"
-    )
+def _their_tensors(state: dict[str, torch.Tensor], fam: Family, layout, prefix: str) -> dict[str, torch.Tensor]:
+    """Our tensors of one layer under `fam`'s keys in `layout`."""
+    unmapped = sorted(n for n in state if not n.startswith("experts.") and n not in fam.direct)
     if unmapped:
         raise ValueError(
             f"{fam.model_type} has no counterpart of our {unmapped}; valid: {sorted(fam.direct)} and the experts"
         )
-    layout = PerExpert(prefix, *fam.per_expert) if fam.per_expert else GptOss(prefix)
-    experts = {n.removeprefix("experts."): t for n, t in state.items() if n.startswith("experts.")}
-    out.update(layout.write(experts))
+    out = {prefix + fam.direct[n]: t for n, t in state.items() if not n.startswith("experts.")}
+    out.update(layout.write({n.removeprefix("experts."): t for n, t in state.items() if n.startswith("experts.")}))
     return out
+
+
+def to_hf(state: dict[str, torch.Tensor], fam: Family, prefix: str) -> dict[str, torch.Tensor]:
+    """Full tensors of one layer under our names (an unparallelized MoE's state dict) -> the keys and
+    layout save_pretrained writes for `fam` (per-expert where the family has one, gpt-oss fused)."""
+    return _their_tensors(state, fam, PerExpert(prefix, *fam.per_expert) if fam.per_expert else GptOss(prefix), prefix)

@@ -22,6 +22,8 @@ class Family:
     config: Callable[[Callable], MoEConfig]  # get(field, default) of their config -> ours
     moe_layers: Callable[[Callable], list[int]]
     fields: Callable[[MoEConfig], dict]  # ours -> their config's MoE fields (the inverse of `config`)
+    # (MoE layers, num_hidden_layers) -> their config's fields that `moe_layers` reads (its inverse)
+    layer_fields: Callable[[list[int], int], dict]
 
     def layout(self, keys: set[str], prefix: str, num_hidden: int):
         """The expert layout the keys under `prefix` use."""
@@ -131,20 +133,32 @@ def _after_dense(get) -> list[int]:
     return list(range(get("first_k_dense_replace", 0), get("num_hidden_layers")))
 
 
+def _qwen3_layer_fields(layers: list[int], n: int) -> dict:
+    return dict(num_hidden_layers=n, decoder_sparse_step=1, mlp_only_layers=[i for i in range(n) if i not in layers])
+
+
+def _all_layer_fields(layers: list[int], n: int) -> dict:
+    return dict(num_hidden_layers=n)
+
+
+def _after_dense_fields(layers: list[int], n: int) -> dict:
+    return dict(num_hidden_layers=n, first_k_dense_replace=min(layers, default=n))
+
+
 _SHARED = {"shared_experts.w1.weight": "shared_experts.gate_proj.weight",
            "shared_experts.w3.weight": "shared_experts.up_proj.weight",
            "shared_experts.w2.weight": "shared_experts.down_proj.weight"}
 
 FAMILIES = {f.model_type: f for f in (
     Family("qwen3_moe", ("mlp",), {"router.gate.weight": "gate.weight"}, ("gate_proj", "up_proj", "down_proj"),
-           _qwen3, _qwen3_layers, _qwen3_fields),
+           _qwen3, _qwen3_layers, _qwen3_fields, _qwen3_layer_fields),
     Family("mixtral", ("block_sparse_moe", "mlp"), {"router.gate.weight": "gate.weight"}, ("w1", "w3", "w2"),
-           _mixtral, _all_layers, _mixtral_fields),
+           _mixtral, _all_layers, _mixtral_fields, _all_layer_fields),
     Family("deepseek_v3", ("mlp",), {"router.gate.weight": "gate.weight", "expert_bias": "gate.e_score_correction_bias",
                                      **_SHARED}, ("gate_proj", "up_proj", "down_proj"), _deepseek_v3, _after_dense,
-           _deepseek_v3_fields),
+           _deepseek_v3_fields, _after_dense_fields),
     Family("gpt_oss", ("mlp",), {"router.gate.weight": "router.weight", "router.gate.bias": "router.bias"}, None,
-           _gpt_oss, _all_layers, _gpt_oss_fields),
+           _gpt_oss, _all_layers, _gpt_oss_fields, _all_layer_fields),
 )}
 
 
@@ -179,22 +193,36 @@ _ROUTING_AND_EXPERTS = ("dim", "hidden_dim", "num_experts", "top_k", "score_func
                         "expert_biases", "activation", "swiglu_alpha", "swiglu_limit")
 
 
-def hf_fields(fam: Family, config: MoEConfig) -> dict:
-    """Their config's MoE fields for our `config`; a ValueError naming every field the family cannot
-    express (e.g. sigmoid scores as Qwen3-MoE, shared experts as Mixtral)."""
-    fields = {"model_type": fam.model_type, "hidden_act": "silu", **fam.fields(config)}
-    back = fam.config(getter(fields))
-    diff = [f"{n}={getattr(config, n)!r} (as {fam.model_type}: {getattr(back, n)!r})"
-            for n in _ROUTING_AND_EXPERTS if getattr(config, n) != getattr(back, n)]
+def hf_fields(fam: Family, config: MoEConfig, layers: list[int], num_hidden_layers: int) -> dict:
+    """Their config's fields for our `config` in MoE layers `layers` of `num_hidden_layers`: what
+    `moe_config_from_hf` and `moe_layers` read back as these; a ValueError naming every field the family
+    cannot express (e.g. sigmoid scores as Qwen3-MoE, shared experts as Mixtral, a dense layer as gpt-oss)."""
+    fields, diff = _written(fam, config, layers, num_hidden_layers)
     if diff:
         raise ValueError(f"this MoE layer cannot be written as {fam.model_type}: {', '.join(diff)}; valid model types: "
-                         f"{[t for t, f in FAMILIES.items() if _expresses(f, config)]}")
+                         f"{[t for t, f in FAMILIES.items() if _expresses(f, config, layers, num_hidden_layers)]}")
     return fields
 
 
-def _expresses(fam: Family, config: MoEConfig) -> bool:
+def _written(fam: Family, config: MoEConfig, layers: list[int], num_hidden_layers: int) -> tuple[dict, list[str]]:
+    """`fam`'s config fields for ours, and what they read back differently."""
+    fields = {"model_type": fam.model_type, "hidden_act": "silu", **fam.fields(config),
+              **fam.layer_fields(layers, num_hidden_layers)}
+    get = getter(fields)
+    back = fam.config(get)
+    diff = [f"{n}={getattr(config, n)!r} (as {fam.model_type}: {getattr(back, n)!r})"
+            for n in _ROUTING_AND_EXPERTS if getattr(config, n) != getattr(back, n)]
+    # Aux-free balancing is a tensor as well (our expert_bias, DeepSeek-V3's e_score_correction_bias), which
+    # the family stores always or never.
+    if (config.load_balance == "aux_free_bias") != (back.load_balance == "aux_free_bias"):
+        diff.append(f"load_balance={config.load_balance!r} (as {fam.model_type}: {back.load_balance!r})")
+    if fam.moe_layers(get) != layers:
+        diff.append(f"MoE layers {layers} of {num_hidden_layers} (as {fam.model_type}: {fam.moe_layers(get)})")
+    return fields, diff
+
+
+def _expresses(fam: Family, config: MoEConfig, layers: list[int], num_hidden_layers: int) -> bool:
     try:
-        back = fam.config(getter({"model_type": fam.model_type, **fam.fields(config)}))
+        return not _written(fam, config, layers, num_hidden_layers)[1]
     except ValueError:
         return False
-    return all(getattr(config, n) == getattr(back, n) for n in _ROUTING_AND_EXPERTS)

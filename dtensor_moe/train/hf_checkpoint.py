@@ -2,26 +2,29 @@
 in our layout, and back under the family's keys.
 
 import --hf HF_DIR OUT: OUT/model.safetensors holds `layers.{i}.moe.<our name>` for every MoE
-decoder layer i (read layer by layer, lazily), OUT/config.json the family, the layers, our
-`MoEConfig` and the file's sha256. export --hf SRC OUT: SRC is such a directory or a `dtensor-moe
-export` of the main job (its config.json a ModelConfig; then `--model-type` names the family); OUT
-gets model.safetensors under the family's keys (what save_pretrained writes for those layers; the
-main job's other weights have no Hugging Face counterpart and stay out) and config.json with the
-family's MoE config fields. Both refuse to replace existing files without --force, check the
-source's sha256 first, and write under temporary names renamed into place.
+decoder layer i (read layer by layer, lazily, each layer's keys and shapes checked first),
+OUT/config.json the family, the layers, our `MoEConfig` and the file's sha256. export --hf SRC OUT:
+SRC is such a directory or a `dtensor-moe export` of the main job (its config.json a ModelConfig;
+then `--model-type` names the family); OUT gets model.safetensors under the family's keys (what
+save_pretrained writes for those layers; the main job's other weights have no Hugging Face
+counterpart and stay out) and config.json with the family's MoE and layer config fields, so that
+import --hf of OUT gives SRC's MoE layers back bit for bit. Both refuse to replace existing files
+without --force, check the source (its sha256, its tensors' keys and shapes) before writing, and
+write under temporary names renamed into place.
 """
 
 import dataclasses
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dtensor_moe.config import MoEConfig
-from dtensor_moe.hf.convert import layer_prefix, moe_shapes, read_hf_moe, to_hf
+from dtensor_moe.hf.convert import check_tensors, layer_prefix, moe_shapes, read_hf_moe, to_hf
 from dtensor_moe.hf.families import FAMILIES, family, getter, hf_fields, moe_config_from_hf
 from dtensor_moe.hf.reader import SafetensorsReader
 from dtensor_moe.train.config import ModelConfig
@@ -71,22 +74,27 @@ def import_hf(hf_dir, out_dir, force: bool = False) -> Path:
         layer = read_hf_moe(reader, fam, layer_prefix(reader.keys(), fam, i), shapes)
         tensors.update({f"layers.{i}.moe.{n}": t.contiguous() for n, t in layer.items()})
     return _write(out_dir, tensors, {"hf_model_type": fam.model_type, "moe_layers": layers,
-                                     "moe": dataclasses.asdict(config)}, force)
+                                     "num_hidden_layers": get("num_hidden_layers"), "moe": dataclasses.asdict(config)},
+                  force)
 
 
-def _source(src: Path, model_type: str | None) -> tuple[str, MoEConfig, list[int]]:
+def _source(src: Path, model_type: str | None) -> tuple[str, MoEConfig, list[int], int]:
+    """(family, our config, MoE layers, num_hidden_layers) of an import --hf or export directory."""
     cfg = _json(src / CONFIG)
     if "hf_model_type" in cfg:  # written by import --hf
+        missing = [k for k in ("moe", "moe_layers", "num_hidden_layers", "sha256") if k not in cfg]
+        if missing:
+            raise ValueError(f"{src / CONFIG} lacks {missing}, which import --hf writes; import the checkpoint again")
         if model_type not in (None, cfg["hf_model_type"]):
             raise ValueError(f"{src} holds {cfg['hf_model_type']} layers; --model-type {model_type} differs")
-        if _sha256(src / WEIGHTS) != cfg.get("sha256"):
+        if _sha256(src / WEIGHTS) != cfg["sha256"]:
             raise ValueError(f"{src / WEIGHTS} is corrupted (sha256 differs from {CONFIG})")
-        return cfg["hf_model_type"], MoEConfig(**cfg["moe"]), list(cfg["moe_layers"])
+        return cfg["hf_model_type"], MoEConfig(**cfg["moe"]), list(cfg["moe_layers"]), cfg["num_hidden_layers"]
     if model_type is None:
         raise ValueError(f"{src} is the main job's export; name the Hugging Face family with --model-type "
                          f"(valid: {sorted(FAMILIES)})")
     model = ModelConfig.from_dict(cfg)
-    return model_type, model.moe_config(), list(range(model.n_layers))
+    return model_type, model.moe_config(), list(range(model.n_layers)), model.n_layers
 
 
 def export_hf(src, out_dir, model_type: str | None = None, force: bool = False) -> Path:
@@ -99,13 +107,16 @@ def export_hf(src, out_dir, model_type: str | None = None, force: bool = False) 
         with tempfile.TemporaryDirectory() as tmp:
             export_checkpoint(src, tmp)
             return export_hf(tmp, out_dir, model_type, force)
-    model_type, config, layers = _source(src, model_type)
+    model_type, config, layers, num_hidden_layers = _source(src, model_type)
     fam = family(model_type)
-    fields = hf_fields(fam, config)
-    names = list(moe_shapes(config))
+    fields = hf_fields(fam, config, layers, num_hidden_layers)
+    shapes = moe_shapes(config)
     out = {}
     with safe_open(src / WEIGHTS, framework="pt") as f:
+        check_tensors({k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if re.match(r"layers\.\d+\.moe\.", k)},
+                      {f"layers.{i}.moe.{n}": s for i in layers for n, s in shapes.items()},
+                      f"{src / WEIGHTS} does not hold the {model_type} MoE layers {layers} its {CONFIG} describes")
         for i in layers:
-            state = {n: f.get_tensor(f"layers.{i}.moe.{n}") for n in names}
+            state = {n: f.get_tensor(f"layers.{i}.moe.{n}") for n in shapes}
             out.update(to_hf(state, fam, f"model.layers.{i}.{fam.blocks[0]}."))
-    return _write(out_dir, out, {**fields, "moe_layers": layers}, force)
+    return _write(out_dir, out, fields, force)
