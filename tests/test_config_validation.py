@@ -222,6 +222,31 @@ def test_missing_and_malformed_config_files(tmp_path):
         load_config(str(tmp_path))
 
 
+@pytest.mark.parametrize("text", ["", "# nothing yet\n", "[model]\n[training]\n", "[parallel]\nnproc = 2\n"])
+def test_a_config_file_that_sets_no_model_or_training_key_is_refused(tmp_path, text):
+    """It would train the built-in defaults (50 steps) in silence: an empty, truncated or wrong file."""
+    path = tmp_path / "empty.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_config(str(path), ["training.steps=2"])  # an override does not make the file describe a run
+    assert str(err.value) == (
+        f"config file {str(path)!r} sets no [model] or [training] key; it must set at least one, e.g. [training] "
+        "steps = 50 (configs/ has complete examples), rather than train the built-in defaults"
+    )
+    path.write_text("[parallel]\nnproc = 2\n[training]\nsteps = 2\n")
+    assert load_config(str(path)).training.steps == 2
+    assert load_config(None).training.steps == 50  # code asking for the defaults gets them
+
+
+def test_an_override_given_twice_with_different_values_is_refused():
+    with pytest.raises(ValueError) as err:
+        load_config("configs/tiny_cpu.toml", ["training.lr=1", "parallel.ep=1", "training.lr=2"])
+    assert str(err.value) == (
+        "override training.lr is given twice with different values (training.lr=1 and training.lr=2); give it once"
+    )
+    assert load_config("configs/tiny_cpu.toml", ["training.lr=1e-3", "training.lr=0.001"]).training.lr == 1e-3
+
+
 def test_validation_is_torch_free():
     code = (
         "import sys, dtensor_moe.validate, dtensor_moe.config, dtensor_moe.parallel.mesh, dtensor_moe.train.config; "

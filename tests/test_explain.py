@@ -163,6 +163,32 @@ def test_png_into_a_missing_directory_is_refused_before_any_output(tmp_path):
     assert out.getvalue() == ""
 
 
+def test_png_is_written_at_the_path_reported(tmp_path):
+    """A name without .png is the file written (matplotlib alone would write NAME.png and the CLI report NAME)."""
+    path = tmp_path / "grid"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["explain", "--world", "2", "--experts", "2", "--png", str(path)]) == 0
+    assert out.getvalue().endswith(f"rank grid written to {path}\n")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "grid.png").exists()
+
+
+@pytest.mark.parametrize("suffix", [None, "", "/"])
+def test_png_naming_a_directory_or_nothing_is_refused_before_any_output(tmp_path, suffix):
+    """An existing directory (or a path ending in /) is refused rather than given a file name never typed."""
+    (tmp_path / "dir").mkdir()
+    png = "" if suffix is None else str(tmp_path / "dir") + suffix
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main([*README_ARGS, "--png", png]) == 2
+    said = "--png '' names no file" if suffix is None else (
+        f"--png {png!r} names a directory; --png takes the PNG file to write, e.g. "
+        f"{str(tmp_path / 'dir' / 'explain.png')!r}")
+    assert err.getvalue().startswith(f"dtensor-moe explain: {said}") and err.getvalue().count("\n") == 1
+    assert out.getvalue() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["dir"]
+    assert not any((tmp_path / "dir").iterdir())
+
+
 def test_readme_shows_current_output():
     """docs/plan_explain.md holds the 8-rank EDP2 x EP2 x ETP2 explain output verbatim, and its picture."""
     out = io.StringIO()

@@ -41,6 +41,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -202,14 +203,77 @@ def test_cpu_launcher(tmp_path):
      "needs SDPA attention: layers[0].attention.inner_attention is FlexAttention.Config"),
 ])
 def test_config_rejects_bad_combinations(capsys, flags, message):
-    """Our Config's ValueError, which tyro reports as a command-line error, before any process group."""
+    """Our Config's checks while torchtitan parses the command line: one line and exit status 2, no process group."""
+    _assert_refused(capsys, _argv("deepseek_v3_debugmodel_cpu", "/unused", *flags), message)
+
+
+def _assert_refused(capsys, argv, message):
     from torchtitan.config import ConfigManager
 
-    with pytest.raises(SystemExit):
-        ConfigManager().parse_args(_argv("deepseek_v3_debugmodel_cpu", "/unused", *flags))
-    captured = capsys.readouterr()
-    text = " ".join((captured.out + captured.err).replace("│", " ").split())  # tyro wraps long lines
-    assert message in text, text
+    with pytest.raises(SystemExit) as exit_:
+        ConfigManager().parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err  # also torchtitan's own warnings, one line each
+    ours = [line for line in err.splitlines() if line.startswith("dtensor_moe.titan: ")]
+    assert len(ours) == 1 and message in ours[0] and "Traceback" not in err and "╭" not in err, err
+
+
+@pytest.mark.parametrize("world, degrees, message", [
+    (2, dict(dp_replicate=3), "--dtensor_moe.dp_replicate 3 on WORLD_SIZE=2 ranks: dp_replicate * cp * tp = 3*1*1 = 3 "
+                              "must divide world_size 2; valid values for that product: [1, 2]"),
+    (2, dict(ep=3), "--dtensor_moe.ep 3 on WORLD_SIZE=2 ranks: ep * etp = 3*1 must divide dp_shard * cp * tp = 2: the "
+                    "expert mesh (edp, ep, etp) folds over the same ranks as the dense (dp_shard, cp, tp). Valid ep: "
+                    "[1, 2]; valid (ep, etp) pairs: [(1, 1), (1, 2), (2, 1)]"),
+    (4, dict(ep=2, etp=2, tensor_parallel_degree=2, pipeline_parallel_degree=2),
+     "--parallelism.tensor_parallel_degree 2 --parallelism.pipeline_parallel_degree 2 --dtensor_moe.ep 2 "
+     "--dtensor_moe.etp 2 "
+     "on WORLD_SIZE=4 ranks: ep * etp = 2*2 must divide dp_shard * cp * tp = 2"),
+    (2, dict(etp=0), "--dtensor_moe.etp 0 on WORLD_SIZE=2 ranks: etp must be >= 1, got 0"),
+])
+def test_degrees_are_checked_against_the_world(world, degrees, message):
+    """The check the hook's Config runs while parsing (torchtitan's own ParallelDims would assert, after
+    init_process_group, or our MoEParallelDims raise on every rank)."""
+    from dtensor_moe.titan.config_registry import deepseek_v3_debugmodel_cpu
+    from dtensor_moe.titan.trainer import check_degrees
+
+    config = deepseek_v3_debugmodel_cpu()
+    for name, value in degrees.items():
+        setattr(config.dtensor_moe if hasattr(config.dtensor_moe, name) else config.parallelism, name, value)
+    with pytest.raises(ValueError) as err:
+        check_degrees(config, world)
+    assert str(err.value).startswith(message), str(err.value)
+    config.dtensor_moe.ep = config.dtensor_moe.etp = 1
+    config.dtensor_moe.dp_replicate = config.parallelism.data_parallel_replicate_degree = 1
+    assert check_degrees(config, world).edp == world // config.parallelism.pipeline_parallel_degree
+
+
+def test_bad_degrees_end_the_parse_in_one_line(capsys, monkeypatch):
+    """Against torchrun's WORLD_SIZE, before init_process_group: not torchtitan's bare AssertionError."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    _assert_refused(capsys, _ours("/unused", 1, 1, "--dtensor_moe.dp_replicate", "3"),
+                    "--dtensor_moe.dp_replicate 3 on WORLD_SIZE=2 ranks: dp_replicate * cp * tp = 3*1*1 = 3")
+
+
+def test_cpu_launcher_refuses_bad_degrees_in_one_line(tmp_path):
+    """Under torchrun: rank 0's one line, no traceback from any rank (torchrun's own failure report stays), and
+    the other rank stopped by torchrun when rank 0 exits, not after its own wait."""
+    from dtensor_moe.titan.trainer import REFUSE_WAIT_S
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    cmd += ["-m", "dtensor_moe.titan.cpu_train", *_ours(tmp_path, 3, 1)]
+    started = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCHER_TIMEOUT_S)
+    log = out.stdout + out.stderr
+    assert out.returncode != 0 and time.monotonic() - started < REFUSE_WAIT_S, log[-3000:]
+    ours = [line for line in log.splitlines() if line.startswith("dtensor_moe.titan: ")]
+    assert ours == [
+        "dtensor_moe.titan: --dtensor_moe.ep 3 on WORLD_SIZE=2 ranks: ep * etp = 3*1 must divide dp_shard * cp * tp = "
+        "2: the expert mesh (edp, ep, etp) folds over the same ranks as the dense (dp_shard, cp, tp). Valid ep: "
+        "[1, 2]; valid (ep, etp) pairs: [(1, 1), (1, 2), (2, 1)]"
+    ], log[-3000:]
+    rank_failures = ("dtensor_moe/titan/", "ValueError", "AssertionError", "╭")  # a rank's traceback or tyro box
+    assert log.count("Traceback") <= 1 and not any(s in log for s in rank_failures), log[-3000:]
 
 
 def test_qwen3_moe_plan_keeps_torchtitan_names():

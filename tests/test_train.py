@@ -1,6 +1,8 @@
 """`dtensor-moe train` end to end on 8 CPU ranks (EDP2 x EP2 x ETP2) with --parity."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +11,8 @@ from dtensor_moe.cli import train as train_cli
 from dtensor_moe.train.config import load_config
 
 from .harness import torchrun_on_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _ranks_in_pools(monkeypatch):
@@ -206,6 +210,51 @@ def test_launcher_rejects_bad_input_in_one_line(tmp_path, capsys, argv, message)
     assert main([*TINY, "--run-dir", str(tmp_path / "run"), *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"dtensor-moe train: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["training.lr=1", "training.lr=2"],
+         "override training.lr is given twice with different values (training.lr=1 and training.lr=2); give it once"),
+        (["--steps", "2", "training.steps=3"],
+         "--steps 2 and the override training.steps=3 disagree; give only one of them"),
+        (["parallel.nproc=4", "--nproc", "2"], "--nproc 2 and the override parallel.nproc=4 disagree"),
+    ],
+)
+def test_launcher_refuses_a_setting_given_twice_differently(tmp_path, capsys, argv, message):
+    assert main([*TINY, "--run-dir", str(tmp_path / "run"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dtensor-moe train: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_launcher_accepts_a_setting_given_twice_alike():
+    """The ranks' command line repeats --nproc as an override: equal values are one setting."""
+    args = _parsed(["--config", "configs/tiny_cpu.toml", "--steps", "3", "--nproc", "2", "training.steps=3",
+                    "parallel.nproc=2", "training.lr=1e-3", "training.lr=0.001"])
+    cfg, _ = train_cli._resolve(args)
+    assert (cfg.training.steps, cfg.parallel.nproc, cfg.training.lr) == (3, 2, 1e-3)
+
+
+def test_launcher_refuses_an_empty_run_dir(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the default runs/tiny_cpu would be made
+    assert main(["train", "--config", str(ROOT / "configs" / "tiny_cpu.toml"), "--run-dir", ""]) == 2
+    assert capsys.readouterr().err == (
+        f"dtensor-moe train: --run-dir '' names no directory; give a path, or leave --run-dir out for the default "
+        f"{os.path.join('runs', 'tiny_cpu')}\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_launcher_refuses_an_empty_config_file(tmp_path, capsys):
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    assert main(["train", "--config", str(empty), "--run-dir", str(tmp_path / "run"), "--steps", "2"]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"dtensor-moe train: config file {str(empty)!r} sets no [model] or [training] key; it must set at least one"
+    )
     assert not (tmp_path / "run").exists()
 
 

@@ -153,7 +153,7 @@ def save_png(config: MoEConfig, dims: MoEParallelDims, path: str):
         f"world {dims.world_size}{stages}: colour = slice held (same colour = copies over dp_replicate)", fontsize=9
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")  # exactly `path`: without a format matplotlib appends .png
     plt.close(fig)
 
 
@@ -208,7 +208,7 @@ def add_arguments(p):
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--hidden-dim", type=int, default=8, help="expert hidden dim F")
     p.add_argument("--shared-experts", type=int, default=0)
-    p.add_argument("--png", metavar="FILE", help="also draw the rank grid coloured by slice held")
+    p.add_argument("--png", metavar="FILE", help="also draw the rank grid coloured by slice held, as FILE (PNG)")
 
 
 def _check_flags(args):
@@ -227,10 +227,15 @@ def _check_flags(args):
         "shared_experts",
     ):
         check_int("--" + flag.replace("_", "-"), getattr(args, flag), minimum=0 if flag == "shared_experts" else 1)
-    if args.png:
+    if args.png is not None:
+        if not args.png.strip():
+            raise ValueError(f"--png {args.png!r} names no file; give the PNG file to write, e.g. 'explain.png'")
         parent = os.path.dirname(os.path.abspath(args.png))
         if not os.path.isdir(parent):
             raise ValueError(f"--png {args.png!r}: directory {parent!r} does not exist")
+        if os.path.isdir(args.png) or args.png.endswith(os.sep):  # a file name picked here would be one never typed
+            raise ValueError(f"--png {args.png!r} names a directory; --png takes the PNG file to write, e.g. "
+                             f"{os.path.join(args.png, 'explain.png')!r}")
 
 
 def run(args) -> int:

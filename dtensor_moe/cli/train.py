@@ -12,7 +12,7 @@ import sys
 from dataclasses import asdict, replace
 
 from dtensor_moe.cli.launch import RunDirLock, Supervisor, clear_run_state
-from dtensor_moe.train.config import Config, is_override, load_config
+from dtensor_moe.train.config import Config, is_override, load_config, parse_overrides
 from dtensor_moe.train.loop import parallel_dims, train_ranks
 from dtensor_moe.train.supervision import describe_stop, read_stopped
 
@@ -37,13 +37,19 @@ def _resolve(args) -> tuple[Config, str]:
     if args.resume is not None and is_override(args.resume):  # `--resume training.steps=5`: no DIR given
         args.overrides, args.resume = [args.resume, *args.overrides], "latest"
     overrides = list(args.overrides)
-    if args.steps is not None:
-        overrides.append(f"training.steps={args.steps}")
-    if args.nproc is not None:
-        overrides.append(f"parallel.nproc={args.nproc}")
+    given = parse_overrides(overrides)
+    for flag, key, value in (("--steps", "training.steps", args.steps), ("--nproc", "parallel.nproc", args.nproc)):
+        if value is None:
+            continue
+        if given.get(key, value) != value:  # equal ones are harmless (the ranks get --nproc as an override too)
+            raise ValueError(f"{flag} {value} and the override {key}={given[key]} disagree; give only one of them")
+        overrides.append(f"{key}={value}")
     cfg = load_config(args.config, overrides)
-    run_dir = args.run_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
-    return cfg, run_dir
+    return cfg, _default_run_dir(args.config) if args.run_dir is None else args.run_dir
+
+
+def _default_run_dir(config: str) -> str:
+    return os.path.join("runs", os.path.splitext(os.path.basename(config))[0])
 
 
 def _worker_argv(args, run_dir: str) -> list[str]:
@@ -182,6 +188,9 @@ def _check_run_args(args, cfg: Config, run_dir: str):
         )
     if args.keep_last < 1:
         raise ValueError(f"--keep-last must be >= 1 (checkpoints kept on disk), got {args.keep_last}")
+    if not run_dir.strip():  # not the default's stand-in: an empty path is a slip (an unset shell variable)
+        raise ValueError(f"--run-dir {run_dir!r} names no directory; give a path, or leave --run-dir out for the "
+                         f"default {_default_run_dir(args.config)}")
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ValueError(f"--run-dir {run_dir!r} is a file, not a directory")
 

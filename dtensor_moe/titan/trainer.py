@@ -12,6 +12,9 @@ the attention is always ours (titan/context_parallel.py), on every device type.
 """
 
 import inspect
+import os
+import sys
+import time
 from dataclasses import dataclass, field, fields
 from unittest import mock
 
@@ -68,35 +71,15 @@ class Trainer(TitanTrainer):
 
         def __post_init__(self):
             TitanTrainer.Config.__post_init__(self)
-            p, ours = self.parallelism, self.dtensor_moe
-            _only("parallelism.expert_parallel_degree", p.expert_parallel_degree, 1, "set --dtensor_moe.ep instead")
-            if p.context_parallel_degree > 1:
-                _check_cp(self, p.context_parallel_degree)
-            if p.tensor_parallel_degree > 1:
-                _check_tp(self, p.tensor_parallel_degree)
-            _only("parallelism.spmd_backend", p.spmd_backend, "partial_dtensor", "use 'partial_dtensor'")
-            _only(
-                "training.disable_cuda_graphs",
-                self.training.disable_cuda_graphs,
-                True,
-                "the expert dispatcher reads token counts on the host; pass --training.disable_cuda_graphs",
-            )
-            if p.data_parallel_replicate_degree not in (1, ours.dp_replicate):
-                raise ValueError(
-                    f"parallelism.data_parallel_replicate_degree ({p.data_parallel_replicate_degree}) "
-                    f"conflicts with dtensor_moe.dp_replicate ({ours.dp_replicate}); set only "
-                    f"--dtensor_moe.dp_replicate"
-                )
-            p.data_parallel_replicate_degree = ours.dp_replicate
+            try:
+                _check_config(self)
+                check_degrees(self, _world_size(self))
+            except ValueError as e:
+                _refuse(e)
 
     def init_distributed(self) -> ExpertMeshParallelDims:
         dense = super().init_distributed()
-        ours = self.config.dtensor_moe
-        # Raises ValueError (same on every rank) before torchtitan builds any mesh.
-        moe = MoEParallelDims(
-            dense.world_size, dp_replicate=ours.dp_replicate, dp_shard=dense.dp_shard, cp=dense.cp, tp=dense.tp,
-            ep=ours.ep, etp=ours.etp, pp=dense.pp,
-        )
+        moe = check_degrees(self.config, dense.world_size)  # checked while parsing: the same dims, no error
         init = {f.name: getattr(dense, f.name) for f in fields(ParallelDims) if not f.name.startswith("_")}
         return ExpertMeshParallelDims(**init, moe=moe)
 
@@ -110,6 +93,80 @@ class Trainer(TitanTrainer):
     def train_step(self, data_iterator):
         with mock.patch.object(titan_dist_utils, "clip_grad_norm_", _clip_grad_norm_by_mesh):
             return super().train_step(data_iterator)
+
+
+def _check_config(config: Trainer.Config) -> None:
+    """What the hook supports of torchtitan's settings; sets torchtitan's replicate degree to ours."""
+    p, ours = config.parallelism, config.dtensor_moe
+    _only("parallelism.expert_parallel_degree", p.expert_parallel_degree, 1, "set --dtensor_moe.ep instead")
+    if p.context_parallel_degree > 1:
+        _check_cp(config, p.context_parallel_degree)
+    if p.tensor_parallel_degree > 1:
+        _check_tp(config, p.tensor_parallel_degree)
+    _only("parallelism.spmd_backend", p.spmd_backend, "partial_dtensor", "use 'partial_dtensor'")
+    _only(
+        "training.disable_cuda_graphs",
+        config.training.disable_cuda_graphs,
+        True,
+        "the expert dispatcher reads token counts on the host; pass --training.disable_cuda_graphs",
+    )
+    if p.data_parallel_replicate_degree not in (1, ours.dp_replicate):
+        raise ValueError(
+            f"parallelism.data_parallel_replicate_degree ({p.data_parallel_replicate_degree}) "
+            f"conflicts with dtensor_moe.dp_replicate ({ours.dp_replicate}); set only "
+            f"--dtensor_moe.dp_replicate"
+        )
+    p.data_parallel_replicate_degree = ours.dp_replicate
+
+
+def check_degrees(config: Trainer.Config, world_size: int) -> MoEParallelDims:
+    """Our expert degrees folded with torchtitan's dense ones over `world_size` ranks.
+
+    A ValueError names the degrees as typed, the constraint and the valid values (MoEParallelDims' checks),
+    also where torchtitan's own ParallelDims would only assert (dp_replicate not dividing the world)."""
+    p, ours = config.parallelism, config.dtensor_moe
+    degrees = {
+        "dtensor_moe.dp_replicate": ours.dp_replicate,
+        "parallelism.data_parallel_shard_degree": p.data_parallel_shard_degree,
+        "parallelism.context_parallel_degree": p.context_parallel_degree,
+        "parallelism.tensor_parallel_degree": p.tensor_parallel_degree,
+        "parallelism.pipeline_parallel_degree": p.pipeline_parallel_degree,
+        "dtensor_moe.ep": ours.ep,
+        "dtensor_moe.etp": ours.etp,
+    }
+    try:
+        return MoEParallelDims(world_size, dp_replicate=ours.dp_replicate, dp_shard=p.data_parallel_shard_degree,
+                               cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, ep=ours.ep, etp=ours.etp,
+                               pp=p.pipeline_parallel_degree)
+    except ValueError as e:
+        # The ones set (the defaults, dp_shard -1 for the rest of the world and 1 for the others, always fold).
+        given = " ".join(f"--{k} {v}" for k, v in degrees.items() if v != (-1 if "shard" in k else 1))
+        raise ValueError(f"{given} on WORLD_SIZE={world_size} ranks: {e}") from None
+
+
+def _world_size(config: Trainer.Config) -> int:
+    """The world torchtitan's init_distributed will have, read before any process group exists."""
+    if dist.is_initialized():  # torchtitan then keeps the existing group
+        return dist.get_world_size()
+    if config.comm.mode in ("fake_backend", "local_tensor"):  # its dry runs simulate NGPU ranks
+        return int(os.environ.get("NGPU", "1"))
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+# Every rank parses the same command line and fails alike; rank 0 alone says why. The others wait for
+# torchrun to stop them when rank 0 exits (it polls every 0.1 s): exiting first, one of them could get
+# rank 0 killed before its line is out. The wait is bounded for a rank 0 that never gets this far.
+REFUSE_WAIT_S = 60
+
+
+def _refuse(error: ValueError):
+    """A bad config ends the job before any process group exists: one line on the console, exit status 2
+    (a command-line error, as tyro's), no traceback or error box per rank."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"dtensor_moe.titan: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(REFUSE_WAIT_S)
+    raise SystemExit(2)
 
 
 def _clip_grad_norm_by_mesh(parameters, max_norm, *, foreach, pp_mesh, ep_enabled):

@@ -201,7 +201,25 @@ def read_toml(path: str) -> dict:
     return raw
 
 
+def parse_overrides(overrides) -> dict[str, object]:
+    """`section.key=value` items as {"section.key": value}; a key given twice with different values raises
+    (which one was meant is a guess, and a silent last-one-wins hides a typo in a long command line)."""
+    values, texts = {}, {}
+    for item in overrides:
+        m = OVERRIDE.match(item)
+        if m is None or m.group(1) not in SECTIONS:
+            raise ValueError(f"override {item!r} must look like section.key=value with section in {sorted(SECTIONS)}")
+        section, name, text = m.groups()
+        key, value = f"{section}.{name}", _parse_value(text)
+        if key in values and values[key] != value:
+            raise ValueError(f"override {key} is given twice with different values ({texts[key]} and {item}); "
+                             "give it once")
+        values[key], texts[key] = value, item
+    return values
+
+
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    """`path`'s tables with `overrides` applied (no path: the defaults with them)."""
     raw: dict = read_toml(path) if path else {}
     where = f" in {path}" if path else ""
     unknown = set(raw) - set(SECTIONS)
@@ -210,12 +228,15 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     for section, values in raw.items():
         if not isinstance(values, dict):
             raise ValueError(f"[{section}]{where} must be a table of key = value lines, got {section} = {values!r}")
-    for item in overrides:
-        m = OVERRIDE.match(item)
-        if m is None or m.group(1) not in SECTIONS:
-            raise ValueError(f"override {item!r} must look like section.key=value with section in {sorted(SECTIONS)}")
-        section, name, value = m.groups()
-        raw.setdefault(section, {})[name] = _parse_value(value)
+    if path and not raw.get("model") and not raw.get("training"):
+        # An empty, truncated or wrong file would train the built-in defaults: a run nobody described.
+        raise ValueError(
+            f"config file {path!r} sets no [model] or [training] key; it must set at least one, e.g. "
+            "[training] steps = 50 (configs/ has complete examples), rather than train the built-in defaults"
+        )
+    for key, value in parse_overrides(overrides).items():
+        section, name = key.split(".")
+        raw.setdefault(section, {})[name] = value
     built = {}
     for section, cls in SECTIONS.items():
         values = raw.get(section, {})
