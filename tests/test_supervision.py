@@ -4,11 +4,14 @@ launcher leaves no rank behind. Two ranks of a small model, so each launch costs
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from dtensor_moe.train.supervision import read_heartbeats
 
@@ -133,3 +136,26 @@ def test_killing_the_launcher_leaves_no_rank(tmp_path):
     proc.kill()
     proc.wait(10)
     assert _all_gone([b["pid"] for b in beats.values()]), "ranks outlived their launcher"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (CI runs as root)")
+def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(tmp_path):
+    """A disk that fills between two saves: every rank stops after the failed save (rc 74), one line names the
+    error and the last good checkpoint, no temporary checkpoint dir is left, the earlier steps stay loadable."""
+    from dtensor_moe.train.checkpoint import pick
+
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3M", "tmpfs", str(mnt)], check=True)
+    try:
+        proc = _launch(mnt / "run", "training.steps=1000", "--checkpoint-every", "1", "--keep-last", "1000")
+        assert proc.wait(120) == 74
+        lines = [ln for ln in proc.stderr.read().replace("\r", "\n").splitlines() if ln.startswith("dtensor-moe")]
+        # The failing write's own words vary (ENOSPC, or torch.save's "unexpected pos" on a short write).
+        assert len(lines) == 1 and re.search(r"saving checkpoint step \d+ into .* failed: rank", lines[0]), lines
+        ckpts = mnt / "run" / "checkpoints"
+        assert not list(ckpts.glob(".tmp-*"))
+        good = pick(ckpts)  # verified against its manifest
+        assert f"last good checkpoint: {good}" in lines[0], lines
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

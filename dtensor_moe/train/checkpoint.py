@@ -90,6 +90,11 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: missing, incomplete, truncated, corrupted, or of another model."""
 
 
+class SaveError(RuntimeError):
+    """A save that failed on some rank (a full or read-only disk, an I/O error), raised alike on every rank once
+    its temporary directory is gone: the checkpoints saved before it are untouched."""
+
+
 def _steps(root: Path) -> list[tuple[int, Path]]:
     """Every step_NNNNNNNN directory under root, newest first (complete or not)."""
     if not root.is_dir():
@@ -214,7 +219,7 @@ def _on_rank0(fn):
         dist.broadcast_object_list(box, src=0)
         error = box[0]
     if error is not None:
-        raise RuntimeError(f"checkpoint step on rank 0 failed: {error}")
+        raise SaveError(f"rank 0: {error}")
 
 
 @contextmanager
@@ -260,7 +265,16 @@ def save(
         raise ValueError(f"extra must be a dict of plain data and tensors, got {type(extra).__name__}")
     root, final = Path(root), step_dir(root, step)
     tmp = root / f".tmp-{final.name}"
+    try:
+        _save(root, step, model, optimizer, extra, keep_last, tmp, final)
+    except SaveError as e:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise SaveError(f"saving checkpoint step {step} into {root} failed: {e}") from None
+    return final
 
+
+def _save(root: Path, step: int, model, optimizer, extra, keep_last, tmp: Path, final: Path):
     def prepare():
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
         tmp.mkdir(parents=True)
@@ -279,11 +293,11 @@ def save(
         with single_process_ok():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
     except CheckpointException as e:  # a BaseException: would escape `except Exception` handlers
-        raise RuntimeError(f"saving checkpoint step {step} into {tmp} failed: {_failures(e)}") from None
+        raise SaveError(_failures(e)) from None
     names = sorted(p.name for p in tmp.iterdir() if p.is_file() and not p.name.endswith(".tmp"))
     digests, errors = _digests(tmp, names)
     if errors:
-        raise RuntimeError(f"saving checkpoint step {step}: cannot read back {'; '.join(errors)}")
+        raise SaveError(f"cannot read back {'; '.join(errors)}")
 
     def publish():
         manifest = {
@@ -298,7 +312,6 @@ def save(
         _prune(root, keep_last, final)
 
     _on_rank0(publish)
-    return final
 
 
 def _failures(e: CheckpointException) -> str:

@@ -38,6 +38,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from dtensor_moe.parallel.plan import plan_moe
+    from dtensor_moe.train.checkpoint import SaveError
     from dtensor_moe.train.data import Batches, load_tokens
     from dtensor_moe.train.metrics import RunWriter, local_state_bytes, peak_memory_bytes
     from dtensor_moe.train.model import MoETransformer
@@ -56,10 +57,11 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     else:
         device = torch.device("cpu")
     # device_id binds NCCL to this rank's GPU up front (else every barrier warns that it guesses).
-    # The rendezvous shares this timeout: at least a minute, so a busy machine's slow start is no stall (the
-    # launcher's heartbeat watchdog holds timeout_s itself).
+    # The launcher's heartbeat watchdog stops a stalled job at timeout_s with one line naming the rank; the
+    # collectives' own timeout comes a minute later, so it never races the watchdog into a traceback per rank
+    # (it alone acts under an outside torchrun). The rendezvous shares it: a busy machine's slow start is no stall.
     dist.init_process_group("nccl" if p.device == "cuda" else "gloo", device_id=device if p.device == "cuda" else None,
-                            timeout=timedelta(seconds=max(p.timeout_s, 60)))
+                            timeout=timedelta(seconds=p.timeout_s + 60))
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = parallel_dims(cfg, world)
 
@@ -139,7 +141,12 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
                 "peak_mem_per_rank_gib": (per_rank[:, 2] / 2**30).tolist(),
             })
         stop = bool(per_rank[:, 3].max())  # some rank got a stop signal: every rank saves this step and stops
-        saved = ckpt.maybe_save(step + 1, model, optimizer, scheduler, now=stop)
+        try:
+            saved = ckpt.maybe_save(step + 1, model, optimizer, scheduler, now=stop)
+        except SaveError as e:  # raised alike on every rank: all of them stop here
+            if rank == 0:
+                write_stopped(run_dir, "save failed", step + 1, what=str(e), last_checkpoint=ckpt.last())
+            break
         if stop:
             if rank == 0:
                 write_stopped(run_dir, "signal", step + 1, signal=supervision.requested or "a stop signal",

@@ -26,6 +26,7 @@ STOPPED = "stopped.json"
 PREEMPTED_RC = 75
 INTERRUPTED_RC = 130
 DIVERGED_RC = 3
+SAVE_FAILED_RC = 74  # sysexits EX_IOERR
 STOP_SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGUSR1: "SIGUSR1", signal.SIGINT: "SIGINT"}
 _PR_SET_PDEATHSIG = 1
 
@@ -106,6 +107,9 @@ def read_stopped(run_dir) -> dict | None:
 
 def describe_stop(stopped: dict) -> tuple[str, int]:
     """The one line and exit code for a run that `write_stopped` ended early (under our launcher or torchrun)."""
+    if stopped["reason"] == "save failed":
+        return (f"{stopped['what']} (a full or read-only disk?); the run stopped after step {stopped['step']}; last "
+                f"good checkpoint: {stopped.get('last_checkpoint') or 'none'}", SAVE_FAILED_RC)
     if stopped["reason"] == "diverged":
         return (f"{stopped['what']} at step {stopped['step']}: stopped before the optimizer step; last good "
                 f"checkpoint: {stopped.get('last_checkpoint') or 'none'}", DIVERGED_RC)
