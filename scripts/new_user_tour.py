@@ -22,10 +22,8 @@ Prints a markdown table; writes a JSON summary (< 20 kB).
 """
 
 import argparse
-import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -34,94 +32,24 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # this checkout's dtensor_moe, as the CLI subprocesses get through PYTHONPATH
-VALID = re.compile(
-    r"must be|must equal|valid|one of|expects|expected| in \[|needs|pass --|not found|is a file|is a directory|"
-    r"nothing left|already"
+from tour_base import (
+    REPO,
+    TIMEOUT_S,
+    TINY_TOML,
+    Result,
+    Tour,
+    cli,
+    env,
+    message_lines,
+    names_missing,
+    rank_pid,
+    run_cli,
 )
-TIMEOUT_S = 240.0
-TINY_TOML = """\
-# The tour's own tiny job: 2 CPU ranks, EP2, 4 steps.
-[model]
-dim = 16
-n_layers = 1
-n_heads = 2
-num_experts = 4
-top_k = 2
-moe_hidden_dim = 8
-max_seq_len = 16
+from tour_runs import run_cases
 
-[parallel]
-nproc = 2
-ep = 2
-
-[training]
-steps = 4
-seq_len = 8
-global_batch = 4
-warmup_steps = 1
-
-[data]
-source = "synthetic"
-"""
-
-
-@dataclass
-class Result:
-    area: str
-    tried: str
-    outcome: str = ""  # "rc 2", "ValueError", "accepted", "timeout"
-    message: str = ""  # first line of the message (stderr's, or the exception's)
-    seconds: float = 0.0
-    verdict: str = ""
-    why: str = ""  # which check decided a verdict other than clear
-    order: int = 0
-
-
-@dataclass
-class Tour:
-    scratch: Path
-    results: list = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    pristine: Path | None = None  # the tiny job's checkpoint root (None until made, or if making it failed)
-    setup_s: float = 0.0
-
-    def add(self, r: Result) -> Result:
-        with self.lock:
-            r.order = len(self.results)
-            self.results.append(r)
-        print(f"  [{r.verdict:>9}] {r.seconds:6.1f}s {r.area}: {r.tried}", file=sys.stderr, flush=True)
-        return r
-
-
-def _names(message: str, fields, valid: bool) -> str:
-    """'' if the message names every field (and valid values when asked), else what is missing."""
-    missing = [f for f in fields if f not in message]
-    if missing:
-        return f"message lacks {missing}"
-    if valid and not VALID.search(message):
-        return "message gives no valid values"
-    return ""
-
-
-def snapshot(*roots) -> dict:
-    """sha256 of every file under the roots (a guarded tree must come out byte-identical)."""
-    out = {}
-    for root in roots:
-        root = Path(root)
-        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
-        for p in files:
-            out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
-
-
-def _lost(before: dict, after: dict) -> str:
-    changed = [Path(p).name for p in before if after.get(p) != before[p]]
-    return f"changed or deleted: {changed[:4]}" if changed else ""
+sys.path.insert(0, str(REPO))  # this checkout's dtensor_moe, as the CLI subprocesses get through PYTHONPATH
 
 
 # --- the Python API: in-process calls -------------------------------------------------------------
@@ -152,7 +80,7 @@ def api(tour: Tour, area: str, tried: str, fn, fields, valid: bool = True, exc=V
         if not isinstance(e, exc):
             r.verdict, r.why = "unclear", f"{type(e).__name__}, not {exc.__name__}"
         else:
-            r.why = _names(str(e), fields, valid)
+            r.why = names_missing(str(e), fields, valid)
             r.verdict = "unclear" if r.why else "clear"
     finally:
         signal.alarm(0)
@@ -264,71 +192,6 @@ def _free_port() -> int:
 
 
 # --- the CLI: subprocesses ---------------------------------------------------------------------
-
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-
-
-def run_cli(argv, cwd, timeout=TIMEOUT_S):
-    """(rc or None on timeout, stderr, stdout, seconds); a timed-out job's process group is killed."""
-    t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "dtensor_moe.cli", *argv], cwd=cwd, env=_env(), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-        rc = p.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)  # the session this call started: the launcher and its ranks
-        out, err = p.communicate()
-        rc = None
-    return rc, err, out, time.perf_counter() - t0
-
-
-def message_lines(stderr: str) -> list[str]:
-    """stderr's non-empty lines without argparse's usage block (which precedes its one `error:` line)."""
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    if lines and lines[0].startswith("usage:"):
-        lines = lines[next((i for i, ln in enumerate(lines) if ": error: " in ln), 0):]
-    return lines
-
-
-def cli(tour: Tour, area: str, tried: str, argv, fields, *, valid: bool = True, guard=(), run_dir=None,
-        expect_rc: int = 2, accepted_check=None, absent=()) -> Result:
-    """`dtensor-moe ARGV` must exit `expect_rc` (2: refused) with one stderr line naming `fields`, before any
-    rank starts (`run_dir` is not created, or is unchanged) and with every file under `guard` intact.
-    With expect_rc 0 (accepted on purpose) the stderr note must name the fields and accepted_check(stdout)
-    return '' (the result is right). `absent`: strings the message must not contain."""
-    guard = [*guard, *([run_dir] if run_dir else [])]
-    before = snapshot(*guard)
-    existed = run_dir is not None and Path(run_dir).exists()
-    rc, err, out, dt = run_cli(argv, tour.scratch)
-    lines = message_lines(err)
-    r = Result(area, tried, outcome="timeout" if rc is None else f"rc {rc}", message=lines[0] if lines else "",
-               seconds=dt)
-    first_line = " / ".join(lines)
-    if rc is None:
-        r.verdict, r.why = "hang", f"> {TIMEOUT_S:.0f} s"
-    elif lost := _lost(before, snapshot(*guard)):
-        r.verdict, r.why = "data loss", lost
-    elif rc != expect_rc:
-        r.verdict = "silent" if rc == 0 else "unclear"
-        r.why = f"rc {rc}, want {expect_rc}"
-    elif "Traceback" in err:
-        r.verdict, r.why = "unclear", "traceback on stderr"
-    elif expect_rc != 0 and len(lines) != 1:
-        r.verdict, r.why = "unclear", f"{len(lines)} stderr lines"
-    elif why := _names(first_line, fields, valid) or next(
-        (f"message has {a!r}" for a in absent if a in first_line), ""
-    ):
-        r.verdict, r.why = "unclear", why
-    elif run_dir is not None and not existed and Path(run_dir).exists():
-        r.verdict, r.why = "unclear", "a run dir was created: ranks started"
-    elif accepted_check is not None and (why := accepted_check(out)):
-        r.verdict, r.why = "silent", why
-    else:
-        r.verdict = "clear"
-    return tour.add(r)
 
 
 def config_cases(tour: Tour, jobs):
@@ -599,31 +462,6 @@ def _exported_step(out_dir: Path, step: str):
     return check
 
 
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                kids = [int(k) for k in (task / "children").read_text().split()]
-            except OSError:
-                kids = []
-            out += kids
-            todo += kids
-    return out
-
-
-def _rank_pid(launcher: int, rank: int) -> int | None:
-    for p in _descendants(launcher):
-        try:
-            env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in env and b"LOCAL_RANK=" + str(rank).encode() in env:
-            return p
-    return None
-
-
 def killed_rank_case(tour: Tour) -> Result:
     """Rank 1 of a 2-rank job is SIGKILLed while a checkpoint is being written (a .tmp-step dir exists):
     the job must end (no hang), a complete earlier step must stay loadable and --resume must continue."""
@@ -635,14 +473,14 @@ def killed_rank_case(tour: Tour) -> Result:
             "training.steps=400"]
     r = Result("checkpoint", "SIGKILL rank 1 of 2 while a checkpoint is written (.tmp-step dir present)")
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "dtensor_moe.cli", *argv], cwd=s, env=_env(), text=True,
+    p = subprocess.Popen([sys.executable, "-m", "dtensor_moe.cli", *argv], cwd=s, env=env(), text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     ckpts, victim, mid_save = run / "checkpoints", None, False
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline and p.poll() is None:
         if ckpts.is_dir() and any(d.name.startswith("step_") for d in ckpts.iterdir()) and \
                 any(d.name.startswith(".tmp-step_") for d in ckpts.iterdir()):
-            victim = _rank_pid(p.pid, 1)
+            victim = rank_pid(p.pid, 1)
             if victim is not None:
                 os.kill(victim, signal.SIGKILL)
                 mid_save = any(d.name.startswith(".tmp-step_") for d in ckpts.iterdir())
@@ -744,7 +582,7 @@ def nan_case(tour: Tour) -> Result:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={_free_port()}",
            str(Path(__file__).resolve()), "--nan-worker", str(out)]
     try:
-        p = subprocess.run(cmd, cwd=tour.scratch, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+        p = subprocess.run(cmd, cwd=tour.scratch, env=env(), capture_output=True, text=True, timeout=TIMEOUT_S)
         rc = p.returncode
     except subprocess.TimeoutExpired:
         rc = None
@@ -813,6 +651,9 @@ def main():
     ap.add_argument("--jobs", type=int, default=3, help="CLI cases run at once")
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "2026-12-01" / "new_user_tour.json"))
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    ap.add_argument("--launches", type=int, default=100, help="tiny runs launched one after another (0: none)")
+    ap.add_argument("--only", choices=("all", "runs"), default="all",
+                    help="runs: only the run families (signals, stalls, concurrency, disk, environment, launches)")
     ap.add_argument("--nan-worker", metavar="OUT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.nan_worker:
@@ -822,7 +663,12 @@ def main():
     tour = Tour(scratch)
     ckpt_ready = threading.Event()
     jobs, late = [], []  # late: the checkpoint cases, submitted once their checkpoints exist
-    config_cases(tour, jobs)
+    (scratch / "tiny.toml").write_text(TINY_TOML)
+    if args.only == "all":
+        config_cases(tour, jobs)
+    # The long runs (each starts ranks) get threads of their own: the CLI cases need not wait for them. Two at a
+    # time: the run families time what a job does after an event, which a machine loaded past its cores distorts.
+    long_runs = ThreadPoolExecutor(max_workers=2)
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         def setup():
             try:
@@ -833,16 +679,17 @@ def main():
             finally:
                 ckpt_ready.set()
 
-        (scratch / "tiny.toml").write_text(TINY_TOML)
-        # The three long runs (each starts ranks) get threads of their own: the CLI cases need not wait for them.
-        long_runs = ThreadPoolExecutor(max_workers=3)
-        futures = [long_runs.submit(fn) for fn in (setup, lambda: nan_case(tour), lambda: killed_rank_case(tour))]
-        futures += [pool.submit(fn, *a, **kw) for fn, *a, kw in jobs]
-        api_cases(tour, ckpt_ready)
-        ckpt_ready.wait()  # every checkpoint case is submitted before the pool shuts down
+        futures = []
+        if args.only == "all":
+            futures += [long_runs.submit(fn) for fn in (setup, lambda: nan_case(tour), lambda: killed_rank_case(tour))]
+            futures += [pool.submit(fn, *a, **kw) for fn, *a, kw in jobs]
+        futures += [long_runs.submit(fn, *a) for fn, *a in run_cases(tour, args.launches)]
+        if args.only == "all":
+            api_cases(tour, ckpt_ready)
+            ckpt_ready.wait()  # every checkpoint case is submitted before the pool shuts down
         for f in futures + late:
             f.result()  # a bug in the tour itself surfaces here
-        long_runs.shutdown()
+    long_runs.shutdown()
     results = sorted(tour.results, key=lambda r: (r.area.startswith("API") is False, r.order))
     total = time.perf_counter() - t0
     print(table(results))

@@ -67,6 +67,11 @@ def _process_state(pid: int) -> str:
         return "?"
 
 
+def _child_setup():
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    die_with_parent()
+
+
 class Supervisor:
     """Runs `cmd` (torchrun) for `nproc` ranks writing heartbeats under `run_dir`; `run()` returns its exit code."""
 
@@ -122,7 +127,13 @@ class Supervisor:
     def run(self) -> int:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         try:
-            self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True, preexec_fn=die_with_parent)
+            # A signal landing between the fork and Popen's return would find no self.proc to stop: held until then
+            # (the child, which inherits the mask, takes the signals again before it runs torchrun).
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+            try:
+                self.proc = subprocess.Popen(self.cmd, env=self.env, start_new_session=True, preexec_fn=_child_setup)
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
             started = time.time()
             while self.proc.poll() is None:
                 time.sleep(0.2)
