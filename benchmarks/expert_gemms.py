@@ -36,6 +36,11 @@ SHAPES = {  # name: (D, F, E, rows = tokens * K)
 
 
 def cuda_ms(fn, iters=10, warmup=3) -> float:
+    """CUDA-event median; on CPU (moe_layer.py's smoke test) the wall time of one call."""
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     for _ in range(warmup):
         fn()
     times = []
@@ -49,15 +54,14 @@ def cuda_ms(fn, iters=10, warmup=3) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def routing_offsets(N, E, dev):
-    counts = torch.bincount(torch.randint(E, (N,), device=dev), minlength=E)
-    return torch.cumsum(counts, 0, dtype=torch.int32), counts.tolist()
-
-
-def measure(name, D, F, E, N, dev) -> tuple[list[dict], dict]:
+def measure(name, D, F, E, N, dev, counts_E=None, precisions=("bf16", "fp8")) -> tuple[list[dict], dict]:
+    """The GEMM records (and the weights' quantization time, with fp8) at `counts_E` rows per expert (default:
+    random routing); moe_layer.py's --gemm-timing passes a layer's routed counts and its one precision."""
     torch.manual_seed(0)
     bf = dict(device=dev, dtype=torch.bfloat16)
-    offs, host_counts = routing_offsets(N, E, dev)
+    if counts_E is None:
+        counts_E = torch.bincount(torch.randint(E, (N,), device=dev), minlength=E)
+    offs, host_counts = torch.cumsum(counts_E, 0, dtype=torch.int32), counts_E.tolist()
     x, dy = torch.randn(N, D, **bf), torch.randn(N, D, **bf)
     h, da = torch.randn(N, F, **bf), torch.randn(N, F, **bf)
     w1, w2 = torch.randn(E, F, D, **bf) * 0.02, torch.randn(E, D, F, **bf) * 0.02
@@ -79,8 +83,11 @@ def measure(name, D, F, E, N, dev) -> tuple[list[dict], dict]:
         qa, sa, _ = fp8._quantize(a, "token_cols", offs)
         return fp8.fp8_grouped_weight_grad(qg, sg, qa, sa, ends, torch.bfloat16)
 
-    w_quant_ms = cuda_ms(lambda: [f(w) for w in (w1, w2, w1) for f in (fwd_weights, dgrad_weights)], iters=3, warmup=1)
-    fw1, fw2, dw2q, dw1q = fwd_weights(w1), fwd_weights(w2), dgrad_weights(w2), dgrad_weights(w1)
+    weight_quant = {}
+    if "fp8" in precisions:  # only then are the FP8 GEMMs below called, with these weights
+        weight_quant["weight_quant_ms"] = cuda_ms(
+            lambda: [f(w) for w in (w1, w2, w1) for f in (fwd_weights, dgrad_weights)], iters=3, warmup=1)
+        fw1, fw2, dw2q, dw1q = fwd_weights(w1), fwd_weights(w2), dgrad_weights(w2), dgrad_weights(w1)
     accumulate = policy.weight_grad_accumulation(x, w1.shape, True, True)
     entries = []
     gemms = [
@@ -103,12 +110,12 @@ def measure(name, D, F, E, N, dev) -> tuple[list[dict], dict]:
         gemms.append(("wgrad_acc", I, O, bf16_acc, lambda g=g, a=a, out=out: out.add_(fp8_wgrad(g, a))))
     for gemm, I, O, f_bf16, f_fp8 in gemms:
         flops = 2 * N * I * O
-        ms = {"bf16": cuda_ms(f_bf16), "fp8": cuda_ms(f_fp8)}
+        ms = {p: cuda_ms(f) for p, f in (("bf16", f_bf16), ("fp8", f_fp8)) if p in precisions}
         entries.append({"shape": name, "gemm": gemm, "I": I, "O": O, "E": E, "rows_per_expert": N / E,
                         **{f"{p}_ms": v for p, v in ms.items()},
                         **{f"{p}_tflops": flops / (v / 1e3) / 1e12 for p, v in ms.items()}})
     torch.cuda.empty_cache()
-    return entries, {"shape": name, "weight_quant_ms": w_quant_ms}
+    return entries, {"shape": name, **weight_quant}
 
 
 def rel(a, b) -> float:

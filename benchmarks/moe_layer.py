@@ -2,12 +2,17 @@
 
     torchrun --nproc-per-node 2 benchmarks/moe_layer.py --titan-log titan.log --out moe_layer.json
     torchrun --nproc-per-node 2 benchmarks/moe_layer.py --device cpu --shapes tiny --out x.json  # smoke
+    torchrun --nproc-per-node 1 benchmarks/moe_layer.py --meshes local --routing topk exact skewed --zipf 1.2 \
+        --gemm-timing --titan-log titan.log --out x.json  # every routing mode (run_routing.sh)
 
 Every layer is `dtensor_moe.MoE` parallelized by `parallelize_moe` on the EP=2, ETP=2 or EDP=2 mesh
-(and unparallelized on one GPU), with the router bypassed and fed exactly the uniform random routing
-of `titan_anchor.py` (same seed, same draws): same tokens per rank, K and E; as there, the routing
-weights take no gradient (the router's backward is not timed). FLOPs are counted as the
-baseline does, 18*D*F*T*K per rank. Two timings per layer:
+(and unparallelized on one GPU). Routing (`--routing topk exact skewed --zipf S`, a row each; benchmarks/routing.py):
+the router is bypassed and hands the layer exactly the routing `titan_anchor.py` feeds torchtitan's RoutedExperts
+(same seed, same draws, same per-token expert choices and so the same per-expert counts): same tokens per rank, K
+and E. Neither side times a router (torchtitan's RoutedExperts takes the routing as arguments), so the ratio is of
+dispatch + experts + combine on equal counts; as there, the routing weights take no gradient. FLOPs are counted
+as the baseline does, 18*D*F*T*K per rank. Each row names its routing and the rows per expert it gave (mean, max,
+max/mean, over every rank's tokens). Two timings per layer:
   layer: gradient-accumulation steady state (FSDP parameters stay gathered, no gradient reduction,
          gradients add into .grad) -- dispatch + grouped GEMM + combine, like the baseline, which
          has no FSDP and also accumulates into .grad;
@@ -19,14 +24,18 @@ each row records the bytes one step's all-to-alls sent (`sent_bytes`, counted by
 In the same run: the ceilings (dense bf16 matmul, the grouped SwiGLU alone at each per-rank shape,
 equal-split all_to_all at each dispatch size), a numerics check of the benchmarked path against an
 fp32 reference, and one profiled step per layer (where the time goes). Baseline numbers come from
-`titan_anchor.py` lines in --titan-log (run_gpu.sh runs it on the same machine first).
+`titan_anchor.py` lines in --titan-log (run_gpu.sh runs it on the same machine first), matched by shape and routing.
+`--gemm-timing` adds the local rows' fwd / dgrad / wgrad TFLOP/s of the three grouped GEMMs alone at the row's
+routed counts (expert_gemms.py's measurement, CUDA events; on CPU one untimed-quality run).
 """
 
 import argparse
 import copy
 import gc
 import json
+import os
 import re
+import sys
 import time
 from unittest import mock
 
@@ -41,6 +50,10 @@ from dtensor_moe.parallel import dispatch
 from dtensor_moe.router import Routing
 from dtensor_moe.train.metrics import write_json
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when run through runpy
+import expert_gemms  # noqa: E402
+import routing  # noqa: E402
+
 SHAPES = {  # name: (D, F, E, K, tokens per rank)
     "deepseek": (7168, 2048, 256, 8, 8192),
     "qwen": (2048, 768, 128, 8, 16384),
@@ -52,8 +65,9 @@ MESHES = {"ep2": dict(ep=2), "local": None, "etp2": dict(etp=2), "edp2": {}}  # 
 TARGET_RATIO = {"deepseek": 1.3, "qwen": 1.3, "mixtral": 1.0, "e64": 1.0}
 TARGET_PEAK_FRACTION = {"deepseek": 0.5}
 NUMERICS_TOL = {"bf16": 3e-2, "fp8": 0.2}  # max |path - fp32 reference| / max |reference|; fp8: e4m3 rowwise
-TITAN_LINE = re.compile(
-    r"titan0\.3\.0 EP=(\d+) D=(\d+) F=(\d+) E=(\d+) K=(\d+) T/rank=(\d+): fwd\+bwd ([\d.]+) ms, (\d+) TFLOP/s"
+TITAN_LINE = re.compile(  # lines without a routing (before the modes) routed by top-k
+    r"titan0\.3\.0 EP=(\d+) D=(\d+) F=(\d+) E=(\d+) K=(\d+) T/rank=(\d+)(?: routing=(\w+)(?: zipf=([\d.]+))?)?: "
+    r"fwd\+bwd ([\d.]+) ms, (\d+) TFLOP/s"
 )
 
 
@@ -83,15 +97,6 @@ def host_timed_ms(step, dev, iters, warmup, barrier=True, host_ms: list | None =
     return sorted(ts)[len(ts) // 2] * 1e3
 
 
-def baseline_inputs(rank, T, D, E, K, dev, dtype):
-    """titan_anchor.py's inputs: same seed, same draws in the same order, so the same routing."""
-    torch.manual_seed(rank)
-    x = torch.randn(1, T, D, device=dev, dtype=dtype, requires_grad=True)
-    logits = torch.randn(T, E, device=dev)
-    scores_TK, experts_TK = torch.softmax(logits, -1).topk(K, -1)
-    return x, scores_TK.to(dtype), experts_TK
-
-
 def bypass_router(moe: MoE, weights_TK, experts_TK):
     moe.router.forward = lambda x_TD, expert_bias=None: Routing(weights_TK, experts_TK, None, None)
 
@@ -109,23 +114,24 @@ def _rel_err(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
-def check_numerics(cfg, mesh, rank, world, T, dev, dtype) -> dict:
+def check_numerics(cfg, mesh, rank, world, T, dev, dtype, mode, zipf) -> dict:
     """The benchmarked path (dtype, parallelized) against an fp32 single-process reference over
-    the global batch; loss = mean over ranks, as in tests/parity.py. An fp8 layer runs every expert
-    GEMM in FP8 here (the policy bypassed: its table has no entry at these smaller D, F)."""
+    the global batch, routed in the row's mode; loss = mean over ranks, as in tests/parity.py. An fp8
+    layer runs every expert GEMM in FP8 here (the policy bypassed: its table has no entry at these smaller D, F)."""
     if cfg.expert_precision == "fp8":
         with mock.patch.object(policy, "gemm_precision", lambda precision, *a: precision):
-            return _check_numerics(cfg, mesh, rank, world, T, dev, dtype)
-    return _check_numerics(cfg, mesh, rank, world, T, dev, dtype)
+            return _check_numerics(cfg, mesh, rank, world, T, dev, dtype, mode, zipf)
+    return _check_numerics(cfg, mesh, rank, world, T, dev, dtype, mode, zipf)
 
 
-def _check_numerics(cfg, mesh, rank, world, T, dev, dtype) -> dict:
+def _check_numerics(cfg, mesh, rank, world, T, dev, dtype, mode, zipf) -> dict:
     n = world if MESHES[mesh] is not None else 1
     torch.manual_seed(1234)  # same reference weights and global batch on every rank
     with torch.device(dev):
         ref = MoE(cfg)
         x = torch.randn(n * T, cfg.dim)
-        scores_TK, experts_TK = torch.softmax(torch.randn(n * T, cfg.num_experts), -1).topk(cfg.top_k, -1)
+        probs_TE = torch.softmax(torch.randn(n * T, cfg.num_experts), -1)
+        scores_TK, experts_TK = routing.routing_TK(probs_TE, cfg.top_k, mode, zipf, seed=1234)
         grad_out = torch.randn(n * T, cfg.dim)
     model = copy.deepcopy(ref).to(dtype)
     ref.experts.precision = "bf16"  # the reference's GEMMs in fp32
@@ -284,29 +290,32 @@ def progress(rank, *what):
         print(f"[{time.perf_counter() - _T0:6.1f}s]", *what, flush=True)
 
 
-def bench_layer(name, mesh, args, dev, world, rank, dtype, peak, precision="bf16") -> dict | None:
+def bench_layer(name, mesh, mode, args, dev, world, rank, dtype, peak, precision="bf16") -> dict | None:
     D, F, E, K, T = SHAPES[name]
     local = MESHES[mesh] is None
     if local and rank != 0:
         return None
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K, load_balance="none", expert_precision=precision,
                     dispatch_precision=args.dispatch_precision)
-    progress(rank, name, mesh, "numerics check")
-    numerics = check_numerics(numerics_config(cfg), mesh, rank, world, min(T, 2048), dev, dtype)
+    what = (name, mesh, routing.label(mode, args.zipf))
+    progress(rank, *what, "numerics check")
+    numerics = check_numerics(numerics_config(cfg), mesh, rank, world, min(T, 2048), dev, dtype, mode, args.zipf)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    progress(rank, name, mesh, "build")
+    progress(rank, *what, "build")
     moe = build_layer(cfg, mesh, world, dev, dtype)
-    x, weights_TK, experts_TK = baseline_inputs(rank, T, D, E, K, dev, dtype)
+    x, weights_TK, experts_TK = routing.routed_inputs(rank, T, D, E, K, dev, dtype, mode, args.zipf)
     bypass_router(moe, weights_TK, experts_TK)
 
     def step():
         moe(x).float().sum().backward()
 
     flops = 18 * D * F * T * K
-    out = {"shape": name, "mesh": mesh, "precision": precision, "dispatch_precision": args.dispatch_precision,
-           "D": D, "F": F, "E": E, "K": K, "T": T, "numerics": numerics}
-    progress(rank, name, mesh, "timing")
+    out = {"shape": name, "mesh": mesh, "routing": mode, "zipf": routing.zipf_of(mode, args.zipf),
+           "precision": precision, "dispatch_precision": args.dispatch_precision,
+           "D": D, "F": F, "E": E, "K": K, "T": T, "numerics": numerics,
+           **routing.load_stats(experts_TK, E, all_ranks=not local)}
+    progress(rank, *what, "timing")
 
     # One microbatch of a training step: fresh gradients (the GEMMs' outputs become .grad), FSDP's reductions.
     def train_step():
@@ -336,8 +345,8 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak, precision="bf16
 
         out["requant_ms"] = host_timed_ms(requant_step, dev, max(3, args.iters // 2), 1, barrier=not local)
     if mesh in args.profile_meshes:
-        progress(rank, name, mesh, "profile")
-        trace = f"{args.trace_dir}/{name}_{mesh}_rank{rank}.json" if args.trace_dir and rank == 0 else None
+        progress(rank, *what, "profile")
+        trace = f"{args.trace_dir}/{name}_{mesh}_{mode}_rank{rank}.json" if args.trace_dir and rank == 0 else None
         out["profile"] = profile_step(step, dev, barrier=not local, trace=trace)
     dispatch.SENT_BYTES.clear()  # what one step's all-to-alls sent to the other ranks, as they counted it
     step()
@@ -351,23 +360,31 @@ def bench_layer(name, mesh, args, dev, world, rank, dtype, peak, precision="bf16
     gc.collect()  # FSDP's hooks keep the module in reference cycles: free its gathered weights now
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+    if args.gemm_timing and local:
+        progress(rank, *what, "GEMMs at the routed counts")
+        counts_E = torch.bincount(experts_TK.flatten(), minlength=E)
+        rates, _ = expert_gemms.measure(name, D, F, E, T * K, dev, counts_E=counts_E, precisions=(precision,))
+        attach_gemm_rates(out, rates)
     return out
 
 
 def read_titan(path) -> dict:
-    """(EP, D, F, E, K, T) -> (ms, TFLOP/s) from titan_anchor.py output lines."""
+    """(EP, D, F, E, K, T, routing, zipf) -> (ms, TFLOP/s) from titan_anchor.py output lines."""
     if not path:
         return {}
     found = {}
     with open(path) as f:
         for m in TITAN_LINE.finditer(f.read()):
-            found[tuple(int(v) for v in m.groups()[:6])] = (float(m.group(7)), float(m.group(8)))
+            mode, zipf = m.group(7) or "topk", m.group(8)
+            key = (*(int(v) for v in m.groups()[:6]), mode, float(zipf) if zipf else None)
+            found[key] = (float(m.group(9)), float(m.group(10)))
     return found
 
 
 def attach_gemm_rates(row, rates):
-    """fwd / dgrad / wgrad TFLOP/s of the experts' GEMMs alone at this shape (expert_gemms.py, one GPU),
-    in the row's precision: fwd = x@w1, x@w3, h@w2; dgrad = dy@w2, da@w1, db@w3; wgrad the three weights'."""
+    """fwd / dgrad / wgrad TFLOP/s of the experts' GEMMs alone at this shape (expert_gemms.py's records, one GPU:
+    its JSON at random counts, or measured at the row's routed counts), in the row's precision:
+    fwd = x@w1, x@w3, h@w2; dgrad = dy@w2, da@w1, db@w3; wgrad the three weights'."""
     D, F = row["D"], row["F"]
     got = {(r["gemm"], r["I"], r["O"]): r for r in rates if r["shape"] == row["shape"]}
     if not got or row["mesh"] != "local":
@@ -379,25 +396,32 @@ def attach_gemm_rates(row, rates):
         row[f"{gemm}_tflops"] = flops / ((2 * a[f"{p}_ms"] + b[f"{p}_ms"]) / 1e3) / 1e12
 
 
-def attach_bf16_ratio(rows):
-    base = {(r["shape"], r["mesh"]): r["ms"] for r in rows if r["precision"] == "bf16"}
+def attach_ratios(rows):
+    """Time of the row's bf16 twin over its own (vs_bf16), of its topk twin over its own (vs_topk; titan_vs_topk:
+    torchtitan's): its speed against theirs, a twin being the same layer with only the named field changed."""
+    def over(r, field, **twin):
+        want = {k: twin.get(k, r[k]) for k in ("shape", "mesh", "precision", "routing", "zipf")}
+        base = next((b[field] for b in rows if all(b[k] == v for k, v in want.items())), None)
+        return base / r[field] if base and r[field] else None
+
     for r in rows:
-        b = base.get((r["shape"], r["mesh"]))
-        r["vs_bf16"] = b / r["ms"] if b else None
+        r["vs_bf16"] = over(r, "ms", precision="bf16")
+        r["vs_topk"] = over(r, "ms", routing="topk", zipf=None)
+        r["titan_vs_topk"] = over(r, "titan_ms", routing="topk", zipf=None)
 
 
 def attach_baseline(row, titan):
     ep = 1 if row["mesh"] == "local" else 2
-    base = titan.get((ep, row["D"], row["F"], row["E"], row["K"], row["T"]))
+    base = titan.get((ep, row["D"], row["F"], row["E"], row["K"], row["T"], row["routing"], row["zipf"]))
     row["titan_ms"], row["titan_tflops"] = base if base else (None, None)
-    row["ratio"] = row["tflops"] / base[1] if base else None
+    row["ratio"] = base[0] / row["ms"] if base else None  # both count 18*D*F*T*K; its TFLOP/s are rounded
 
 
 def targets(rows) -> list[dict]:
-    """The issue's bars, judged on the EP=2 layer (the baseline's own setting)."""
+    """The issue's bars, judged on the EP=2 layer (the baseline's own setting) with top-k routing (the bars')."""
     out = []
     for r in rows:
-        if r["mesh"] != "ep2":
+        if r["mesh"] != "ep2" or r["routing"] != "topk":
             continue
         if r["shape"] in TARGET_RATIO and r["ratio"] is not None:
             want = TARGET_RATIO[r["shape"]]
@@ -414,7 +438,8 @@ def targets(rows) -> list[dict]:
                         "ok": max(errs) <= NUMERICS_TOL[p]})
     for r in rows:
         if r["precision"] == "fp8" and r.get("vs_bf16") is not None:
-            out.append({"what": f"{r['shape']} {r['mesh']} fp8 / bf16 layer", "want": 1.0, "got": r["vs_bf16"],
+            layer = f"{r['shape']} {r['mesh']} {routing.label(r['routing'], r['zipf'])}"
+            out.append({"what": f"{layer} fp8 / bf16 layer", "want": 1.0, "got": r["vs_bf16"],
                         "ok": r["vs_bf16"] >= 1.0})
     return out
 
@@ -425,11 +450,15 @@ def fmt(v, spec):
 
 def row_cells(r) -> tuple:
     gemms = "/".join(fmt(r.get(f"{g}_tflops"), ".0f") for g in ("fwd", "dgrad", "wgrad"))
+    rows = f"{r['rows_mean']:.0f}/{r['rows_max']} ({r['rows_max_over_mean']:.2f}x)"
     return (
         r["shape"],
         r["mesh"],
+        routing.label(r["routing"], r["zipf"]),
+        rows,
         r["precision"],
         fmt(r.get("vs_bf16"), ".2f"),
+        fmt(r.get("vs_topk"), ".2f"),
         gemms,
         fmt(r.get("requant_ms"), ".2f"),
         fmt(r["ms"], ".2f"),
@@ -438,6 +467,7 @@ def row_cells(r) -> tuple:
         fmt(r["pct_dense_peak"], ".0f"),
         fmt(r.get("titan_tflops"), ".0f"),
         fmt(r.get("ratio"), ".2f"),
+        fmt(r.get("titan_vs_topk"), ".2f"),
         fmt(r.get("step_ms"), ".2f"),
         fmt(sum(r.get("sent_bytes", {}).values()) / 1e6 if r.get("sent_bytes") else None, ".1f"),
         fmt(r.get("a2a_gbps_in_step"), ".0f"),
@@ -451,8 +481,11 @@ def row_cells(r) -> tuple:
 HEAD = (
     "shape",
     "mesh",
+    "routing",
+    "rows/expert mean/max",
     "prec",
     "x bf16",
+    "x topk",
     "fwd/dgrad/wgrad",
     "requant ms",
     "ms",
@@ -461,6 +494,7 @@ HEAD = (
     "%peak",
     "titan",
     "ratio",
+    "titan x topk",
     "step ms",
     "sent MB",
     "a2a GB/s",
@@ -484,7 +518,8 @@ def print_table(res):
                 continue
             p = r[key]
             kinds = ", ".join(f"{k} {v:.2f}" for k, v in sorted(p["by_kind_ms"].items(), key=lambda kv: -kv[1]))
-            print(f"\nprofile {r['shape']} {r['mesh']} {r['precision']} ({what}): step {p['wall_ms']:.2f} ms wall, "
+            layer = f"{r['shape']} {r['mesh']} {routing.label(r['routing'], r['zipf'])} {r['precision']}"
+            print(f"\nprofile {layer} ({what}): step {p['wall_ms']:.2f} ms wall, "
                   f"{p['total_ms']:.2f} ms of kernels ({kinds})")
             for k in p["top"]:
                 print(f"  {k['ms']:8.2f} ms  x{k['count']:<4d} {k['name']}")
@@ -507,7 +542,12 @@ def main():
                     help="expert_precision of the layers: a row each, side by side")
     ap.add_argument("--dispatch-precision", choices=("bf16", "fp8"), default="bf16",
                     help="MoEConfig.dispatch_precision of the parallel layers (fp8: the EP/ETP token payload in e4m3)")
-    ap.add_argument("--gemm-rates", default=None, help="expert_gemms.py JSON: the per-GEMM columns (local rows)")
+    routing.add_arguments(ap)
+    gemm_source = ap.add_mutually_exclusive_group()
+    gemm_source.add_argument("--gemm-rates", default=None,
+                             help="expert_gemms.py JSON: the per-GEMM columns (local rows) at its random counts")
+    gemm_source.add_argument("--gemm-timing", action="store_true",
+                             help="time the per-GEMM columns (local rows) at each row's routed counts")
     ap.add_argument("--out", required=True, help="JSON results (written by rank 0)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -534,19 +574,19 @@ def main():
            "dense_peak_tflops": peak, "rows": [], "skipped": []}
     # Mesh-major order: the EP=2 rows the targets are judged on come first if the budget runs out.
     for mesh in args.meshes:
-        for name, precision in ((n, p) for n in args.shapes for p in args.precisions):
+        for name, precision, mode in ((n, p, m) for n in args.shapes for p in args.precisions for m in args.routing):
             stop = [args.budget_s > 0 and time.perf_counter() - t0 > args.budget_s]
             dist.broadcast_object_list(stop, src=0)  # every rank takes the same branch
             if stop[0]:
-                res["skipped"].append(f"{name} {mesh} {precision}")
+                res["skipped"].append(f"{name} {mesh} {precision} {routing.label(mode, args.zipf)}")
                 continue
-            row = bench_layer(name, mesh, args, dev, world, rank, dtype, peak, precision)
+            row = bench_layer(name, mesh, mode, args, dev, world, rank, dtype, peak, precision)
             if row is not None:
                 row["gemm_ceiling_tflops"] = gemm_ceiling(name, mesh, dev, args.iters)
                 attach_baseline(row, titan)
                 attach_gemm_rates(row, rates)
                 res["rows"].append(row)
-                attach_bf16_ratio(res["rows"])
+                attach_ratios(res["rows"])
             dist.barrier()
             if rank == 0 and row is not None:  # partial results survive a time limit
                 progress(rank, "| " + " | ".join(row_cells(row)) + " |")

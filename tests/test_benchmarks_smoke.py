@@ -3,11 +3,20 @@
 Nothing is timed here: this checks the scripts (meshes, numerics check, baseline parsing, byte
 accounting) so a GPU run is not spent discovering a bug."""
 
+import contextlib
+import io
 import json
+import os
+import re
 import sys
 from pathlib import Path
 
-from .harness import torchrun_on_ranks
+import pytest
+import torch
+
+from benchmarks import routing
+
+from .harness import _as_torchrun_rank, _free_port, run_on_ranks, torchrun_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +45,7 @@ def test_moe_layer_smoke(tmp_path):
         assert max(r["numerics"].values()) < 3e-2, (mesh, r["numerics"])
         assert set(r["numerics"]) == {"out", "grad:x", "grad:w1", "grad:w2", "grad:w3"}
     for mesh in ("ep2", "etp2", "edp2"):
-        assert rows[mesh]["ratio"] == rows[mesh]["tflops"] / 7 and rows[mesh]["step_ms"] > 0
+        assert rows[mesh]["ratio"] == 1.00 / rows[mesh]["ms"] and rows[mesh]["step_ms"] > 0
     assert rows["local"]["ratio"] is None  # no EP=1 baseline line given
     assert (
         rows["ep2"]["profile"]["top"] and rows["ep2"]["a2a_ceiling_gbps"] > 0 and "a2a_ceiling_gbps" not in rows["edp2"]
@@ -52,6 +61,64 @@ def test_moe_layer_smoke(tmp_path):
     # Per step, "rows there" is the dispatch's tokens and the combine's gradient (same rows); FP8 only the first.
     assert fp8_sent["rows there"] * 2 == bf16_sent["rows there"]
     assert fp8_sent["rows:fp8 there"] / fp8_sent["rows there"] == (64 + 4) / (2 * 64)
+
+
+@pytest.mark.parametrize("T, E, K", [(64, 8, 2), (96, 64, 6), (10, 7, 3)])  # E64's K=6: tokens straddle permutations
+def test_routing_modes(T, E, K):
+    exact = routing.expert_choices_TK("exact", T, E, K, seed=0)
+    counts_E = torch.bincount(exact.flatten(), minlength=E)
+    assert counts_E.max() == -(-T * K // E) and counts_E.min() == T * K // E
+    skewed = routing.expert_choices_TK("skewed", T, E, K, seed=0, zipf=1.2)
+    assert torch.equal(skewed, routing.expert_choices_TK("skewed", T, E, K, seed=0, zipf=1.2))
+    assert not torch.equal(skewed, routing.expert_choices_TK("skewed", T, E, K, seed=1, zipf=1.2))
+    with torch.device("meta"):  # a default device does not move the draws (the numerics check runs under cuda's)
+        assert torch.equal(skewed, routing.expert_choices_TK("skewed", T, E, K, seed=0, zipf=1.2))
+        assert torch.equal(exact, routing.expert_choices_TK("exact", T, E, K, seed=0))
+    hottest = routing.popularity_E(E, 1.2).argmax()
+    assert torch.bincount(skewed.flatten(), minlength=E).argmax() == hottest
+    for mode in routing.MODES:
+        _, weights_TK, experts_TK = routing.routed_inputs(0, T, 4, E, K, "cpu", torch.bfloat16, mode)
+        assert experts_TK.shape == weights_TK.shape == (T, K)
+        assert (experts_TK.sort(-1).values.diff(dim=-1) != 0).all(), mode  # K distinct experts per token
+
+
+def _stdout_of_torchrun_rank(rank, world_size, *task):
+    """The harness's torchrun rank, with what it printed (titan_anchor.py's result lines, on rank 0)."""
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        code = _as_torchrun_rank(rank, world_size, *task)
+    return code, out.getvalue()
+
+
+def test_routing_smoke(tmp_path):
+    """torchtitan's anchor and our layer in every routing mode on the same choices: the same rows per expert, a
+    baseline for each row."""
+    modes = ["--routing", *routing.MODES, "--zipf", "1.2"]
+    args = ["64", "32", "8", "2", "64", "1", *modes]
+    results = run_on_ranks(2, _stdout_of_torchrun_rank, ("path", str(ROOT / "benchmarks" / "titan_anchor.py")), args,
+                           dict(os.environ), _free_port())
+    assert [code for code, _ in results] == [0, 0]
+    titan = tmp_path / "titan.log"
+    titan.write_text(results[0][1])
+    loads = {m[0]: (float(m[1]), int(m[2])) for m in re.findall(
+        r"(routing=\w+(?: zipf=[\d.]+)?): .* rows/expert mean ([\d.]+) max (\d+)", results[0][1])}
+    assert set(loads) == {"routing=topk", "routing=exact", "routing=skewed zipf=1.2"}
+    out = tmp_path / "moe_layer.json"
+    torchrun("moe_layer.py", "--device", "cpu", "--shapes", "tiny", "--meshes", "ep2", "local", "--iters", "1",
+             "--warmup", "0", "--profile-meshes", "--gemm-timing", *modes, "--titan-log", str(titan), "--out", str(out))
+    rows = {(r["mesh"], r["routing"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {(mesh, mode) for mesh in ("ep2", "local") for mode in routing.MODES}
+    for (mesh, mode), r in rows.items():
+        assert r["zipf"] == (1.2 if mode == "skewed" else None)
+        assert r["rows_mean"] == (2 if mesh == "ep2" else 1) * 64 * 2 / 8
+        assert r["rows_max_over_mean"] == r["rows_max"] / r["rows_mean"]
+        assert r["vs_topk"] == rows[(mesh, "topk")]["ms"] / r["ms"]
+        if mesh == "ep2":  # torchtitan's EP=2 lines: its counts are ours, its ratio is on them
+            assert loads[routing.describe(mode, 1.2)] == (r["rows_mean"], r["rows_max"])
+            assert r["ratio"] == r["titan_ms"] / r["ms"] and r["titan_vs_topk"] is not None
+        else:  # the GEMMs alone at the routed counts
+            assert r["ratio"] is None and all(r[f"{g}_tflops"] > 0 for g in ("fwd", "dgrad", "wgrad"))
+    assert rows[("ep2", "exact")]["rows_max_over_mean"] == 1.0
+    assert rows[("ep2", "skewed")]["rows_max_over_mean"] > rows[("ep2", "topk")]["rows_max_over_mean"]
 
 
 def test_memory_smoke(tmp_path):
