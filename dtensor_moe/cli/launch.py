@@ -115,8 +115,13 @@ class Supervisor:
         stale = {r: b for r, b in ranks.items()
                  if now - b["time"] > (self.timeout_s if b["step"] is not None else max(self.timeout_s, STARTUP_S))}
         if stale and not missing:
-            r, beat = min(stale.items(), key=lambda kv: kv[1]["time"])
-            state = {"T": "stopped (SIGSTOP?)", "D": "in uninterruptible I/O"}.get(_process_state(beat["pid"]), "")
+            states = {r: {"T": "stopped (SIGSTOP?)", "D": "in uninterruptible I/O"}.get(_process_state(b["pid"]), "")
+                      for r, b in stale.items()}
+            # The rank to name: one the kernel shows stuck, else the one furthest behind, else the longest silent
+            # (its peers wait for it in a collective, silent as well but often a step further).
+            r, beat = min(stale.items(), key=lambda kv: (not states[kv[0]], kv[1]["step"] is not None,
+                                                         kv[1]["step"] or 0, kv[1]["time"]))
+            state = states[r]
             where = "before its first step" if beat["step"] is None else f"after step {beat['step']}"
             self.stalled = (f"rank {r} (pid {beat['pid']}{', ' + state if state else ''}) made no progress for "
                             f"{now - beat['time']:.0f} s {where} (parallel.timeout_s = {self.timeout_s:g}); "

@@ -29,6 +29,7 @@ from torchtitan.trainer import Trainer as TitanTrainer
 
 from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.train.optim import clip_grad_norm_
+from dtensor_moe.train.supervision import INTERRUPTED_RC, PREEMPTED_RC, StopRequests
 
 # torchtitan 0.3.0 calls torch.distributed.set_timeout after the first step, an API that torch
 # 2.13.0 only has under its private name; same signature (timeout, group).
@@ -89,6 +90,41 @@ class Trainer(TitanTrainer):
             _accept_premade_microbatches(self.pp_schedule)
             for part in self.model_parts:
                 _uncount_shape_inference(part)
+        # torchrun hands SIGTERM / SIGINT on to every rank and waits for them (30 s) before it kills them.
+        self.stop_requests, self.stopped_by = StopRequests().__enter__(), None
+
+    def should_continue_training(self) -> bool:
+        """Before each step every rank votes (one scalar all-reduce): a stop signal on any rank stops all of them
+        after the same step, saved in full (model, optimizer, data loader; not the model-only last step), so the
+        same command resumes from it through torchtitan's own checkpoint loading."""
+        if not super().should_continue_training():  # the last step is done: nothing to stop
+            return False
+        vote = torch.tensor([self.stop_requests.flag], device=self.device)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        if vote.item() == 0:  # the host must know whether to go on: one sync per step
+            return True
+        self.stopped_by = self.stop_requests.requested or "a stop signal on another rank"
+        ckpt = self.checkpointer
+        if ckpt.enable and not ckpt.load_only and self.step % ckpt.interval and self.step > 0:
+            with mock.patch.object(ckpt, "_should_save", lambda *_: True):
+                ckpt.save(self.step)
+        ckpt.maybe_wait_for_saving()
+        return False
+
+    def close(self) -> None:
+        super().close()
+        self.stop_requests.__exit__()
+        if self.stopped_by is None:
+            return
+        ckpt = self.checkpointer
+        saved = (f"checkpoint {ckpt.folder}/step-{self.step}; the same command resumes from it"
+                 if ckpt.enable and not ckpt.load_only and self.step > 0 else
+                 "no checkpoint (checkpoint.enable is off)")
+        if dist.get_rank() == 0:
+            print(f"dtensor_moe.titan: stopped by {self.stopped_by} after step {self.step}; {saved}",
+                  file=sys.stderr, flush=True)
+        dist.destroy_process_group()  # torchtitan's main would; SystemExit skips it
+        raise SystemExit(INTERRUPTED_RC if self.stopped_by == "SIGINT" else PREEMPTED_RC)
 
     def train_step(self, data_iterator):
         with mock.patch.object(titan_dist_utils, "clip_grad_norm_", _clip_grad_norm_by_mesh):

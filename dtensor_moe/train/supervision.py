@@ -57,38 +57,52 @@ def read_heartbeats(run_dir) -> dict[int, dict]:
     return beats
 
 
-class RankSupervision:
-    """One rank's signal flag and heartbeat, as a context: the previous signal handlers come back on exit (a
-    process that trains more than once, a test's worker, keeps its own). `requested`: the first stop signal's name."""
+class StopRequests:
+    """The first stop signal a process gets (`requested`: its name), as a context: the previous handlers come back
+    on exit (a process that trains more than once, a test's worker, keeps its own). Only the main thread may set
+    handlers; elsewhere no signal is caught."""
 
-    def __init__(self, run_dir, rank: int):
-        self.rank, self.requested = rank, None
-        self.path = heartbeat_path(run_dir, rank)
+    def __init__(self):
+        self.requested = None
 
     def __enter__(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+        main = threading.current_thread() is threading.main_thread()
         self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS} if main else {}
-        die_with_parent()
-        self.beat(None)
         return self
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
 
     def _on_signal(self, signum, _frame):
         self.requested = self.requested or STOP_SIGNALS[signal.Signals(signum)]
+
+    @property
+    def flag(self) -> float:
+        """This rank's vote in a per-step collective: 0 run on, 1 stop (a signal arrived)."""
+        return 0.0 if self.requested is None else 1.0
+
+
+class RankSupervision(StopRequests):
+    """One rank of the main job: its stop signals and its heartbeat."""
+
+    def __init__(self, run_dir, rank: int):
+        super().__init__()
+        self.rank = rank
+        self.path = heartbeat_path(run_dir, rank)
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        super().__enter__()
+        die_with_parent()
+        self.beat(None)
+        return self
 
     def beat(self, step: int | None):
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"pid": os.getpid(), "step": step, "time": time.time()}))
         os.replace(tmp, self.path)
-
-    @property
-    def flag(self) -> float:
-        """This rank's vote in the per-step all-gather: 0 run on, 1 stop (a signal arrived)."""
-        return 0.0 if self.requested is None else 1.0
 
 
 def write_stopped(run_dir, reason: str, step: int, **details):
