@@ -159,3 +159,16 @@ def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(t
         assert f"last good checkpoint: {good}" in lines[0], lines
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("resume", [[], ["/nonexistent/step_00000004"]], ids=["latest", "a missing step"])
+def test_resume_without_a_checkpoint_makes_no_run_dir(tmp_path, capsys, resume):
+    """Refused in one line before anything is made: a run dir left behind looks like a run that started."""
+    from dtensor_moe.cli import main
+
+    run_dir = tmp_path / "fresh"
+    argv = ["train", "--config", str(ROOT / "configs" / "tiny_cpu.toml"), "--run-dir", str(run_dir), "--resume"]
+    assert main([*argv, *resume]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("no complete checkpoint" in err or "no such directory" in err), err
+    assert not run_dir.exists()

@@ -81,11 +81,14 @@ def run(args) -> int:
         _check(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun else cfg.parallel.nproc)
         if under_torchrun and args.parity:
             raise ValueError("--parity needs the local launcher: run `dtensor-moe train` without torchrun")
+        resume = args.resume is not None and not under_torchrun
+        # A run dir that does not exist yet has nothing to lock: a missing checkpoint is refused without making it.
+        target = _resume_target(args, cfg, run_dir) if resume and not os.path.isdir(run_dir) else None
         if owner:  # a bad config creates no run dir; a held one is refused before its checkpoints are read
             _check_run_dir(cfg, run_dir)
             lock = RunDirLock(run_dir)
-        if args.resume is not None and not under_torchrun:
-            args.resume = str(_resume_target(args, cfg, run_dir))  # the ranks load exactly this step
+        if resume:
+            args.resume = str(target or _resume_target(args, cfg, run_dir))  # the ranks load exactly this step
         if owner:
             _check_device(cfg)
             clear_run_state(run_dir)
