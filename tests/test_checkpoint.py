@@ -24,19 +24,8 @@ from dtensor_moe.train.parallel.parallelize import parallelize_model
 
 from .harness import _free_port, run_on_ranks
 
-CFG = ModelConfig(
-    vocab_size=32,
-    dim=16,
-    n_layers=2,
-    n_heads=2,
-    num_experts=4,
-    top_k=2,
-    moe_hidden_dim=8,
-    num_shared_experts=1,
-    load_balance="aux_free_bias",
-    bias_update_rate=1e-2,
-    max_seq_len=16,
-)
+CFG = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=8,
+                  num_shared_experts=1, load_balance="aux_free_bias", bias_update_rate=1e-2, max_seq_len=16)
 GLOBAL_BATCH, SEQ = 8, 9
 SAVE_STEP = 3  # AdamW steps before the save: moments, lr schedule and expert_bias are all non-zero
 
