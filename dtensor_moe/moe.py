@@ -182,9 +182,11 @@ class MoE(nn.Module):
         return self.stats.sum(self.tokens_per_expert)
 
     @torch.no_grad()
-    def update_expert_bias(self):
-        """Aux-loss-free balancing: nudge under-loaded experts up, over-loaded down, then reset counts."""
+    def update_expert_bias(self, global_counts_E: torch.Tensor | None = None):
+        """Aux-loss-free balancing: nudge under-loaded experts up, over-loaded down, then reset counts.
+        `global_counts_E`: `global_tokens_per_expert()` from a caller that summed it already (the main job's load
+        metrics), so the counts cross the ranks once."""
         if self.expert_bias is not None:
-            tpe = self.global_tokens_per_expert().float()
+            tpe = (self.global_tokens_per_expert() if global_counts_E is None else global_counts_E).float()
             self.expert_bias += self.config.bias_update_rate * torch.sign(tpe.mean() - tpe)
         self.tokens_per_expert.zero_()

@@ -30,15 +30,21 @@ def test_tiny_cpu_run_falls_and_matches_one_process(tmp_path, capsys, monkeypatc
     run_dir = tmp_path / "run"
     rc = main(["train", "--config", "configs/tiny_cpu.toml", "--steps", "8", "--run-dir", str(run_dir), "--parity"])
     assert rc == 0
-    out = capsys.readouterr().out.splitlines()[-7:]  # the launcher's summary, after both progress bars
-    assert [line.split()[0] for line in out] == ["trained", "mesh", "loss", "speed", "memory", "parity", "run"]
+    out = capsys.readouterr().out.splitlines()[-8:]  # the launcher's summary, after both progress bars
+    assert [line.split()[0] for line in out] == ["trained", "mesh", "loss", "speed", "memory", "load", "parity", "run"]
     assert "MoE LM (2 layers, dim 64, 8 experts top-2 + 1 shared), 8 steps of 1024 tokens, float32" in out[0]
     assert out[1] == "mesh     8 ranks on cpu: experts EDP2 x EP2 x ETP2, dense weights FSDP8"
-    assert out[5].startswith("parity   max |dloss| vs 1 process over 8 steps = ") and out[5].endswith(": pass")
-    assert out[6] == f"run dir  {run_dir}: metrics.jsonl, summary.json, loss.png, parity.json, reference_1proc/"
+    assert out[5].startswith("load     worst layer's max/mean rows, mean (max) over 8 steps: per expert ")
+    assert out[6].startswith("parity   max |dloss| vs 1 process over 8 steps = ") and out[6].endswith(": pass")
+    assert out[7] == (f"run dir  {run_dir}: metrics.jsonl, summary.json, loss.png, load.png, parity.json, "
+                      "reference_1proc/")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert all(r["tokens_per_s"] > 0 and len(r["peak_mem_per_rank_gib"]) == 8 for r in rows)
+    # Every step routes each of 1024 tokens to 2 experts; the worst layer's rows per EP rank add its experts' rows.
+    assert all(sum(r["worst_rows_per_expert"]) == 2048 and len(r["expert_imbalance"]) == 2 for r in rows)
+    assert all(r["worst_rows_per_ep_rank"] == [sum(r["worst_rows_per_expert"][:4]), sum(r["worst_rows_per_expert"][4:])]
+               for r in rows)
     first, last = sum(r["loss"] for r in rows[:3]) / 3, sum(r["loss"] for r in rows[-3:]) / 3
     assert last < 0.9 * first, (first, last)
     assert (run_dir / "loss.png").stat().st_size > 1000
@@ -324,13 +330,16 @@ def test_run_results_survive_a_missing_matplotlib(tmp_path, monkeypatch, capsys)
 
     from dtensor_moe.train.metrics import RunWriter
 
-    (tmp_path / "loss.png").write_bytes(b"an earlier run's plot")
+    for png in ("loss.png", "load.png"):
+        (tmp_path / png).write_bytes(b"an earlier run's plot")
     writer = RunWriter(str(tmp_path), 1)
-    writer.step({"step": 1, "loss": 5.0, "tokens_per_s": 100.0, "peak_mem_per_rank_gib": [0.5]})
+    writer.step({"step": 1, "loss": 5.0, "tokens_per_s": 100.0, "peak_mem_per_rank_gib": [0.5],
+                 "expert_imbalance": [1.5], "ep_imbalance": [1.0]})
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     writer.finish({"final_loss": 5.0})
     assert json.loads((tmp_path / "summary.json").read_text()) == {"final_loss": 5.0}
-    assert not (tmp_path / "loss.png").exists()
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        "loss.png not written: matplotlib is not installed (pip install matplotlib); the losses are in metrics.jsonl"
-    )
+    assert not (tmp_path / "loss.png").exists() and not (tmp_path / "load.png").exists()
+    assert capsys.readouterr().err.splitlines()[-2:] == [
+        "loss.png not written: matplotlib is not installed (pip install matplotlib); the losses are in metrics.jsonl",
+        "load.png not written: matplotlib is not installed (pip install matplotlib); the loads are in metrics.jsonl",
+    ]

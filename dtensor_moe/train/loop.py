@@ -40,7 +40,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     from dtensor_moe.parallel.plan import plan_moe
     from dtensor_moe.train.checkpoint import SaveError
     from dtensor_moe.train.data import Batches, load_tokens
-    from dtensor_moe.train.metrics import RunWriter, local_state_bytes, peak_memory_bytes
+    from dtensor_moe.train.metrics import ExpertLoad, RunWriter, load_summary, local_state_bytes, peak_memory_bytes
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
     from dtensor_moe.train.parallel.parallelize import parallelize_model
@@ -89,6 +89,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     del model  # with pp > 1 each stage holds a copy of its own layers
     # One module with the original parameter names over this rank's stages: optimizer and checkpoints.
     model = stage_view(parts)
+    load = ExpertLoad(parts, dims, cfg.model, device)
     optimizer = build_optimizer(model, t.lr, t.weight_decay)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
     # TP ranks read the same sequences (the embedding splits them); CP ranks each their part of them;
@@ -110,10 +111,11 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
         ce, aux = forward_backward(inputs_BL, targets_BL)
         grad_norm = clip_grad_norm_(model.parameters(), t.max_norm, pp_group)
         # One small all-gather per step for loss, aux loss, each rank's peak memory (float64 holds byte counts
-        # exactly) and its stop vote. Ranks' batches are equal-sized: the mean of means is the global mean.
+        # exactly), its stop vote and its stage's expert load (summed on the device: no host sync of its own).
+        # Ranks' batches are equal-sized: the mean of means is the global mean.
         # Stages are outermost: the cross-entropy is the last stage's, the aux loss sums over stages.
-        local = torch.tensor([ce, aux, peak_memory_bytes(device), supervision.flag], dtype=torch.float64,
-                             device=device)
+        local = torch.cat([torch.tensor([ce, aux, peak_memory_bytes(device), supervision.flag], dtype=torch.float64,
+                                        device=device), load.measure()])
         gathered = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(gathered, local)
         per_rank = torch.stack(gathered).cpu()
@@ -129,8 +131,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
             state = local_state_bytes(model, optimizer)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        for part in parts:
-            part.update_expert_bias()
+        load.update_expert_bias()
         dt = time.perf_counter() - t0
         if writer:
             writer.step({
@@ -139,6 +140,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
                 "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
                 "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                 "peak_mem_per_rank_gib": (per_rank[:, 2] / 2**30).tolist(),
+                **load.row(per_stage[:, 0, 4:]),  # a stage's ranks hold the same sums
             })
         stop = bool(per_rank[:, 3].max())  # some rank got a stop signal: every rank saves this step and stops
         try:
@@ -174,6 +176,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
                 "median_tokens_per_s": statistics.median(steady) if steady else None,
                 "median_tokens_per_s_per_rank": statistics.median(steady) / world if steady else None,
                 "peak_mem_per_rank_gib": max((r["peak_mem_per_rank_gib"] for r in rows), key=max, default=None),
+                "load": load_summary(rows),
                 # Measured local bytes after the last step vs the planner's prediction (dtensor-moe plan).
                 "state_bytes_per_rank": states,
                 "planner_state_bytes_per_rank": [

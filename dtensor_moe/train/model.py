@@ -98,10 +98,14 @@ class MoETransformer(nn.Module):
         # The head as a module call when untied, so tensor parallelism's hooks on it run.
         return F.linear(h_BLD, self.tok_embeddings.weight) if self.config.tie_embeddings else self.output(h_BLD)
 
+    def moe_layers(self) -> dict[int, MoE]:
+        """The MoE layers by layer id (a pipeline stage: its own layers)."""
+        return {int(name): block.moe for name, block in self.layers.items()}
+
     def aux_loss(self) -> torch.Tensor | float:
         """Sum of the MoE layers' balance losses (aux, sequence-wise, z) from the last forward (0 when disabled)."""
-        return sum(t for b in self.layers.values() for t in b.moe.losses()) or 0.0
+        return sum(t for moe in self.moe_layers().values() for t in moe.losses()) or 0.0
 
     def update_expert_bias(self):
-        for block in self.layers.values():
-            block.moe.update_expert_bias()
+        for moe in self.moe_layers().values():
+            moe.update_expert_bias()
