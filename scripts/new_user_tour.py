@@ -1,12 +1,16 @@
-"""Issue 18's acceptance tour: bad inputs and faults tried as a new user would, each judged by a check.
+"""The new-user tour: bad inputs and faults tried as a new user (and a cluster scheduler) would, each judged by a
+check.
 
-    python scripts/new_user_tour.py [--jobs 3] [--json benchmarks/results/2026-12-01/new_user_tour.json]
+    python scripts/new_user_tour.py [--jobs 3] [--launches 100] [--only all|runs|hf] [--json OUT.json]
 
 Areas: the Python API (configs, meshes, plan, parallelize, forward, checkpoint load), the CLI
 (`train | plan | explain | export | import`), the main job's config, checkpoints (damaged, replaced,
-another model, a rank killed mid-save) and NaN isolation under EP on 2 gloo ranks. CLI cases run as
-subprocesses (`python -m dtensor_moe.cli` with this checkout first on PYTHONPATH, i.e. `dtensor-moe`)
-in a scratch directory with a timeout, so a hang is detected and counted.
+another model, a rank killed mid-save), NaN isolation under EP on 2 gloo ranks, a real run under a
+scheduler's events (tour_runs.py: signals, a stalled rank, a busy run dir, full and read-only disks, a
+diverging run, CUDA asked for without CUDA, N launches in a row), and Hugging Face round trips and
+mismatched checkpoints (tour_hf.py). CLI cases run as subprocesses (`python -m dtensor_moe.cli` with this
+checkout first on PYTHONPATH, i.e. `dtensor-moe`) in a scratch directory with a timeout, so a hang is
+detected and counted.
 
 Verdicts come from checks, never labels:
 - clear: ValueError (API) or rc 2 (CLI) whose message names every expected field (and, where the
@@ -47,6 +51,7 @@ from tour_base import (
     rank_pid,
     run_cli,
 )
+from tour_hf import hf_cases
 from tour_runs import run_cases
 
 sys.path.insert(0, str(REPO))  # this checkout's dtensor_moe, as the CLI subprocesses get through PYTHONPATH
@@ -652,8 +657,9 @@ def main():
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "2026-12-01" / "new_user_tour.json"))
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     ap.add_argument("--launches", type=int, default=100, help="tiny runs launched one after another (0: none)")
-    ap.add_argument("--only", choices=("all", "runs"), default="all",
-                    help="runs: only the run families (signals, stalls, concurrency, disk, environment, launches)")
+    ap.add_argument("--only", choices=("all", "runs", "hf"), default="all",
+                    help="runs: only the run families (signals, stalls, concurrency, disk, environment, launches); "
+                         "hf: only the Hugging Face round trips and mismatches")
     ap.add_argument("--nan-worker", metavar="OUT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.nan_worker:
@@ -683,7 +689,11 @@ def main():
         if args.only == "all":
             futures += [long_runs.submit(fn) for fn in (setup, lambda: nan_case(tour), lambda: killed_rank_case(tour))]
             futures += [pool.submit(fn, *a, **kw) for fn, *a, kw in jobs]
-        futures += [long_runs.submit(fn, *a) for fn, *a in run_cases(tour, args.launches)]
+            futures += [pool.submit(fn, *a) for fn, *a in hf_cases(tour)]
+        if args.only in ("all", "runs"):
+            futures += [long_runs.submit(fn, *a) for fn, *a in run_cases(tour, args.launches)]
+        if args.only == "hf":
+            futures += [pool.submit(fn, *a) for fn, *a in hf_cases(tour)]
         if args.only == "all":
             api_cases(tour, ckpt_ready)
             ckpt_ready.wait()  # every checkpoint case is submitted before the pool shuts down
