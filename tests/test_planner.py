@@ -17,7 +17,7 @@ from dtensor_moe.cli.plan import resolve
 from dtensor_moe.parallel.mesh import EXPERT_AXES, PP_STAGES_PER_RANK, MoEParallelDims
 from dtensor_moe.parallel.plan import plan_moe, rank_coords
 from dtensor_moe.tools import planner as P
-from dtensor_moe.tools.presets import PRESETS, spec_from_model_config
+from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, spec_from_model_config
 
 from .harness import run_on_ranks
 
@@ -329,6 +329,24 @@ def test_plan_cli_rejects_bad_flags_in_one_line(flag, value, valid):
     assert err == f"dtensor-moe plan: {flag} must be {valid}\n", err
 
 
+@pytest.mark.parametrize("name", TITAN_MODELS)
+def test_plan_prices_the_torchtitan_hooks_configs(name):
+    """`--model` takes the `--config` names of `--module dtensor_moe.titan` (their presets equal torchtitan's models:
+    tests/test_titan_configs.py)."""
+    rc, out, err = _cli(["plan", "--model", name, "--gpus", "64", "--top", "2"])
+    lines = out.splitlines()
+    assert rc == 0 and err == "" and lines[0].startswith(f"{name} on 64 GPUs"), out
+    header = next(i for i, line in enumerate(lines) if line.startswith("# pp |"))
+    assert [line[:1] for line in lines[header + 1:header + 3]] == ["1", "2"], out
+
+
+def test_plan_cli_bad_model_is_one_line_of_valid_names():
+    rc, out, err = _cli(["plan", "--model", "deepseek_v3_7b", "--gpus", "64"])
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith("dtensor-moe plan: unknown model 'deepseek_v3_7b'; valid: presets ['deepseek-v3-671b', "), err
+    assert f"torchtitan configs {list(TITAN_MODELS)} (--module dtensor_moe.titan --config)" in err, err
+
+
 def test_plan_cli_gpus_flag():
     rc, _, err = _cli(["plan", "--model", "mixtral-8x7b", "--gpus", "0"])
     assert rc == 2 and err == "dtensor-moe plan: --gpus must be an int >= 1, got 0\n"
@@ -339,8 +357,8 @@ def test_plan_cli_gpus_flag():
 
 def test_planner_package_layout_and_torch_free():
     """The cost model is one module per concept, each importing only those before it (no cycles);
-    the package re-exports their names; planning a preset from the CLI imports neither torch nor the
-    training code."""
+    the package re-exports their names; planning a preset from the CLI, a torchtitan config's too, imports
+    neither torch nor the training code."""
     import ast
     import importlib
 
@@ -383,6 +401,7 @@ def test_planner_package_layout_and_torch_free():
     code = ("import sys, io, contextlib; from dtensor_moe.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    assert main(['plan', '--model', 'qwen3-30b-a3b', '--gpus', '64']) == 0\n"
+            "    assert main(['plan', '--model', 'deepseek_v3_671b', '--gpus', '64']) == 0\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('dtensor_moe.train')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})

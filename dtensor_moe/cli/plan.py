@@ -1,6 +1,7 @@
 """`dtensor-moe plan`: rank the foldings of a model over a cluster (dtensor_moe.tools.planner).
 
-`--model` is a preset (tools/presets.py), a training config TOML or its name under `configs/`.
+`--model` is a preset (tools/presets.py: published models, and the torchtitan hook's `--config` names of
+torchtitan's models), a training config TOML or its name under `configs/`.
 """
 
 from dataclasses import asdict
@@ -11,8 +12,10 @@ from dtensor_moe.parallel.plan import check_pipeline
 from dtensor_moe.tools.planner.report import candidate_dict, explain_choice, table
 from dtensor_moe.tools.planner.search import TP_NOTE, pipeline_degrees, plan
 from dtensor_moe.tools.planner.workload import COMPUTE_BYTES, OPTIMIZER_MOMENTS, RECOMPUTE, Hardware, Workload
-from dtensor_moe.tools.presets import PRESETS, ModelSpec, spec_from_model_config
+from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, ModelSpec, spec_from_model_config
 from dtensor_moe.validate import check_int, check_positive
+
+PUBLISHED = sorted(set(PRESETS) - set(TITAN_MODELS))  # the other presets: published models
 
 
 def _config_dirs() -> list[Path]:
@@ -41,14 +44,13 @@ def resolve(model: str) -> ModelSpec:
         if (d / f"{model}.toml").is_file():
             return load_config(d / f"{model}.toml")
     configs = sorted({p.stem for d in _config_dirs() if d.is_dir() for p in d.glob("*.toml")})
-    raise ValueError(
-        f"unknown model {model!r}; valid: presets {sorted(PRESETS)}, configs {configs}, or a path to a .toml"
-    )
+    raise ValueError(f"unknown model {model!r}; valid: presets {PUBLISHED}, torchtitan configs {list(TITAN_MODELS)} "
+                     f"(--module dtensor_moe.titan --config), configs {configs}, or a path to a .toml")
 
 
 def add_arguments(p):
-    p.add_argument("--model", required=True, help=f"preset ({', '.join(PRESETS)}), a training config .toml, "
-                   "or its name under configs/")
+    p.add_argument("--model", required=True, help=f"preset ({', '.join(PUBLISHED)}), torchtitan config "
+                   f"({', '.join(TITAN_MODELS)}), a training config .toml, or its name under configs/")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--gpu-mem", type=float, default=80.0, help="GiB per GPU")

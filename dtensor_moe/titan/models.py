@@ -1,4 +1,5 @@
-"""Tiny torchtitan MoE models for CPU ranks (torchtitan's own debug flavors need a GPU).
+"""Tiny torchtitan MoE models for CPU ranks (torchtitan's own debug flavors need a GPU), and the planner's
+view of any torchtitan MoE decoder (`planner_spec`).
 
 `deepseek_v3_tiny`: the architecture of torchtitan's `deepseek_v3` "debugmodel" (MLA attention, one
 dense layer then MoE layers with shared experts, softmax top-k routing, YaRN RoPE), built with
@@ -10,13 +11,20 @@ causal SDPA in both because FlexAttention has no CPU backward (documents packed 
 attend across boundaries).
 """
 
+from dataclasses import replace
 from functools import partial
 
+import torch
 from torch import nn
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, build_mla_moe_layers
 from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers
+
+from dtensor_moe.config import MoEConfig
+from dtensor_moe.tools.presets import ModelSpec
+
+from .parallelize import moe_config
 
 _LINEAR = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
 _EXPERTS = {name: partial(nn.init.trunc_normal_, std=0.02) for name in ("w1_EFD", "w2_EDF", "w3_EFD")}
@@ -101,3 +109,55 @@ def qwen3_moe_tiny(vocab_size: int, max_seq_len: int = 256) -> Qwen3Model.Config
         rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=max_seq_len, theta=1000000.0),
     )
     return Qwen3Model.Config(**_decoder(vocab_size, dim, layers, embedding_std=0.02, eps=1e-6))
+
+
+def planner_spec(model_config, name: str) -> ModelSpec:
+    """The planner's `ModelSpec` (dtensor_moe/tools/presets.py) of the torchtitan decoder `model_config` builds,
+    read off that model on the meta device: torchtitan's own sizes. Multi-token-prediction layers are left
+    out, as the planner's presets leave DeepSeek-V3's out. The planner prices one attention and one MoE shape
+    for every layer, with the dense-FFN layers first: a model that differs raises ValueError."""
+    with torch.device("meta"):
+        model = model_config.build()
+    blocks = list(model.layers.values())
+    moes = [b.moe for b in blocks if getattr(b, "moe_enabled", False)]
+    n_dense = len(blocks) - len(moes)
+    if not moes or any(getattr(b, "moe_enabled", False) for b in blocks[:n_dense]):
+        raise ValueError(f"{name}: the planner needs MoE layers after the dense-FFN ones; got MoE layers "
+                         f"{[i for i, b in enumerate(blocks) if getattr(b, 'moe_enabled', False)]} of {len(blocks)}")
+    config = _moe_config(moes[0])
+    attention = tuple((f"attention.{n}", tuple(p.shape)) for n, p in blocks[0].attention.named_parameters())
+    for i, block in enumerate(blocks):
+        if tuple((f"attention.{n}", tuple(p.shape)) for n, p in block.attention.named_parameters()) != attention:
+            raise ValueError(f"{name}: layers[{i}].attention differs from layers[0].attention; the planner prices "
+                             "one attention shape for every layer")
+    if any(_moe_config(m) != config for m in moes):
+        raise ValueError(f"{name}: its MoE layers differ; the planner prices one MoE shape for every layer")
+    vocab_size, dim = model.tok_embeddings.weight.shape
+    return ModelSpec(
+        name=name,
+        vocab_size=vocab_size,
+        n_layers=len(blocks),
+        moe=config,
+        attention=attention,
+        kv_width=_kv_width(model_config.layers[0].attention, name),
+        n_dense_layers=n_dense,
+        dense_hidden_dim=blocks[0].feed_forward.w1.weight.shape[0] if n_dense else 0,
+        tie_embeddings=bool(getattr(model_config, "enable_weight_tying", False)),
+    )
+
+
+def _moe_config(moe) -> MoEConfig:
+    """The hook's MoEConfig of a torchtitan MoE plus its routing groups (which set the planner's dispatch rows)."""
+    router = moe.router
+    return replace(moe_config(moe), num_expert_groups=router.num_expert_groups or 1,
+                   num_limited_groups=router.num_limited_groups or 1)
+
+
+def _kv_width(attention, name: str) -> int:
+    """K plus V features per token, as the hook's CP attention gathers them (MLA's after its up-projection)."""
+    if hasattr(attention, "qk_nope_head_dim"):  # DeepSeek's multi-head latent attention
+        return attention.n_heads * (attention.qk_nope_head_dim + attention.qk_rope_head_dim + attention.v_head_dim)
+    if hasattr(attention, "head_dim"):  # grouped-query attention
+        return 2 * (attention.n_kv_heads or attention.n_heads) * attention.head_dim
+    raise ValueError(f"{name}: layers[0].attention is {type(attention).__qualname__}; the planner knows "
+                     "DeepSeek's MLA (qk_nope_head_dim) and grouped-query attention (head_dim)")

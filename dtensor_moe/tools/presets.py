@@ -1,13 +1,18 @@
-"""Model shapes the planner needs: published MoE models and the training configs (`configs/*.toml`).
+"""Model shapes the planner needs: published MoE models, torchtitan's MoE configs and the training configs
+(`configs/*.toml`).
 
 A `ModelSpec` lists the shapes of the weights *outside* the MoE modules (attention, norms, dense
 FFN layers, embeddings) and the `MoEConfig` of the MoE layers; the placement of the MoE weights
-always comes from `dtensor_moe.parallel.plan.plan_moe`. Published dims are from each model's released
-config.json (Hugging Face); the multi-token-prediction module of DeepSeek-V3 is left out (671B
-counts the main model only).
+always comes from `dtensor_moe.parallel.plan.plan_moe`. Published dims (the hyphenated names) are from
+each model's released config.json (Hugging Face), with the main job's attention weights. The names with
+underscores are the torchtitan hook's `--config` names (dtensor_moe/titan/config_registry.py): torchtitan
+0.3.0's models as that hook trains them (torchtitan's fused wqkv, its routing), kept here so that the
+planner needs no torch; tests/test_titan_configs.py checks each equals what
+`dtensor_moe.titan.models.planner_spec` reads off torchtitan's own model. Multi-token-prediction layers
+are left out (671B counts the main model only).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.validate import check_int, check_type
@@ -72,21 +77,26 @@ class ModelSpec:
         return (("tok_embeddings.weight", (V, D)),) * first + head * last
 
 
-def _gqa(D: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool):
+def _gqa(D: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool, fused: bool = False):
+    """Grouped-query attention; `fused`: torchtitan's one wqkv weight for Q, K and V."""
     q, kv = n_heads * head_dim, n_kv_heads * head_dim
-    w = [("attention.wq.weight", (q, D)), ("attention.wk.weight", (kv, D)), ("attention.wv.weight", (kv, D)),
-         ("attention.wo.weight", (D, q))]
+    qkv = ([("attention.qkv_linear.wqkv.weight", (q + 2 * kv, D))] if fused else
+           [("attention.wq.weight", (q, D)), ("attention.wk.weight", (kv, D)), ("attention.wv.weight", (kv, D))])
+    w = [*qkv, ("attention.wo.weight", (D, q))]
     if qk_norm:
         w += [("attention.q_norm.weight", (head_dim,)), ("attention.k_norm.weight", (head_dim,))]
     return tuple(w), 2 * kv
 
 
-def _mla(D: int, n_heads: int, q_lora: int, kv_lora: int, nope: int, rope: int, v: int):
-    """DeepSeek multi-head latent attention (low-rank Q and joint low-rank KV)."""
-    w = (
+def _mla(D: int, n_heads: int, q_lora: int, kv_lora: int = 512, nope: int = 128, rope: int = 64, v: int = 128):
+    """DeepSeek multi-head latent attention (joint low-rank KV; low-rank Q unless `q_lora` is 0)."""
+    q = (("attention.wq.weight", (n_heads * (nope + rope), D)),) if q_lora == 0 else (
         ("attention.wq_a.weight", (q_lora, D)),
         ("attention.q_norm.weight", (q_lora,)),
         ("attention.wq_b.weight", (n_heads * (nope + rope), q_lora)),
+    )
+    w = (
+        *q,
         ("attention.wkv_a.weight", (kv_lora + rope, D)),
         ("attention.kv_norm.weight", (kv_lora,)),
         ("attention.wkv_b.weight", (n_heads * (nope + v), kv_lora)),
@@ -125,8 +135,61 @@ PRESETS: dict[str, ModelSpec] = {
             vocab_size=32000, n_layers=32, moe=MoEConfig(dim=4096, hidden_dim=14336, num_experts=8, top_k=2),
             attention=_gqa(4096, n_heads=32, n_kv_heads=8, head_dim=128, qk_norm=False),
         ),
+        # torchtitan 0.3.0's models (the hook's --config names), as its deepseek_v3 and qwen3 model registries
+        # build them.
+        _preset(
+            "deepseek_v3_16b",
+            vocab_size=102400, n_layers=27, n_dense_layers=1, dense_hidden_dim=10944,
+            moe=MoEConfig(dim=2048, hidden_dim=1408, num_experts=64, top_k=6, route_norm=False, num_shared_experts=2),
+            attention=_mla(2048, n_heads=16, q_lora=0),
+        ),
+        _preset(
+            "deepseek_v3_236b",
+            vocab_size=102400, n_layers=60, n_dense_layers=1, dense_hidden_dim=12288,
+            moe=MoEConfig(dim=5120, hidden_dim=1536, num_experts=160, top_k=6, route_norm=False, route_scale=16.0,
+                          num_shared_experts=2, num_expert_groups=8, num_limited_groups=3),
+            attention=_mla(5120, n_heads=128, q_lora=1536),
+        ),
+        _preset(
+            "deepseek_v3_671b",
+            vocab_size=129280, n_layers=61, n_dense_layers=3, dense_hidden_dim=18432,
+            moe=MoEConfig(dim=7168, hidden_dim=2048, num_experts=256, top_k=8, score_func="sigmoid", route_scale=2.5,
+                          num_shared_experts=1, num_expert_groups=8, num_limited_groups=4),
+            attention=_mla(7168, n_heads=128, q_lora=1536),
+        ),
+        _preset(
+            "qwen3_30b_a3b",
+            vocab_size=151936, n_layers=48, moe=MoEConfig(dim=2048, hidden_dim=768, num_experts=128, top_k=8),
+            attention=_gqa(2048, n_heads=32, n_kv_heads=4, head_dim=128, qk_norm=True, fused=True),
+        ),
+        _preset(
+            "qwen3_235b_a22b",
+            vocab_size=151936, n_layers=94, moe=MoEConfig(dim=4096, hidden_dim=1536, num_experts=128, top_k=8),
+            attention=_gqa(4096, n_heads=64, n_kv_heads=4, head_dim=128, qk_norm=True, fused=True),
+        ),
+        _preset(
+            "deepseek_v3_debugmodel",
+            vocab_size=2048, n_layers=6, n_dense_layers=1, dense_hidden_dim=1024,
+            moe=MoEConfig(dim=256, hidden_dim=256, num_experts=8, top_k=3, route_norm=False, num_shared_experts=2),
+            attention=_mla(256, n_heads=16, q_lora=0),
+        ),
+        _preset(
+            "qwen3_moe_debug",
+            vocab_size=2048, n_layers=8, moe=MoEConfig(dim=256, hidden_dim=768, num_experts=64, top_k=8),
+            attention=_gqa(256, n_heads=16, n_kv_heads=8, head_dim=128, qk_norm=True, fused=True),
+        ),
     )
 }
+# torchtitan's variants of a model above (its multi-token-prediction layer, its optimizer's parameter groups).
+PRESETS |= {variant: replace(PRESETS[model], name=variant) for variant, model in (
+    ("deepseek_v3_debugmodel_mtp", "deepseek_v3_debugmodel"),
+    ("qwen3_debugmodel_moe_param_groups", "qwen3_moe_debug"),
+)}
+# The torchtitan hook's --config names of torchtitan's own models, each a preset above (config_registry.py has a
+# config function of each name).
+TITAN_MODELS = ("deepseek_v3_16b", "deepseek_v3_236b", "deepseek_v3_671b", "qwen3_30b_a3b", "qwen3_235b_a22b",
+                "deepseek_v3_debugmodel", "deepseek_v3_debugmodel_mtp", "qwen3_moe_debug",
+                "qwen3_debugmodel_moe_param_groups")
 
 
 def spec_from_model_config(cfg, name: str = "config") -> ModelSpec:

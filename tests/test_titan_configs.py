@@ -1,0 +1,195 @@
+"""The torchtitan hook's configs (`--module dtensor_moe.titan --config NAME`) and `wrap_config`, on the meta
+device: no process group, no training.
+
+- every config builds through the hook: our Trainer and parallelize function, and every MoE layer, MTP ones
+  included, gets a placement from our plan whose shapes are its parameters' (what parallelize_titan checks
+  before its first collective);
+- the configs of torchtitan's models build torchtitan's own model (same parameter names and shapes as the
+  model of torchtitan's config, or flavor, of that name), and the planner's preset of that name is what
+  `planner_spec` reads off it, with torchtitan's parameter count;
+- the real-size names parse through torchtitan's own ConfigManager with our degrees; a bad name is one line;
+- every MoE config torchtitan 0.3.0 registers is a config here or refused by wrap_config with a ValueError.
+"""
+
+import importlib
+import inspect
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("torchtitan")
+
+from torchtitan.config import ConfigManager  # noqa: E402
+from torchtitan.models import deepseek_v3, qwen3  # noqa: E402
+from torchtitan.models.common.moe import MoE  # noqa: E402
+from torchtitan.trainer import Trainer as TitanTrainer  # noqa: E402
+
+from dtensor_moe.parallel.mesh import MoEParallelDims  # noqa: E402
+from dtensor_moe.titan import config_registry as registry  # noqa: E402
+from dtensor_moe.titan.models import planner_spec  # noqa: E402
+from dtensor_moe.titan.parallelize import parallelize_titan, titan_plan  # noqa: E402
+from dtensor_moe.titan.trainer import Trainer  # noqa: E402
+from dtensor_moe.tools import planner as P  # noqa: E402
+from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS  # noqa: E402
+
+REAL_SIZE = ("deepseek_v3_16b", "deepseek_v3_236b", "deepseek_v3_671b", "qwen3_30b_a3b", "qwen3_235b_a22b")
+DIMS = MoEParallelDims(16, ep=4, etp=2)  # divides every config's experts and expert hidden dim
+
+
+def _titans_own(name: str):
+    """torchtitan's ModelSpec for the hook config `name`: its config function of that name, or for the two models
+    it registers without one, its flavor."""
+    flavors = {"deepseek_v3_236b": (deepseek_v3, "236B"), "qwen3_235b_a22b": (qwen3, "235B-A22B")}
+    if name in flavors:
+        family, flavor = flavors[name]
+        return family.model_registry(flavor)
+    family = "deepseek_v3" if name.startswith("deepseek") else "qwen3"
+    return getattr(importlib.import_module(f"torchtitan.models.{family}.config_registry"), name)().model_spec
+
+
+def _build(model_config):
+    with torch.device("meta"):
+        return model_config.build()
+
+
+def _shapes(model) -> dict:
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", list(registry.CONFIGS))
+def test_config_builds_through_the_hook(name):
+    config = registry.CONFIGS[name]()
+    hook = name != "deepseek_v3_debugmodel_cpu_titan_ep"  # the reference, under torchtitan's own parallelize
+    assert type(config) is (Trainer.Config if hook else TitanTrainer.Config)
+    assert (config.model_spec.parallelize_fn is parallelize_titan) == hook
+    assert config.parallelism.expert_parallel_degree == 1 and config.parallelism.spmd_backend == "partial_dtensor"
+    assert config.training.disable_cuda_graphs
+    model = _build(config.model_spec.model)
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert moes
+    for moe in moes:
+        params = dict(moe.named_parameters())
+        plans = {wp.name: wp for wp in titan_plan(moe, DIMS)}
+        assert set(plans) == set(params)
+        assert all(wp.global_shape == tuple(params[n].shape) for n, wp in plans.items())
+    if name not in TITAN_MODELS:
+        return
+    own = _titans_own(name)
+    assert type(own.model) is type(config.model_spec.model) and own.flavor == config.model_spec.flavor
+    titans = _build(own.model)
+    assert _shapes(model) == _shapes(titans)
+    # The planner's preset of this name: torchtitan's sizes (its parameter count, multi-token prediction left out).
+    spec = PRESETS[name]
+    assert spec == planner_spec(config.model_spec.model, name)
+    mtp = sum(p.numel() for n, p in titans.named_parameters() if n.startswith("mtp_layers."))
+    one = MoEParallelDims(1)
+    assert P.held_numel(P.fsdp_units(spec, one), one, 0) == sum(p.numel() for p in titans.parameters()) - mtp
+
+
+def test_every_preset_of_torchtitan_is_a_config():
+    assert set(TITAN_MODELS) <= set(registry.CONFIGS) and set(TITAN_MODELS) <= set(PRESETS)
+    assert set(REAL_SIZE) <= set(TITAN_MODELS)
+
+
+@pytest.mark.parametrize("name", REAL_SIZE)
+def test_real_size_configs_parse_on_torchtitans_command_line(name, monkeypatch):
+    """What `torchrun ... -m torchtitan.train --module dtensor_moe.titan --config NAME --dtensor_moe.ep 8` parses."""
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    config = ConfigManager().parse_args(["--module", "dtensor_moe.titan", "--config", name, "--dtensor_moe.ep", "8",
+                                         "--dtensor_moe.etp", "2"])
+    assert type(config) is Trainer.Config and (config.dtensor_moe.ep, config.dtensor_moe.etp) == (8, 2)
+    assert config.model_spec.parallelize_fn is parallelize_titan
+    assert config.hf_assets_path.startswith("./assets/hf/")  # torchtitan's, not the shipped tiny tokenizer
+
+
+def test_bad_config_name_is_one_line(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        ConfigManager().parse_args(["--module", "dtensor_moe.titan", "--config", "deepseek_v3_7b"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (f"dtensor_moe.titan: --config 'deepseek_v3_7b' is not one of its config functions; valid: "
+                   f"{list(registry.CONFIGS)}\n"), err
+    assert not hasattr(registry, "deepseek_v3_7b")  # any other look-up: Python's AttributeError
+    with pytest.raises(ImportError):
+        from dtensor_moe.titan.config_registry import deepseek_v3_7b  # noqa: F401
+
+
+def test_wrap_config_wraps_a_users_own_config(monkeypatch):
+    """The documented way (docs/titan.md): torchtitan's config, changed, then wrapped."""
+    from torchtitan.models.qwen3.config_registry import qwen3_30b_a3b
+
+    from dtensor_moe.titan import wrap_config
+
+    assert wrap_config is registry.wrap_config
+    theirs = qwen3_30b_a3b()
+    theirs.training.seq_len = 8192
+    theirs.parallelism.expert_parallel_degree = 8
+    config = wrap_config(theirs)
+    assert type(config) is Trainer.Config and config.model_spec.parallelize_fn is parallelize_titan
+    assert config.training.seq_len == 8192 and config.training.disable_cuda_graphs
+    assert config.parallelism.expert_parallel_degree == 1 and config.dtensor_moe.ep == 1
+    assert config.hf_assets_path == theirs.hf_assets_path and config.model_spec.model is theirs.model_spec.model
+    assert theirs.parallelism.expert_parallel_degree == 8 and not theirs.training.disable_cuda_graphs  # not changed
+    config.dtensor_moe.ep = 4
+    monkeypatch.setenv("WORLD_SIZE", "16")  # our Config checks its degrees against the world it will run on
+    again = wrap_config(config)
+    assert again.dtensor_moe.ep == 4 and again.model_spec.parallelize_fn is parallelize_titan
+
+
+def test_wrap_config_refuses_what_the_hook_cannot_shard():
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel_hybridep
+    from torchtitan.models.gpt_oss.config_registry import gpt_oss_20b
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    with pytest.raises(ValueError, match=r"model_spec\.model\.layers\[0\]\.moe\.routed_experts\.inner_experts is "
+                                         r"GptOssGroupedExperts\.Config, .*valid: GroupedExperts\.Config"):
+        registry.wrap_config(gpt_oss_20b())
+    with pytest.raises(ValueError, match=r"layers\[1\]\.moe\.routed_experts\.token_dispatcher is "
+                                         r"HybridEPTokenDispatcher\.Config"):
+        registry.wrap_config(deepseek_v3_debugmodel_hybridep())
+    with pytest.raises(ValueError, match=r"model_spec\.model \(Llama3Model\.Config\) has no MoE layers"):
+        registry.wrap_config(llama3_debugmodel())
+
+    class Subclass(TitanTrainer.Config):
+        pass
+
+    with pytest.raises(ValueError, match="wrap_config takes a torchtitan.trainer.Trainer.Config, got "):
+        registry.wrap_config(Subclass(model_spec=llama3_debugmodel().model_spec))
+
+
+def _titan_config_functions():
+    """Every config function of torchtitan's model registries that imports here (not kimi_k2_7 and qwen3_5: they
+    need torchvision / fla) and runs here (not the torchao ones, nor those needing a Hopper GPU)."""
+    from torchtitan.models import _supported_models
+
+    for family in sorted(_supported_models):
+        try:
+            module = importlib.import_module(f"torchtitan.models.{family}.config_registry")
+        except ImportError:
+            continue
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            if name.startswith("_") or fn.__module__ != module.__name__ or inspect.signature(fn).parameters:
+                continue
+            try:
+                yield name, fn()
+            except (ImportError, ValueError):  # torchao, or FlexAttention's flash backend without Hopper
+                continue
+
+
+def test_every_torchtitan_moe_config_is_here_or_refused():
+    here, refused = [], []
+    for name, config in _titan_config_functions():
+        layers = getattr(config.model_spec.model, "layers", None) or []
+        if not any(getattr(layer, "moe", None) is not None for layer in layers):
+            continue
+        if name in registry.CONFIGS:
+            here.append(name)
+            continue
+        with pytest.raises(ValueError, match="wrap_config: "):
+            registry.wrap_config(config)
+        refused.append(name)
+    assert set(here) == set(TITAN_MODELS) - {"deepseek_v3_236b", "qwen3_235b_a22b"}, here
+    # gpt-oss's experts, and the variants with another token dispatcher (its comm backends)
+    assert refused and all(re.search("gpt_oss|hybridep|minimal_async_ep|deepep", name) for name in refused), refused
