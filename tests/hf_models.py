@@ -8,33 +8,33 @@ EXPERTS = "eager"
 LIMIT = 1.0  # gpt-oss's swiglu_limit: small enough that both clamps bind at these weight scales
 
 
-def hf_config(model_type: str):
+def hf_config(model_type: str, top_k: int = 2):
     import transformers as tf
 
     attn = dict(vocab_size=32, hidden_size=8, num_hidden_layers=LAYERS, num_attention_heads=2)
     if model_type == "qwen3_moe":
         return tf.Qwen3MoeConfig(**attn, num_key_value_heads=1, head_dim=4, moe_intermediate_size=6,
-                                 intermediate_size=12, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)
+                                 intermediate_size=12, num_experts=4, num_experts_per_tok=top_k, norm_topk_prob=True)
     if model_type == "mixtral":
         return tf.MixtralConfig(**attn, num_key_value_heads=1, intermediate_size=6, num_local_experts=4,
-                                num_experts_per_tok=2)
+                                num_experts_per_tok=top_k)
     if model_type == "deepseek_v3":  # 8 experts in 4 groups, 2 kept; layer 0 dense
         return tf.DeepseekV3Config(**attn, num_key_value_heads=2, moe_intermediate_size=6, intermediate_size=12,
-                                   n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                   n_routed_experts=8, num_experts_per_tok=top_k, n_group=4, topk_group=2,
                                    n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
                                    q_lora_rank=None, kv_lora_rank=4, qk_rope_head_dim=2, qk_nope_head_dim=2,
                                    v_head_dim=4)
     return tf.GptOssConfig(**attn, num_key_value_heads=1, head_dim=4, intermediate_size=6, num_local_experts=4,
-                           num_experts_per_tok=2, swiglu_limit=LIMIT, layer_types=["full_attention"] * LAYERS)
+                           num_experts_per_tok=top_k, swiglu_limit=LIMIT, layer_types=["full_attention"] * LAYERS)
 
 
-def hf_model(model_type: str, seed: int = 0):
+def hf_model(model_type: str, seed: int = 0, top_k: int = 2):
     """The model in float64 with every weight and buffer random (transformers zeroes biases and
     the correction bias, which would leave their mapping untested)."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(hf_config(model_type), experts_implementation=EXPERTS).double()
+    model = tf.AutoModelForCausalLM.from_config(hf_config(model_type, top_k), experts_implementation=EXPERTS).double()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         corrections = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]

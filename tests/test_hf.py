@@ -30,10 +30,13 @@ def _forward(block, x):
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
-def test_from_hf_block_matches_transformers(model_type):
+@pytest.mark.parametrize("top_k", [2, 1])
+def test_from_hf_block_matches_transformers(model_type, top_k):
+    """top_k = 1 too: each family's renormalization (qwen3_moe's norm_topk_prob, deepseek_v3's, the softmax over
+    the kept choice) gives the one choice weight route_scale, which route_norm must reproduce."""
     from dtensor_moe.hf import from_hf_block
 
-    block = moe_block(hf_model(model_type), model_type)
+    block = moe_block(hf_model(model_type, top_k=top_k), model_type)
     moe = from_hf_block(block)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 4, 8, generator=g, dtype=torch.float64)

@@ -40,14 +40,6 @@ def _silu(get, model_type: str):
         raise ValueError(f"{model_type}: hidden_act={act!r} is not supported; our experts are SwiGLU, valid: 'silu'")
 
 
-def _normed(get, model_type: str, top_k: int, norm: bool) -> bool:
-    # transformers normalizes even a single choice (weight 1); our route_norm leaves top_k=1 as is.
-    if norm and top_k == 1:
-        raise ValueError(f"{model_type}: norm_topk_prob with num_experts_per_tok=1 (every weight 1.0) is not "
-                         "supported; valid: num_experts_per_tok >= 2, or norm_topk_prob false")
-    return norm
-
-
 def _qwen3_experts(get) -> int:
     # The Hub's config.json says num_experts; transformers 5 writes its alias num_local_experts.
     n = get("num_experts", None)
@@ -58,7 +50,7 @@ def _qwen3(get) -> MoEConfig:
     _silu(get, "qwen3_moe")
     K = get("num_experts_per_tok")
     return MoEConfig(dim=get("hidden_size"), hidden_dim=get("moe_intermediate_size"), num_experts=_qwen3_experts(get),
-                     top_k=K, route_norm=_normed(get, "qwen3_moe", K, get("norm_topk_prob", False)))
+                     top_k=K, route_norm=get("norm_topk_prob", False))
 
 
 def _qwen3_layers(get) -> list[int]:
@@ -75,7 +67,7 @@ def _mixtral(get) -> MoEConfig:
                          "training) is not supported; valid: 0")
     K = get("num_experts_per_tok")
     return MoEConfig(dim=get("hidden_size"), hidden_dim=get("intermediate_size"), num_experts=get("num_local_experts"),
-                     top_k=K, route_norm=_normed(get, "mixtral", K, True))
+                     top_k=K, route_norm=True)
 
 
 def _deepseek_v3(get) -> MoEConfig:
@@ -88,7 +80,7 @@ def _deepseek_v3(get) -> MoEConfig:
         num_experts=get("n_routed_experts"),
         top_k=K,
         score_func="sigmoid",
-        route_norm=_normed(get, "deepseek_v3", K, get("norm_topk_prob", True)),
+        route_norm=get("norm_topk_prob", True),
         route_scale=float(get("routed_scaling_factor", 1.0)),
         num_shared_experts=get("n_shared_experts", 0),
         load_balance="aux_free_bias",
