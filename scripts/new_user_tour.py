@@ -636,7 +636,7 @@ def write_json(path: Path, results, total_s: float, setup_s: float):
     import torch
 
     counts = {v: sum(r.verdict == v for r in results) for v in ("clear", "unclear", "silent", "hang", "data loss")}
-    for limit in (160, 100, 60):
+    for limit in (160, 100, 60, 30, 0):
         doc = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "cases": len(results), "verdicts": counts,
                "total_s": round(total_s, 1), "checkpoint_setup_s": round(setup_s, 1),
                "results": [{"area": r.area, "tried": r.tried, "outcome": r.outcome, "message": r.message[:limit],
