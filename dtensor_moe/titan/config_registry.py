@@ -7,7 +7,7 @@ their own sizes (`TITAN_MODELS`; the planner prices each under the same name, `d
 
   deepseek_v3_16b                     torchtitan's, as it is (tokenizer ./assets/hf/deepseek-moe-16b-base, c4)
   deepseek_v3_671b                    torchtitan's, as it is (./assets/hf/DeepSeek-V3.1-Base, c4)
-  qwen3_30b_a3b                       torchtitan's, as it is (./assets/hf/Qwen3-30B-A3B, c4)
+  qwen3_30b_a3b                       torchtitan's, without its routing bias (./assets/hf/Qwen3-30B-A3B, c4)
   deepseek_v3_236b, qwen3_235b_a22b   models torchtitan registers (flavors "236B", "235B-A22B") without a
                                       config function: deepseek_v3_671b's / qwen3_30b_a3b's settings with
                                       that model, tokenizer ./assets/hf/DeepSeek-V2 / ./assets/hf/Qwen3-235B-A22B
@@ -28,6 +28,9 @@ CPU configs, for tests on gloo ranks:
   qwen3_moe_debug_cpu                 qwen3 debugmodel_moe cut to one layer for CPU (slow: ~10 s a step)
   deepseek_v3_debugmodel_cpu_titan_ep the DeepSeek CPU model under torchtitan's own parallelize (its own EP
                                       via --parallelism.expert_parallel_degree): the reference
+
+The Qwen3 ones train no aux-loss-free routing bias (torchtitan's do: Hugging Face's Qwen3-MoE has no key for it,
+so an HF export would drop it) and export HF in float32 (`_qwen3`; docs/titan.md, "Hugging Face checkpoints").
 
 A `--config` name that is not here ends the job with one line listing the valid ones (as a bad degree does),
 not torchtitan's traceback.
@@ -134,8 +137,20 @@ def deepseek_v3_671b() -> Trainer.Config:
     return wrap_config(titan_deepseek_v3.deepseek_v3_671b())
 
 
+def _qwen3(config: Trainer.Config) -> Trainer.Config:
+    """The hook's Qwen3-MoE settings on torchtitan's: no aux-loss-free routing bias (torchtitan trains one,
+    load_balance_coeff 1e-3, that Hugging Face's Qwen3-MoE has no key for: an HF export would drop it), and HF
+    exports in float32, the parameters' dtype (torchtitan's Qwen3 configs export float16). Each stays a flag:
+    --dtensor_moe.load_balance_coeff, --checkpoint.export_dtype."""
+    for layer in config.model_spec.model.layers:
+        if layer.moe is not None:
+            layer.moe.load_balance_coeff = None
+    config.checkpoint = replace(config.checkpoint, export_dtype="float32")
+    return config
+
+
 def qwen3_30b_a3b() -> Trainer.Config:
-    return wrap_config(titan_qwen3.qwen3_30b_a3b())
+    return _qwen3(wrap_config(titan_qwen3.qwen3_30b_a3b()))
 
 
 def _loss(vocab_size: int) -> ChunkedLossWrapper.Config:
@@ -158,7 +173,7 @@ def deepseek_v3_236b() -> Trainer.Config:
 def qwen3_235b_a22b() -> Trainer.Config:
     """torchtitan's "235B-A22B" Qwen3 MoE model with qwen3_30b_a3b's settings."""
     model_spec = qwen3.model_registry("235B-A22B")
-    return wrap_config(_with_model(titan_qwen3.qwen3_30b_a3b(), model_spec, "./assets/hf/Qwen3-235B-A22B"))
+    return _qwen3(wrap_config(_with_model(titan_qwen3.qwen3_30b_a3b(), model_spec, "./assets/hf/Qwen3-235B-A22B")))
 
 
 def deepseek_v3_debugmodel() -> Trainer.Config:
@@ -170,11 +185,11 @@ def deepseek_v3_debugmodel_mtp() -> Trainer.Config:
 
 
 def qwen3_moe_debug() -> Trainer.Config:
-    return _shipped_data(wrap_config(titan_qwen3.qwen3_moe_debug()))
+    return _qwen3(_shipped_data(wrap_config(titan_qwen3.qwen3_moe_debug())))
 
 
 def qwen3_debugmodel_moe_param_groups() -> Trainer.Config:
-    return _shipped_data(wrap_config(titan_qwen3.qwen3_debugmodel_moe_param_groups()))
+    return _qwen3(_shipped_data(wrap_config(titan_qwen3.qwen3_debugmodel_moe_param_groups())))
 
 
 # ---- CPU configs -------------------------------------------------------------------------------------
@@ -208,7 +223,7 @@ def deepseek_v3_hf_cpu() -> Trainer.Config:
 
 def qwen3_moe_tiny_cpu() -> Trainer.Config:
     """torchtitan's qwen3 MoE architecture at deepseek_v3_debugmodel_cpu's sizes and run settings."""
-    return _tiny_cpu(qwen3_moe_debug(), "tiny_cpu", qwen3_moe_tiny(TINY_VOCAB))
+    return _qwen3(_tiny_cpu(qwen3_moe_debug(), "tiny_cpu", qwen3_moe_tiny(TINY_VOCAB)))
 
 
 def _titan_parallelize(model, **kwargs):
@@ -230,7 +245,7 @@ def qwen3_moe_debug_cpu() -> Trainer.Config:
     config.training = replace(config.training, local_batch_size=1, seq_len=32, steps=3, mixed_precision_param="float32")
     config.activation_checkpoint = None
     config.debug.seed = 0
-    return config
+    return _qwen3(config)
 
 
 # ---- the names -----------------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.train.optim import clip_grad_norm_
 from dtensor_moe.train.supervision import INTERRUPTED_RC, PREEMPTED_RC, StopRequests
 
+from .hf import check_hf_export, check_hf_load, write_hf_config
+
 # torchtitan 0.3.0 calls torch.distributed.set_timeout after the first step, an API that torch
 # 2.13.0 only has under its private name; same signature (timeout, group).
 if not hasattr(dist, "set_timeout"):
@@ -45,6 +47,9 @@ class ExpertParallelConfig:
     """Expert tensor parallel degree: ranks that split each expert's hidden dim F."""
     dp_replicate: int = 1
     """HSDP replicate degree of dense and expert weights (sets parallelism.data_parallel_replicate_degree)."""
+    load_balance_coeff: float | None = None
+    """Every MoE layer's load_balance_coeff (torchtitan's aux-loss-free routing bias, expert_bias_E, moved by
+    this much a step): 0 trains no bias; unset keeps the model config's (the hook's Qwen3 configs train none)."""
 
 
 @dataclass
@@ -90,6 +95,7 @@ class Trainer(TitanTrainer):
             _accept_premade_microbatches(self.pp_schedule)
             for part in self.model_parts:
                 _uncount_shape_inference(part)
+        _write_config_json_on_export(self.checkpointer, self.config)
         # torchrun hands SIGTERM / SIGINT on to every rank and waits for them (30 s) before it kills them.
         self.stop_requests, self.stopped_by = StopRequests().__enter__(), None
 
@@ -153,6 +159,19 @@ def _check_config(config: Trainer.Config) -> None:
             f"--dtensor_moe.dp_replicate"
         )
     p.data_parallel_replicate_degree = ours.dp_replicate
+    if ours.load_balance_coeff is not None:
+        if ours.load_balance_coeff < 0:
+            raise ValueError(f"dtensor_moe.load_balance_coeff={ours.load_balance_coeff} is negative; valid: 0 (no "
+                             "routing bias) or a positive step size (torchtitan's default 1e-3)")
+        model = config.model_spec.model
+        for layer in [*(getattr(model, "layers", None) or []), *(getattr(model, "mtp_layers", None) or [])]:
+            if getattr(layer, "moe", None) is not None:
+                layer.moe.load_balance_coeff = ours.load_balance_coeff or None
+    c = config.checkpoint
+    if c.enable and c.last_save_in_hf:
+        check_hf_export(config)
+    if c.initial_load_in_hf and c.initial_load_path:
+        check_hf_load(config.model_spec.model, c.initial_load_path)
 
 
 def check_degrees(config: Trainer.Config, world_size: int) -> MoEParallelDims:
@@ -203,6 +222,22 @@ def _refuse(error: ValueError):
     else:
         time.sleep(REFUSE_WAIT_S)
     raise SystemExit(2)
+
+
+def _write_config_json_on_export(checkpointer, config: Trainer.Config) -> None:
+    """torchtitan's last-step save in HF format writes the safetensors only: rank 0 adds the family's
+    config.json (dtype: checkpoint.export_dtype), so the folder loads with transformers' from_pretrained."""
+    if not getattr(checkpointer, "last_save_in_hf", False):
+        return
+    save_last_step = checkpointer._save_last_step
+
+    def save_with_config(curr_step: int) -> None:
+        save_last_step(curr_step)
+        if dist.get_rank() == 0:
+            write_hf_config(config.model_spec.model, checkpointer._create_checkpoint_id(curr_step),
+                            config.checkpoint.export_dtype)
+
+    checkpointer._save_last_step = save_with_config
 
 
 def _clip_grad_norm_by_mesh(parameters, max_norm, *, foreach, pp_mesh, ep_enabled):

@@ -1,0 +1,161 @@
+"""Hugging Face round trips through the hook (torchtitan's `--checkpoint.initial_load_in_hf` and
+`--checkpoint.last_save_in_hf`): the family's config.json of a torchtitan model config (`hf_config`), the
+check of a checkpoint's config.json against the model (`check_hf_load`) and of what the export can hold
+(`check_hf_export`). Families: Qwen3-MoE (torchtitan's `Qwen3Model`) and DeepSeek-V3 (`DeepSeekV3Model`);
+other models pass unchecked and export without config.json. Torch-free apart from torchtitan's config types.
+"""
+
+import json
+import os
+
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+from torchtitan.models.qwen3 import Qwen3Model
+
+# The routing and size fields compared on load, and transformers' defaults for those a config.json may leave
+# out (save_pretrained writes only the fields that differ from its class's defaults). DeepseekV3Config has no
+# score function field: its router is sigmoid (DeepSeek's own config.json says "scoring_func": "sigmoid").
+_DEFAULTS = {
+    "qwen3_moe": dict(scoring_func="softmax", num_experts=128, num_experts_per_tok=8, hidden_size=2048,
+                      moe_intermediate_size=768, num_hidden_layers=24, norm_topk_prob=False),
+    "deepseek_v3": dict(scoring_func="sigmoid", n_group=8, topk_group=4, n_routed_experts=256, num_experts_per_tok=8,
+                        hidden_size=7168, moe_intermediate_size=2048, intermediate_size=18432, num_hidden_layers=61,
+                        first_k_dense_replace=3, n_shared_experts=1, norm_topk_prob=True, routed_scaling_factor=2.5),
+}
+# Other names transformers writes for the same field (its attribute_map): Qwen3-MoE's num_experts is saved
+# as num_local_experts by transformers 5.
+_ALIASES = {"num_experts": "num_local_experts"}
+_ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+
+
+def family(model_config) -> str | None:
+    """The Hugging Face model_type of a torchtitan model config, None for models of other families."""
+    if isinstance(model_config, Qwen3Model.Config):
+        return "qwen3_moe"
+    if isinstance(model_config, DeepSeekV3Model.Config):
+        return "deepseek_v3"
+    return None
+
+
+def _moe_layers(model_config) -> list[tuple[int, object]]:
+    return [(i, layer.moe) for i, layer in enumerate(model_config.layers) if getattr(layer, "moe", None) is not None]
+
+
+def hf_config(model_config, dtype: str = "float32") -> dict | None:
+    """The Hugging Face config.json of the model `model_config` builds (its family's fields), None outside
+    the two families. Routing and sizes are read off the first MoE layer (the families have one MoE shape)."""
+    kind = family(model_config)
+    if kind is None:
+        return None
+    layers, moes = model_config.layers, _moe_layers(model_config)
+    moe = moes[0][1]
+    router, attention = moe.router, layers[0].attention
+    rope = attention.rope
+    config = dict(
+        architectures=[_ARCHITECTURES[kind]], model_type=kind, dtype=dtype, vocab_size=model_config.vocab_size,
+        hidden_size=model_config.dim, num_hidden_layers=len(layers), num_attention_heads=attention.n_heads,
+        rms_norm_eps=model_config.norm.eps,
+        # YaRN's context: the original one times the factor (transformers warns on any other ratio).
+        max_position_embeddings=int(rope.original_seq_len * rope.rope_factor) if rope.scaling == "yarn" else
+        rope.max_seq_len,
+        tie_word_embeddings=bool(model_config.enable_weight_tying), attention_bias=False,
+        moe_intermediate_size=moe.routed_experts.inner_experts.hidden_dim, num_experts_per_tok=router.top_k,
+        norm_topk_prob=bool(router.route_norm), use_cache=True,
+    )
+    if kind == "qwen3_moe":
+        config.update(
+            num_key_value_heads=attention.n_kv_heads or attention.n_heads, head_dim=attention.head_dim,
+            num_experts=moe.num_experts, intermediate_size=moe.routed_experts.inner_experts.hidden_dim,
+            decoder_sparse_step=1, mlp_only_layers=[i for i, layer in enumerate(layers) if layer.moe is None],
+            rope_parameters={"rope_type": "default", "rope_theta": rope.theta}, rope_theta=rope.theta,
+        )
+        return config
+    dense = [layer for layer in layers if layer.moe is None]
+    rope_parameters = {"rope_type": "default", "rope_theta": rope.theta}
+    if rope.scaling == "yarn":
+        # torchtitan's MLA scales its softmax by its one mscale: transformers' mscale_all_dim (the two equal
+        # leave the rotary embedding unscaled, as torchtitan's is).
+        rope_parameters = {"rope_type": "yarn", "rope_theta": rope.theta, "factor": rope.rope_factor,
+                           "beta_fast": rope.beta_fast, "beta_slow": rope.beta_slow, "mscale": attention.mscale,
+                           "mscale_all_dim": attention.mscale,
+                           "original_max_position_embeddings": rope.original_seq_len}
+    shared = moe.shared_experts
+    config.update(
+        num_key_value_heads=attention.n_heads, n_routed_experts=moe.num_experts,
+        n_shared_experts=shared.w1.out_features // moe.routed_experts.inner_experts.hidden_dim if shared else 0,
+        n_group=router.num_expert_groups or 1, topk_group=router.num_limited_groups or 1,
+        routed_scaling_factor=router.route_scale, scoring_func=router.score_func,
+        first_k_dense_replace=len(dense), intermediate_size=dense[0].feed_forward.w1.out_features if dense else
+        moe.routed_experts.inner_experts.hidden_dim,
+        q_lora_rank=attention.q_lora_rank or None, kv_lora_rank=attention.kv_lora_rank,
+        qk_rope_head_dim=attention.qk_rope_head_dim, qk_nope_head_dim=attention.qk_nope_head_dim,
+        v_head_dim=attention.v_head_dim, rope_parameters=rope_parameters, rope_theta=rope.theta,
+        rope_interleave=True,
+    )
+    return config
+
+
+def check_hf_load(model_config, path: str) -> None:
+    """Refuses (ValueError, one line) a Hugging Face checkpoint whose config.json (in `path`) has another
+    architecture than `model_config`'s: model type, routing score function, expert groups, experts, top-k,
+    hidden sizes, layers. Without a config.json, or outside the two families, nothing is checked."""
+    ours = hf_config(model_config)
+    file = os.path.join(path, "config.json")
+    if ours is None or not os.path.isfile(file):
+        return
+    with open(file) as f:
+        theirs = json.load(f)
+    kind = theirs.get("model_type")
+    if kind != ours["model_type"]:
+        raise ValueError(f"checkpoint.initial_load_path {path}: config.json's model_type is {kind!r}, the model "
+                         f"(model_spec.model) is {ours['model_type']!r}; valid: a {ours['model_type']} checkpoint, "
+                         "or the --config of the checkpoint's architecture")
+    router = _moe_layers(model_config)[0][1].router
+    ours = {**ours, "scoring_func": router.score_func}
+    diff = []
+    for name, default in _DEFAULTS[kind].items():
+        given = theirs.get(name, theirs.get(_ALIASES.get(name), default))
+        if name == "scoring_func" and kind == "qwen3_moe":
+            given = "softmax"  # Qwen3-MoE's router has no other
+        mine = ours.get(name)
+        if isinstance(mine, float) or isinstance(given, float):
+            same = None not in (mine, given) and abs(float(mine) - float(given)) <= 1e-6 * abs(float(mine))
+        else:
+            same = mine == given
+        if not same:
+            diff.append(f"{name} {given!r} (model: {mine!r})")
+    if diff:
+        raise ValueError(f"checkpoint.initial_load_path {path}: config.json's architecture differs from the "
+                         f"model's: {', '.join(diff)}; valid: the --config of the checkpoint's architecture")
+
+
+def bias_keys_lost(config) -> list[str]:
+    """The trained routing biases (`layers.{i}.moe.expert_bias_E`, torchtitan's aux-loss-free load balancing,
+    trained where an MoE's load_balance_coeff is set) that `config`'s state-dict adapter has no Hugging Face
+    key for: an export in that format would drop them."""
+    model_spec, model = config.model_spec, config.model_spec.model
+    if model_spec.state_dict_adapter is None:
+        return []
+    adapter = model_spec.state_dict_adapter(model, None)
+    held = set(getattr(adapter, "from_hf_map", {}).values())
+    return [f"layers.{i}.moe.expert_bias_E" for i, moe in _moe_layers(model)
+            if moe.load_balance_coeff is not None and "layers.{}.moe.expert_bias_E" not in held]
+
+
+def check_hf_export(config) -> None:
+    """Refuses (ValueError, one line) `--checkpoint.last_save_in_hf` where the family's format cannot hold a
+    tensor the run trains (Qwen3-MoE: the routing bias)."""
+    lost = bias_keys_lost(config)
+    if lost:
+        raise ValueError(
+            f"checkpoint.last_save_in_hf: {family(config.model_spec.model) or 'this model'}'s Hugging Face format "
+            f"has no key for {lost[0]} ({len(lost)} layers), the routing bias that load_balance_coeff trains, so "
+            "the export would not be the trained model; valid: --dtensor_moe.load_balance_coeff 0 (train without "
+            "the bias), or no --checkpoint.last_save_in_hf")
+
+
+def write_hf_config(model_config, folder: str, dtype: str) -> None:
+    """Writes the family's config.json into the export folder (nothing outside the two families)."""
+    config = hf_config(model_config, dtype)
+    if config is not None:
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)

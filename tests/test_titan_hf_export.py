@@ -1,0 +1,180 @@
+"""Exact Hugging Face round trips through the torchtitan hook (issue 30 item 2), 2 CPU gloo ranks, EP=2.
+
+A tiny Qwen3-MoE and a tiny DeepSeek-V3 written by transformers (tests/test_titan_hf.py's models) are loaded
+through torchtitan's `--checkpoint.initial_load_in_hf`, trained STEPS steps under `--module dtensor_moe.titan`
+and exported by torchtitan's last-step save in HF (`--checkpoint.last_save_in_hf`, the export dtype left
+at the hook's default). transformers' `from_pretrained` loads the export folder as it is (config.json
+included), and its logits equal the trained model's: max |logits - logits_trained| / max |logits_trained|
+< RTOL. The trained model's logits are taken with its experts computing in float32 (torchtitan's grouped
+experts cast to bfloat16 whatever the parameter dtype: 3e-4 against transformers' float32 experts, the
+size of the routing bias this checks). Measured: see docs/titan.md, "Hugging Face checkpoints".
+
+Refused while parsing the command line, one line, exit status 2: an HF checkpoint whose config.json has
+another architecture (a DeepSeek-V3 checkpoint into the softmax-routing debug config, a Qwen3-MoE one into
+a DeepSeek config), and a Qwen3-MoE HF export of a run that trains the routing bias (the format has no key
+for it); the hook's Qwen3 configs train none.
+"""
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("torchtitan")
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+from .harness import run_on_ranks  # noqa: E402
+from .test_titan_hf import _hf_config, _write_checkpoint  # noqa: E402
+
+WORLD = 2
+EP = 2
+STEPS = 2
+RTOL = 1e-5
+
+
+def _fp32_experts(self, x, counts):
+    """torchtitan's GroupedExperts.forward in float32, one expert at a time (its own casts to bfloat16)."""
+    from torch.distributed.tensor import DTensor
+
+    w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
+    out, start = x.new_zeros(x.shape[0], w2.shape[1]), 0
+    for e, n in enumerate(counts.tolist()):
+        rows = x[start:start + int(n)]
+        out[start:start + int(n)] = (torch.nn.functional.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T
+        start += int(n)
+    return out
+
+
+def _train_and_export(rank: int, world: int, argv: list[str], tokens) -> dict:
+    """torchtitan's Trainer with argv (which exports in HF at its last step); the trained model's logits."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    from dtensor_moe.titan.cpu import use_cpu
+
+    use_cpu()
+    from unittest import mock
+
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.common.moe import GroupedExperts
+
+    trainer = ConfigManager().parse_args(argv).build()
+    try:
+        trainer.train()
+        model = trainer.model_parts[0]
+        with torch.no_grad(), mock.patch.object(GroupedExperts, "forward", _fp32_experts):
+            logits = model(tokens)
+            if model._skip_lm_head:  # set for torchtitan's chunked loss, which applies lm_head itself
+                logits = model.lm_head(logits)
+        biases = [b.full_tensor() if hasattr(b, "full_tensor") else b.clone()
+                  for n, b in model.named_buffers() if n.endswith("expert_bias_E")]
+    finally:
+        trainer.close()
+    return {"logits": logits, "biases": biases, "step": trainer.step}
+
+
+@pytest.mark.parametrize(
+    "model_type, config", [("qwen3_moe", "qwen3_moe_tiny_cpu"), ("deepseek_v3", "deepseek_v3_hf_cpu")]
+)
+def test_hf_export_is_the_trained_model(tmp_path, model_type, config):
+    import transformers as tf
+    from safetensors import safe_open
+
+    tokens = torch.randint(0, 382, (2, 32), generator=torch.Generator().manual_seed(1))
+    initial, _ = _write_checkpoint(model_type, tmp_path / "hf", tokens)
+    argv = ["--module", "dtensor_moe.titan", "--config", config, "--dump_folder", str(tmp_path / "run"),
+            "--dtensor_moe.ep", str(EP), "--training.steps", str(STEPS),
+            "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
+            "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_model_only",
+            "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"]
+    ranks = run_on_ranks(WORLD, _train_and_export, argv, tokens)
+    trained = ranks[0]["logits"]
+    moved = (trained - initial).abs().max().item()
+    assert moved > 1e-2, moved  # the steps trained: the export is not the checkpoint loaded
+    export = tmp_path / "run" / "checkpoint" / f"step-{STEPS}"
+
+    with open(export / "config.json") as f:
+        assert json.load(f)["dtype"] == "float32"
+    dtypes = set()
+    for file in export.glob("*.safetensors"):
+        with safe_open(file, "pt") as sf:
+            dtypes |= {sf.get_slice(k).get_dtype() for k in sf.keys()}
+    assert dtypes == {"F32"}, dtypes
+    model = tf.AutoModelForCausalLM.from_pretrained(export, experts_implementation="eager").eval()
+    assert model.dtype == torch.float32
+    with torch.no_grad():
+        logits = model(tokens).logits
+    err = ((logits - trained).abs().max() / trained.abs().max()).item()
+    bias = [b.abs().max().item() for b in ranks[0]["biases"]]
+    print(f"{model_type}: export vs trained, max |dlogits| / max |logits| {err:.2e} (logits up to "
+          f"{trained.abs().max():.2f}, moved {moved:.2e} by training); routing biases: {bias}")
+    assert err < RTOL, err
+    if model_type == "qwen3_moe":  # the hook's Qwen3 configs train no routing bias
+        assert ranks[0]["biases"] == []
+
+
+def _refused(capsys, argv) -> str:
+    from torchtitan.config import ConfigManager
+
+    with pytest.raises(SystemExit) as exit_:
+        ConfigManager().parse_args(argv)
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dtensor_moe.titan: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("model_type, config, fields", [
+    ("deepseek_v3", "deepseek_v3_debugmodel_cpu", ("scoring_func 'sigmoid' (model: 'softmax')",
+                                                   "n_group 4 (model: 1)", "topk_group 2 (model: 1)")),
+    ("qwen3_moe", "deepseek_v3_hf_cpu", ("model_type is 'qwen3_moe'",)),
+])
+def test_hf_load_of_another_architecture_is_refused(tmp_path, capsys, monkeypatch, model_type, config, fields):
+    monkeypatch.delenv("RANK", raising=False)
+    _hf_config(model_type).save_pretrained(tmp_path)  # config.json alone: refused before any weight is read
+    argv = ["--module", "dtensor_moe.titan", "--config", config, "--checkpoint.enable",
+            "--checkpoint.initial_load_path", str(tmp_path), "--checkpoint.initial_load_in_hf"]
+    line = _refused(capsys, argv)
+    assert "checkpoint.initial_load_path" in line and "valid:" in line, line
+    for field in fields:
+        assert field in line, line
+
+
+def test_hf_load_of_the_same_architecture_passes(tmp_path):
+    from torchtitan.config import ConfigManager
+
+    for model_type, config in (("qwen3_moe", "qwen3_moe_tiny_cpu"), ("deepseek_v3", "deepseek_v3_hf_cpu")):
+        _hf_config(model_type).save_pretrained(tmp_path / model_type)
+        ConfigManager().parse_args(["--module", "dtensor_moe.titan", "--config", config, "--checkpoint.enable",
+                                    "--checkpoint.initial_load_path", str(tmp_path / model_type),
+                                    "--checkpoint.initial_load_in_hf"])
+
+
+def test_qwen3_hf_export_of_a_trained_routing_bias_is_refused(capsys, monkeypatch):
+    from dataclasses import replace
+
+    from torchtitan.config import ConfigManager
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    from dtensor_moe.titan import wrap_config
+
+    monkeypatch.delenv("RANK", raising=False)
+    export = ["--module", "dtensor_moe.titan", "--checkpoint.enable", "--checkpoint.last_save_model_only",
+              "--checkpoint.last_save_in_hf"]
+    # torchtitan's own Qwen3 config trains the bias (load_balance_coeff 1e-3): wrapped with an HF export, refused.
+    theirs = qwen3_moe_debug()
+    theirs.checkpoint = replace(theirs.checkpoint, enable=True, last_save_model_only=True, last_save_in_hf=True)
+    with pytest.raises(SystemExit):
+        wrap_config(theirs)
+    assert "has no key for layers.0.moe.expert_bias_E" in capsys.readouterr().err
+    line = _refused(capsys, [*export, "--config", "qwen3_moe_tiny_cpu", "--dtensor_moe.load_balance_coeff", "1e-3"])
+    assert "layers.0.moe.expert_bias_E" in line and "--dtensor_moe.load_balance_coeff 0" in line, line
+    # The hook's Qwen3 configs train none (and export float32); DeepSeek-V3's format keeps the bias.
+    config = ConfigManager().parse_args([*export, "--config", "qwen3_moe_tiny_cpu"])
+    assert all(layer.moe.load_balance_coeff is None for layer in config.model_spec.model.layers)
+    assert config.checkpoint.export_dtype == "float32"
+    config = ConfigManager().parse_args([*export, "--config", "deepseek_v3_hf_cpu"])
+    assert all(layer.moe.load_balance_coeff == 1e-3 for layer in config.model_spec.model.layers[1:])
+    config = ConfigManager().parse_args([*export, "--config", "qwen3_moe_tiny_cpu", "--checkpoint.export_dtype",
+                                         "bfloat16", "--dtensor_moe.load_balance_coeff", "0"])
+    assert config.checkpoint.export_dtype == "bfloat16"
