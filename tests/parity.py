@@ -53,7 +53,8 @@ class Case:
     seed: int = 0
     dtype: str = "float64"
     microbatches: int = 1  # > 1: the same slice again, gradients accumulating (FSDP syncs on the last)
-    nan_token: int | None = None  # this token of the global batch is NaN: it must stay isolated
+    nonfinite_token: int | None = None  # this token of the global batch is non-finite: it must stay isolated
+    nonfinite_value: float = float("nan")  # its value in the first dim: NaN, +Inf or -Inf
     compile: bool | str = False  # parallelize_moe(compile=...): True (inductor) or a backend name
 
 
@@ -76,8 +77,8 @@ def build(case: Case, world_size: int):
             ref.router.gate.weight[:, 0] = 0.0
             ref.router.gate.weight[case.hot_expert, 0] = 20.0
     grad_out = torch.randn(total, case.seq_len, cfg.dim, generator=g, dtype=dtype)
-    if case.nan_token is not None and total:
-        x.view(-1, cfg.dim)[case.nan_token % (total * case.seq_len), 0] = float("nan")
+    if case.nonfinite_token is not None and total:
+        x.view(-1, cfg.dim)[case.nonfinite_token % (total * case.seq_len), 0] = case.nonfinite_value
     return cfg, dims, ref, x, grad_out
 
 

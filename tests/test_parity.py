@@ -2,19 +2,24 @@
 load-balancing statistics and the ownership of every weight slice, on gloo CPU ranks."""
 
 import os
+import time
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 
 from .harness import run_on_ranks
 from .parity import Case, check_parity, moe_config
 from .strategies import WORLD_SIZES, cases
 
 TOL = 1e-10
-# Examples per world size: 200 cases in all by default, fewer where a case costs more ranks (an 8-rank case
-# takes about 4x a 4-rank one on 2 cores). DTENSOR_MOE_EXAMPLES=N runs N at every world size.
-_DEFAULT_EXAMPLES = {1: 40, 2: 56, 4: 48, 6: 32, 8: 24}
+# Examples per world size: 200 cases in all by default, fewer where a case costs more ranks (on 2 cores an 8-rank
+# case takes about 3x a 2-rank one, now that most cases run the expert-parallel dispatch). DTENSOR_MOE_EXAMPLES=N
+# runs N at every world size.
+_DEFAULT_EXAMPLES = {1: 44, 2: 60, 4: 48, 6: 28, 8: 20}
 EXAMPLES = {w: int(os.environ.get("DTENSOR_MOE_EXAMPLES", _DEFAULT_EXAMPLES[w])) for w in WORLD_SIZES}
+# The draw's seed: DTENSOR_MOE_SEED, else the day's number (UTC), so that the draw explores new cases day after
+# day at the same cost and the same day's runs draw the same ones; a failure names it.
+SEED = int(os.environ.get("DTENSOR_MOE_SEED", int(time.time() // 86400)))
 
 
 def assert_parity(world_size: int, case: Case):
@@ -90,15 +95,19 @@ def test_named_configuration(name):
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_property_parity(world_size):
-    @settings(max_examples=EXAMPLES[world_size], deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @seed(SEED * 100 + world_size)  # each world size its own draws
+    @settings(max_examples=EXAMPLES[world_size], deadline=None, database=None, suppress_health_check=list(HealthCheck))
     @given(case=cases(world_size))
     def prop(case):
         assert_parity(world_size, case)
         ran.append(case)
 
     ran = []
-    prop()
+    try:
+        prop()
+    except BaseException as e:
+        e.add_note(f"parity draw seed {SEED}: DTENSOR_MOE_SEED={SEED} draws the same cases again")
+        raise
     assert len(ran) >= EXAMPLES[world_size]  # the drawn cases really ran (200 in CI)
 
 
@@ -139,13 +148,13 @@ COMPILED = {
     "compiled_hsdp2_ep2": (4, Case(dp_replicate=2, ep=2, moe=moe_config(num_experts=4, top_k=2, num_shared_experts=1),
                                    batch_per_rank=(1, 2, 3, 0), compile="aot_eager")),
     # pad_to_capacity: static pair-wise dispatch, one graph (fullgraph), a NaN token among the padded slots.
-    "compiled_padded_ep2": (2, Case(ep=2, batch_per_rank=(2, 2), nan_token=1, compile="aot_eager",
+    "compiled_padded_ep2": (2, Case(ep=2, batch_per_rank=(2, 2), nonfinite_token=1, compile="aot_eager",
                                     moe=moe_config(num_experts=4, top_k=2, capacity_factor=0.5, pad_to_capacity=True,
                                                    expert_biases=True))),
     "nan_token_ep2": (2, Case(ep=2, moe=moe_config(num_experts=4, top_k=2, load_balance="aux_loss"),
-                              batch_per_rank=(2, 2), nan_token=1)),
+                              batch_per_rank=(2, 2), nonfinite_token=1)),
     "nan_token_ep2_etp2": (4, Case(ep=2, etp=2, moe=moe_config(num_experts=4, top_k=2), batch_per_rank=(2, 1, 0, 3),
-                                   nan_token=4)),
+                                   nonfinite_token=4)),
 }
 
 
