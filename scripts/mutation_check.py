@@ -191,7 +191,8 @@ def pytest(root: Path, env: dict, tests, *extra: str, timeout: float) -> tuple[i
 
 
 def failed_tests(output: str) -> list[str]:
-    return re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", output, flags=re.M)
+    """The short test summary's node ids (not captured log lines, which may start with ERROR too)."""
+    return re.findall(r"^(?:FAILED|ERROR) (tests/.+?)(?: - .*)?$", output, flags=re.M)
 
 
 def apply(root: Path, m: Mutation) -> tuple[str, int]:
