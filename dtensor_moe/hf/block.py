@@ -4,9 +4,11 @@ import torch
 
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.hf.convert import load_hf_moe
-from dtensor_moe.hf.families import family
+from dtensor_moe.hf.families import family, with_training_options
 from dtensor_moe.hf.reader import StateDictReader
 from dtensor_moe.moe import MoE
+
+SPARSE_BLOCKS = ("Qwen3MoeSparseMoeBlock", "MixtralSparseMoeBlock", "DeepseekV3MoE", "GptOssMLP")
 
 
 def _config(block) -> tuple[str, MoEConfig]:
@@ -31,14 +33,16 @@ def _config(block) -> tuple[str, MoEConfig]:
                       num_local_experts=ex.num_experts, num_experts_per_tok=block.router.top_k,
                       swiglu_alpha=ex.alpha, swiglu_limit=ex.limit)
         return "gpt_oss", family("gpt_oss").config(lambda k, d=None: fields.get(k, d))
-    raise ValueError(f"from_hf_block takes Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, DeepseekV3MoE or GptOssMLP, "
-                     f"got {name}")
+    raise ValueError(f"from_hf_block takes one of {SPARSE_BLOCKS}, got {name}")
 
 
-def from_hf_block(block: torch.nn.Module) -> MoE:
+def from_hf_block(block: torch.nn.Module, **training_options) -> MoE:
     """Our `MoE` equal to `block` (its dtype, device, weights, e_score_correction_bias as expert_bias,
-    routing configuration); parallelize it like any other `MoE`."""
+    routing configuration); parallelize it like any other `MoE`. `training_options`: `MoEConfig` fields the
+    Hugging Face config does not fix (aux_loss_coeff, capacity_factor, expert_precision, ..., and load_balance
+    where the family stores no routing bias: "none" or "aux_loss")."""
     model_type, config = _config(block)
+    config = with_training_options(family(model_type), config, training_options)
     p = next(block.parameters())
     moe = MoE(config).to(device=p.device, dtype=p.dtype)
     return load_hf_moe(moe, StateDictReader(block.state_dict()), family(model_type), "")

@@ -6,7 +6,7 @@ Keys are relative to the MoE block (`model.layers.{i}.mlp.` on disk; Mixtral's c
 Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, DeepseekV3MoE, GptOssMLP.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from dtensor_moe.config import MoEConfig
@@ -180,7 +180,7 @@ def moe_config_from_hf(hf_config) -> MoEConfig:
 
 
 # What a layer computes; the balancing fields (aux loss, bias update rate) are training choices.
-_ROUTING_AND_EXPERTS = ("dim", "hidden_dim", "num_experts", "top_k", "score_func", "route_norm", "route_scale",
+ARCHITECTURE = ("dim", "hidden_dim", "num_experts", "top_k", "score_func", "route_norm", "route_scale",
                         "num_shared_experts", "num_expert_groups", "num_limited_groups", "router_bias",
                         "expert_biases", "activation", "swiglu_alpha", "swiglu_limit")
 
@@ -203,7 +203,7 @@ def _written(fam: Family, config: MoEConfig, layers: list[int], num_hidden_layer
     get = getter(fields)
     back = fam.config(get)
     diff = [f"{n}={getattr(config, n)!r} (as {fam.model_type}: {getattr(back, n)!r})"
-            for n in _ROUTING_AND_EXPERTS if getattr(config, n) != getattr(back, n)]
+            for n in ARCHITECTURE if getattr(config, n) != getattr(back, n)]
     # Aux-free balancing is a tensor as well (our expert_bias, DeepSeek-V3's e_score_correction_bias), which
     # the family stores always or never.
     if (config.load_balance == "aux_free_bias") != (back.load_balance == "aux_free_bias"):
@@ -218,3 +218,25 @@ def _expresses(fam: Family, config: MoEConfig, layers: list[int], num_hidden_lay
         return not _written(fam, config, layers, num_hidden_layers)[1]
     except ValueError:
         return False
+
+
+def with_training_options(fam: Family, config: MoEConfig, options: dict) -> MoEConfig:
+    """`config` (read from a Hugging Face config) with the training choices in `options`; a ValueError names an
+    option that would change what the checkpoint fixes (ARCHITECTURE, and load_balance where the family holds an
+    aux-free routing bias or cannot hold one)."""
+    fixed = sorted(set(options) & set(ARCHITECTURE))
+    if fixed:
+        raise ValueError(f"{fam.model_type}: {fixed} are fixed by the Hugging Face config; valid options: the training "
+                         f"choices {sorted(n for n in MoEConfig.__dataclass_fields__ if n not in ARCHITECTURE)}")
+    new = replace(config, **options)
+    if (new.load_balance == "aux_free_bias") != (config.load_balance == "aux_free_bias"):
+        valid = ["aux_free_bias"] if config.load_balance == "aux_free_bias" else ["none", "aux_loss"]
+        raise ValueError(f"{fam.model_type}: load_balance={new.load_balance!r} cannot be saved back (the family "
+                         f"{'holds' if config.load_balance == 'aux_free_bias' else 'has no place for'} an aux-free "
+                         f"routing bias); valid: {valid}")
+    return new
+
+
+def training_options(config: MoEConfig) -> dict:
+    """The fields of `config` a Hugging Face config does not fix (its training choices)."""
+    return {n: getattr(config, n) for n in MoEConfig.__dataclass_fields__ if n not in ARCHITECTURE}

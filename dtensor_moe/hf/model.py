@@ -1,0 +1,149 @@
+"""Hugging Face MoE causal LMs trained directly: their sparse blocks swapped for our `MoE`, the model
+parallelized (EP / ETP / EDP for the experts, FSDP2 / HSDP for the rest) and saved back as a directory
+`from_pretrained` loads.
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    parallelize_hf_model(model, MoEParallelDims(world, ep=2), device_type="cuda")
+    ...  # train: loss = model(input_ids, labels=labels).loss + moe_aux_loss(model)
+    save_hf(model, out_dir)  # every rank calls it; rank 0 writes
+
+Decoder layers are `model.model.layers` in every family we map (Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss).
+"""
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from dtensor_moe.hf.block import SPARSE_BLOCKS, from_hf_block
+from dtensor_moe.hf.convert import to_hf
+from dtensor_moe.hf.families import family
+from dtensor_moe.moe import MoE
+from dtensor_moe.parallel.blocks import parallelize_blocks
+from dtensor_moe.parallel.mesh import MoEParallelDims
+
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+
+
+class TupleMoE(MoE):
+    """gpt-oss's decoder layer unpacks its MLP's output as (hidden states, router scores)."""
+
+    def forward(self, x_BLD: torch.Tensor):
+        return super().forward(x_BLD), None
+
+
+def swap_moe_blocks(model: nn.Module, **moe_options) -> dict[str, MoE]:
+    """Replaces every sparse-MoE block of a transformers model (Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock,
+    DeepseekV3MoE, GptOssMLP) by our `MoE` with the same weights and routing (`from_hf_block`), in place;
+    `moe_options` are the training choices of `MoEConfig` (aux_loss_coeff, capacity_factor, expert_precision,
+    ...; see `from_hf_block`). Returns the swapped layers by qualified name."""
+    swapped = {}
+    for name, block in list(model.named_modules()):
+        if type(block).__name__ in SPARSE_BLOCKS:
+            moe = from_hf_block(block, **moe_options)
+            if type(block).__name__ == "GptOssMLP":
+                moe.__class__ = TupleMoE
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, moe)
+            swapped[name] = moe
+    return swapped
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | float:
+    """The enabled balance losses (aux, sequence-wise, z) of every `MoE` in `model` from its last forward."""
+    return sum(t for m in model.modules() if isinstance(m, MoE) for t in m.losses()) or 0.0
+
+
+def parallelize_hf_model(
+    model: nn.Module,
+    dims: MoEParallelDims,
+    *,
+    device_type: str = "cuda",
+    mp_policy=None,
+    reshard_after_forward: bool = True,
+    activation_checkpoint: str = "none",
+    **moe_options,
+) -> nn.Module:
+    """A transformers MoE causal LM (every rank holding the same weights) trained by this library: its sparse
+    blocks swapped for our `MoE` (`swap_moe_blocks`, with `moe_options`), the experts sharded by the placement
+    plan (EP, ETP, FSDP2 over EDP / HSDP), each decoder layer and the root one FSDP2 / HSDP unit on the
+    data-parallel ranks (`parallelize_blocks`, activation checkpointing per layer). Dense tensor, context and
+    pipeline parallelism need the family's own plans: `dims` must have tp = cp = pp = 1."""
+    bad = {a: getattr(dims, a) for a in ("tp", "cp", "pp") if getattr(dims, a) != 1}
+    if bad:
+        raise ValueError(f"parallelize_hf_model shards the experts (ep, etp, edp) and the dense weights (FSDP2 / "
+                         f"HSDP over dp_replicate x dp_shard); {bad} would need the family's own tensor / context / "
+                         "pipeline plan; valid: tp = cp = pp = 1")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"parallelize_hf_model takes a transformers causal LM with its decoder layers at "
+                         f"model.model.layers, got {type(model).__name__}")
+    swap_moe_blocks(model, **moe_options)
+    if not any(isinstance(m, MoE) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} has no sparse-MoE block we map; valid blocks: {SPARSE_BLOCKS}")
+    return parallelize_blocks(model, layers, dims, device_type=device_type, mp_policy=mp_policy,
+                              reshard_after_forward=reshard_after_forward, activation_checkpoint=activation_checkpoint)
+
+
+_ROUTER = re.compile(r"^(.*\.)router\.gate\.weight$")
+
+
+def hf_state_dict(state: dict[str, torch.Tensor], model_type: str, tied: bool = False) -> dict[str, torch.Tensor]:
+    """A swapped model's full state dict (our MoE names inside transformers' keys) -> the keys save_pretrained
+    writes: each MoE layer through the family's converter, the rest as it is (without lm_head.weight when
+    `tied`: save_pretrained leaves the tied head out)."""
+    fam = family(model_type)
+    prefixes = {m.group(1) for k in state if (m := _ROUTER.match(k))}
+    out = {k: v for k, v in state.items() if not any(k.startswith(p) for p in prefixes)}
+    if tied:
+        out.pop("lm_head.weight", None)
+    for prefix in sorted(prefixes):
+        out.update(to_hf({k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}, fam, prefix))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def write_hf_dir(out_dir, tensors: dict[str, torch.Tensor], hf_config: dict, force: bool = False) -> Path:
+    """`out_dir`/model.safetensors and config.json (its dtype the tensors'), written to a temporary directory
+    beside it and moved into place: an interrupted write leaves no half directory. Existing files are replaced
+    only with `force`."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {str(out)!r} is a file; give a directory for {WEIGHTS} and {CONFIG}")
+    existing = [n for n in (WEIGHTS, CONFIG) if (out / n).exists()]
+    if existing and not force:
+        raise ValueError(f"{out} already holds {existing}; pass --force to replace them, or choose another directory")
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()}
+    config = {**hf_config, "dtype": dtypes.pop() if len(dtypes) == 1 else hf_config.get("dtype")}
+    config.pop("torch_dtype", None)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        out.mkdir(exist_ok=True)
+        for name in (WEIGHTS, CONFIG):
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def save_hf(model: nn.Module, out_dir, force: bool = False) -> Path | None:
+    """Writes a swapped (and possibly parallelized) transformers model as a directory `from_pretrained` loads:
+    the full weights under the family's keys and its config.json. A collective when parallelized (every rank
+    calls it, rank 0 writes and returns the path; the others None)."""
+    cfg = model.config
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    tensors = hf_state_dict(state, cfg.model_type, bool(getattr(cfg, "tie_word_embeddings", False)))
+    return write_hf_dir(out_dir, tensors, cfg.to_dict(), force)
+

@@ -1,0 +1,55 @@
+"""torchtitan's parallelize chain for any decoder whose blocks sit in one container: ep -> (the caller's dense
+parallelism) -> ac -> compile -> fsdp. The main job's model and Hugging Face causal LMs both go through it."""
+
+from typing import Callable, Iterable
+
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+from dtensor_moe.parallel.compile import apply_activation_checkpointing, apply_compile, check_compile
+from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
+from dtensor_moe.parallel.shard import dp_fsdp_mesh, fsdp_kwargs, moe_layers, shard_and_connect
+
+
+def parallelize_blocks(
+    model: nn.Module,
+    blocks: Iterable[nn.Module],
+    dims: MoEParallelDims,
+    *,
+    device_type: str = "cuda",
+    mp_policy=None,
+    reshard_after_forward: bool = True,
+    compile: bool | str = False,
+    activation_checkpoint: str = "none",
+    dense: Callable[[MoEMeshes], None] | None = None,
+) -> nn.Module:
+    """Expert sharding of every `MoE` in `model` (EP, ETP), then `dense(meshes)` (the model's own TP / CP, if
+    any), then per block activation checkpointing ("none" | "full" | "selective"), compile (each block one
+    graph) and an FSDP2/HSDP unit, and one unit for the root (embeddings, head; tied embeddings stay there).
+
+    Eagerly each MoE is its own FSDP unit (experts over EDP, router and shared experts over the data-parallel
+    ranks); compiled, the block's unit takes the MoE's dense weights too, so every FSDP hook runs outside the
+    block's graph, and under EDP / HSDP the experts gather their weights inside it (see shard_moe_layer's
+    `experts_unit`)."""
+    check_compile(activation_checkpoint, compile)
+    layers = moe_layers(model, dims)
+    meshes = dims.build_meshes(device_type)
+    unit_kwargs = fsdp_kwargs(mp_policy, reshard_after_forward)
+    for m, moe_plans in layers:
+        shard_and_connect(m, moe_plans, dims, meshes, None if compile else unit_kwargs, experts_unit=not compile,
+                          sum_over_tp=True)
+    if dense is not None:
+        dense(meshes)
+    # Compiled experts are in no FSDP unit (eagerly the MoE's own units take care of them).
+    experts = {p for m, _ in layers for p in m.experts.parameters()} if compile else None
+    kwargs = {"mesh": dp_fsdp_mesh(meshes, dims)}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for block in blocks:
+        apply_activation_checkpointing(block, activation_checkpoint)
+        if compile:
+            apply_compile(block, compile)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, ignored_params=experts, **kwargs)
+    # The root's parameters are needed again right after forward (loss head), so keep them gathered.
+    fully_shard(model, reshard_after_forward=False, ignored_params=experts, **kwargs)
+    return model
