@@ -101,3 +101,77 @@ def test_hf_model_trains_like_transformers_and_saves_back(model_type, ep, etp, w
     with torch.no_grad():
         back = _load(out)(input_ids=probe_BL).logits
     assert _rel(back, ours["logits"]) < 1e-5
+
+
+def _byte_level_qwen3(path):
+    """A tiny Qwen3-MoE checkpoint whose vocabulary holds the main job's byte tokens."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.Qwen3MoeConfig(vocab_size=256, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=8, moe_intermediate_size=8, intermediate_size=16,
+                               num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def test_main_job_trains_a_hugging_face_checkpoint_and_exports_it(tmp_path, capsys, monkeypatch):
+    """`[model] hf_path`: 4 ranks (EDP2 x EP2), --parity against 1 process, the first step's loss is transformers'
+    on the same batch, export --hf loads in from_pretrained with the trained weights and generates."""
+    import json
+
+    import torch.nn.functional as F
+
+    from dtensor_moe.cli import main
+    from dtensor_moe.train.config import ModelConfig
+    from dtensor_moe.train.data import Batches, load_tokens
+    from dtensor_moe.train.export import load_safetensors_into, read_config
+    from dtensor_moe.train.model import build_model
+
+    from .test_train import _ranks_in_pools
+
+    _ranks_in_pools(monkeypatch)
+    src, run = _byte_level_qwen3(tmp_path / "qwen3"), tmp_path / "run"
+    cfg = tmp_path / "hf.toml"
+    cfg.write_text(f'[model]\nhf_path = "{src}"\nload_balance = "aux_loss"\n[parallel]\nnproc = 4\nep = 2\n'
+                   "[training]\nsteps = 3\nseq_len = 16\nglobal_batch = 8\n")
+    assert main(["train", "--config", str(cfg), "--run-dir", str(run), "--parity", "--checkpoint-every", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith(f"trained  13k-parameter Hugging Face qwen3_moe from {src} (2 layers") for line in out)
+    assert json.loads((run / "parity.json").read_text())["max_abs_delta"] <= 1e-4
+
+    inputs_BL, targets_BL = Batches(load_tokens("corpus", 0), 16, 8, 0, 0, 1)(0)
+    ref = _load(src)
+    with torch.no_grad():
+        first = F.cross_entropy(ref(input_ids=inputs_BL).logits.flatten(0, 1), targets_BL.flatten()).item()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert abs(rows[0]["loss"] - first) < 1e-5, (rows[0]["loss"], first)
+
+    assert main(["export", str(run), str(tmp_path / "plain")]) == 0
+    assert main(["export", str(run), "--hf", str(tmp_path / "hf")]) == 0
+    trained = build_model(ModelConfig.from_dict(read_config(tmp_path / "plain")))
+    load_safetensors_into(trained, tmp_path / "plain")
+    back = _load(tmp_path / "hf")
+    with torch.no_grad():
+        want, got = trained(inputs_BL), back(input_ids=inputs_BL).logits
+    assert _rel(got, want) < 1e-5
+    assert _rel(want, ref(input_ids=inputs_BL).logits.detach()) > 1e-3  # three steps moved the model
+    generated = back.generate(inputs_BL[:1, :4], max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, 8) and torch.equal(generated[0, :4], inputs_BL[0, :4])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.num_experts=8", "fixes the architecture; model.num_experts = 8 (the checkpoint's: 4)"),
+    ("model.dim=32", "model.dim = 32 (the checkpoint's: 16)"),
+    ("model.load_balance=aux_free_bias", "load_balance='aux_free_bias' cannot be saved back"),
+    ("parallel.tp=2", "{'parallel.tp': 2} are not supported there"),
+])
+def test_main_job_refuses_what_the_checkpoint_fixes_in_one_line(override, message, tmp_path, capsys):
+    from dtensor_moe.cli import main
+
+    src = _byte_level_qwen3(tmp_path / "qwen3")
+    cfg = tmp_path / "hf.toml"
+    cfg.write_text(f'[model]\nhf_path = "{src}"\n[parallel]\nnproc = 4\nep = 2\n[training]\nsteps = 1\n')
+    assert main(["train", "--config", str(cfg), "--run-dir", str(tmp_path / "run"), override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

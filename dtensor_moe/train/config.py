@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from dtensor_moe.config import MOE_RULES, MoEConfig, check_routing
 from dtensor_moe.parallel.activation_checkpoint import check_activation_checkpoint
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK
+from dtensor_moe.train.hf_config import check_hf_parallel, hf_model_fields
 from dtensor_moe.train.parallel.tp_plan import check_tp_heads, check_tp_untied
 from dtensor_moe.validate import Range, above, at_least, check_fields
 
@@ -45,11 +46,18 @@ class ModelConfig:
     tie_embeddings: bool = False
     max_seq_len: int = 1024
     norm_eps: float = 1e-5
+    # A Hugging Face MoE checkpoint directory to start from (its transformers model, our MoE layers in place of
+    # its sparse blocks): its config.json fixes every architecture field above and the MoE's; the text of that
+    # file is kept in hf_config (filled in by load_config), so checkpoints and exports carry it.
+    hf_path: str = ""
+    hf_config: str = ""
 
     def __post_init__(self):
         check_fields(self, "model.", vocab_size=at_least(1), n_layers=at_least(1), n_heads=at_least(1),
                      moe_hidden_dim=at_least(1), max_seq_len=at_least(1), norm_eps=above(0), **MOE_RULES)
         check_routing(self, "model.")
+        if self.hf_path:  # the transformers model's own attention: its head dims are its config's business
+            return
         # Rotary embeddings rotate feature pairs, so the head dim must be even too.
         valid = [h for h in range(1, self.dim + 1) if self.dim % h == 0 and (self.dim // h) % 2 == 0]
         if self.dim % self.n_heads != 0:
@@ -74,7 +82,12 @@ class ModelConfig:
         return MoEConfig(**{f.name: getattr(self, MOE_RENAMED.get(f.name, f.name)) for f in fields(MoEConfig)})
 
     def num_params(self) -> int:
-        """Parameters of train.model.MoETransformer for this config, torch-free (the launcher's disk check)."""
+        """Parameters of train.model.MoETransformer for this config (of the checkpoint's tensors with hf_path),
+        torch-free (the launcher's disk check)."""
+        if self.hf_path:
+            from dtensor_moe.train.hf_config import checkpoint_numel
+
+            return checkpoint_numel(self.hf_path)
         D, E, F = self.dim, self.num_experts, self.moe_hidden_dim
         moe = E * D + E * self.router_bias + 3 * E * F * D + 3 * self.num_shared_experts * F * D
         moe += (2 * E * F + E * D) * self.expert_biases
@@ -157,6 +170,8 @@ class Config:
                 f"valid seq_len: 1..{m.max_seq_len} (or raise model.max_seq_len)"
             )
         p = self.parallel
+        if m.hf_path:
+            check_hf_parallel(m.hf_path, p, t)
         check_tp_heads(m.n_heads, p.tp, "parallel.")
         if t.seq_len % (p.cp * p.tp):
             raise ValueError(f"training.seq_len ({t.seq_len}) must be divisible by parallel.cp * parallel.tp "
@@ -237,6 +252,8 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     for key, value in parse_overrides(overrides).items():
         section, name = key.split(".")
         raw.setdefault(section, {})[name] = value
+    if raw.get("model", {}).get("hf_path"):
+        raw["model"] = hf_model_fields(raw["model"], MOE_RENAMED)
     built = {}
     for section, cls in SECTIONS.items():
         values = raw.get(section, {})

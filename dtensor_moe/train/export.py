@@ -136,7 +136,7 @@ def load_safetensors_into(model: nn.Module, path) -> nn.Module:
 def import_weights(safetensors, out_ckpt, step: int = 0, force: bool = False) -> Path:
     """Writes `out_ckpt/step_<step>` (weights only); an existing step is replaced only with force."""
     from dtensor_moe.train.config import ModelConfig
-    from dtensor_moe.train.model import MoETransformer
+    from dtensor_moe.train.model import build_model
 
     if step < 0:
         raise ValueError(f"--step must be >= 0, got {step}")
@@ -154,7 +154,7 @@ def import_weights(safetensors, out_ckpt, step: int = 0, force: bool = False) ->
                 f"or choose another --step"
             )
         replaced_optimizer = full
-    model = MoETransformer(ModelConfig.from_dict(read_config(safetensors)))
+    model = build_model(ModelConfig.from_dict(read_config(safetensors)))
     load_safetensors_into(model, safetensors)
     path = save(out_ckpt, step, model, keep_last=None)
     if replaced_optimizer:

@@ -18,14 +18,16 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.hf.convert import check_tensors, layer_prefix, moe_shapes, read_hf_moe, to_hf
 from dtensor_moe.hf.families import FAMILIES, family, getter, hf_fields, moe_config_from_hf
+from dtensor_moe.hf.model import hf_state_dict, write_hf_dir
 from dtensor_moe.hf.reader import SafetensorsReader
 from dtensor_moe.train.config import ModelConfig
 from dtensor_moe.train.export import export_checkpoint, read_json
@@ -107,6 +109,8 @@ def export_hf(src, out_dir, model_type: str | None = None, force: bool = False) 
         with tempfile.TemporaryDirectory() as tmp:
             export_checkpoint(src, tmp)
             return export_hf(tmp, out_dir, model_type, force)
+    if _json(src / CONFIG).get("hf_config"):
+        return _export_hf_model(src, out_dir, model_type, force)
     model_type, config, layers, num_hidden_layers = _source(src, model_type)
     fam = family(model_type)
     fields = hf_fields(fam, config, layers, num_hidden_layers)
@@ -120,3 +124,24 @@ def export_hf(src, out_dir, model_type: str | None = None, force: bool = False) 
             state = {n: f.get_tensor(f"layers.{i}.moe.{n}") for n in shapes}
             out.update(to_hf(state, fam, f"model.layers.{i}.{fam.blocks[0]}."))
     return _write(out_dir, out, fields, force)
+
+
+# Besides the weights and config.json, what from_pretrained and generate read from the checkpoint the run started
+# from (copied when it is still there).
+_COMPANIONS = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def _export_hf_model(src: Path, out_dir, model_type: str | None, force: bool) -> Path:
+    """A main-job export of a run started from a Hugging Face checkpoint (`[model] hf_path`): the whole model
+    under the family's keys with the checkpoint's config.json, a directory from_pretrained loads."""
+    model = ModelConfig.from_dict(_json(src / CONFIG))
+    hf_config = json.loads(model.hf_config)
+    if model_type not in (None, hf_config["model_type"]):
+        raise ValueError(f"{src} holds a {hf_config['model_type']} model; --model-type {model_type} differs")
+    tensors = hf_state_dict(load_file(src / WEIGHTS), hf_config["model_type"], model.tie_embeddings)
+    out = write_hf_dir(out_dir, tensors, hf_config, force)
+    for name in _COMPANIONS:
+        if (Path(model.hf_path) / name).is_file():
+            shutil.copyfile(Path(model.hf_path) / name, out / name)
+    return out / WEIGHTS

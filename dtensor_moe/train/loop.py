@@ -41,7 +41,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     from dtensor_moe.train.checkpoint import SaveError
     from dtensor_moe.train.data import Batches, load_tokens
     from dtensor_moe.train.metrics import ExpertLoad, RunWriter, load_summary, local_state_bytes, peak_memory_bytes
-    from dtensor_moe.train.model import MoETransformer
+    from dtensor_moe.train.model import build_model
     from dtensor_moe.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
     from dtensor_moe.train.parallel.parallelize import parallelize_model
     from dtensor_moe.train.parallel.pipeline import Pipeline, cross_entropy, stage_view
@@ -66,13 +66,19 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     dims = parallel_dims(cfg, world)
 
     torch.manual_seed(t.seed)  # same full weights on every rank before sharding
-    model = MoETransformer(cfg.model).to(device)
+    model = build_model(cfg.model).to(device)
     n_params = sum(p.numel() for p in model.parameters())  # counted before sharding: the whole model
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if t.dtype == "bf16" else None
 
     def parallelize(module):
-        parallelize_model(module, dims, device_type=device.type, mp_policy=mp, compile=t.compile,
-                          activation_checkpoint=t.activation_checkpoint)
+        if cfg.model.hf_path:
+            from dtensor_moe.hf.model import parallelize_hf_model
+
+            parallelize_hf_model(module, dims, device_type=device.type, mp_policy=mp,
+                                 activation_checkpoint=t.activation_checkpoint)
+        else:
+            parallelize_model(module, dims, device_type=device.type, mp_policy=mp, compile=t.compile,
+                              activation_checkpoint=t.activation_checkpoint)
 
     pp_group = None
     if p.pp > 1:
@@ -177,9 +183,10 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
                 "median_tokens_per_s_per_rank": statistics.median(steady) / world if steady else None,
                 "peak_mem_per_rank_gib": max((r["peak_mem_per_rank_gib"] for r in rows), key=max, default=None),
                 "load": load_summary(rows),
-                # Measured local bytes after the last step vs the planner's prediction (dtensor-moe plan).
+                # Measured local bytes after the last step vs the planner's prediction (dtensor-moe plan), which
+                # models our own transformer (a Hugging Face model's attention is its family's).
                 "state_bytes_per_rank": states,
-                "planner_state_bytes_per_rank": [
+                "planner_state_bytes_per_rank": None if cfg.model.hf_path else [
                     predicted_state_bytes(cfg.model, dims, r, pp_schedule=p.pp_schedule) for r in range(world)
                 ],
                 "torch": torch.__version__,

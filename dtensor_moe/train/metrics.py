@@ -253,8 +253,11 @@ def summary_lines(summary: dict, run_dir: str, parity_line: str | None = None) -
     shared = f" + {m['num_shared_experts']} shared" if m["num_shared_experts"] else ""
     fp8 = "".join(f", FP8 {what}" for key, what in (("expert_precision", "experts"), ("dispatch_precision", "dispatch"))
                   if m.get(key) == "fp8")
+    what = "MoE LM"
+    if m.get("hf_path"):
+        what = f"Hugging Face {json.loads(m['hf_config'])['model_type']} from {m['hf_path']}"
     lines = [
-        f"trained  {_si(summary['model_params'])}-parameter MoE LM ({m['n_layers']} layers, dim {m['dim']}, "
+        f"trained  {_si(summary['model_params'])}-parameter {what} ({m['n_layers']} layers, dim {m['dim']}, "
         f"{m['num_experts']} experts top-{m['top_k']}{shared}), "
         f"{t['steps']} steps of {t['global_batch'] * t['seq_len']} "
         f"tokens, {t['dtype']}{fp8}",

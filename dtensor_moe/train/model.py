@@ -1,4 +1,8 @@
-"""A small decoder-only MoE language model. No parallel code: `parallelize_model` shards it."""
+"""The main job's models: a small decoder-only MoE language model (`MoETransformer`), or a Hugging Face MoE
+causal LM with our MoE layers in its sparse blocks' place (`HFCausalLM`, `[model] hf_path`). No parallel code:
+`parallelize_model` / `parallelize_hf_model` shard them."""
+
+import json
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +67,22 @@ class Block(nn.Module):
         return h_BLD + self.moe(self.ffn_norm(h_BLD))
 
 
-class MoETransformer(nn.Module):
+class MoEModel(nn.Module):
+    """What the training loop reads of a model besides its logits: its MoE layers by layer id."""
+
+    def moe_layers(self) -> dict[int, MoE]:
+        raise NotImplementedError
+
+    def aux_loss(self) -> torch.Tensor | float:
+        """Sum of the MoE layers' balance losses (aux, sequence-wise, z) from the last forward (0 when disabled)."""
+        return sum(t for moe in self.moe_layers().values() for t in moe.losses()) or 0.0
+
+    def update_expert_bias(self):
+        for moe in self.moe_layers().values():
+            moe.update_expert_bias()
+
+
+class MoETransformer(MoEModel):
     """`layers` is keyed by layer index (ModuleDict): a pipeline stage keeps a subset under the same
     names, so checkpoints reshard across stage splits. A stage may lack `tok_embeddings` (it takes
     hidden states) or `norm` and `output` (it returns hidden states); forward skips what is absent."""
@@ -102,10 +121,44 @@ class MoETransformer(nn.Module):
         """The MoE layers by layer id (a pipeline stage: its own layers)."""
         return {int(name): block.moe for name, block in self.layers.items()}
 
-    def aux_loss(self) -> torch.Tensor | float:
-        """Sum of the MoE layers' balance losses (aux, sequence-wise, z) from the last forward (0 when disabled)."""
-        return sum(t for moe in self.moe_layers().values() for t in moe.losses()) or 0.0
 
-    def update_expert_bias(self):
-        for moe in self.moe_layers().values():
-            moe.update_expert_bias()
+class HFCausalLM(MoEModel):
+    """A transformers MoE causal LM as the main job's model: token ids in, logits out. Its backbone and head
+    keep transformers' names (`model.`, `lm_head.`), so checkpoints hold their keys with our MoE inside."""
+
+    def __init__(self, hf_model: nn.Module, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model, self.lm_head = hf_model.model, hf_model.lm_head
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "HFCausalLM":
+        """The checkpoint at cfg.hf_path in float32, its sparse blocks swapped for our MoE with cfg's training
+        choices; refused if its config.json is no longer the one the run was configured from."""
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        from dtensor_moe.hf.families import training_options
+        from dtensor_moe.hf.model import swap_moe_blocks
+
+        hf_logging.disable_progress_bar()  # one bar per rank per load would bury the run's own
+        with open(f"{cfg.hf_path}/config.json") as f:
+            if json.load(f) != json.loads(cfg.hf_config):
+                raise ValueError(f"{cfg.hf_path}/config.json changed since this run was configured; start it again")
+        hf = AutoModelForCausalLM.from_pretrained(cfg.hf_path, dtype=torch.float32)
+        swap_moe_blocks(hf, **training_options(cfg.moe_config()))
+        return cls(hf, cfg)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def forward(self, tokens_BL: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model(input_ids=tokens_BL, use_cache=False).last_hidden_state)
+
+    def moe_layers(self) -> dict[int, MoE]:
+        return {i: block.mlp for i, block in enumerate(self.model.layers) if isinstance(block.mlp, MoE)}
+
+
+def build_model(cfg: ModelConfig) -> MoEModel:
+    return HFCausalLM.from_config(cfg) if cfg.hf_path else MoETransformer(cfg)

@@ -1,0 +1,84 @@
+"""`[model] hf_path`: the main job's model fields read from a Hugging Face MoE checkpoint's config.json.
+
+The checkpoint fixes the architecture (sizes, layers, heads, vocabulary, routing); [model] may add only the
+training choices of the MoE (balance losses, capacity, FP8, ...). Torch is imported only when hf_path is set.
+"""
+
+import json
+import struct
+from pathlib import Path
+
+# ModelConfig's dense fields -> their config.json field (and its default where transformers has one).
+_DENSE = {"vocab_size": ("vocab_size",), "n_layers": ("num_hidden_layers",), "n_heads": ("num_attention_heads",),
+          "tie_embeddings": ("tie_word_embeddings", False), "max_seq_len": ("max_position_embeddings",),
+          "norm_eps": ("rms_norm_eps",)}
+
+
+def _read_config(path: str) -> tuple[dict, str]:
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        raise ValueError(f"model.hf_path {path!r} has no config.json; give a Hugging Face checkpoint directory "
+                         "(what save_pretrained writes)")
+    text = cfg.read_text()
+    try:
+        return json.loads(text), text
+    except ValueError as e:
+        raise ValueError(f"{cfg} is not valid JSON: {e}") from None
+
+
+def hf_model_fields(values: dict, moe_renamed: dict) -> dict:
+    """[model]'s `values` (with hf_path) completed from the checkpoint's config.json (`moe_renamed`: MoEConfig's
+    field -> [model]'s where they differ): a ValueError names a given field the checkpoint fixes otherwise, or a
+    training choice the family cannot save back."""
+    from dtensor_moe.config import MoEConfig
+    from dtensor_moe.hf.families import ARCHITECTURE, family, getter, moe_config_from_hf, with_training_options
+    path = values["hf_path"]
+    hf, text = _read_config(path)
+    get = getter(hf)
+    moe = moe_config_from_hf(hf)
+    fixed = {name: get(*field) for name, field in _DENSE.items()}
+    arch = [*ARCHITECTURE, *(("load_balance",) if moe.load_balance == "aux_free_bias" else ())]
+    fixed.update({moe_renamed.get(n, n): getattr(moe, n) for n in arch})
+    fixed["hf_config"] = text
+    conflicts = [f"model.{k} = {values[k]!r} (the checkpoint's: {v!r})" for k, v in fixed.items()
+                 if k in values and values[k] != v and k != "hf_config"]
+    if "hf_config" in values and values["hf_config"] != text:
+        conflicts.append(f"model.hf_config differs from {path}/config.json (it is filled in from there)")
+    if conflicts:
+        raise ValueError(f"model.hf_path {path!r} fixes the architecture; {'; '.join(conflicts)}: drop these keys "
+                         "from [model] (only the MoE's training choices may be given), or start from another "
+                         "checkpoint")
+    renamed = {v: k for k, v in moe_renamed.items()}
+    options = {renamed.get(k, k): v for k, v in values.items() if renamed.get(k, k) in MoEConfig.__dataclass_fields__}
+    try:
+        with_training_options(family(get("model_type")), moe, {k: v for k, v in options.items() if k not in arch})
+    except ValueError as e:
+        raise ValueError(f"model.hf_path {path!r}: {e}") from None
+    return {**values, **fixed}
+
+
+def check_hf_parallel(path: str, parallel, training) -> None:
+    """What training a transformers model supports: expert axes and FSDP2 / HSDP, eagerly."""
+    bad = {f"parallel.{a}": getattr(parallel, a) for a in ("tp", "cp", "pp") if getattr(parallel, a) != 1}
+    if training.compile:
+        bad["training.compile"] = True
+    if bad:
+        raise ValueError(f"model.hf_path {path!r} trains the transformers model with expert parallelism (ep, etp, "
+                         f"edp) and FSDP2 / HSDP (dp_replicate x dp_shard) for the rest; {bad} are not supported "
+                         "there; valid: parallel.tp = cp = pp = 1, training.compile = false")
+
+
+def checkpoint_numel(path: str) -> int:
+    """Elements of every tensor in the directory's safetensors files, from their headers alone."""
+    total = 0
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for key, info in header.items():
+            if key != "__metadata__":
+                count = 1
+                for d in info["shape"]:
+                    count *= d
+                total += count
+    return total
