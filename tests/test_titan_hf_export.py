@@ -3,11 +3,12 @@
 A tiny Qwen3-MoE and a tiny DeepSeek-V3 written by transformers (tests/test_titan_hf.py's models) are loaded
 through torchtitan's `--checkpoint.initial_load_in_hf`, trained STEPS steps under `--module dtensor_moe.titan`
 and exported by torchtitan's last-step save in HF (`--checkpoint.last_save_in_hf`, the export dtype left
-at the hook's default). transformers' `from_pretrained` loads the export folder as it is (config.json
-included), and its logits equal the trained model's: max |logits - logits_trained| / max |logits_trained|
-< RTOL. The trained model's logits are taken with its experts computing in float32 (torchtitan's grouped
-experts cast to bfloat16 whatever the parameter dtype: 3e-4 against transformers' float32 experts, the
-size of the routing bias this checks). Measured: see docs/titan.md, "Hugging Face checkpoints".
+at the hook's default), or saved as DCP and exported by `dtensor-moe export --hf --titan-config`.
+transformers' `from_pretrained` loads the export folder as it is (config.json included), and its logits
+equal the trained model's: max |logits - logits_trained| / max |logits_trained| < RTOL. The trained model's
+logits are taken with its experts computing in float32 (torchtitan's grouped experts cast to bfloat16
+whatever the parameter dtype: 3e-4 against transformers' float32 experts, the size of the routing bias this
+checks). Measured: see docs/titan.md, "Hugging Face checkpoints".
 
 Refused while parsing the command line, one line, exit status 2: an HF checkpoint whose config.json has
 another architecture (a DeepSeek-V3 checkpoint into the softmax-routing debug config, a Qwen3-MoE one into
@@ -73,12 +74,17 @@ def _train_and_export(rank: int, world: int, argv: list[str], tokens) -> dict:
     return {"logits": logits, "biases": biases, "step": trainer.step}
 
 
+@pytest.mark.parametrize("route", ["last_save_in_hf", "dtensor-moe export"])
 @pytest.mark.parametrize(
     "model_type, config", [("qwen3_moe", "qwen3_moe_tiny_cpu"), ("deepseek_v3", "deepseek_v3_hf_cpu")]
 )
-def test_hf_export_is_the_trained_model(tmp_path, model_type, config):
+def test_hf_export_is_the_trained_model(tmp_path, capsys, model_type, config, route):
+    """Two routes to the export: torchtitan's last-step save in HF, or its DCP save read afterwards by
+    `dtensor-moe export CKPT --hf OUT --titan-config NAME` (which refuses the folder without the flag)."""
     import transformers as tf
     from safetensors import safe_open
+
+    from dtensor_moe.cli import main
 
     tokens = torch.randint(0, 382, (2, 32), generator=torch.Generator().manual_seed(1))
     initial, _ = _write_checkpoint(model_type, tmp_path / "hf", tokens)
@@ -86,12 +92,24 @@ def test_hf_export_is_the_trained_model(tmp_path, model_type, config):
             "--dtensor_moe.ep", str(EP), "--training.steps", str(STEPS),
             "--checkpoint.enable", "--checkpoint.initial_load_path", str(tmp_path / "hf"),
             "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_model_only",
-            "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf"]
+            "--checkpoint.last_save_model_only"]
+    if route == "last_save_in_hf":
+        argv.append("--checkpoint.last_save_in_hf")
     ranks = run_on_ranks(WORLD, _train_and_export, argv, tokens)
     trained = ranks[0]["logits"]
     moved = (trained - initial).abs().max().item()
     assert moved > 1e-2, moved  # the steps trained: the export is not the checkpoint loaded
     export = tmp_path / "run" / "checkpoint" / f"step-{STEPS}"
+    if route == "dtensor-moe export":
+        capsys.readouterr()
+        assert main(["export", str(export), "--hf", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--hf OUT_DIR --titan-config NAME" in err[0], err
+        other = "deepseek_v3_hf_cpu" if model_type == "qwen3_moe" else "qwen3_moe_tiny_cpu"
+        assert main(["export", str(export), "--hf", str(tmp_path / "out"), "--titan-config", other]) == 2
+        assert f"is not a checkpoint of --titan-config {other}" in capsys.readouterr().err
+        assert main(["export", str(export), "--hf", str(tmp_path / "out"), "--titan-config", config]) == 0
+        export = tmp_path / "out"
 
     with open(export / "config.json") as f:
         assert json.load(f)["dtype"] == "float32"
@@ -106,7 +124,7 @@ def test_hf_export_is_the_trained_model(tmp_path, model_type, config):
         logits = model(tokens).logits
     err = ((logits - trained).abs().max() / trained.abs().max()).item()
     bias = [b.abs().max().item() for b in ranks[0]["biases"]]
-    print(f"{model_type}: export vs trained, max |dlogits| / max |logits| {err:.2e} (logits up to "
+    print(f"{model_type} ({route}): export vs trained, max |dlogits| / max |logits| {err:.2e} (logits up to "
           f"{trained.abs().max():.2f}, moved {moved:.2e} by training); routing biases: {bias}")
     assert err < RTOL, err
     if model_type == "qwen3_moe":  # the hook's Qwen3 configs train no routing bias
@@ -178,3 +196,27 @@ def test_qwen3_hf_export_of_a_trained_routing_bias_is_refused(capsys, monkeypatc
     config = ConfigManager().parse_args([*export, "--config", "qwen3_moe_tiny_cpu", "--checkpoint.export_dtype",
                                          "bfloat16", "--dtensor_moe.load_balance_coeff", "0"])
     assert config.checkpoint.export_dtype == "bfloat16"
+
+
+def test_cli_export_of_a_torchtitan_checkpoint_refuses_a_trained_qwen3_bias(tmp_path, capsys):
+    """A DCP checkpoint of the hook's tiny Qwen3 config plus the routing bias a --dtensor_moe.load_balance_coeff run
+    trains (which Qwen3-MoE's format has no key for): refused in one line naming it; without it, exported."""
+    import torch.distributed.checkpoint as dcp
+
+    from dtensor_moe.cli import main
+    from dtensor_moe.titan.config_registry import CONFIGS
+    from dtensor_moe.train.checkpoint import single_process_ok
+
+    torch.manual_seed(0)
+    state = CONFIGS["qwen3_moe_tiny_cpu"]().model_spec.model.build().state_dict()
+    with single_process_ok():
+        dcp.save(state, checkpoint_id=tmp_path / "plain", no_dist=True)
+        dcp.save({**state, "layers.0.moe.expert_bias_E": torch.ones(8)}, checkpoint_id=tmp_path / "biased",
+                 no_dist=True)
+    argv = ["--titan-config", "qwen3_moe_tiny_cpu"]
+    assert main(["export", str(tmp_path / "biased"), "--hf", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds layers.0.moe.expert_bias_E" in err[0] and "load_balance_coeff" in err[0], err
+    assert main(["export", str(tmp_path / "plain"), "--hf", str(tmp_path / "out"), *argv]) == 0
+    assert main(["export", str(tmp_path / "nothing"), "--hf", str(tmp_path / "out2"), *argv]) == 2
+    assert "is not a DCP checkpoint" in capsys.readouterr().err

@@ -5,6 +5,7 @@
 import sys
 from pathlib import Path
 
+from dtensor_moe.train.checkpoint import MANIFEST
 from dtensor_moe.train.export import CONFIG, WEIGHTS, export_checkpoint, import_weights
 from dtensor_moe.train.hf_checkpoint import export_hf, import_hf
 
@@ -18,6 +19,14 @@ def add_export_arguments(parser):
     parser.add_argument("--model-type", help="with --hf: qwen3_moe | mixtral | deepseek_v3 | gpt_oss (recorded by "
                                              "`import --hf`, needed for the main job's weights)")
     parser.add_argument("--force", action="store_true", help="with --hf: replace existing files in OUT_DIR")
+    parser.add_argument("--titan-config", metavar="NAME", help="with --hf: CKPT is a torchtitan checkpoint written "
+                                                             "through `--module dtensor_moe.titan --config NAME` "
+                                                             "(docs/titan.md)")
+
+
+def _torchtitan_checkpoint(path: Path) -> bool:
+    """A DCP checkpoint none of our savers wrote (they add a manifest): torchtitan's `checkpoint/step-N`."""
+    return (path / ".metadata").is_file() and not (path / MANIFEST).exists()
 
 
 def _one_line_errors(command: str, fn) -> int:
@@ -29,6 +38,16 @@ def _one_line_errors(command: str, fn) -> int:
 
 
 def _export(args) -> Path:
+    if args.titan_config is not None:
+        if args.hf is None or args.out is not None or args.model_type is not None:
+            raise ValueError("--titan-config goes with --hf alone: export CKPT --hf OUT_DIR --titan-config NAME")
+        from dtensor_moe.titan.hf import export_checkpoint_hf
+
+        return export_checkpoint_hf(args.ckpt, args.hf, args.titan_config, args.force)
+    if _torchtitan_checkpoint(Path(args.ckpt)):
+        raise ValueError(f"{args.ckpt} is a torchtitan checkpoint (DCP, no {MANIFEST}); export it with "
+                         f"`dtensor-moe export {args.ckpt} --hf OUT_DIR --titan-config NAME`, NAME the --config it "
+                         "was trained with (docs/titan.md)")
     if args.hf is not None:
         if args.out is not None:
             raise ValueError(f"export --hf writes to its OUT_DIR ({args.hf}); drop the second positional ({args.out})")

@@ -4,6 +4,7 @@ The checkpoint fixes the architecture (sizes, layers, heads, vocabulary, routing
 training choices of the MoE (balance losses, capacity, FP8, ...). Torch is imported only when hf_path is set.
 """
 
+import importlib.util
 import json
 import struct
 from pathlib import Path
@@ -33,6 +34,8 @@ def hf_model_fields(values: dict, moe_renamed: dict) -> dict:
     from dtensor_moe.config import MoEConfig
     from dtensor_moe.hf.families import ARCHITECTURE, family, getter, moe_config_from_hf, with_training_options
     path = values["hf_path"]
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError(f"model.hf_path {path!r} needs transformers (>= 5): pip install 'dtensor_moe[hf]'")
     hf, text = _read_config(path)
     get = getter(hf)
     moe = moe_config_from_hf(hf)
