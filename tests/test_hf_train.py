@@ -170,6 +170,7 @@ def test_main_job_refuses_what_the_checkpoint_fixes_in_one_line(override, messag
     from dtensor_moe.cli import main
 
     src = _byte_level_qwen3(tmp_path / "qwen3")
+    capsys.readouterr()  # transformers' own save progress bar is not the main job's output
     cfg = tmp_path / "hf.toml"
     cfg.write_text(f'[model]\nhf_path = "{src}"\n[parallel]\nnproc = 4\nep = 2\n[training]\nsteps = 1\n')
     assert main(["train", "--config", str(cfg), "--run-dir", str(tmp_path / "run"), override]) == 2
