@@ -19,6 +19,9 @@ _EXPORTS = {
     "owned_box": "parallel.plan",
     "ownership": "parallel.plan",
     "plan_moe": "parallel.plan",
+    "record_routing": "replay",
+    "replay_routing": "replay",
+    "RoutingReplay": "replay",
     "parallelize_moe": "parallel.parallelize",
     "TopKRouter": "router",
 }

@@ -82,6 +82,8 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.seq_aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
+        # dtensor_moe.replay.LayerReplay while this layer records or replays its routing.
+        self.routing_replay = None
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02):
@@ -96,7 +98,13 @@ class MoE(nn.Module):
             raise ValueError(f"MoE expects [..., dim={cfg.dim}] floating-point input, got shape {tuple(x_BLD.shape)} "
                              f"of {x_BLD.dtype}")
         x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
-        r = self.router(x_TD, self.expert_bias)
+        replay = self.routing_replay  # record_routing / replay_routing (replay.py)
+        replayed_TK = None if replay is None else replay.replayed(len(x_TD), recomputing())
+        # Only a replayed forward passes its choices: a router swapped in by a user keeps the (x, bias) signature.
+        r = self.router(x_TD, self.expert_bias) if replayed_TK is None else self.router(x_TD, self.expert_bias,
+                                                                                        replayed_TK)
+        if replay is not None:
+            replay.chosen = r.experts_TK
         sorted_N, order_N, counts_E = expert_major(r.experts_TK.flatten(), cfg.num_experts)
         # Only training forwards steer the aux-free bias: an eval batch (module.eval()) must not move the next update,
         # and activation checkpointing's second forward must not count again.

@@ -38,7 +38,10 @@ class TopKRouter(nn.Module):
         self.config = config
         self.gate = nn.Linear(config.dim, config.num_experts, bias=config.router_bias)
 
-    def forward(self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor | None = None) -> Routing:
+    def forward(self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor | None = None,
+                experts_TK: torch.Tensor | None = None) -> Routing:
+        """`experts_TK` (routing replay, dtensor_moe/replay.py): these choices instead of the top-k; the combine
+        weights are then the current scores' at them, as if the router had chosen them, so gradients reach the gate."""
         cfg = self.config
         # Routing decisions are sensitive to rounding: the gate runs in >= float32 even for bf16
         # activations, so a bf16 model routes like its float32 upcast (and like every other mesh).
@@ -49,14 +52,8 @@ class TopKRouter(nn.Module):
             scores_TE = torch.sigmoid(logits_TE)
         else:
             scores_TE = torch.softmax(logits_TE, dim=-1)
-        # gpt-oss picks on the logits; the others on the scores.
-        select_TE = logits_TE if cfg.score_func == "topk_softmax" else scores_TE
-        # The aux-free bias only steers which experts are chosen, never the combine weights (DeepSeek-V3).
-        if expert_bias_E is not None:
-            select_TE = select_TE + expert_bias_E
-        if cfg.num_expert_groups > 1:
-            select_TE = limit_groups(select_TE, cfg.num_expert_groups, cfg.num_limited_groups)
-        _, experts_TK = torch.topk(select_TE, cfg.top_k, dim=-1)
+        if experts_TK is None:
+            experts_TK = self._select(logits_TE, scores_TE, expert_bias_E)
         if cfg.score_func == "topk_softmax":  # softmax over the K chosen logits: normalized already
             weights_TK = torch.softmax(logits_TE.gather(-1, experts_TK), dim=-1)
         else:
@@ -66,6 +63,18 @@ class TopKRouter(nn.Module):
                 weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
         weights_TK = weights_TK * cfg.route_scale
         return Routing(weights_TK.to(x_TD.dtype), experts_TK, scores_TE, logits_TE)
+
+    def _select(self, logits_TE: torch.Tensor, scores_TE: torch.Tensor,
+                expert_bias_E: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.config
+        # gpt-oss picks on the logits; the others on the scores.
+        select_TE = logits_TE if cfg.score_func == "topk_softmax" else scores_TE
+        # The aux-free bias only steers which experts are chosen, never the combine weights (DeepSeek-V3).
+        if expert_bias_E is not None:
+            select_TE = select_TE + expert_bias_E
+        if cfg.num_expert_groups > 1:
+            select_TE = limit_groups(select_TE, cfg.num_expert_groups, cfg.num_limited_groups)
+        return torch.topk(select_TE, cfg.top_k, dim=-1).indices
 
     def reset_parameters(self, std: float = 0.02):
         nn.init.normal_(self.gate.weight, std=std)

@@ -1,0 +1,170 @@
+"""Routing replay (Megatron's `moe_enable_routing_replay`): record every MoE layer's expert choices in one
+forward, an RL rollout's say, and make later forwards on the same tokens choose exactly those experts, so that
+the policy a trainer updates routes as the one that generated the samples did (GRPO collapses otherwise).
+
+    with record_routing(model) as recorded:   # one forward (or several: microbatches, in order)
+        model(tokens)
+    with replay_routing(model, recorded):     # the next forwards choose the recorded experts
+        loss(model(tokens)).backward()
+
+A replayed forward skips the top-k (and the aux-free bias and group limit, which only steer it); the combine
+weights are the current router's scores at the recorded experts, exactly as it weighs its own choices, so
+the gate still gets its gradient. Everything downstream (capacity dropping, balance losses, the aux-free
+bias counts, every expert-parallel dispatch) sees the replayed choices. Recordings are per rank (each rank's
+own tokens of each forward): replay on the same mesh with the same per-rank batches. docs/routing.md,
+"Routing replay".
+"""
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from dtensor_moe.moe import MoE, recomputing
+
+
+class RoutingReplay:
+    """Expert choices on this rank: `experts[name]` lists, for the MoE layer at qualified name `name` in the
+    model, one int64 experts_TK [tokens, top_k] per recorded forward in forward order. `record_routing` fills
+    one; a rollout engine's choices (vLLM's, say) can be handed in directly. Replaying never consumes it: the
+    same recording replays again (several optimizer epochs over one rollout)."""
+
+    def __init__(self, experts: Mapping[str, Sequence[torch.Tensor]] | None = None):
+        self.experts: dict[str, list[torch.Tensor]] = {name: list(v) for name, v in (experts or {}).items()}
+
+
+class LayerReplay:
+    """One layer's side of a recording or a replay, its `moe.routing_replay` for the context's duration.
+
+    Hooks on the layer's parent module (the layer itself at the root) keep the position in the recording: the
+    pre-hook sets `current`, the entry this forward replays, and the hook appends `chosen`, what it chose, to
+    the recording. The layer's forward only reads `current` and writes `chosen`, so compiled code never sees the
+    position: the main job's compiled blocks and parallelize_moe(compile=...)'s compiled layer forward, both
+    inside those hooks, compile one graph for every microbatch (traced, the position would be a guard, and
+    fullgraph compilation fails past the recompile limit). A recomputation (eager activation checkpointing: it
+    runs inside backward, maybe without its parent's hooks) replays in the layer's forward instead."""
+
+    def __init__(self, name: str, entries: list[torch.Tensor], replaying: bool):
+        self.name, self.entries, self.replaying = name, entries, replaying
+        self.current: torch.Tensor | None = None  # the experts_TK the running forward replays
+        self.chosen: torch.Tensor | None = None  # the experts_TK the running forward chose
+        self.position = 0  # the entry the next forward replays
+        # Entries replayed by forwards that built a graph, oldest first: activation checkpointing recomputes each
+        # such forward once, inside its backward, and backward takes microbatches in forward order (gradient
+        # accumulation, every torch.distributed.pipelining schedule), so a recomputation replays the oldest.
+        self.awaiting_recompute: list[torch.Tensor] = []
+
+    def before(self, parent: nn.Module, args):
+        if not self.replaying or recomputing():
+            return
+        i = self.position
+        if i >= len(self.entries):
+            raise ValueError(f"routing replay: MoE layer {self.name!r} has {len(self.entries)} recorded "
+                             f"forward(s); this is forward {i + 1} of the replay (one recorded forward per "
+                             "replayed one: record every microbatch, in the order the replay runs them)")
+        self.position, self.current = i + 1, self.entries[i]
+        if torch.is_grad_enabled():
+            self.awaiting_recompute.append(self.current)
+
+    def after(self, parent: nn.Module, args, output):
+        if recomputing():  # it chose again what its forward recorded
+            return
+        if not self.replaying:
+            if self.chosen is None:
+                raise ValueError(f"record_routing: MoE layer {self.name!r} did not run in its parent's forward; "
+                                 "record and replay follow each layer's parent module's forwards")
+            self.entries.append(self.chosen.detach())
+        self.current = self.chosen = None
+
+    def replayed(self, num_tokens: int, recomputation: bool) -> torch.Tensor | None:
+        """The layer forward's experts_TK to replay (None while recording), its token count checked."""
+        if not self.replaying:
+            return None
+        if recomputation:
+            if not self.awaiting_recompute:
+                raise ValueError(f"routing replay: MoE layer {self.name!r} is recomputed (activation checkpointing) "
+                                 "but no replayed forward awaits its recomputation")
+            self.current = self.awaiting_recompute.pop(0)
+        if self.current is None:
+            raise ValueError(f"routing replay: MoE layer {self.name!r} ran outside its parent module's forward; "
+                             "record and replay follow each layer's parent module's forwards")
+        if self.current.shape[0] != num_tokens:
+            raise ValueError(f"routing replay: MoE layer {self.name!r}, replayed forward {self.position} has "
+                             f"{num_tokens} tokens on this rank but its recording has {self.current.shape[0]} "
+                             f"(experts_TK of shape {tuple(self.current.shape)}); replay the recorded tokens, on the "
+                             "recording's mesh")
+        return self.current
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoE]:
+    """Every MoE in `model` by qualified name (a pipeline stage keeps the whole model's names)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
+
+
+@contextmanager
+def record_routing(model: nn.Module, into: RoutingReplay | None = None) -> Iterator[RoutingReplay]:
+    """Inside, each forward of each MoE layer of `model` appends its choices (this rank's tokens) to the yielded
+    `RoutingReplay` (`into`, else a new one). Any mode: eval and no-grad forwards record too."""
+    recorded = RoutingReplay() if into is None else into
+    layers = moe_layers(model)
+    with _attached(model, layers, {n: LayerReplay(n, recorded.experts.setdefault(n, []), False) for n in layers}):
+        yield recorded
+
+
+@contextmanager
+def replay_routing(model: nn.Module, recorded: RoutingReplay) -> Iterator[None]:
+    """Inside, the k-th forward of each MoE layer of `model` chooses the experts of that layer's k-th recorded
+    forward. Every check that needs no forward runs here, before any collective."""
+    layers = moe_layers(model)
+    _check(layers, recorded)
+    with _attached(model, layers, {n: LayerReplay(n, recorded.experts[n], True) for n in layers}):
+        yield
+
+
+def _check(layers: dict[str, MoE], recorded: RoutingReplay):
+    if not layers:
+        raise ValueError("replay_routing: the model has no MoE layer")
+    empty = [n for n in layers if not recorded.experts.get(n)]
+    if empty:
+        raise ValueError(f"replay_routing: nothing recorded for MoE layer(s) {empty} (recorded: "
+                         f"{sorted(n for n, v in recorded.experts.items() if v)}); record them first, in "
+                         "`with record_routing(model) as recorded:`, on this model")
+    unknown = sorted(set(recorded.experts) - set(layers))
+    if unknown:
+        raise ValueError(f"replay_routing: recorded layers {unknown} are not MoE layers of the model "
+                         f"(its MoE layers: {sorted(layers)}); replay on the model that recorded")
+    for name, moe in layers.items():
+        E, K = moe.config.num_experts, moe.config.top_k
+        for i, experts_TK in enumerate(recorded.experts[name]):
+            where = f"replay_routing: MoE layer {name!r}, recorded forward {i + 1}"
+            if experts_TK.dim() != 2 or experts_TK.shape[1] != K or experts_TK.dtype != torch.int64:
+                raise ValueError(f"{where}: experts_TK must be int64 of shape [tokens, top_k={K}], got "
+                                 f"{experts_TK.dtype} of shape {tuple(experts_TK.shape)}")
+            if experts_TK.numel() and not (0 <= experts_TK.min() and experts_TK.max() < E):
+                raise ValueError(f"{where}: expert ids must be in 0..{E - 1}, got {experts_TK.min().item()}.."
+                                 f"{experts_TK.max().item()}")
+            if K > 1 and (experts_TK.sort(dim=1).values.diff(dim=1) == 0).any():
+                raise ValueError(f"{where}: a token chooses one expert twice; each token's {K} experts must differ")
+
+
+@contextmanager
+def _attached(root: nn.Module, layers: dict[str, MoE], replays: dict[str, LayerReplay]):
+    busy = [n for n, m in layers.items() if m.routing_replay is not None]
+    if busy:
+        raise ValueError(f"MoE layer(s) {busy} are already recording or replaying their routing; "
+                         "close that context first (record and replay do not nest)")
+    handles = []
+    try:
+        for name, moe in layers.items():
+            moe.routing_replay = replays[name]
+            parent = root.get_submodule(name.rpartition(".")[0]) if name else moe
+            # First: its checks run before the parent's own hooks (FSDP's all-gather), so before any collective.
+            handles += [parent.register_forward_pre_hook(replays[name].before, prepend=True),
+                        parent.register_forward_hook(replays[name].after)]
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for moe in layers.values():
+            moe.routing_replay = None
