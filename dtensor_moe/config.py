@@ -36,6 +36,11 @@ MOE_RULES = dict(
     # The EP all-to-all's forward token payload: "fp8" sends e4m3 rows + one fp32 scale each
     # (parallel/dispatch.py); gradients travel in the activations' dtype either way.
     dispatch_precision=DISPATCH_PRECISIONS,
+    # Hot-expert replicas (parallel/replicas.py): replica slots per EP rank, re-placed every that many forwards.
+    expert_replicas=Range(0, "num_experts"),
+    replica_replan_every=at_least(1),
+    # A dropless forward in which an EP rank would compute more expert rows raises, naming them; 0: no cap.
+    max_rows_per_rank=at_least(0),
 )
 
 
@@ -44,6 +49,10 @@ def check_routing(cfg, prefix: str):
     ModelConfig alike (after check_fields)."""
     check_groups(cfg, prefix)
     _check_capacity(cfg, prefix)
+    if cfg.expert_replicas and cfg.pad_to_capacity:
+        # Padded dispatch has static per-expert blocks; replicas split an expert's rows by the step's counts.
+        raise ValueError(f"{prefix}expert_replicas ({cfg.expert_replicas}) needs the dropless dispatch, got "
+                         f"{prefix}pad_to_capacity=True; valid: expert_replicas 0, or pad_to_capacity false")
 
 
 def check_groups(cfg, prefix: str):
@@ -111,6 +120,14 @@ class MoEConfig:
     expert_precision: str = "bf16"
     # The dispatched tokens' payload under EP / ETP: "bf16" (the activations' dtype) | "fp8"
     dispatch_precision: str = "bf16"
+    # Hot-expert replicas under EP (parallel/replicas.py): this many replica slots per EP rank hold copies of the
+    # hottest experts, so each EP rank computes about the mean rows (0: off). The copies are placed from the counts
+    # of the last replica_replan_every training forwards; the math is that of no replicas.
+    expert_replicas: int = 0
+    replica_replan_every: int = 100
+    # > 0: an eager dropless forward in which an EP rank would compute more expert rows than this raises ValueError
+    # on every rank, naming the layer, the forward and the rows per rank (never an out-of-memory at an unknown step).
+    max_rows_per_rank: int = 0
 
     def __post_init__(self):
         check_fields(self, "MoEConfig.", hidden_dim=at_least(1), **MOE_RULES)

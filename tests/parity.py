@@ -50,6 +50,7 @@ class Case:
     batch_per_rank: tuple[int, ...]  # sequences per data-parallel group: per rank when cp = tp = 1 (0 allowed)
     seq_len: int = 3  # a multiple of cp * tp: each of those ranks takes seq_len / (cp * tp) of every sequence
     hot_expert: int | None = None  # route (almost) every token to this expert
+    zipf: float | None = None  # benchmarks/routing.py's skewed routing with this exponent (needs dim == num_experts)
     seed: int = 0
     dtype: str = "float64"
     microbatches: int = 1  # > 1: the same slice again, gradients accumulating (FSDP syncs on the last)
@@ -76,10 +77,28 @@ def build(case: Case, world_size: int):
             x[..., 0] = 1.0 + 0.01 * x[..., 0]
             ref.router.gate.weight[:, 0] = 0.0
             ref.router.gate.weight[case.hot_expert, 0] = 20.0
+    if case.zipf is not None:
+        _route_skewed(ref, x, case)
     grad_out = torch.randn(total, case.seq_len, cfg.dim, generator=g, dtype=dtype)
     if case.nonfinite_token is not None and total:
         x.view(-1, cfg.dim)[case.nonfinite_token % (total * case.seq_len), 0] = case.nonfinite_value
     return cfg, dims, ref, x, grad_out
+
+
+def _route_skewed(ref: MoE, x: torch.Tensor, case: Case) -> None:
+    """The router picks exactly benchmarks/routing.py's skewed choices (Zipf popularity, K distinct experts a
+    token): the gate is the identity, and each token's chosen experts' features stand far above the rest."""
+    from benchmarks.routing import expert_choices_TK
+
+    E, K = case.moe.num_experts, case.moe.top_k
+    assert case.moe.dim == E, "skewed routing reads the logits off the features: dim == num_experts"
+    x_TD = x.view(-1, E)
+    experts_TK = expert_choices_TK("skewed", x_TD.shape[0], E, K, case.seed, case.zipf)
+    with torch.no_grad():
+        x_TD.mul_(0.01).scatter_add_(1, experts_TK, torch.arange(K, 0, -1, dtype=x.dtype).expand(x_TD.shape[0], K) + 3)
+        ref.router.gate.weight.copy_(torch.eye(E, dtype=x.dtype))
+        if ref.router.gate.bias is not None:
+            ref.router.gate.bias.zero_()
 
 
 def inductor_settings(compile: bool | str):
@@ -107,6 +126,11 @@ def _err(a, b) -> float:
 
 
 def check_parity(rank: int, world_size: int, case: Case) -> dict:
+    return parity_errors(rank, world_size, case)[0]
+
+
+def parity_errors(rank: int, world_size: int, case: Case) -> tuple[dict, MoE]:
+    """check_parity's errors, and the parallelized layer after its backward."""
     cfg, dims, ref, x, grad_out = build(case, world_size)
     model = MoE(cfg).to(ref.router.gate.weight.dtype)
     model.load_state_dict(ref.state_dict())
@@ -175,7 +199,7 @@ def check_parity(rank: int, world_size: int, case: Case) -> dict:
         model.update_expert_bias()
         ref.update_expert_bias()
         errs["expert_bias"] = _err(model.expert_bias, ref.expert_bias)
-    return errs
+    return errs, model
 
 
 def _slice(case: Case, dims: MoEParallelDims, rank: int) -> tuple[slice, slice]:

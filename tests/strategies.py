@@ -6,7 +6,8 @@ fourteen, so about 70% of the cases have none and a few have two; a NaN or +-Inf
 `python -m tests.strategies` prints the shares.
 
 Hypothesis draws the layer's options and sizes; the case's structure (the folding of both meshes, E, top_k,
-the edges, the non-finite token, compile and FP8) comes from coins seeded with a checksum of those draws.
+the edges, the non-finite token, compile, FP8 and expert replicas) comes from coins seeded with a checksum of
+those draws.
 Hypothesis's own choices are not independent across examples (it favours small values and re-draws
 near-copies of earlier examples), so their shares wandered between seeds: a one-in-fourteen sampled_from held
 in 2% to 20% of 200 cases, ETP > 1 in 6 of 48 four-rank cases with one seed and 41 with another. Shrinking
@@ -117,6 +118,13 @@ def cases(draw, world_size: int):
     if (ep == world_size and world_size & (world_size - 1) == 0 and cp * tp == 1 and not case.compile
             and case.moe.capacity_factor is None and coins.random() < 1 / 4):
         case = replace(case, moe=replace(case.moe, expert_precision="fp8"))
+    # Hot-expert replicas where the dispatch runs them (EP > 1, not padded, eager), half of those cases: one or two
+    # slots a rank, re-placed every forward (a second microbatch's placement from the first's counts) or rarely.
+    # Not with FP8 experts: a replica's rows are quantized in blocks of their own.
+    if (ep > 1 and not case.moe.pad_to_capacity and not case.compile and case.moe.expert_precision != "fp8"
+            and coins.random() < 1 / 2):
+        case = replace(case, moe=replace(case.moe, expert_replicas=coins.choice((1, 2)),
+                                         replica_replan_every=coins.choice((1, 100))))
     return case
 
 
@@ -144,6 +152,7 @@ def kinds(case: Case, world_size: int) -> dict[str, bool]:
         "compiled": bool(case.compile),
         "fp8 experts": case.moe.expert_precision == "fp8",
         "CP or TP > 1": case.cp * case.tp > 1,
+        "expert replicas": case.moe.expert_replicas > 0,
     }
 
 

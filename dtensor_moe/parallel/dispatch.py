@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from dtensor_moe.kernels import fp8, policy
+from dtensor_moe.parallel.replica_dispatch import Replicas
 from dtensor_moe.routing import ExpertInput, PaddedCopies, ScaleGrad, TokenCopies, gather_rows, inverse_permutation
 
 _GROUPS: "weakref.WeakValueDictionary[str, dist.ProcessGroup]" = weakref.WeakValueDictionary()
@@ -215,13 +216,15 @@ pair_move.register_autograd(_pair_move_backward, setup_context=_pair_move_setup)
 
 
 def _gather_counts(counts_RE, topo: _Topology) -> torch.Tensor:
-    """[etp, ep, ep, E_local + 1]: every rank gets every count, so a sender knows where its rows land."""
+    """[etp, ep, *counts_RE.shape]: every rank gets every count (ep_plan's: [etp, ep, ep, E_local + 1]), so a
+    sender knows where its rows land."""
+    shape = counts_RE.shape
     for n, group in ((topo.ep, topo.ep_group), (topo.etp, topo.etp_group)):
         if n > 1:  # stacked along dim 0 (the layout every backend accepts)
             out = counts_RE.new_empty(n * counts_RE.shape[0], counts_RE.shape[1])
             _all_gather(out, counts_RE, group=group)
             counts_RE = out
-    return counts_RE.view(topo.etp, topo.ep, topo.ep, -1)
+    return counts_RE.view(topo.etp, topo.ep, *shape)
 
 
 def _expert_major_index(C: torch.Tensor, total: int) -> torch.Tensor:
@@ -323,6 +326,7 @@ class _Exchange:
         self.local_counts_host = None if torch.compiler.is_compiling() else local_counts_host.tolist()
         self.copies, self.out_shape, self.groups = copies, out_shape, groups
         self.w_local = None  # with copies: the routing weights at the expert ranks, moved with the tokens
+        self.y_replicas = None  # with replicas: the replica slots' outputs, after the experts' own rows
 
     def move(self, xs, kinds, direction, lengths=None):
         """lengths: the senders' row counts, for "back" (for "there" they are xs')."""
@@ -346,10 +350,20 @@ class ExpertDispatcher:
     EP*ETP to equal the gradient of the mean loss over all ranks. Our experts take that as
     ExpertInput.weight_grad_scale and apply it to the weight gradients alone; for any other module
     the activation gradient around it is scaled (and unscaled for its input).
+
+    `replicas` > 0 (MoEConfig.expert_replicas; our experts, dropless dispatch): that many replica slots per EP
+    rank, placed every `replan_every` training forwards (replica_dispatch.py). `max_rows_per_rank` > 0: a
+    (eager) forward in which any EP rank would compute more rows raises ValueError on every rank of the group
+    alike, naming `layer`, the forward and the rows (MoEConfig.max_rows_per_rank).
     """
 
-    def __init__(self, ep_group, etp_group, grad_divisor: float, dispatch_precision: str = "bf16"):
+    def __init__(self, ep_group, etp_group, grad_divisor: float, dispatch_precision: str = "bf16",
+                 replicas: int = 0, replan_every: int = 100, max_rows_per_rank: int = 0, layer: str = "an MoE layer"):
         self.grad_divisor = float(grad_divisor)
+        self.replicas = Replicas(replicas, replan_every, ep_group, etp_group) if replicas else None
+        self.max_rows_per_rank, self.layer = max_rows_per_rank, layer
+        self.forwards = 0  # dispatched forwards, named by the row cap's error
+        self.rows_per_rank: list[int] | None = None  # rows each EP rank computed in the last dropless forward
         self.payload = ":fp8" if dispatch_precision == "fp8" else ""  # MoEConfig.dispatch_precision
         self.groups = (_name(ep_group), _name(etp_group))
         self.adds_output_bias = dist.get_rank(etp_group) == 0
@@ -358,28 +372,70 @@ class ExpertDispatcher:
         self.capacity_checked = False  # pad_to_capacity: the group's equal capacities, checked once (eagerly)
 
     def dispatch(self, x: torch.Tensor, counts_E: torch.Tensor,
-                 copies: TokenCopies | PaddedCopies | None = None) -> ExpertInput:
+                 copies: TokenCopies | PaddedCopies | None = None, experts=None) -> ExpertInput:
         """x: the tokens with their `copies` (they then travel once per rank), or without copies one
         row per (token, expert) pair in expert order (counts_E per global expert either way). Padded
-        copies take the static path (_dispatch_padded)."""
+        copies take the static path (_dispatch_padded). `experts`: the module, which replicas need."""
+        self.forwards += 1
         if isinstance(copies, PaddedCopies):
             return self._dispatch_padded(x, copies)
+        scale = 1.0 / self.grad_divisor
         if copies is not None:
             x_TD = x.reshape(-1, x.shape[-1])
-            tables = ep_plan(counts_E, copies.expert_N, copies.pair_N, x_TD.shape[0], copies.weight_TK.shape[1],
-                             *self.groups)
+            expert_N, pair_N, weight_N = copies.expert_N, copies.pair_N, copies.weight_N
+            if self.replicas is not None:
+                if torch.compiler.is_compiling():
+                    raise ValueError("expert_replicas > 0 runs eagerly only (its split needs the counts on the host); "
+                                     "valid: expert_replicas 0 with torch.compile, or an eager layer")
+                counts_E, expert_N, pair_N, weight_N = self.replicas.relabel(
+                    copies, counts_E, self._host_counts, experts.training)
+            tables = ep_plan(counts_E, expert_N, pair_N, x_TD.shape[0], copies.weight_TK.shape[1], *self.groups)
             ex = _Exchange(tables, copies, x.shape, self.groups)
+            self._check_rows(ex.C_host)
             x_send = gather_rows(x_TD, ex.send_token, ex.token_rows)
             # The routing weights go where the sums are (autograd: they train the router).
-            x_recv, w_sent = ex.move([x_send, copies.weight_N[:, None]], f"rows{self.payload},pairs", "there")
+            x_recv, w_sent = ex.move([x_send, weight_N[:, None]], f"rows{self.payload},pairs", "there")
             x_local = gather_rows(x_recv, ex.row_idx, ex.row_readers)
             ex.w_local = gather_rows(w_sent, ex.idx, ex.inv)[:, 0]
+            if self.replicas is not None:
+                return self._run_replicas(x_local, ex, experts, scale)
         else:
             none = counts_E.new_empty(0, dtype=torch.int64)
             ex = _Exchange(ep_plan(counts_E, none, none, x.shape[0], 0, *self.groups), None, x.shape, self.groups)
+            self._check_rows(ex.C_host)
             x_local = gather_rows(ex.move([x], f"pairs{self.payload}", "there")[0], ex.idx, ex.inv)
-        return ExpertInput(x_local, ex.local_counts_E, ex.local_counts_host, 1.0 / self.grad_divisor, ex,
+        return ExpertInput(x_local, ex.local_counts_E, ex.local_counts_host, scale, ex, self.adds_output_bias)
+
+    def _host_counts(self, counts_1E: torch.Tensor) -> torch.Tensor:
+        """counts_1E of every rank of the EP x ETP group, on the host: [etp, ep, 1, E]."""
+        policy.HOST_SYNCS["split_sizes"] += counts_1E.device.type != "cpu"  # the split of replicated experts
+        return _gather_counts(counts_1E, _Topology(*self.groups)).cpu()
+
+    def _run_replicas(self, x_local: torch.Tensor, ex: _Exchange, experts, scale: float) -> ExpertInput:
+        """The replica slots' rows (after the owned experts' rows) run here, their outputs kept for the combine;
+        the experts get their own rows."""
+        host = ex.local_counts_host
+        E_local = len(host) - self.replicas.r
+        n_own = sum(host[:E_local])
+        ex.y_replicas = self.replicas.run(experts, x_local[n_own:], ex.local_counts_E[E_local:], host[E_local:],
+                                          scale, self.adds_output_bias, _all_to_all)
+        return ExpertInput(x_local[:n_own], ex.local_counts_E[:E_local], host[:E_local], scale, ex,
                            self.adds_output_bias)
+
+    def _check_rows(self, C_host: torch.Tensor) -> None:
+        """Rows per EP rank from the all-gathered table (the same on every rank of the group, so a cap raises on
+        all of them alike, before the tokens move)."""
+        if torch.compiler.is_compiling():
+            return
+        self.rows_per_rank = C_host[..., :-1].sum((0, 1, 3)).tolist()
+        cap = self.max_rows_per_rank
+        if cap and max(self.rows_per_rank) > cap:
+            worst = max(range(len(self.rows_per_rank)), key=self.rows_per_rank.__getitem__)
+            raise ValueError(
+                f"{self.layer}, forward {self.forwards}: EP rank {worst} would compute {self.rows_per_rank[worst]} "
+                f"expert rows, more than max_rows_per_rank ({cap}); rows per EP rank {self.rows_per_rank}. Valid: "
+                f"a larger max_rows_per_rank (0: no cap), fewer tokens per rank, expert_replicas, or a more "
+                f"balanced router")
 
     def _dispatch_padded(self, x: torch.Tensor, copies: PaddedCopies) -> ExpertInput:
         if not self.capacity_checked and not torch.compiler.is_compiling():
@@ -417,6 +473,8 @@ class ExpertDispatcher:
             y_sent = y_local.reshape(ex.experts, ex.sources, C, D).transpose(0, 1).reshape(-1, D)
             y_back = pair_move(y_sent, ex.experts * C, "slots", "back", *self.groups)
             return ex.copies.combine(y_back, ex.out_shape)
+        if ex.y_replicas is not None:
+            y_local = torch.cat([y_local, ex.y_replicas])
         if ex.copies is None:
             return ex.move([gather_rows(y_local, ex.inv[:, 0], ex.idx[:, None])], "pairs", "back", [ex.out_shape[0]])[0]
         z_rows = torch.ops.dtensor_moe.gather_sum(y_local, ex.row_readers, ex.row_idx, ex.w_local)
@@ -433,7 +491,7 @@ class ExpertDispatcher:
         piece of state kept on the dispatcher (`in_flight`, a stack, empty between forwards)."""
         if ours:
             def pre(module, args):
-                return (self.dispatch(*args),)
+                return (self.dispatch(*args, experts=module),)
 
             def post(module, args, out):
                 return self.combine(out, args[0])

@@ -119,6 +119,10 @@ class ExpertParallel(ParallelStyle):
         if device_mesh is not None and device_mesh.device_type != device_type:
             raise ValueError(f"ExpertParallel: parallelize_module's mesh is on {device_mesh.device_type!r}, the "
                              f"expert meshes on {device_type!r}; valid: the same device type")
+        if self.compile and any(m.config.expert_replicas for m, _ in layers):
+            raise ValueError(f"ExpertParallel: compile={self.compile!r} with expert_replicas > 0 is not supported "
+                             "(the replicas' split needs the counts on the host, eagerly); valid: compile=False, or "
+                             "expert_replicas 0")
         meshes = self.meshes or self.dims.build_meshes(device_type)
         for moe, plans in layers:
             if self.src_data_rank is not None:

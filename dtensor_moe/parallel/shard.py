@@ -2,6 +2,7 @@
 dispatcher's hooks, FSDP2 units, the data-parallel statistics. `ExpertParallel` (parallelize.py), the main
 job's `parallelize_model` and the torchtitan hook all shard a layer through `shard_moe_layer` here."""
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,7 @@ def shard_moe_layer(
     grad_divisor: float | None = None,
     experts_unit: bool = True,
     dispatch_precision: str = "bf16",
+    dispatch_options: dict | None = None,
 ):
     """Apply `plans` (names relative to `moe`) to one MoE layer of any model family.
 
@@ -82,7 +84,8 @@ def shard_moe_layer(
     (compiled layers): no FSDP unit for the experts; under EDP / HSDP their weights are DTensors on the whole
     expert mesh, gathered over EDP in the forward and their gradients reduce-scattered back, both
     DTensor redistributions inside the graph (experts.gather_for_compute). `dispatch_precision`:
-    MoEConfig.dispatch_precision, the EP/ETP token payload's.
+    MoEConfig.dispatch_precision, the EP/ETP token payload's. `dispatch_options`: ExpertDispatcher's replica and
+    row-cap arguments (`dispatch_options(moe)`; replicas run with our experts only).
     """
     experts_plans = tuple(wp for wp in plans if wp.role == "expert")
     dense_plans = tuple(wp for wp in plans if wp.role == "dense")
@@ -90,6 +93,9 @@ def shard_moe_layer(
     experts = moe.get_submodule(owner_name)
     ep_etp = meshes.expert["ep", "etp"]
     ours = isinstance(experts, GroupedExperts)  # takes ExpertInput and the weight-gradient scale
+    if not ours and (dispatch_options or {}).get("replicas"):
+        raise ValueError(f"expert_replicas needs dtensor_moe's GroupedExperts (they run the replicas' rows), got "
+                         f"{type(experts).__name__}; valid: expert_replicas 0")
     in_graph = ours and not experts_unit and experts_fsdp_sharded(dims)
     weight_mesh = meshes.expert_by_plan if in_graph else meshes.expert_weights
     for wp in experts_plans:
@@ -101,7 +107,8 @@ def shard_moe_layer(
         setattr(experts, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
     if dims.ep * dims.etp > 1:
         divisor = dims.ep * dims.etp if grad_divisor is None else grad_divisor
-        d = ExpertDispatcher(ep_etp.get_group("ep"), ep_etp.get_group("etp"), divisor, dispatch_precision)
+        d = ExpertDispatcher(ep_etp.get_group("ep"), ep_etp.get_group("etp"), divisor, dispatch_precision,
+                             **(dispatch_options or {}))
         pre, post = d.hooks(ours)
         experts.expert_parallel = ExpertParallelHooks(
             d, experts.register_forward_pre_hook(pre), experts.register_forward_hook(post))
@@ -141,11 +148,23 @@ def moe_layers(module: nn.Module, dims: MoEParallelDims, caller: str = "parallel
     module changes), so a bad config never hangs a rank or leaves a half-parallelized model."""
     moes = [m for m in module.modules() if isinstance(m, MoE)]
     plans = [plan_moe(m.config, dims) for m in moes]
+    _LAYER_NAMES.update((m, n or type(module).__name__) for n, m in module.named_modules() if isinstance(m, MoE))
     done = [n for n, m in module.named_modules() if isinstance(m, MoE) and isinstance(m.experts.w1, DTensor)]
     if done:
         raise ValueError(f"{caller}: MoE layers {done} are already parallelized (their expert weights are "
                          "DTensors); parallelize a fresh copy of the unparallelized module instead")
     return list(zip(moes, plans))
+
+
+# Each MoE's path in the module it was parallelized from, for the dispatcher's errors.
+_LAYER_NAMES: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
+def dispatch_options(moe: MoE) -> dict:
+    """An MoE's ExpertDispatcher options from its config: replica slots and the row cap, named for errors."""
+    cfg = moe.config
+    return dict(replicas=cfg.expert_replicas, replan_every=cfg.replica_replan_every,
+                max_rows_per_rank=cfg.max_rows_per_rank, layer=f"MoE layer {_LAYER_NAMES.get(moe, '')!r}")
 
 
 def fsdp_kwargs(mp_policy, reshard_after_forward: bool) -> dict:
@@ -169,7 +188,7 @@ def shard_and_connect(moe: MoE, plans: tuple[WeightPlan, ...], dims: MoEParallel
     """One `MoE` of this library: `shard_moe_layer`, its statistics over the data-parallel ranks and, with
     `sum_over_tp` under tp > 1, its gradients summed over tp like a TP-sharded weight's."""
     shard_moe_layer(moe, plans, dims, meshes, unit_kwargs, experts_unit=experts_unit,
-                    dispatch_precision=moe.config.dispatch_precision)
+                    dispatch_precision=moe.config.dispatch_precision, dispatch_options=dispatch_options(moe))
     moe.stats = DataParallelStats(meshes, dims)
     if sum_over_tp and dims.tp > 1:
         scale_moe_gradients(moe, dims.tp)

@@ -1,0 +1,161 @@
+"""Hot-expert replicas in the dropless dispatch (MoEConfig.expert_replicas; the plan itself: replicas.py).
+
+Each forward: the EP x ETP group all-gathers its per-expert pair counts (one more host sync), every rank computes
+the same split of each replicated expert's pairs between owner and replicas (`source_segments`), and the pairs are
+re-labelled with virtual slots (a rank's owned experts, then its replica slots), so `ep_plan` and `ep_move` send
+them exactly as they send pairs by expert. Owners send their weight slices (this ETP rank's F slice, the biases
+too) to the replica slots over the EP group, one all-to-all (`SENT_BYTES[("replica_weights", "there")]`); the
+replica rows run through `grouped_swiglu` with those copies, at the same weight-gradient scale as the owner's rows,
+and the copies' gradients travel back the same way and add into the owner's gradient through autograd (the copies
+are views of the owner's parameters, never parameters themselves: state dicts and checkpoints hold owners only).
+
+Placement (which expert each slot holds) changes only every `replan_every` training forwards, from the counts
+summed since the last change, and only while no training forward awaits its backward: activation checkpointing
+and pipeline schedules recompute a forward with the slots it ran with. The split follows each forward's own
+counts. Eager only (the split needs the counts on the host).
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from dtensor_moe.experts import GroupedExperts, gather_for_compute, grouped_swiglu
+from dtensor_moe.moe import recomputing
+from dtensor_moe.parallel.replicas import replica_plan, source_segments
+from dtensor_moe.routing import gather_rows, inverse_permutation
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows over the EP group (split sizes known on the host); the gradient goes back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, move):
+        ctx.splits, ctx.group, ctx.move = (in_splits, out_splits), group, move
+        return move(x, out_splits, in_splits, group, ("replica_weights", "there"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return ctx.move(grad.contiguous(), out_splits, in_splits, ctx.group, ("replica_weights", "back")), *[None] * 4
+
+
+class _Landmark(torch.autograd.Function):
+    """Identity; its backward marks a forward's backward as done (placement may change only between them)."""
+
+    @staticmethod
+    def forward(ctx, x, state):
+        ctx.state = state
+        state.in_flight += 1
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.state.in_flight -= 1
+        return grad, None
+
+
+def _readers(idx: list[int], n: int) -> torch.Tensor:
+    """[n, max readers]: the positions of `idx` that read each of n rows (-1: none), for gather_rows."""
+    by_row = [[] for _ in range(n)]
+    for pos, i in enumerate(idx):
+        by_row[i].append(pos)
+    width = max(1, max(map(len, by_row), default=1))
+    return torch.tensor([row + [-1] * (width - len(row)) for row in by_row], dtype=torch.int64).view(n, width)
+
+
+class Replicas:
+    """One dispatcher's replica slots: the placement in use, the counts since it was made, and the forwards."""
+
+    def __init__(self, r: int, replan_every: int, ep_group, etp_group):
+        self.r, self.replan_every = r, replan_every
+        self.ep_group = ep_group
+        self.ep, self.ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+        self.etp, self.etp_rank = dist.get_world_size(etp_group), dist.get_rank(etp_group)
+        self.slots: tuple[tuple[int, ...], ...] | None = None
+        self.summed_E: list[int] | None = None  # pairs per expert since the placement was made
+        self.forwards = 0  # training forwards since then
+        self.in_flight = 0  # training forwards whose backward has not run
+        self.slots_now: tuple[tuple[int, ...], ...] = ()  # this forward's, and whether it counts as a new one
+        self.counting = False
+
+    def _group_counts(self, counts_E: torch.Tensor, gather) -> list[list[int]]:
+        """[sources][E] pair counts of the EP x ETP group, ETP slice major (one host sync)."""
+        stacked = gather(counts_E.to(torch.int64).view(1, -1))
+        return stacked.reshape(self.etp * self.ep, -1).tolist()
+
+    def _placement(self, load_E: list[int], training: bool) -> tuple[tuple[int, ...], ...]:
+        """The slots for this forward: re-placed from the counts summed since the last placement once
+        `replan_every` training forwards ran and none awaits its backward; other forwards never change them."""
+        if self.slots is None or (training and self.forwards >= self.replan_every and self.in_flight == 0):
+            self.slots = replica_plan(self.summed_E if self.forwards else load_E, self.ep, self.r)
+            self.summed_E, self.forwards = [0] * len(load_E), 0
+        if training:
+            self.summed_E = [a + b for a, b in zip(self.summed_E, load_E)]
+            self.forwards += 1
+        return self.slots
+
+    def relabel(self, copies, counts_E: torch.Tensor, gather, training: bool):
+        """(slot_counts, slot_N, pair_N, weight_N): the pairs by virtual slot, in slot-major order (capacity-dropped
+        pairs, id E, last with id n_virtual), for ep_plan as if they were pairs by expert."""
+        counts_RE = self._group_counts(counts_E, gather)
+        # A recomputation (activation checkpointing) is no new forward: it must run with its forward's slots.
+        self.counting = training and not recomputing()
+        slots = self._placement([sum(c[e] for c in counts_RE) for e in range(len(counts_RE[0]))], self.counting)
+        self.slots_now = slots
+        E = len(counts_RE[0])
+        n_virtual = self.ep * (E // self.ep + self.r)
+        mine = source_segments(counts_RE, self.ep, slots)[self.etp_rank * self.ep + self.ep_rank]
+        N, dev = copies.pair_N.shape[0], copies.pair_N.device
+        kept = sum(n for _, n in mine)
+        v = torch.tensor([s for s, _ in mine] + [n_virtual], dtype=torch.int64)
+        n = torch.tensor([c for _, c in mine] + [N - kept], dtype=torch.int64)
+        slot_counts = torch.zeros(n_virtual + 1, dtype=torch.int64).index_add_(0, v, n)[:n_virtual].to(dev)
+        slot_N, order_N = torch.sort(torch.repeat_interleave(v.to(dev), n.to(dev), output_size=N), stable=True)
+        inv_N = inverse_permutation(order_N)[:, None]
+        weight_N = gather_rows(copies.weight_N[:, None], order_N, inv_N)[:, 0]
+        return slot_counts, slot_N, copies.pair_N.index_select(0, order_N), weight_N
+
+    def weights(self, experts: GroupedExperts, dtype: torch.dtype, move) -> list[torch.Tensor | None]:
+        """The replica slots' copies of (w1, w2, w3, b1, b2, b3) ([r, ...] each, None for absent biases), this ETP
+        rank's slices, from their owners over the EP group, in the compute dtype (the experts cast the owners' alike,
+        so the copies round as they do); empty slots are zeros (no rows reach them)."""
+        params = [getattr(experts, n) for n in ("w1", "w2", "w3", "b1", "b2", "b3")]
+        present = [p for p in params if p is not None]
+        # The (ep, etp) slice, as the experts take it: under FSDP2 the unsharded parameter; without an experts
+        # unit (ExpertParallel(fsdp=False)) gathered over EDP here too, its gradient reduce-scattered back.
+        local = [w.to_local() if isinstance(w, DTensor) else w for w in map(gather_for_compute, present)]
+        E_local = local[0].shape[0]
+        owned_flat = torch.cat([w.reshape(E_local, -1) for w in local], 1).to(dtype)
+        me, slots = self.ep_rank, self.slots_now
+        send = [[e % E_local for e in slots[q] if e >= 0 and e // E_local == me] for q in range(self.ep)]
+        recv = [[j for j, e in enumerate(slots[me]) if e >= 0 and e // E_local == s] for s in range(self.ep)]
+        send_idx = [i for block in send for i in block]
+        recv_slot = [j for block in recv for j in block]
+        dev = owned_flat.device
+        sent = gather_rows(owned_flat, torch.tensor(send_idx, dtype=torch.int64, device=dev),
+                           _readers(send_idx, E_local).to(dev))
+        got = _AllToAll.apply(sent, [len(b) for b in recv], [len(b) for b in send], self.ep_group, move)
+        got = torch.cat([got, got.new_zeros(1, got.shape[1])])  # empty slots read this zero row
+        source = [len(recv_slot)] * self.r
+        for i, j in enumerate(recv_slot):
+            source[j] = i
+        readers = _readers(source, len(recv_slot) + 1)
+        readers[-1] = -1  # the zero row's gradient goes nowhere
+        slot_flat = gather_rows(got, torch.tensor(source, dtype=torch.int64, device=dev), readers[:, :1].to(dev))
+        if slot_flat.requires_grad and self.counting:
+            slot_flat = _Landmark.apply(slot_flat, self)
+        out, col = [], 0
+        for w in local:
+            width = w[0].numel()
+            out.append(slot_flat[:, col: col + width].reshape(self.r, *w.shape[1:]))
+            col += width
+        it = iter(out)
+        return [None if p is None else next(it) for p in params]
+
+    def run(self, experts: GroupedExperts, x_ND, counts_E, host_counts, weight_grad_scale, adds_output_bias, move):
+        """The replica slots' rows through the owners' weights."""
+        w1, w2, w3, b1, b2, b3 = self.weights(experts, x_ND.dtype, move)
+        biases = None if b1 is None else (b1, b2, b3)
+        return grouped_swiglu(x_ND, counts_E, w1, w2, w3, weight_grad_scale=weight_grad_scale,
+                              host_counts=host_counts, biases=biases, clamp=experts.clamp, add_b2=adds_output_bias,
+                              precision=experts.precision)

@@ -1,0 +1,118 @@
+"""Hot-expert replicas (MoEConfig.expert_replicas): where copies of the hottest experts go, and how each replicated
+expert's rows split between its owner and its replicas. Plain, deterministic integer arithmetic, torch-free: the
+dispatcher runs it on the counts every rank of an EP x ETP group all-gathered (so every rank computes the same
+plan), and `dtensor-moe plan` can run it on predicted counts.
+
+EP rank q owns experts q * E_local .. (q + 1) * E_local - 1 and has `r` replica slots; `slots[q][j]` is the expert
+slot j holds (-1: empty), never one q owns and never twice on one rank. A rank's virtual slots are its owned
+experts, then its replica slots: virtual slot q * (E_local + r) + j. The dispatch groups rows by virtual slot
+exactly as it groups them by expert without replicas.
+
+Split: the hottest replicated experts first, each expert's rows are water-filled over its holders (owner and
+replicas) on top of the rows those ranks already have, so each holder ends as close as the integers allow to a
+common level. Then the expert's rows are cut in source order (ETP slice, then EP source, then the source's own
+order of its pairs): the owner takes the first share, each replica the next, in rank order.
+"""
+
+from collections.abc import Sequence
+
+
+def _water_fill(rows: int, levels: Sequence[int]) -> list[int]:
+    """Rows to add to each level (summing to `rows`) that raise the lowest levels to a common one; the
+    remainder of the integer division goes to the lowest (then first) levels."""
+    order = sorted(range(len(levels)), key=lambda i: (levels[i], i))
+    left, k = rows, 1
+    while True:
+        level = levels[order[k - 1]]
+        step = (levels[order[k]] - level) * k if k < len(order) else None
+        if step is None or step >= left:
+            each, extra = divmod(left, k)
+            add = [0] * len(levels)
+            for n, i in enumerate(order[:k]):
+                add[i] = level + each - levels[i] + (n < extra)
+            return add
+        left -= step
+        k += 1
+
+
+def holders(E: int, ep: int, slots: Sequence[Sequence[int]]) -> list[list[tuple[int, int]]]:
+    """For each expert, its holders as (EP rank, virtual slot): the owner first, then its replicas by rank."""
+    E_local, r = E // ep, len(slots[0]) if slots else 0
+    out = [[(e // E_local, e // E_local * (E_local + r) + e % E_local)] for e in range(E)]
+    for q, row in enumerate(slots):
+        for j, e in enumerate(row):
+            if e >= 0:
+                out[e].append((q, q * (E_local + r) + E_local + j))
+    return out
+
+
+def shares(load_E: Sequence[int], ep: int, slots: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[int]]:
+    """(rows of each expert per holder, in `holders` order; rows per EP rank) for per-expert rows `load_E`."""
+    E = len(load_E)
+    held = holders(E, ep, slots)
+    level = [0] * ep
+    out = [[load_E[e]] for e in range(E)]
+    for e in range(E):
+        if len(held[e]) == 1:
+            level[held[e][0][0]] += load_E[e]
+    for e in sorted((e for e in range(E) if len(held[e]) > 1), key=lambda e: (-load_E[e], e)):
+        ranks = [q for q, _ in held[e]]
+        out[e] = _water_fill(load_E[e], [level[q] for q in ranks])
+        for q, n in zip(ranks, out[e]):
+            level[q] += n
+    return out, level
+
+
+def rows_per_rank(load_E: Sequence[int], ep: int, slots: Sequence[Sequence[int]]) -> list[int]:
+    """The rows each EP rank computes under `slots` (the planner's prediction; the dispatcher's split)."""
+    return shares(load_E, ep, slots)[1]
+
+
+def replica_plan(load_E: Sequence[int], ep: int, r: int) -> tuple[tuple[int, ...], ...]:
+    """slots[q][j] (-1: empty) for per-expert rows `load_E` (integers, e.g. counts summed over recent steps):
+    one replica at a time, the most loaded rank's largest share of an expert gets a copy on the least loaded
+    rank with a free slot that does not hold it yet, while that rank is less loaded. Deterministic: ties go to
+    the lower rank and expert."""
+    E = len(load_E)
+    if E % ep:
+        raise ValueError(f"replica_plan: the experts ({E}) must split evenly over ep ({ep})")
+    slots = [[-1] * r for _ in range(ep)]
+    for _ in range(ep * r):
+        out, level = shares(load_E, ep, slots)
+        held = holders(E, ep, slots)
+        mine = [{} for _ in range(ep)]  # per rank: expert -> its rows there
+        for e in range(E):
+            for (q, _), n in zip(held[e], out[e]):
+                mine[q][e] = n
+        hot = max(range(ep), key=lambda q: (level[q], -q))
+        free = sorted((q for q in range(ep) if -1 in slots[q]), key=lambda q: (level[q], q))
+        pick = next(((e, q) for e in sorted(mine[hot], key=lambda e: (-mine[hot][e], e)) if mine[hot][e] > 0
+                     for q in free if level[q] < level[hot] and e not in mine[q]), None)
+        if pick is None:
+            break
+        e, q = pick
+        slots[q][slots[q].index(-1)] = e
+    return tuple(tuple(row) for row in slots)
+
+
+def source_segments(counts_RE: Sequence[Sequence[int]], ep: int,
+                    slots: Sequence[Sequence[int]]) -> list[list[tuple[int, int]]]:
+    """counts_RE[s][e]: pairs of source s (the EP x ETP group's ranks, ETP slice major) for expert e. Returns, per
+    source, (virtual slot, pairs) in the order of its expert-major pairs: each expert's pairs cut, in source
+    order, into its holders' shares (owner first)."""
+    E = len(counts_RE[0])
+    load_E = [sum(c[e] for c in counts_RE) for e in range(E)]
+    out_E, _ = shares(load_E, ep, slots)
+    held = holders(E, ep, slots)
+    segments = [[] for _ in counts_RE]
+    for e in range(E):
+        h, taken = 0, 0  # the holder being filled, and its pairs so far
+        for s, counts_E in enumerate(counts_RE):
+            n = counts_E[e]
+            while n:
+                while taken == out_E[e][h]:
+                    h, taken = h + 1, 0
+                cut = min(n, out_E[e][h] - taken)
+                segments[s].append((held[e][h][1], cut))
+                taken, n = taken + cut, n - cut
+    return segments
