@@ -8,6 +8,7 @@ their own sizes (`TITAN_MODELS`; the planner prices each under the same name, `d
   deepseek_v3_16b                     torchtitan's, as it is (tokenizer ./assets/hf/deepseek-moe-16b-base, c4)
   deepseek_v3_671b                    torchtitan's, as it is (./assets/hf/DeepSeek-V3.1-Base, c4)
   qwen3_30b_a3b                       torchtitan's, without its routing bias (./assets/hf/Qwen3-30B-A3B, c4)
+  gpt_oss_20b, gpt_oss_120b           torchtitan's, as they are (./assets/hf/gpt-oss-20b, -120b, c4)
   deepseek_v3_236b, qwen3_235b_a22b   models torchtitan registers (flavors "236B", "235B-A22B") without a
                                       config function: deepseek_v3_671b's / qwen3_30b_a3b's settings with
                                       that model, tokenizer ./assets/hf/DeepSeek-V2 / ./assets/hf/Qwen3-235B-A22B
@@ -15,10 +16,12 @@ their own sizes (`TITAN_MODELS`; the planner prices each under the same name, `d
   deepseek_v3_debugmodel_mtp          tokenizer and corpus shipped in dtensor_moe/titan_data instead of
   qwen3_moe_debug                     torchtitan's test assets (not in its wheel)
   qwen3_debugmodel_moe_param_groups
+  gpt_oss_debugmodel                  (GPU: varlen attention)
+  gpt_oss_debugmodel_flex             (GPU: FlexAttention)
 
-wrap_config refuses torchtitan's other MoE configs: gpt-oss's experts (biased, gate and up interleaved in one
-weight) have no placement in our plan; the hybridep / minimal_async_ep / deepep variants swap torchtitan's
-token dispatcher, which the hook replaces with its own; the float8 / mxfp8 ones swap its experts.
+gpt-oss's experts (biased, gate and up interleaved in one weight) take our plan through titan/gpt_oss.py.
+wrap_config refuses torchtitan's other MoE configs: the hybridep / minimal_async_ep / deepep variants swap
+torchtitan's token dispatcher, which the hook replaces with its own; the float8 / mxfp8 ones swap its experts.
 
 CPU configs, for tests on gloo ranks:
 
@@ -26,11 +29,15 @@ CPU configs, for tests on gloo ranks:
   deepseek_v3_hf_cpu                  that model with DeepSeek-V3's own routing (Hugging Face's DeepseekV3)
   qwen3_moe_tiny_cpu                  qwen3 debugmodel_moe's architecture at the same tiny sizes
   qwen3_moe_debug_cpu                 qwen3 debugmodel_moe cut to one layer for CPU (slow: ~10 s a step)
+  gpt_oss_tiny_cpu                    gpt_oss debugmodel's architecture at the same tiny sizes (attention in
+                                      plain torch ops: sinks, sliding windows of 8)
   deepseek_v3_debugmodel_cpu_titan_ep the DeepSeek CPU model under torchtitan's own parallelize (its own EP
                                       via --parallelism.expert_parallel_degree): the reference
 
 The Qwen3 ones train no aux-loss-free routing bias (torchtitan's do: Hugging Face's Qwen3-MoE has no key for it,
-so an HF export would drop it) and export HF in float32 (`_qwen3`; docs/titan.md, "Hugging Face checkpoints").
+so an HF export would drop it) and export HF in float32 (`_no_routing_bias`; docs/titan.md, "Hugging Face
+checkpoints"). The gpt-oss ones keep torchtitan's bias: their HF saves and loads are refused anyway (titan/hf.py,
+`check_hf_keys`: torchtitan 0.3.0's gpt-oss adapter drops the experts).
 
 A `--config` name that is not here ends the job with one line listing the valid ones (as a bad degree does),
 not torchtitan's traceback.
@@ -48,13 +55,15 @@ from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.common.moe import GroupedExperts, MoE
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 from torchtitan.models.deepseek_v3 import config_registry as titan_deepseek_v3
+from torchtitan.models.gpt_oss import config_registry as titan_gpt_oss
+from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, GptOssMoE
 from torchtitan.models.qwen3 import config_registry as titan_qwen3
 from torchtitan.tools.utils import device_type
 from torchtitan.trainer import Trainer as TitanTrainer
 
 from dtensor_moe.tools.presets import TITAN_MODELS
 
-from .models import deepseek_v3_tiny, qwen3_moe_tiny
+from .models import deepseek_v3_tiny, gpt_oss_tiny, qwen3_moe_tiny
 from .parallelize import parallelize_titan, sum_reductions
 from .trainer import Trainer, _refuse
 
@@ -62,11 +71,13 @@ DATA = Path(__file__).resolve().parent.parent / "titan_data"
 TINY_VOCAB = 384  # >= the shipped tokenizer's 382 entries
 # torchtitan's dispatchers that leave the tokens on their rank (EP 1), so that ours moves them.
 _LOCAL_DISPATCH = (LocalTokenDispatcher.Config, AllToAllTokenDispatcher.Config)
+# The experts our plan shards: torchtitan's grouped ones and gpt-oss's (titan/gpt_oss.py).
+_EXPERTS = (GroupedExperts.Config, GptOssGroupedExperts.Config)
 
 
 def wrap_config(config: TitanTrainer.Config) -> Trainer.Config:
-    """`config`, a torchtitan 0.3.0 `Trainer.Config` of an MoE decoder (DeepSeek-V3, Qwen3 MoE, or a model of
-    its own built from torchtitan's `MoE`), as a config of this hook: our Trainer (its `dtensor_moe` section:
+    """`config`, a torchtitan 0.3.0 `Trainer.Config` of an MoE decoder (DeepSeek-V3, Qwen3 MoE, gpt-oss, or a
+    model of its own built from torchtitan's `MoE`), as a config of this hook: our Trainer (its `dtensor_moe` section:
     the expert degrees, 1 until `--dtensor_moe.ep` / `.etp` / `.dp_replicate` say otherwise) and our
     parallelize function, with what the hook needs: spmd_backend "partial_dtensor", CUDA graphs off, and
     torchtitan's own expert_parallel_degree 1 (EP is ours). Model, data, optimizer, schedule and checkpoint
@@ -84,26 +95,27 @@ def wrap_config(config: TitanTrainer.Config) -> Trainer.Config:
 
 
 def _check_moe_layers(model) -> None:
-    """The model's MoE layers are torchtitan's `MoE` with its grouped experts (w1_EFD, w2_EDF, w3_EFD: what
-    our placement plan shards) and a dispatcher that keeps tokens local (ours moves them)."""
+    """The model's MoE layers are torchtitan's `MoE` (or gpt-oss's) with its grouped experts (w1_EFD, w2_EDF,
+    w3_EFD) or gpt-oss's (titan/gpt_oss.py), what our placement plan shards, and a dispatcher that keeps tokens
+    local (ours moves them)."""
     layers = [(f"layers[{i}]", layer) for i, layer in enumerate(getattr(model, "layers", None) or [])]
     layers += [(f"mtp_layers[{i}]", layer) for i, layer in enumerate(getattr(model, "mtp_layers", None) or [])]
     moes = [(f"model_spec.model.{where}.moe", layer.moe) for where, layer in layers
             if getattr(layer, "moe", None) is not None]
     if not moes:
         raise ValueError(f"wrap_config: model_spec.model ({type(model).__qualname__}) has no MoE layers; valid: a "
-                         "torchtitan decoder whose layers have a `moe` (DeepSeek-V3, Qwen3 MoE)")
+                         "torchtitan decoder whose layers have a `moe` (DeepSeek-V3, Qwen3 MoE, gpt-oss)")
     for where, moe in moes:
         experts = moe.routed_experts.inner_experts
         dispatcher = moe.routed_experts.token_dispatcher
-        for what, cfg, valid in ((f"{where}.routed_experts.inner_experts", experts, (GroupedExperts.Config,)),
+        for what, cfg, valid in ((f"{where}.routed_experts.inner_experts", experts, _EXPERTS),
                                  (f"{where}.routed_experts.token_dispatcher", dispatcher, _LOCAL_DISPATCH),
-                                 (where, moe, (MoE.Config,))):
+                                 (where, moe, (MoE.Config, GptOssMoE.Config))):
             if type(cfg) not in valid:
                 names = " or ".join(c.__qualname__ for c in valid)
                 raise ValueError(f"wrap_config: {what} is {type(cfg).__qualname__}, which dtensor_moe.titan cannot "
-                                 f"run; valid: {names} (torchtitan's standard MoE, comm_backend 'standard', no float8 "
-                                 "/ mxfp8 converters)")
+                                 f"run; valid: {names} (torchtitan's standard MoE or gpt-oss's, comm_backend "
+                                 "'standard', no float8 / mxfp8 converters)")
 
 
 def _as(config: TitanTrainer.Config, cls, parallelize_fn, **parallelism) -> TitanTrainer.Config:
@@ -137,7 +149,7 @@ def deepseek_v3_671b() -> Trainer.Config:
     return wrap_config(titan_deepseek_v3.deepseek_v3_671b())
 
 
-def _qwen3(config: Trainer.Config) -> Trainer.Config:
+def _no_routing_bias(config: Trainer.Config) -> Trainer.Config:
     """The hook's Qwen3-MoE settings on torchtitan's: no aux-loss-free routing bias (torchtitan trains one,
     load_balance_coeff 1e-3, that Hugging Face's Qwen3-MoE has no key for: an HF export would drop it), and HF
     exports in float32, the parameters' dtype (torchtitan's Qwen3 configs export float16). Each stays a flag:
@@ -150,7 +162,15 @@ def _qwen3(config: Trainer.Config) -> Trainer.Config:
 
 
 def qwen3_30b_a3b() -> Trainer.Config:
-    return _qwen3(wrap_config(titan_qwen3.qwen3_30b_a3b()))
+    return _no_routing_bias(wrap_config(titan_qwen3.qwen3_30b_a3b()))
+
+
+def gpt_oss_20b() -> Trainer.Config:
+    return wrap_config(titan_gpt_oss.gpt_oss_20b())
+
+
+def gpt_oss_120b() -> Trainer.Config:
+    return wrap_config(titan_gpt_oss.gpt_oss_120b())
 
 
 def _loss(vocab_size: int) -> ChunkedLossWrapper.Config:
@@ -173,7 +193,8 @@ def deepseek_v3_236b() -> Trainer.Config:
 def qwen3_235b_a22b() -> Trainer.Config:
     """torchtitan's "235B-A22B" Qwen3 MoE model with qwen3_30b_a3b's settings."""
     model_spec = qwen3.model_registry("235B-A22B")
-    return _qwen3(wrap_config(_with_model(titan_qwen3.qwen3_30b_a3b(), model_spec, "./assets/hf/Qwen3-235B-A22B")))
+    config = _with_model(titan_qwen3.qwen3_30b_a3b(), model_spec, "./assets/hf/Qwen3-235B-A22B")
+    return _no_routing_bias(wrap_config(config))
 
 
 def deepseek_v3_debugmodel() -> Trainer.Config:
@@ -185,11 +206,19 @@ def deepseek_v3_debugmodel_mtp() -> Trainer.Config:
 
 
 def qwen3_moe_debug() -> Trainer.Config:
-    return _qwen3(_shipped_data(wrap_config(titan_qwen3.qwen3_moe_debug())))
+    return _no_routing_bias(_shipped_data(wrap_config(titan_qwen3.qwen3_moe_debug())))
 
 
 def qwen3_debugmodel_moe_param_groups() -> Trainer.Config:
-    return _qwen3(_shipped_data(wrap_config(titan_qwen3.qwen3_debugmodel_moe_param_groups())))
+    return _no_routing_bias(_shipped_data(wrap_config(titan_qwen3.qwen3_debugmodel_moe_param_groups())))
+
+
+def gpt_oss_debugmodel() -> Trainer.Config:
+    return _shipped_data(wrap_config(titan_gpt_oss.gpt_oss_debugmodel()))
+
+
+def gpt_oss_debugmodel_flex() -> Trainer.Config:
+    return _shipped_data(wrap_config(titan_gpt_oss.gpt_oss_debugmodel_flex()))
 
 
 # ---- CPU configs -------------------------------------------------------------------------------------
@@ -223,7 +252,13 @@ def deepseek_v3_hf_cpu() -> Trainer.Config:
 
 def qwen3_moe_tiny_cpu() -> Trainer.Config:
     """torchtitan's qwen3 MoE architecture at deepseek_v3_debugmodel_cpu's sizes and run settings."""
-    return _qwen3(_tiny_cpu(qwen3_moe_debug(), "tiny_cpu", qwen3_moe_tiny(TINY_VOCAB)))
+    return _no_routing_bias(_tiny_cpu(qwen3_moe_debug(), "tiny_cpu", qwen3_moe_tiny(TINY_VOCAB)))
+
+
+def gpt_oss_tiny_cpu() -> Trainer.Config:
+    """torchtitan's gpt_oss debugmodel architecture at deepseek_v3_debugmodel_cpu's sizes and run settings, its
+    attention in plain torch ops (sinks and sliding windows; titan/models.py)."""
+    return _tiny_cpu(gpt_oss_debugmodel(), "tiny_cpu", gpt_oss_tiny(TINY_VOCAB))
 
 
 def _titan_parallelize(model, **kwargs):
@@ -245,7 +280,7 @@ def qwen3_moe_debug_cpu() -> Trainer.Config:
     config.training = replace(config.training, local_batch_size=1, seq_len=32, steps=3, mixed_precision_param="float32")
     config.activation_checkpoint = None
     config.debug.seed = 0
-    return _qwen3(config)
+    return _no_routing_bias(config)
 
 
 # ---- the names -----------------------------------------------------------------------------------------
@@ -253,7 +288,7 @@ def qwen3_moe_debug_cpu() -> Trainer.Config:
 # TITAN_MODELS (torchtitan's own models at their own sizes) are the planner's presets of the same names, which
 # tests/test_titan_configs.py checks equal to what these configs build.
 CPU_MODELS = ("deepseek_v3_debugmodel_cpu", "deepseek_v3_hf_cpu", "qwen3_moe_tiny_cpu", "qwen3_moe_debug_cpu",
-              "deepseek_v3_debugmodel_cpu_titan_ep")
+              "gpt_oss_tiny_cpu", "deepseek_v3_debugmodel_cpu_titan_ep")
 CONFIGS = {name: globals()[name] for name in TITAN_MODELS + CPU_MODELS}
 
 

@@ -2,12 +2,13 @@
 `--checkpoint.last_save_in_hf`): the family's config.json of a torchtitan model config (`hf_config`), the
 check of a checkpoint's config.json against the model (`check_hf_load`) and of what the export can hold
 (`check_hf_export`). Families: Qwen3-MoE (torchtitan's `Qwen3Model`) and DeepSeek-V3 (`DeepSeekV3Model`);
-other models pass unchecked and export without config.json. Torch-free apart from torchtitan's config types.
+other models pass unchecked and export without config.json. `check_hf_keys` builds the model on the meta device.
 """
 
 import json
 import os
 
+import torch
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model
 from torchtitan.models.qwen3 import Qwen3Model
 
@@ -143,7 +144,8 @@ def bias_keys_lost(config) -> list[str]:
 
 def check_hf_export(config) -> None:
     """Refuses (ValueError, one line) `--checkpoint.last_save_in_hf` where the family's format cannot hold a
-    tensor the run trains (Qwen3-MoE: the routing bias)."""
+    tensor the run trains (Qwen3-MoE: the routing bias) or the state-dict adapter drops one (`check_hf_keys`)."""
+    check_hf_keys(config, "checkpoint.last_save_in_hf")
     lost = bias_keys_lost(config)
     if lost:
         raise ValueError(
@@ -151,6 +153,27 @@ def check_hf_export(config) -> None:
             f"has no key for {lost[0]} ({len(lost)} layers), the routing bias that load_balance_coeff trains, so "
             "the export would not be the trained model; valid: --dtensor_moe.load_balance_coeff 0 (train without "
             "the bias), or no --checkpoint.last_save_in_hf")
+
+
+def check_hf_keys(config, flag: str) -> None:
+    """Refuses (ValueError, one line) an HF save or load (`flag`) where the model's state-dict adapter maps some of
+    its tensors to no Hugging Face key and back (the model built on the meta device): torchtitan 0.3.0's gpt-oss
+    adapter maps `mlp1_weight`, `mlp2_bias`, ... while its experts' parameters are `mlp1_weight_EGD`, ..., so
+    every expert tensor would be dropped from an export, or left at its initial values by a load. The routing bias
+    is left to `bias_keys_lost` (a load without it starts it at zero, as a fresh run)."""
+    model_spec = config.model_spec
+    if model_spec.state_dict_adapter is None:
+        return
+    with torch.device("meta"):
+        state = model_spec.model.build().state_dict()
+    adapter = model_spec.state_dict_adapter(model_spec.model, None)
+    kept = set(adapter.from_hf(adapter.to_hf(state)))
+    lost = sorted(k for k in state if k not in kept and not k.endswith(".moe.expert_bias_E"))
+    if lost:
+        raise ValueError(
+            f"{flag}: {type(adapter).__name__} (torchtitan's state-dict adapter of model_spec {model_spec.name!r}) "
+            f"maps no Hugging Face key to {lost[0]} ({len(lost)} tensors: {', '.join(lost[:4])}, ...), so the "
+            "checkpoint would not be the trained model; valid: no --" + flag + " (torchtitan's DCP checkpoints work)")
 
 
 def write_hf_config(model_config, folder: str, dtype: str) -> None:

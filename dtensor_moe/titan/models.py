@@ -8,10 +8,13 @@ DeepSeek-V3's own routing (sigmoid, groups, route_norm, route_scale), as Hugging
 DeepseekV3 has it. `qwen3_moe_tiny`: torchtitan's qwen3 "debugmodel_moe" architecture (GQA with
 q/k norms, every layer MoE, softmax top-k renormalized), shrunk the same way. Attention is plain
 causal SDPA in both because FlexAttention has no CPU backward (documents packed into one sequence
-attend across boundaries).
+attend across boundaries). `gpt_oss_tiny`: torchtitan's gpt_oss "debugmodel" architecture (GQA with
+biases and attention sinks, sliding-window layers alternating with full ones, biased router and experts
+with the clamped SwiGLU) at those sizes; its attention is `CausalAttention`, which hands the sinks their
+log-sum-exp as torchtitan's Flex and varlen backends do (those need a GPU).
 """
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -19,7 +22,9 @@ from torch import nn
 from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, build_mla_moe_layers
+from torchtitan.models.gpt_oss import GptOssModel, _build_gptoss_layers, _make_gptoss_attn_config
 from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers
+from torchtitan.protocols.module import Module
 
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.tools.presets import ModelSpec
@@ -109,6 +114,52 @@ def qwen3_moe_tiny(vocab_size: int, max_seq_len: int = 256) -> Qwen3Model.Config
         rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=max_seq_len, theta=1000000.0),
     )
     return Qwen3Model.Config(**_decoder(vocab_size, dim, layers, embedding_std=0.02, eps=1e-6))
+
+
+class CausalAttention(Module):
+    """Causal attention in plain torch ops (CPU: backward everywhere), within the last `window_size` positions
+    when set (the query's own included, as torchtitan's sliding-window mask). Like torchtitan's Flex and varlen
+    backends it hands the model's `out_transform` (gpt-oss's sinks) the log-sum-exp of each query's scores."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        window_size: int | None = None
+
+    def __init__(self, config: Config):
+        super().__init__()
+        self.window_size = config.window_size
+
+    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, scale=None, enable_gqa=False, out_transform=None, **kwargs):
+        q_BNLK, k_BNLK, v_BNLK = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        if enable_gqa:  # query head h reads key head h // (n_heads / n_kv_heads), as SDPA's enable_gqa
+            k_BNLK, v_BNLK = (t.repeat_interleave(q_BNLK.shape[1] // t.shape[1], dim=1) for t in (k_BNLK, v_BNLK))
+        L = q_BNLK.shape[2]
+        back_LL = torch.arange(L)[:, None] - torch.arange(L)[None, :]
+        keep_LL = (back_LL >= 0) & (back_LL < (self.window_size or L))
+        scores_BNLL = (q_BNLK @ k_BNLK.transpose(-2, -1)) * (scale or q_BNLK.shape[-1] ** -0.5)
+        scores_BNLL = scores_BNLL.masked_fill(~keep_LL.to(scores_BNLL.device), float("-inf"))
+        out_BLNH = (torch.softmax(scores_BNLL, dim=-1) @ v_BNLK).transpose(1, 2)
+        if out_transform is None:
+            return out_BLNH
+        return out_transform(out_BLNH, torch.logsumexp(scores_BNLL, dim=-1).transpose(1, 2))
+
+
+def gpt_oss_tiny(vocab_size: int, max_seq_len: int = 256, window: int = 8) -> GptOssModel.Config:
+    """`window`: the sliding-window layers' (torchtitan's 128 would not bind at the CPU configs' 32 positions)."""
+    dim, head_dim = 64, 16
+    rope = CosSinRoPE.Config(dim=head_dim, max_seq_len=max_seq_len, theta=150000.0, scaling="yarn", rope_factor=32,
+                             beta_fast=32.0, beta_slow=1.0, truncate=False, original_seq_len=max_seq_len)
+    layers = _build_gptoss_layers(dim=dim, n_layers=2, hidden_dim=32, num_experts=8, top_k=2, load_balance_coeff=1e-3,
+                                  attn_backend="flex", moe_comm_backend="standard", rope=rope)
+    for i, layer in enumerate(layers):
+        sliding = window if layer.attention.sliding_window_size is not None else None
+        layer.attention = _make_gptoss_attn_config(dim=dim, layer_id=i, attn_backend="flex", n_heads=4, n_kv_heads=2,
+                                                   head_dim=head_dim, sliding_window_size=sliding, rope=rope)
+    # eps: torchtitan's RMSNorm default, as its gpt-oss layers' norms have it.
+    config = GptOssModel.Config(**_decoder(vocab_size, dim, layers, embedding_std=0.02, eps=1e-5))
+    for layer in layers:
+        layer.attention.inner_attention = CausalAttention.Config(window_size=layer.attention.sliding_window_size)
+    return config
 
 
 def planner_spec(model_config, name: str) -> ModelSpec:

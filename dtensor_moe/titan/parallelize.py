@@ -1,4 +1,5 @@
-"""Our parallelize function for torchtitan's MoE decoders (DeepSeek-V3, Qwen3 MoE).
+"""Our parallelize function for torchtitan's MoE decoders (DeepSeek-V3, Qwen3 MoE, gpt-oss: its experts through
+gpt_oss.py).
 
 torchtitan's chain with our expert sharding in place of its own: CP attention (ours) -> dense TP ->
 EP (ours) -> AC -> compile -> FSDP2. Under CP every block's SDPA attends over the keys and values
@@ -35,6 +36,7 @@ from dtensor_moe.parallel.plan import WeightPlan, plan_moe
 from dtensor_moe.parallel.shard import shard_moe_layer
 
 from .context_parallel import apply_cp
+from .gpt_oss import expert_dims, finish_rows, gpt_oss_plans, is_gpt_oss, moe_fields
 from .trainer import ExpertMeshParallelDims
 
 # Plan names (dtensor_moe's MoE) -> torchtitan's names, relative to the MoE module.
@@ -47,9 +49,11 @@ _TITAN_NAMES = {
 
 
 def moe_config(moe: MoE) -> MoEConfig:
-    """The MoEConfig the plan needs, read off a torchtitan MoE module (works on the meta device)."""
+    """The MoEConfig the plan needs, read off a torchtitan MoE module (works on the meta device): torchtitan's
+    grouped experts or gpt-oss's (biases, fused gate / up, clamped SwiGLU)."""
     experts, router = moe.routed_experts.inner_experts, moe.router
-    E, F, D = experts.w1_EFD.shape
+    gpt_oss = is_gpt_oss(experts)
+    E, F, D = expert_dims(experts) if gpt_oss else experts.w1_EFD.shape
     shared = 0
     if moe.shared_experts is not None:
         Fs = moe.shared_experts.w1.weight.shape[0]
@@ -65,12 +69,17 @@ def moe_config(moe: MoE) -> MoEConfig:
         route_norm=router.route_norm,
         route_scale=router.route_scale,
         num_shared_experts=shared,
+        router_bias=router.gate.bias is not None,
+        **(moe_fields(experts) if gpt_oss else {}),
     )
 
 
 def titan_plan(moe: MoE, dims: MoEParallelDims) -> tuple[WeightPlan, ...]:
     """plan_moe for a torchtitan MoE, under torchtitan's parameter names."""
-    plans = tuple(replace(wp, name=_TITAN_NAMES.get(wp.name, wp.name)) for wp in plan_moe(moe_config(moe), dims))
+    plans = plan_moe(moe_config(moe), dims)
+    if is_gpt_oss(moe.routed_experts.inner_experts):
+        plans = gpt_oss_plans(plans, _EXPERTS)
+    plans = tuple(replace(wp, name=_TITAN_NAMES.get(wp.name, wp.name)) for wp in plans)
     unplanned = {n for n, _ in moe.named_parameters()} - {wp.name for wp in plans}
     if unplanned:
         raise ValueError(f"MoE parameters {sorted(unplanned)} have no placement in dtensor_moe's plan")
@@ -129,6 +138,8 @@ def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_co
         # weight gradients must stay sums too, so no EP*ETP division in the dispatcher.
         fsdp_kwargs = {"mp_policy": mp_policy, "reshard_after_forward": reshard}
         shard_moe_layer(moe, moe_plans, dims, meshes, fsdp_kwargs, grad_divisor=1.0)
+        if is_gpt_oss(moe.routed_experts.inner_experts):
+            finish_rows(moe.routed_experts.inner_experts, dims.etp)
 
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)

@@ -88,6 +88,21 @@ def _gqa(D: int, n_heads: int, n_kv_heads: int, head_dim: int, qk_norm: bool, fu
     return tuple(w), 2 * kv
 
 
+def _gpt_oss_attention(D: int, n_heads: int = 64, n_kv_heads: int = 8, head_dim: int = 64):
+    """gpt-oss's grouped-query attention as torchtitan builds it: one sink logit per head, fused wqkv and wo with
+    biases."""
+    q, kv = n_heads * head_dim, n_kv_heads * head_dim
+    return (("attention.sinks", (n_heads,)), ("attention.qkv_linear.wqkv.weight", (q + 2 * kv, D)),
+            ("attention.qkv_linear.wqkv.bias", (q + 2 * kv,)), ("attention.wo.weight", (D, q)),
+            ("attention.wo.bias", (D,))), 2 * kv
+
+
+def _gpt_oss_moe(D: int, F: int, E: int) -> MoEConfig:
+    """gpt-oss's MoE: biased router and experts, softmax top-4 renormalized, the clamped SwiGLU."""
+    return MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=4, router_bias=True, expert_biases=True,
+                     activation="clamped_swiglu")
+
+
 def _mla(D: int, n_heads: int, q_lora: int, kv_lora: int = 512, nope: int = 128, rope: int = 64, v: int = 128):
     """DeepSeek multi-head latent attention (joint low-rank KV; low-rank Q unless `q_lora` is 0)."""
     q = (("attention.wq.weight", (n_heads * (nope + rope), D)),) if q_lora == 0 else (
@@ -135,8 +150,8 @@ PRESETS: dict[str, ModelSpec] = {
             vocab_size=32000, n_layers=32, moe=MoEConfig(dim=4096, hidden_dim=14336, num_experts=8, top_k=2),
             attention=_gqa(4096, n_heads=32, n_kv_heads=8, head_dim=128, qk_norm=False),
         ),
-        # torchtitan 0.3.0's models (the hook's --config names), as its deepseek_v3 and qwen3 model registries
-        # build them.
+        # torchtitan 0.3.0's models (the hook's --config names), as its deepseek_v3, qwen3 and gpt_oss model
+        # registries build them.
         _preset(
             "deepseek_v3_16b",
             vocab_size=102400, n_layers=27, n_dense_layers=1, dense_hidden_dim=10944,
@@ -174,22 +189,36 @@ PRESETS: dict[str, ModelSpec] = {
             attention=_mla(256, n_heads=16, q_lora=0),
         ),
         _preset(
+            "gpt_oss_20b",
+            vocab_size=201088, n_layers=24, moe=_gpt_oss_moe(2880, 2880, 32), attention=_gpt_oss_attention(2880),
+        ),
+        _preset(
+            "gpt_oss_120b",
+            vocab_size=201088, n_layers=36, moe=_gpt_oss_moe(2880, 2880, 128), attention=_gpt_oss_attention(2880),
+        ),
+        _preset(
+            "gpt_oss_debugmodel",
+            vocab_size=2048, n_layers=4, moe=_gpt_oss_moe(256, 2880, 8), attention=_gpt_oss_attention(256),
+        ),
+        _preset(
             "qwen3_moe_debug",
             vocab_size=2048, n_layers=8, moe=MoEConfig(dim=256, hidden_dim=768, num_experts=64, top_k=8),
             attention=_gqa(256, n_heads=16, n_kv_heads=8, head_dim=128, qk_norm=True, fused=True),
         ),
     )
 }
-# torchtitan's variants of a model above (its multi-token-prediction layer, its optimizer's parameter groups).
+# torchtitan's variants of a model above (its multi-token-prediction layer, its optimizer's parameter groups, its
+# FlexAttention backend).
 PRESETS |= {variant: replace(PRESETS[model], name=variant) for variant, model in (
     ("deepseek_v3_debugmodel_mtp", "deepseek_v3_debugmodel"),
     ("qwen3_debugmodel_moe_param_groups", "qwen3_moe_debug"),
+    ("gpt_oss_debugmodel_flex", "gpt_oss_debugmodel"),
 )}
 # The torchtitan hook's --config names of torchtitan's own models, each a preset above (config_registry.py has a
 # config function of each name).
 TITAN_MODELS = ("deepseek_v3_16b", "deepseek_v3_236b", "deepseek_v3_671b", "qwen3_30b_a3b", "qwen3_235b_a22b",
-                "deepseek_v3_debugmodel", "deepseek_v3_debugmodel_mtp", "qwen3_moe_debug",
-                "qwen3_debugmodel_moe_param_groups")
+                "gpt_oss_20b", "gpt_oss_120b", "deepseek_v3_debugmodel", "deepseek_v3_debugmodel_mtp",
+                "qwen3_moe_debug", "qwen3_debugmodel_moe_param_groups", "gpt_oss_debugmodel", "gpt_oss_debugmodel_flex")
 
 
 def spec_from_model_config(cfg, name: str = "config") -> ModelSpec:
