@@ -91,6 +91,8 @@ def test_summary_names_fp8(model, tail):
             ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],
             r"model.n_layers \(2\) must be >= the pipeline stages \(4",
         ),
+        (["training.compile=true", "model.expert_replicas=1"],
+         r"training.compile = true with model.expert_replicas \(1\) is not supported"),
         (["parallel.pp_schedule=zb"], r"parallel.pp_schedule must be one of \['gpipe', '1f1b', 'interleaved_1f1b'\]"),
         (
             ["parallel.pp=2", "parallel.microbatches=3", "parallel.pp_schedule=gpipe"],

@@ -144,6 +144,10 @@ class Supervisor:
                 time.sleep(0.2)
                 if not self.stalled:
                     self._check_stall(started)
+                stopped = read_stopped(self.run_dir)
+                if stopped and stopped["reason"] == "row cap":
+                    # Its EP group stopped in a forward, the other ranks wait in a collective for it: all stop now.
+                    self._kill()
             rc = self.proc.returncode
         finally:
             for sig, handler in previous.items():

@@ -14,9 +14,7 @@ from dataclasses import asdict, replace
 from dtensor_moe.cli.launch import RunDirLock, Supervisor, clear_run_state
 from dtensor_moe.train.config import Config, is_override, load_config, parse_overrides
 from dtensor_moe.train.loop import parallel_dims, train_ranks
-from dtensor_moe.train.supervision import describe_stop, read_stopped
-
-LAUNCHED = "DTENSOR_MOE_LAUNCHED"  # set for the ranks this launcher starts: it prints the summary itself
+from dtensor_moe.train.supervision import LAUNCHED, describe_stop, read_stopped
 
 
 def add_arguments(p):

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from dtensor_moe.kernels import fp8, policy
+from dtensor_moe.moe import recomputing
 from dtensor_moe.parallel.replica_dispatch import Replicas
 from dtensor_moe.routing import ExpertInput, PaddedCopies, ScaleGrad, TokenCopies, gather_rows, inverse_permutation
 
@@ -342,6 +343,11 @@ class _PaddedExchange:
         self.sources = ep * etp  # blocks each local expert receives, one per (ETP peer, EP source)
 
 
+class RowCapExceeded(ValueError):
+    """MoEConfig.max_rows_per_rank was exceeded: raised alike on every rank of the EP x ETP group, before the
+    tokens move."""
+
+
 class ExpertDispatcher:
     """Moves tokens to the experts that hold their slice and the outputs back.
 
@@ -364,6 +370,8 @@ class ExpertDispatcher:
         self.max_rows_per_rank, self.layer = max_rows_per_rank, layer
         self.forwards = 0  # dispatched forwards, named by the row cap's error
         self.rows_per_rank: list[int] | None = None  # rows each EP rank computed in the last dropless forward
+        # The same, summed over the training forwards since `take_rows` (the main job's per-step load metrics).
+        self.rows_counted: list[int] | None = None
         self.payload = ":fp8" if dispatch_precision == "fp8" else ""  # MoEConfig.dispatch_precision
         self.groups = (_name(ep_group), _name(etp_group))
         self.adds_output_bias = dist.get_rank(etp_group) == 0
@@ -391,7 +399,7 @@ class ExpertDispatcher:
                     copies, counts_E, self._host_counts, experts.training)
             tables = ep_plan(counts_E, expert_N, pair_N, x_TD.shape[0], copies.weight_TK.shape[1], *self.groups)
             ex = _Exchange(tables, copies, x.shape, self.groups)
-            self._check_rows(ex.C_host)
+            self._check_rows(ex.C_host, experts)
             x_send = gather_rows(x_TD, ex.send_token, ex.token_rows)
             # The routing weights go where the sums are (autograd: they train the router).
             x_recv, w_sent = ex.move([x_send, weight_N[:, None]], f"rows{self.payload},pairs", "there")
@@ -422,20 +430,28 @@ class ExpertDispatcher:
         return ExpertInput(x_local[:n_own], ex.local_counts_E[:E_local], host[:E_local], scale, ex,
                            self.adds_output_bias)
 
-    def _check_rows(self, C_host: torch.Tensor) -> None:
+    def _check_rows(self, C_host: torch.Tensor, experts=None) -> None:
         """Rows per EP rank from the all-gathered table (the same on every rank of the group, so a cap raises on
         all of them alike, before the tokens move)."""
         if torch.compiler.is_compiling():
             return
         self.rows_per_rank = C_host[..., :-1].sum((0, 1, 3)).tolist()
+        if experts is not None and experts.training and not recomputing():
+            counted = self.rows_counted or [0] * len(self.rows_per_rank)
+            self.rows_counted = [a + b for a, b in zip(counted, self.rows_per_rank)]
         cap = self.max_rows_per_rank
         if cap and max(self.rows_per_rank) > cap:
             worst = max(range(len(self.rows_per_rank)), key=self.rows_per_rank.__getitem__)
-            raise ValueError(
+            raise RowCapExceeded(
                 f"{self.layer}, forward {self.forwards}: EP rank {worst} would compute {self.rows_per_rank[worst]} "
                 f"expert rows, more than max_rows_per_rank ({cap}); rows per EP rank {self.rows_per_rank}. Valid: "
                 f"a larger max_rows_per_rank (0: no cap), fewer tokens per rank, expert_replicas, or a more "
                 f"balanced router")
+
+    def take_rows(self) -> list[int] | None:
+        """`rows_counted`, reset: rows per EP rank of the training forwards since the last call."""
+        rows, self.rows_counted = self.rows_counted, None
+        return rows
 
     def _dispatch_padded(self, x: torch.Tensor, copies: PaddedCopies) -> ExpertInput:
         if not self.capacity_checked and not torch.compiler.is_compiling():

@@ -137,6 +137,9 @@ class TrainingConfig:
     parity_tolerance: float = 1e-4
     compile: bool = False  # torch.compile each block, one graph (experts gather over EDP inside it)
     activation_checkpoint: str = "none"  # activation_checkpoint.AC_MODES; selective recomputes no communication
+    # Routing replay (dtensor_moe/replay.py) every step: a no-grad eval forward of the step's microbatches (the
+    # "rollout") records each MoE layer's expert choices, and the training forward replays them.
+    routing_replay: bool = False
 
     def __post_init__(self):
         # Before check_fields, whose type check would name only "a string" for a non-string mode.
@@ -170,6 +173,10 @@ class Config:
                 f"valid seq_len: 1..{m.max_seq_len} (or raise model.max_seq_len)"
             )
         p = self.parallel
+        if t.compile and m.expert_replicas:
+            raise ValueError(f"training.compile = true with model.expert_replicas ({m.expert_replicas}) is not "
+                             "supported: the replicas' split of an expert's rows needs the step's counts on the host, "
+                             "eagerly; valid: training.compile = false, or model.expert_replicas = 0")
         if m.hf_path:
             check_hf_parallel(m.hf_path, p, t)
         check_tp_heads(m.n_heads, p.tp, "parallel.")

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from datetime import timedelta
 
 from dtensor_moe.train.config import Config
-from dtensor_moe.train.supervision import RankSupervision, write_stopped
+from dtensor_moe.train.supervision import LAUNCHED, ROW_CAP_RC, RankSupervision, write_stopped
 
 
 def parallel_dims(cfg: Config, world: int):
@@ -37,6 +37,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    from dtensor_moe.parallel.dispatch import RowCapExceeded
     from dtensor_moe.parallel.plan import plan_moe
     from dtensor_moe.train.checkpoint import SaveError
     from dtensor_moe.train.data import Batches, load_tokens
@@ -88,10 +89,13 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
         pipe = Pipeline(model, pp_mesh, p.pp_schedule, p.num_microbatches,
                         t.global_batch // (dims.dp_replicate * dims.dp_shard), t.seq_len // dims.cp,
                         t.seq_len // (dims.cp * dims.tp), act_dtype, device, parallelize)
-        parts, forward_backward = pipe.parts, pipe.step
+        parts, forward_backward, rollout = pipe.parts, pipe.step, pipe.rollout
     else:
         parallelize(model)
         parts, forward_backward = [model], _accumulating(model, p.num_microbatches, cross_entropy)
+        rollout = _rollout(model, p.num_microbatches)
+    if t.routing_replay:
+        forward_backward = _replaying(parts, rollout, forward_backward)
     del model  # with pp > 1 each stage holds a copy of its own layers
     # One module with the original parameter names over this rank's stages: optimizer and checkpoints.
     model = stage_view(parts)
@@ -114,7 +118,16 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
         supervision.beat(step)
         t0 = time.perf_counter()
         inputs_BL, targets_BL = (b.to(device) for b in batches(step))
-        ce, aux = forward_backward(inputs_BL, targets_BL)
+        try:
+            ce, aux = forward_backward(inputs_BL, targets_BL)
+        except RowCapExceeded as e:
+            # Raised in one EP group's forward: the other ranks wait in a collective that will never complete. Our
+            # launcher stops every rank on reading the note (waited for here, so torchrun has no failure to
+            # report); under an outside torchrun this rank leaves and torchrun stops the rest.
+            write_stopped(run_dir, "row cap", step + 1, what=str(e), last_checkpoint=ckpt.last())
+            if LAUNCHED in os.environ:
+                time.sleep(60)
+            os._exit(ROW_CAP_RC)
         grad_norm = clip_grad_norm_(model.parameters(), t.max_norm, pp_group)
         # One small all-gather per step for loss, aux loss, each rank's peak memory (float64 holds byte counts
         # exactly), its stop vote and its stage's expert load (summed on the device: no host sync of its own).
@@ -225,6 +238,42 @@ def _accumulating(model, microbatches: int, loss_fn):
         return ce_sum / microbatches, aux_sum / microbatches
 
     return forward_backward
+
+
+def _rollout(model, microbatches: int):
+    """The forwards `_accumulating` runs, without the loss: what routing replay records."""
+
+    def rollout(inputs_BL, targets_BL) -> None:
+        for x_BL in inputs_BL.tensor_split(microbatches):
+            model(x_BL)
+
+    return rollout
+
+
+def _replaying(parts, rollout, forward_backward):
+    """training.routing_replay: each step records its microbatches' routing in a no-grad eval forward of every part
+    (this rank's pipeline stages), then runs `forward_backward` replaying it. Each part keeps its own recording:
+    its layers' names are the whole model's, and a part holds only some of them."""
+    from contextlib import ExitStack
+
+    import torch
+
+    from dtensor_moe.replay import record_routing, replay_routing
+
+    def step(inputs_BL, targets_BL) -> tuple[float, float]:
+        with ExitStack() as stack, torch.no_grad():
+            for part in parts:
+                part.eval()
+            recorded = [stack.enter_context(record_routing(part)) for part in parts]
+            rollout(inputs_BL, targets_BL)
+        for part in parts:
+            part.train()
+        with ExitStack() as stack:
+            for part, rec in zip(parts, recorded):
+                stack.enter_context(replay_routing(part, rec))
+            return forward_backward(inputs_BL, targets_BL)
+
+    return step
 
 
 class _Checkpointing:

@@ -81,6 +81,10 @@ class ExpertLoad:
     def __init__(self, parts, dims, config: ModelConfig, device: torch.device):
         self.moes = {i: moe for part in parts for i, moe in part.moe_layers().items()}
         self.n_layers, self.ep = config.n_layers, dims.ep
+        # With replicas the rows an EP rank computes are no longer its owned experts' rows: the dispatchers count
+        # them (each rank of an EP x ETP group holds its group's; the all-reduce sums groups, hence the divisor).
+        self.replicas = config.expert_replicas > 0 and dims.ep > 1
+        self.group_size = dims.ep * dims.etp
         owner_E = torch.tensor(expert_ep_ranks(config.moe_config(), dims))
         self.owner_E, self.owner_on_device_E = owner_E, owner_E.to(device)
         self.ids = torch.tensor(list(self.moes), device=device)
@@ -92,8 +96,15 @@ class ExpertLoad:
     def measure(self) -> torch.Tensor:
         """This step's load (a collective over the ranks with different tokens): float64 [2 * layers + 1 + E]."""
         moes = list(self.moes.values())
+        counts = torch.stack([m.tokens_per_expert for m in moes])
+        E = counts.shape[1]
+        if self.replicas:
+            computed = [m.experts.expert_parallel.dispatcher.take_rows() or [0] * self.ep for m in moes]
+            counts = torch.cat([counts.double(), torch.tensor(computed, dtype=torch.float64, device=counts.device)
+                                / self.group_size], 1)
         # Every layer's stats sum over the same ranks: one all-reduce for all of them.
-        self.global_counts = moes[0].stats.sum(torch.stack([m.tokens_per_expert for m in moes]))
+        summed = moes[0].stats.sum(counts)
+        self.global_counts = summed[:, :E]
         counts = self.global_counts.double()
         mine = torch.stack([imbalance(counts), imbalance(self._per_ep_rank(counts, self.owner_on_device_E))], dim=1)
         # Other stages' layers stay 0, below any layer's imbalance (>= 1), so the worst is one of this rank's.
@@ -101,7 +112,10 @@ class ExpertLoad:
         worst = worst_layer(by_layer)
         rows_E = counts.new_zeros(self.n_layers, counts.shape[1]).index_copy_(0, self.ids, counts).index_select(
             0, worst.view(1))
-        return torch.cat([by_layer.flatten(), worst.view(1).double(), rows_E.flatten()])
+        out = [by_layer.flatten(), worst.view(1).double(), rows_E.flatten()]
+        if self.replicas:
+            out.append(counts.new_zeros(self.n_layers).index_copy_(0, self.ids, imbalance(summed[:, E:].double())))
+        return torch.cat(out)
 
     def row(self, loads: torch.Tensor) -> dict:
         """metrics.jsonl's load fields from `measure`'s pieces of one rank per pipeline stage ([stages, its width])."""
@@ -109,7 +123,13 @@ class ExpertLoad:
         by_layer = loads[:, : 2 * n].view(-1, n, 2).sum(0)  # each layer from the stage that holds it
         worst = int(worst_layer(by_layer))
         holder = int((loads[:, 2 * n] == worst).nonzero()[0])  # the stage whose own worst layer it is
-        rows_E = loads[holder, 2 * n + 1 :]
+        width = loads.shape[1] - (n if self.replicas else 0)
+        rows_E = loads[holder, 2 * n + 1 : width]
+        replicas = {}
+        if self.replicas:  # rows each EP rank computed, its replica slots' included
+            computed = loads[:, width:].sum(0)
+            replicas = {"replica_ep_imbalance": [round(x, 4) for x in computed.tolist()],
+                        "worst_replica_ep_imbalance": round(float(computed.max()), 4)}
         return {
             "expert_imbalance": [round(x, 4) for x in by_layer[:, 0].tolist()],
             "ep_imbalance": [round(x, 4) for x in by_layer[:, 1].tolist()],
@@ -118,6 +138,7 @@ class ExpertLoad:
             "worst_ep_imbalance": round(float(by_layer[worst, 1]), 4),
             "worst_rows_per_expert": rows_E.long().tolist(),
             "worst_rows_per_ep_rank": self._per_ep_rank(rows_E, self.owner_E).long().tolist(),
+            **replicas,
         }
 
     @torch.no_grad()
@@ -132,9 +153,10 @@ def load_summary(rows: list[dict]) -> dict:
     version wrote before a resume have none."""
     rows = [r for r in rows if "worst_ep_imbalance" in r]
     out = {"steps": len(rows)}
-    for key in ("worst_expert_imbalance", "worst_ep_imbalance"):
-        values = [r[key] for r in rows]
-        out[key] = {"mean": statistics.fmean(values), "max": max(values)} if values else None
+    for key in ("worst_expert_imbalance", "worst_ep_imbalance", "worst_replica_ep_imbalance"):
+        values = [r[key] for r in rows if key in r]
+        if values or key != "worst_replica_ep_imbalance":  # that one only in runs with replicas
+            out[key] = {"mean": statistics.fmean(values), "max": max(values)} if values else None
     return out
 
 
@@ -183,6 +205,10 @@ class RunWriter:
                     else f"{type(e).__name__}: {e}"
                 )
                 print(f"{name} not written: {why}; the {what} are in metrics.jsonl", file=sys.stderr)
+
+
+def _with_replicas(computed: dict | None) -> str:
+    return "" if computed is None else f", computed with replicas {computed['mean']:.2f} ({computed['max']:.2f})"
 
 
 def write_json(path: str, obj):
@@ -283,7 +309,8 @@ def summary_lines(summary: dict, run_dir: str, parity_line: str | None = None) -
         if experts is not None:  # None: every step's row predates load metrics (an older run, resumed)
             lines.append(f"load     worst layer's max/mean rows, mean (max) over {load['steps']} steps: per expert "
                          f"{experts['mean']:.2f} ({experts['max']:.2f}), "
-                         f"per EP rank {ranks['mean']:.2f} ({ranks['max']:.2f})")
+                         f"per EP rank {ranks['mean']:.2f} ({ranks['max']:.2f})"
+                         + _with_replicas(load.get("worst_replica_ep_imbalance")))
     if parity_line:
         lines.append(f"parity   {parity_line}")
     files = [

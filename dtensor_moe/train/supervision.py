@@ -27,6 +27,8 @@ PREEMPTED_RC = 75
 INTERRUPTED_RC = 130
 DIVERGED_RC = 3
 SAVE_FAILED_RC = 74  # sysexits EX_IOERR
+ROW_CAP_RC = 4  # model.max_rows_per_rank exceeded
+LAUNCHED = "DTENSOR_MOE_LAUNCHED"  # set for the ranks our launcher starts: it prints the summary and stops them
 STOP_SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGUSR1: "SIGUSR1", signal.SIGINT: "SIGINT"}
 _PR_SET_PDEATHSIG = 1
 
@@ -124,6 +126,9 @@ def describe_stop(stopped: dict) -> tuple[str, int]:
     if stopped["reason"] == "save failed":
         return (f"{stopped['what']} (a full or read-only disk?); the run stopped after step {stopped['step']}; last "
                 f"good checkpoint: {stopped.get('last_checkpoint') or 'none'}", SAVE_FAILED_RC)
+    if stopped["reason"] == "row cap":
+        return (f"{stopped['what']}; the run stopped in step {stopped['step']}; last good checkpoint: "
+                f"{stopped.get('last_checkpoint') or 'none'}", ROW_CAP_RC)
     if stopped["reason"] == "diverged":
         return (f"{stopped['what']} at step {stopped['step']}: stopped before the optimizer step; last good "
                 f"checkpoint: {stopped.get('last_checkpoint') or 'none'}", DIVERGED_RC)

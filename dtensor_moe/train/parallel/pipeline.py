@@ -119,6 +119,13 @@ class Pipeline:
         return ce, float(sum(self._aux)) / self.microbatches
 
 
+    def rollout(self, inputs_BL: torch.Tensor, targets_BL: torch.Tensor) -> None:
+        """The forwards of every microbatch (the schedule's eval), as `step` runs them: what routing replay
+        records."""
+        self.schedule.eval(inputs_BL.contiguous() if self.has_first else None,
+                           target=targets_BL.contiguous() if self.has_last else None)
+
+
 def stage_view(parts: list[nn.Module]) -> nn.Module:
     """One module over this rank's stages with the whole model's parameter names (for the optimizer
     and checkpoints): the single part itself, or a container of the parts' layers and ends."""
