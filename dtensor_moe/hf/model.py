@@ -110,16 +110,22 @@ def hf_state_dict(state: dict[str, torch.Tensor], model_type: str, tied: bool = 
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def write_hf_dir(out_dir, tensors: dict[str, torch.Tensor], hf_config: dict, force: bool = False) -> Path:
-    """`out_dir`/model.safetensors and config.json (its dtype the tensors'), written to a temporary directory
-    beside it and moved into place: an interrupted write leaves no half directory. Existing files are replaced
-    only with `force`."""
+def checked_output_dir(out_dir, force: bool) -> Path:
+    """`out_dir` as a Path, refused (ValueError) if it is a file, or holds our files and not `force`."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {str(out)!r} is a file; give a directory for {WEIGHTS} and {CONFIG}")
     existing = [n for n in (WEIGHTS, CONFIG) if (out / n).exists()]
     if existing and not force:
         raise ValueError(f"{out} already holds {existing}; pass --force to replace them, or choose another directory")
+    return out
+
+
+def write_hf_dir(out_dir, tensors: dict[str, torch.Tensor], hf_config: dict, force: bool = False) -> Path:
+    """`out_dir`/model.safetensors and config.json (its dtype the tensors'), written to a temporary directory
+    beside it and moved into place: an interrupted write leaves no half directory. Existing files are replaced
+    only with `force`."""
+    out = checked_output_dir(out_dir, force)
     dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()}
     config = {**hf_config, "dtype": dtypes.pop() if len(dtypes) == 1 else hf_config.get("dtype")}
     config.pop("torch_dtype", None)

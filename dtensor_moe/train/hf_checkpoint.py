@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.hf.convert import check_tensors, layer_prefix, moe_shapes, read_hf_moe, to_hf
 from dtensor_moe.hf.families import FAMILIES, family, getter, hf_fields, moe_config_from_hf
-from dtensor_moe.hf.model import hf_state_dict, write_hf_dir
+from dtensor_moe.hf.model import checked_output_dir, hf_state_dict, write_hf_dir
 from dtensor_moe.hf.reader import SafetensorsReader
 from dtensor_moe.train.config import ModelConfig
 from dtensor_moe.train.export import export_checkpoint, read_json
@@ -47,12 +47,7 @@ def _json(path: Path) -> dict:
 
 
 def _write(out_dir, tensors: dict, config: dict, force: bool) -> Path:
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"output {str(out)!r} is a file; give a directory for {WEIGHTS} and {CONFIG}")
-    existing = [n for n in (WEIGHTS, CONFIG) if (out / n).exists()]
-    if existing and not force:
-        raise ValueError(f"{out} already holds {existing}; pass --force to replace them, or choose another directory")
+    out = checked_output_dir(out_dir, force)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / f".{WEIGHTS}.tmp", metadata={"format": "pt"})
     config = {**config, "sha256": _sha256(out / f".{WEIGHTS}.tmp")}
