@@ -62,6 +62,8 @@ def _existing_grads(ctx, ws):
         return None
     grads = []
     for p, w in zip(ctx.params, ws):
+        if not p.is_leaf:  # a replica's copy of its owner's weights: its gradient flows back through autograd
+            return None
         g = p.grad
         if isinstance(g, DTensor):
             g = g.to_local() if g.placements == p.placements else None

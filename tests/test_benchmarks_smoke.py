@@ -134,3 +134,22 @@ def test_memory_smoke(tmp_path):
         assert r["param_bytes"] == 4 * per_rank, r
         assert r["grad_bytes"] == r["param_bytes"]
         assert r["optim_bytes"] >= 2 * r["param_bytes"]  # AdamW: exp_avg and exp_avg_sq (+ step)
+
+
+def test_replica_balance_smoke():
+    """benchmarks/replica_balance.py's ranks on 2 gloo ranks, tiny: rows per EP rank covering every pair, float64
+    parity with and without replicas, the planner's figure beside each row; the replicas even the rows out."""
+    from benchmarks import replica_balance as rb
+    from dtensor_moe.tools.planner import max_over_mean
+
+    args = rb.parser().parse_args(["--experts", "8", "--ep", "2", "--top-k", "2", "--tokens-per-rank", "32",
+                                   "--replicas", "1", "--batches", "2"])
+    rows = rb.results(args, 2, run_on_ranks(2, rb.measure_rank, args, 2)[0])
+    assert [(r["replicas"], r["batch"]) for r in rows] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    for r in rows:
+        assert sum(r["rows_per_rank"]) == 2 * 32 * 2 and r["max_over_mean"] == max_over_mean(r["rows_per_rank"])
+        assert max(r["max_abs_err_out"], r["max_abs_err_grad"]) <= rb.PARITY_TOL, r
+        assert r["planner_max_over_mean"] == max_over_mean(r["planner_rows_per_rank"]) >= 1
+    assert all(r["max_over_mean"] < w["max_over_mean"] for w, r in zip(rows[::2], rows[1::2]))
+    print("\n" + "\n".join(f"r={r['replicas']} batch {r['batch']}: {r['rows_per_rank']} {r['max_over_mean']:.3f} "
+                           f"(planner {r['planner_max_over_mean']:.3f})" for r in rows))

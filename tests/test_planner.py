@@ -271,6 +271,8 @@ NAN, INF = float("nan"), float("inf")
     (lambda: P.Workload(dtype=None), "Workload.dtype", "one of ['bf16', 'fp32'], got None"),
     (lambda: P.Workload(optimizer="lion"), "Workload.optimizer", "one of ['adamw', 'sgd'], got 'lion'"),
     (lambda: P.Workload(recompute=True), "Workload.recompute", "one of ['full', 'none'], got True"),
+    (lambda: P.Workload(skew=-0.5), "Workload.skew", ">= 0, got -0.5"),
+    (lambda: P.Workload(skew=INF), "Workload.skew", "a finite number >= 0, got inf"),
     (lambda: replace(MIXTRAL, n_layers=0), "ModelSpec.n_layers", "an int >= 1, got 0"),
     (lambda: replace(MIXTRAL, n_layers=32.0), "ModelSpec.n_layers", "an int >= 1, got 32.0"),
     (lambda: replace(MIXTRAL, vocab_size=True), "ModelSpec.vocab_size", "an int >= 1, got True"),
@@ -321,6 +323,10 @@ def _cli(argv):
     ("--top", "0", "an int >= 1, got 0"),
     ("--microbatches", "0", "an int >= 1, got 0"),
     ("--pp", "-1", "an int >= 0, got -1"),
+    ("--skew", "-1", "a finite number >= 0 (0: balanced routing), got -1.0"),
+    ("--skew", "nan", "a finite number >= 0 (0: balanced routing), got nan"),
+    ("--replicas", "-1", "an int in 0..num_experts (8 for mixtral-8x7b; MoEConfig.expert_replicas' range), got -1"),
+    ("--replicas", "9", "an int in 0..num_experts (8 for mixtral-8x7b; MoEConfig.expert_replicas' range), got 9"),
 ])
 def test_plan_cli_rejects_bad_flags_in_one_line(flag, value, valid):
     """Zero bandwidths used to divide by zero, `--top -3` silently dropped rows: now rc 2 and one line."""
@@ -358,7 +364,7 @@ def test_plan_cli_gpus_flag():
 def test_planner_package_layout_and_torch_free():
     """The cost model is one module per concept, each importing only those before it (no cycles);
     the package re-exports their names; planning a preset from the CLI, a torchtitan config's too, imports
-    neither torch nor the training code."""
+    neither torch nor the training code (with skewed routing and replicas too)."""
     import ast
     import importlib
 
@@ -371,6 +377,7 @@ def test_planner_package_layout_and_torch_free():
         predicted_state_bytes,
         report,
         search,
+        skew,
         tokens,
         traffic,
         units,
@@ -383,8 +390,10 @@ def test_planner_package_layout_and_torch_free():
     assert P.pipeline_ranks is pipeline.pipeline_ranks and P.Footprint is units.Footprint
     assert P.Rates is tokens.Rates and P.distinct_ranks is tokens.distinct_ranks
     assert P.Memory is memory.Memory and P.Traffic is traffic.Traffic and P.PlanCache is cache.PlanCache
+    assert P.balance is skew.balance and P.Balance is skew.Balance
     assert all(getattr(P, name) is not None for name in P.__all__)
-    order = ["cache", "workload", "geometry", "pipeline", "units", "tokens", "memory", "traffic", "search", "report"]
+    order = ["cache", "workload", "skew", "geometry", "pipeline", "units", "tokens", "memory", "traffic", "search",
+             "report"]
     pkg = ROOT / "dtensor_moe" / "tools" / "planner"
     assert sorted(order + ["__init__"]) == sorted(p.stem for p in pkg.glob("*.py"))
     for i, name in enumerate(order):
@@ -402,6 +411,8 @@ def test_planner_package_layout_and_torch_free():
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    assert main(['plan', '--model', 'qwen3-30b-a3b', '--gpus', '64']) == 0\n"
             "    assert main(['plan', '--model', 'deepseek_v3_671b', '--gpus', '64']) == 0\n"
+            "    assert main(['plan', '--model', 'mixtral-8x7b', '--gpus', '64', '--skew', '1.2', '--replicas', '2'])"
+            " == 0\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('dtensor_moe.train')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -701,3 +712,144 @@ def test_plan_cli_pp():
     assert rc == 0 and {c["pp"] for c in data["candidates"]} == {1, 2, 4, 8} and data["pp_tried"] == [1, 2, 4, 8]
     rc, out, _ = _cli(["plan", "--model", "mixtral-8x7b", "--gpus", "64", "--top", "1"])
     assert rc == 0 and "; pp tried: [1] (pp > 1 needs --microbatches >= pp under 1f1b)); " in out
+
+
+# ---- skewed routing (Workload.skew, --skew) and hot-expert replicas (--replicas) ------------------------------------
+
+DSV3_16B = resolve("deepseek_v3_16b")  # 64 experts, top-6
+
+
+def test_skew_popularity_is_the_benchmarks():
+    """The planner's Zipf popularity, drawn without torch, is benchmarks/routing.py's (tests/parity.py's Case.zipf):
+    the same seeded shuffle of the expert ids, the same weights."""
+    import torch
+
+    from benchmarks.routing import popularity_E
+
+    for E in (1, 8, 64, 128, 256):
+        assert P.popularity_order(E) == torch.randperm(E, generator=torch.Generator().manual_seed(0)).tolist()
+        assert P.popularity(E, 1.2) == pytest.approx(popularity_E(E, 1.2).tolist(), rel=1e-12, abs=0)
+    assert P.popularity_order(64)[0] == 44  # `--skew`'s help names it
+
+
+def test_inclusion_matches_sampled_routing():
+    """Expected rows per expert a token: the chance an expert is among a token's K distinct draws, against
+    benchmarks/routing.py's skewed draws; one draw is the weight itself, balanced weights give K / E."""
+    import torch
+
+    from benchmarks.routing import expert_choices_TK
+
+    T = 100_000
+    for E, K in [(64, 2), (64, 6), (16, 4)]:
+        pi = P.inclusion(P.popularity(E, 1.2), K)
+        counts = torch.bincount(expert_choices_TK("skewed", T, E, K, seed=0, zipf=1.2).flatten(), minlength=E)
+        assert sum(pi) == pytest.approx(K, abs=1e-9)
+        assert max(abs(a - n / T) for a, n in zip(pi, counts.tolist())) < 0.005, (E, K)
+    p = P.popularity(64, 1.2)
+    assert P.inclusion(p, 1) == pytest.approx(p, abs=1e-10)
+    assert P.inclusion(P.popularity(64, 0.0), 4) == pytest.approx([4 / 64] * 64, abs=1e-10)
+    assert P.inclusion(p, 64) == [1.0] * 64
+    assert P.inclusion(p, 4)[44] < 1 < 4 * p[44]  # tokens x top_k x weight would overshoot one row a token
+
+
+def test_skewed_rows_per_ep_rank_e64_ep8():
+    """E=64 over EP=8 at Zipf 1.2: rows per EP rank are the owners' contiguous blocks of the expected rows, by hand
+    from benchmarks/routing.py's popularity at K=1 (one draw a token: tokens x weight), and at K=2 the max / mean
+    that many sampled tokens give (tests/test_replicas.py measures 3.664 on one batch of 1024); with 2 replica
+    slots a rank within 15% of the mean, the rows the same in total."""
+    import torch
+
+    from benchmarks.routing import expert_choices_TK, popularity_E
+
+    tokens = 8 * 128
+    by_hand = [sum(round(tokens * w) for w in popularity_E(64, 1.2).tolist()[q * 8:(q + 1) * 8]) for q in range(8)]
+    assert list(P.balance(64, 1, 8, tokens, 1.2, 0).rows) == by_hand
+    T = 200_000
+    blocks = torch.bincount(expert_choices_TK("skewed", T, 64, 2, seed=0, zipf=1.2).flatten(), minlength=64)
+    sampled = P.max_over_mean(blocks.view(8, 8).sum(1).tolist())
+    for K, r in [(2, 2), (6, 2)]:
+        b = P.balance(64, K, 8, tokens, 1.2, r)
+        assert b.rows == P.balance(64, K, 8, tokens, 1.2, 0).rows
+        if K == 2:
+            assert b.imbalance == pytest.approx(sampled, rel=0.01), (b.imbalance, sampled)
+        assert b.imbalance > 2.5 and b.replica_imbalance <= 1.15, (K, b)
+        assert sum(b.replica_rows) == sum(b.rows) and b.hottest == 44
+        assert all(e // 8 != q for q, row in enumerate(b.slots) for e in row if e >= 0)  # never a rank's own expert
+    flat = P.balance(64, 2, 8, tokens, 0.0, 2)
+    assert flat.rows == flat.replica_rows == (256,) * 8 and flat.copies == 0
+
+
+def _skewed(skew: float, replicas: int, dims=MoEParallelDims(64, ep=8), spec=DSV3_16B):
+    spec = replace(spec, moe=replace(spec.moe, expert_replicas=replicas))
+    return P.evaluate(spec, dims, P.Workload(skew=skew), P.Hardware(64, 8, 80))
+
+
+def _total(t: P.Traffic) -> float:
+    return t.intra + t.inter
+
+
+def test_skew_prices_the_busiest_ep_rank():
+    """Skew 0 is the balanced model; under skew the all-to-all and the routed activations are the balanced ones
+    times max / mean rows per EP rank, and the step is slower; replicas bring the rows back near the mean at the
+    price of their weight copies (sent to the slots each forward and again when recomputing, their gradients
+    back; held with the layer's activations, their gradients while it runs backward), and the step is faster."""
+    flat, skewed, replicas = _skewed(0, 0), _skewed(1.2, 0), _skewed(1.2, 2)
+    assert flat == P.evaluate(DSV3_16B, MoEParallelDims(64, ep=8), P.Workload(), P.Hardware(64, 8, 80))
+    assert flat.balance is None and "replica_weights" not in flat.comm
+    b = skewed.balance
+    assert b.imbalance == b.replica_imbalance > 2.5
+    a2a = _total(flat.comm["ep_all_to_all"])
+    assert _total(skewed.comm["ep_all_to_all"]) == pytest.approx(a2a * b.imbalance, rel=1e-12)
+    assert _total(replicas.comm["ep_all_to_all"]) == pytest.approx(a2a * replicas.balance.replica_imbalance, rel=1e-12)
+    assert replicas.balance.replica_imbalance <= 1.15 and replicas.balance.rows == b.rows
+    # By hand: 26 MoE layers, seq 4096 a rank, bf16, full recompute; a slot is w1, w2, w3 of one expert.
+    moe, T, D, F, K = DSV3_16B.moe, 4096, DSV3_16B.dim, DSV3_16B.moe.hidden_dim, DSV3_16B.moe.top_k
+    slot = 3 * F * D * 2
+    assert _total(replicas.comm["replica_weights"]) == 26 * 3 * replicas.balance.copies * slot
+    routed = T * 2 * K * (2 * D + 3 * F)  # one MoE layer's routed activations at the mean rows
+    assert skewed.memory.activations - flat.memory.activations == pytest.approx(routed * (b.imbalance - 1))
+    assert replicas.memory.activations - flat.memory.activations == pytest.approx(
+        routed * (replicas.balance.replica_imbalance - 1) + 2 * moe.expert_replicas * slot + 2 * 2 * slot)
+    assert flat.comm_time_s < replicas.comm_time_s < skewed.comm_time_s
+    # Slots without skew: held (the dispatcher allocates them), never filled under balanced routing.
+    assert _skewed(0, 2).comm["replica_weights"] == P.Traffic(0, 0)
+
+
+def test_skewed_search_is_never_faster():
+    """Every folding's step under skew takes at least its balanced time (equal where ep = 1); the foldings and
+    their weights' costs do not change."""
+    spec, work, hw = resolve("qwen3-30b-a3b"), P.Workload(seq_len=1024), P.Hardware(64, 8, 80)
+    flat = {c.dims: c for c in P.plan(spec, work, hw)}
+    skewed = P.plan(spec, replace(work, skew=1.2), hw)
+    assert len(skewed) == len(flat)
+    for c in skewed:
+        f = flat[c.dims]
+        assert c.comm_time_s >= f.comm_time_s and c.memory[:4] == f.memory[:4]
+        assert (c.comm_time_s == f.comm_time_s) == (c.dims.ep == 1), c.dims
+
+
+def test_plan_cli_skew_and_replicas():
+    """--skew adds max / mean rows per EP rank (and with --replicas the same under the replicas) to every row and
+    the JSON; --skew 0 prints the balanced table."""
+    base = ["plan", "--model", "deepseek_v3_16b", "--gpus", "64", "--top", "4"]
+    rc, out, err = _cli([*base, "--skew", "1.2", "--replicas", "2"])
+    lines = out.splitlines()
+    assert rc == 0 and err == "" and lines[0].endswith(", routing skew 1.2 (Zipf), 2 replica slot(s) per EP rank")
+    header = next(i for i, line in enumerate(lines) if line.startswith("# pp |"))
+    assert "| rows max/mean with r=2 |" in lines[header]
+    for line in lines[header + 1:header + 5]:
+        without, with_replicas = map(float, line.split("|")[3].split())
+        assert without >= with_replicas >= 1, line
+    assert "- Skewed routing (1.2, hottest expert 44): the busiest EP rank computes " in out
+    rc, out, _ = _cli([*base, "--skew", "1.2", "--replicas", "2", "--json"])
+    data = json.loads(out)
+    assert rc == 0 and data["replicas"] == 2 and data["workload"]["skew"] == 1.2
+    for c in data["candidates"]:
+        rows = c["ep_rows"]
+        assert len(rows["rows_per_rank"]) == len(rows["replica_rows_per_rank"]) == len(rows["replica_slots"]) == c["ep"]
+        assert rows["max_over_mean"] == P.max_over_mean(rows["rows_per_rank"]) >= rows["replica_max_over_mean"]
+        assert ("replica_weights" in c["comm_bytes"]) and rows["hottest_expert"] == 44
+    flat = _cli(base)[1].splitlines()
+    assert _cli([*base, "--skew", "0"])[1].splitlines()[2:] == flat[2:]  # all but the planning time
+    rc, out, _ = _cli([*base, "--skew", "1.2"])
+    assert rc == 0 and "| rows max/mean |" in out and "with r=" not in out and "replica slot" not in out

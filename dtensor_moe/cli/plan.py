@@ -4,7 +4,8 @@
 torchtitan's models), a training config TOML or its name under `configs/`.
 """
 
-from dataclasses import asdict
+import math
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims, divisors
@@ -64,6 +65,15 @@ def add_arguments(p):
     p.add_argument("--recompute", choices=RECOMPUTE, default="full", help="activation checkpointing per block")
     p.add_argument("--intra-bw", type=float, default=450.0, help="GB/s per GPU inside a node")
     p.add_argument("--inter-bw", type=float, default=50.0, help="GB/s per GPU across nodes")
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="routing skew: each token draws its top-k experts with weights 1 / rank ** SKEW (Zipf, "
+                   "benchmarks/routing.py's skewed routing), the ranks a seeded shuffle of the expert ids (of 64 "
+                   "experts, expert 44 is the hottest), the experts in the EP split's contiguous blocks of ids; shows "
+                   "max/mean rows per EP rank without and with --replicas and prices the busiest EP rank "
+                   "(0, the default: balanced routing)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="hot-expert replica slots per EP rank (MoEConfig.expert_replicas, 0..num_experts; "
+                   "default: the model's own)")
     p.add_argument("--top", type=int, default=10, help="rows to show (>= 1)")
     p.add_argument("--json", action="store_true")
 
@@ -73,11 +83,24 @@ def _check_flags(args):
     for flag in ("gpus", "gpus_per_node", "seq_len", "micro_batch", "microbatches", "top"):
         check_int("--" + flag.replace("_", "-"), getattr(args, flag))
     check_int("--pp", args.pp, minimum=0)
+    if not (math.isfinite(args.skew) and args.skew >= 0):
+        raise ValueError(f"--skew must be a finite number >= 0 (0: balanced routing), got {args.skew!r}")
     for flag in ("gpu_mem", "intra_bw", "inter_bw"):
         check_positive("--" + flag.replace("_", "-"), getattr(args, flag))
     if args.pp and args.gpus % args.pp:
         raise ValueError(f"--pp ({args.pp}) must divide --gpus ({args.gpus}): pipeline stages of equal size; "
                          f"valid --pp: {divisors(args.gpus)} (or 0: try each)")
+
+
+def _with_replicas(args, spec: ModelSpec) -> ModelSpec:
+    """The model with --replicas slots per EP rank, in MoEConfig.expert_replicas' range."""
+    if args.replicas is None:
+        return spec
+    E = spec.moe.num_experts
+    if not 0 <= args.replicas <= E:
+        raise ValueError(f"--replicas must be an int in 0..num_experts ({E} for {spec.name}; "
+                         f"MoEConfig.expert_replicas' range), got {args.replicas}")
+    return replace(spec, moe=replace(spec.moe, expert_replicas=args.replicas))
 
 
 def _check_pipeline_flags(args, spec: ModelSpec):
@@ -94,10 +117,10 @@ def run(args) -> int:
     t0 = time.perf_counter()
     try:
         _check_flags(args)
-        spec = resolve(args.model)
+        spec = _with_replicas(args, resolve(args.model))
         _check_pipeline_flags(args, spec)
         work = Workload(args.seq_len, args.micro_batch, args.dtype, args.optimizer, args.recompute, args.microbatches,
-                        args.pp_schedule)
+                        args.pp_schedule, args.skew)
         hw = Hardware(args.gpus, args.gpus_per_node, args.gpu_mem, args.intra_bw * 1e9, args.inter_bw * 1e9)
     except ValueError as e:
         print(f"dtensor-moe plan: {e}", file=sys.stderr)
@@ -110,14 +133,16 @@ def run(args) -> int:
                                       if tried == [1] and work.pp_schedule == "1f1b" else "")
     if args.json:
         print(json.dumps({
-            "model": spec.name, "hardware": asdict(hw), "workload": asdict(work), "note": TP_NOTE,
-            "pp_tried": tried, "enumerated": len(cands), "fitting": len(fitting), "elapsed_s": elapsed,
+            "model": spec.name, "replicas": spec.moe.expert_replicas, "hardware": asdict(hw), "workload": asdict(work),
+            "note": TP_NOTE, "pp_tried": tried, "enumerated": len(cands), "fitting": len(fitting), "elapsed_s": elapsed,
             "candidates": [candidate_dict(c) for c in cands[: args.top]],
         }, indent=1))
         return 0
     print(f"{spec.name} on {hw.gpus} GPUs ({hw.gpus_per_node}/node, {hw.gpu_mem_gib:g} GiB), seq {work.seq_len} x "
           f"micro-batch {work.micro_batch} x {work.microbatches} microbatch(es), {work.dtype} compute / fp32 master, "
-          f"{work.optimizer}, recompute={work.recompute}, pp schedule {work.pp_schedule}")
+          f"{work.optimizer}, recompute={work.recompute}, pp schedule {work.pp_schedule}"
+          + (f", routing skew {work.skew:g} (Zipf)" if work.skew else "")
+          + (f", {spec.moe.expert_replicas} replica slot(s) per EP rank" if spec.moe.expert_replicas else ""))
     print(f"{len(cands)} foldings enumerated ({TP_NOTE}; {pp_note}); {len(fitting)} fit; planned in {elapsed:.2f} s")
     shown = fitting[: args.top] if fitting else cands[: args.top]
     if not fitting:

@@ -68,11 +68,17 @@ def rows_per_rank(load_E: Sequence[int], ep: int, slots: Sequence[Sequence[int]]
     return shares(load_E, ep, slots)[1]
 
 
-def replica_plan(load_E: Sequence[int], ep: int, r: int) -> tuple[tuple[int, ...], ...]:
+def replica_plan(load_E: Sequence[int], ep: int, r: int, candidates: int = 4) -> tuple[tuple[int, ...], ...]:
     """slots[q][j] (-1: empty) for per-expert rows `load_E` (integers, e.g. counts summed over recent steps):
-    one replica at a time, the most loaded rank's largest share of an expert gets a copy on the least loaded
-    rank with a free slot that does not hold it yet, while that rank is less loaded. Deterministic: ties go to
-    the lower rank and expert."""
+    one replica at a time, of the copies that one of the `candidates` least loaded ranks with a free slot could
+    take of one of the `candidates` largest shares on the `candidates` most loaded ranks, the one whose re-split of
+    that expert leaves the lowest maximum load (then the lowest sum of squared loads). Stops when no copy lowers
+    them. Deterministic: ties go to the lower expert, then rank.
+
+    Judged by the resulting split rather than by a rule such as "the hottest rank's largest share to the least
+    loaded rank": that rule spends the slots of the loaded ranks (which cannot shed rows by taking copies) and
+    stalls above the mean when top_k > 2 spreads the hot rows over several experts. Each trial re-fills only its
+    expert (O(holders)), so a plan costs O(ep * r * candidates^3 + ep * r * E)."""
     E = len(load_E)
     if E % ep:
         raise ValueError(f"replica_plan: the experts ({E}) must split evenly over ep ({ep})")
@@ -84,13 +90,28 @@ def replica_plan(load_E: Sequence[int], ep: int, r: int) -> tuple[tuple[int, ...
         for e in range(E):
             for (q, _), n in zip(held[e], out[e]):
                 mine[q][e] = n
-        hot = max(range(ep), key=lambda q: (level[q], -q))
-        free = sorted((q for q in range(ep) if -1 in slots[q]), key=lambda q: (level[q], q))
-        pick = next(((e, q) for e in sorted(mine[hot], key=lambda e: (-mine[hot][e], e)) if mine[hot][e] > 0
-                     for q in free if level[q] < level[hot] and e not in mine[q]), None)
-        if pick is None:
+        hot = sorted(range(ep), key=lambda q: (-level[q], q))[:candidates]
+        free = sorted((q for q in range(ep) if -1 in slots[q]), key=lambda q: (level[q], q))[:candidates]
+        experts = sorted({e for q in hot for e in sorted(mine[q], key=lambda e: (-mine[q][e], e))[:candidates]
+                          if mine[q][e] > 0})
+        best_key, best = (max(level), sum(v * v for v in level)), None
+        for e in experts:
+            ranks = [q for q, _ in held[e]]
+            base = list(level)
+            for q, n in zip(ranks, out[e]):
+                base[q] -= n
+            for q in free:
+                if q in ranks:
+                    continue
+                trial = list(base)
+                for x, n in zip([*ranks, q], _water_fill(load_E[e], [base[x] for x in [*ranks, q]])):
+                    trial[x] += n
+                key = (max(trial), sum(v * v for v in trial))
+                if key < best_key:
+                    best_key, best = key, (e, q)
+        if best is None:
             break
-        e, q = pick
+        e, q = best
         slots[q][slots[q].index(-1)] = e
     return tuple(tuple(row) for row in slots)
 

@@ -3,6 +3,8 @@
 The cost model, one concept a module (each imports only those above it):
 - `cache`: `PlanCache`, the memo tables a search owns (filled by `units` and `tokens`).
 - `workload`: the inputs besides the model (`Workload`, `Hardware`), byte sizes, tokens per rank.
+- `skew`: skewed routing (`Workload.skew`): Zipf popularity, rows per EP rank without and with hot-expert
+  replicas (`Balance`), the straggler factor.
 - `geometry`: which ranks form each group and what share of its traffic crosses nodes.
 - `pipeline`: what each pipeline rank holds and runs (`StageShare`, `pipeline_ranks`: layers,
   microbatches in flight, stage-boundary sends) and the bubble.
@@ -54,6 +56,15 @@ from dtensor_moe.tools.planner.search import (
     plan,
     rates_key,
 )
+from dtensor_moe.tools.planner.skew import (
+    Balance,
+    balance,
+    expert_rows,
+    inclusion,
+    max_over_mean,
+    popularity,
+    popularity_order,
+)
 from dtensor_moe.tools.planner.tokens import Rates, distinct_ranks, rates
 from dtensor_moe.tools.planner.traffic import (
     Held,
@@ -93,13 +104,14 @@ from dtensor_moe.tools.planner.workload import (
 )
 
 __all__ = [
-    "COMPUTE_BYTES", "GiB", "MASTER_BYTES", "OPTIMIZER_MOMENTS", "RECOMPUTE", "REDUCE_BYTES", "STEP_BYTES", "TP_NOTE",
-    "Candidate", "Footprint", "Hardware", "Held", "Memo", "Memory", "PipelineRank", "PlanCache", "Rates",
-    "StageShare", "Traffic", "Unit", "UnitPart", "Workload", "activation_bytes", "bubble_fraction", "candidate_dict",
-    "chain_inter_fraction", "combine", "comm_bytes", "comm_time", "distinct_ranks", "evaluate", "explain_choice",
-    "footprint", "footprint_key", "foldings", "fsdp_units", "held_costs", "held_numel", "in_flight", "memory_of",
-    "mesh_geometry", "node_span", "pairwise_intra_fraction", "pipeline_degrees", "pipeline_ranks", "plan",
-    "predicted_state_bytes", "rank_activations", "rank_memory", "ranks_held_costs", "rates", "rates_key",
-    "ring_inter_fraction", "seconds", "share_footprint", "share_parts", "stage_share", "state_bytes",
-    "step_tokens_per_rank", "table", "token_traffic", "tokens_per_rank", "traffic_of", "unit_part",
+    "COMPUTE_BYTES", "MASTER_BYTES", "OPTIMIZER_MOMENTS", "RECOMPUTE", "REDUCE_BYTES", "STEP_BYTES", "TP_NOTE",
+    "Balance", "Candidate", "Footprint", "GiB", "Hardware", "Held", "Memo", "Memory", "PipelineRank", "PlanCache",
+    "Rates", "StageShare", "Traffic", "Unit", "UnitPart", "Workload", "activation_bytes", "balance", "bubble_fraction",
+    "candidate_dict", "chain_inter_fraction", "combine", "comm_bytes", "comm_time", "distinct_ranks", "evaluate",
+    "expert_rows", "explain_choice", "foldings", "footprint", "footprint_key", "fsdp_units", "held_costs", "held_numel",
+    "in_flight", "inclusion", "max_over_mean", "memory_of", "mesh_geometry", "node_span", "pairwise_intra_fraction",
+    "pipeline_degrees", "pipeline_ranks", "plan", "popularity", "popularity_order", "predicted_state_bytes",
+    "rank_activations", "rank_memory", "ranks_held_costs", "rates", "rates_key", "ring_inter_fraction", "seconds",
+    "share_footprint", "share_parts", "stage_share", "state_bytes", "step_tokens_per_rank", "table", "token_traffic",
+    "tokens_per_rank", "traffic_of", "unit_part",
 ]

@@ -1,7 +1,7 @@
 """The planner's memo tables, in one object a search owns.
 
 A search costs tens of thousands of foldings that share a few hundred placements, so the costly
-steps (planning weights, summing them into per-unit parts, the routing statistic) are memoized on
+steps (planning weights, summing them into per-unit parts, the routing statistics) are memoized on
 what they read. The tables live in a `PlanCache` rather than in module globals: `plan` makes one
 per search unless the caller passes one, so a search starts cold and leaves nothing behind, and a
 caller that keeps one (a benchmark, a test) can `clear()` it. Keys name everything a result
@@ -35,7 +35,7 @@ class Memo(dict):
 class PlanCache:
     """The planner's memo tables, by what they hold (units.py and tokens.py name their keys)."""
 
-    __slots__ = ("outer_plans", "outer_parts", "moe_plans", "moe_parts", "distinct_ranks")
+    __slots__ = ("outer_plans", "outer_parts", "moe_plans", "moe_parts", "distinct_ranks", "inclusion", "placement")
 
     def __init__(self, maxsize: int = MAXSIZE):
         self.outer_plans = Memo(maxsize)  # weight plans outside the MoE (root, dense block, MoE block)
@@ -43,6 +43,8 @@ class PlanCache:
         self.moe_plans = Memo(maxsize)  # plan_moe's plans
         self.moe_parts = Memo(maxsize)  # one MoE block's MoE weights as a unit part
         self.distinct_ranks = Memo(maxsize)  # EP ranks a token's experts land on
+        self.inclusion = Memo(maxsize)  # skewed routing: each expert's share of the tokens
+        self.placement = Memo(maxsize)  # skewed routing: the replica slots per ep
 
     def tables(self) -> dict[str, Memo]:
         return {name: getattr(self, name) for name in self.__slots__}

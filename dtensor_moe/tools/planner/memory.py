@@ -8,7 +8,8 @@
   FSDP unit unsharded from its first backward to the step's gradient reduction and accumulates the
   unsharded gradients (reduce dtype), so a pipeline rank's working set is all of its units,
   gathered, twice.
-- activations (an estimate), for each microbatch in flight.
+- activations (an estimate), for each microbatch in flight: under skewed routing the busiest EP
+  rank's routed rows, with hot-expert replicas their weight copies (tokens.py).
 
 The weights' part (`held_memory`) follows from rank 0's footprint, the activations from the
 folding's `Rates` times the rank's share.
@@ -68,7 +69,8 @@ def rank_activations(r: Rates, rank: PipelineRank) -> float:
         recomputed = max(r.moe_layer if s.moe_layers else 0, r.dense_layer if s.dense_layers else 0)
     else:
         saved, recomputed = s.moe_layers * r.moe_layer + s.dense_layers * r.dense_layer, 0
-    return rank.in_flight * (saved + logits) + recomputed + logits_grad
+    replica_grads = r.replica_copies if s.moe_layers else 0  # one MoE layer's, while its backward runs
+    return rank.in_flight * (saved + logits) + recomputed + logits_grad + replica_grads
 
 
 def activation_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, rank: PipelineRank | None = None

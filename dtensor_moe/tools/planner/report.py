@@ -16,19 +16,27 @@ def _size(x: float, base: int) -> str:
 
 
 def table(cands: list[Candidate]) -> str:
-    cols = ("#", "pp", "dp_rep", "dp_shard", "cp", "tp", "edp", "ep", "etp", "params", "grads", "optim", "gather",
-            "activ", "total", "intra/step", "inter/step", "comm ms", "bubble", "us/token")
+    """The ranked rows; under skewed routing also max / mean rows per EP rank, without replicas and with the
+    model's replica slots."""
+    skewed = next((c.balance for c in cands if c.balance is not None), None)
+    replicas = len(skewed.slots[0]) if skewed else 0
+    rows_cols = ("rows max/mean",) * (skewed is not None) + (f"with r={replicas}",) * (replicas > 0)
+    cols = ("#", "pp", "dp_rep", "dp_shard", "cp", "tp", "edp", "ep", "etp", *rows_cols, "params", "grads", "optim",
+            "gather", "activ", "total", "intra/step", "inter/step", "comm ms", "bubble", "us/token")
     rows = [cols]
     for i, c in enumerate(cands, 1):
-        d, m = c.dims, c.memory
+        d, m, b = c.dims, c.memory, c.balance
         mem = [_size(v, 1024) for v in (m.params, m.grads, m.optimizer, m.gathered, m.activations, m.total)]
         degrees = (d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp, d.edp, d.ep, d.etp)
-        rows.append((str(i), *(str(v) for v in degrees), *mem, _size(c.intra, 1000), _size(c.inter, 1000),
+        balance = (f"{b.imbalance:.3f}", f"{b.replica_imbalance:.3f}")[:len(rows_cols)] if b else ()
+        rows.append((str(i), *(str(v) for v in degrees), *balance, *mem, _size(c.intra, 1000), _size(c.inter, 1000),
                      f"{c.comm_time_s * 1e3:.1f}", f"{c.bubble:.0%}", f"{c.time_per_token * 1e6:.2f}"))
     widths = [max(len(r[j]) for r in rows) for j in range(len(cols))]
-    # Bars after pp, between the dense axes, the expert axes, memory and traffic.
+    # Bars after pp, between the dense axes, the expert axes (and their rows per EP rank), memory and traffic.
+    n = len(rows_cols)
+    bars = (1, 5, 8, 8 + n, 14 + n, 16 + n) if n else (1, 5, 8, 14, 16)
     return "\n".join(
-        " ".join(v.rjust(w) + (" |" if j in (1, 5, 8, 14, 16) else "") for j, (v, w) in enumerate(zip(r, widths)))
+        " ".join(v.rjust(w) + (" |" if j in bars else "") for j, (v, w) in enumerate(zip(r, widths)))
         for r in rows
     )
 
@@ -68,6 +76,13 @@ def explain_choice(spec: ModelSpec, best: Candidate, runner_up: Candidate | None
         f"- Communication per step: {_size(best.intra, 1000)} intra-node, {_size(best.inter, 1000)} inter-node "
         f"(~{best.comm_time_s * 1e3:.0f} ms if not overlapped, for {best.tokens:g} tokens per rank).",
     ]
+    if (b := best.balance) is not None:
+        slots = len(b.slots[0])
+        lines.append(
+            f"- Skewed routing ({work.skew:g}, hottest expert {b.hottest}): the busiest EP rank computes "
+            f"{b.imbalance:.2f}x the mean rows"
+            + (f", {b.replica_imbalance:.2f}x with {slots} replica slot(s) per EP rank" if slots else "")
+            + "; its routed rows set the all-to-all and the expert activations priced above.")
     if runner_up is not None:
         r = runner_up.dims
         lines.append(
@@ -80,11 +95,16 @@ def explain_choice(spec: ModelSpec, best: Candidate, runner_up: Candidate | None
 
 
 def candidate_dict(c: Candidate) -> dict:
-    d = c.dims
+    d, b = c.dims, c.balance
     return {
         "pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp,
         "edp": d.edp, "ep": d.ep, "etp": d.etp, "bubble": c.bubble, "stage": c.share._asdict(),
         "memory_bytes": {**c.memory._asdict(), "total": c.memory.total},
         "comm_bytes": {k: v._asdict() for k, v in c.comm.items()},
         "comm_time_s": c.comm_time_s, "tokens_per_rank": c.tokens, "fits": c.fits,
+        **({"ep_rows": {
+            "hottest_expert": b.hottest, "rows_per_rank": list(b.rows), "max_over_mean": b.imbalance,
+            "replica_slots": [list(row) for row in b.slots], "replica_rows_per_rank": list(b.replica_rows),
+            "replica_max_over_mean": b.replica_imbalance, "replica_copies_busiest_rank": b.copies,
+        }} if b else {}),
     }

@@ -18,6 +18,7 @@ from dtensor_moe.parallel.plan import check_pipeline
 from dtensor_moe.tools.planner.cache import PlanCache
 from dtensor_moe.tools.planner.memory import Memory, rank_activations
 from dtensor_moe.tools.planner.pipeline import PipelineRank, StageShare, bubble_fraction, pipeline_ranks
+from dtensor_moe.tools.planner.skew import Balance
 from dtensor_moe.tools.planner.tokens import rates
 from dtensor_moe.tools.planner.traffic import Held, Traffic, comm_time, ranks_held_costs, seconds, token_traffic
 from dtensor_moe.tools.planner.units import UnitPart, share_footprint, share_parts
@@ -36,6 +37,7 @@ class Candidate(NamedTuple):  # a tuple: one per folding, tens of thousands per 
     fits: bool
     bubble: float  # share of the step a pipeline rank idles
     share: StageShare  # what the rank with the most memory holds
+    balance: Balance | None = None  # rows per EP rank under skewed routing (Workload.skew > 0)
 
     @property
     def time_per_token(self) -> float:
@@ -137,11 +139,12 @@ class _RankTokens(NamedTuple):
 
 class _Tokens(NamedTuple):
     """What a folding's tokens cost, once per rates_key: per pipeline rank, and the step's tokens per
-    rank and bubble (they follow from cp, tp and pp)."""
+    rank, bubble (they follow from cp, tp and pp) and rows per EP rank."""
 
     ranks: tuple[_RankTokens, ...]
     tokens: float
     bubble: float
+    balance: Balance | None
 
 
 def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware,
@@ -176,7 +179,7 @@ def _tokens(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware
     for rank in ranks:
         traffic = token_traffic(r, rank)
         out.append(_RankTokens(rank_activations(r, rank), traffic, comm_time(traffic.values(), hw)))
-    return _Tokens(tuple(out), step_tokens_per_rank(work, dims), bubble_fraction(dims.pp, work))
+    return _Tokens(tuple(out), step_tokens_per_rank(work, dims), bubble_fraction(dims.pp, work), r.balance)
 
 
 def _candidate(dims: MoEParallelDims, hw: Hardware, weights: tuple[_Weights, ...], tokens: _Tokens
@@ -195,7 +198,7 @@ def _candidate(dims: MoEParallelDims, hw: Hardware, weights: tuple[_Weights, ...
             worst_comm = (time, w, t)
     (total, w, t), (time, slow_w, slow_t) = worst_mem, worst_comm
     c = Candidate(dims, Memory(*w.held.memory, t.activations), {**slow_t.traffic, **slow_w.held.traffic}, time,
-                  tokens.tokens, total <= hw.gpu_mem_gib * GiB, tokens.bubble, w.held.rank.share)
+                  tokens.tokens, total <= hw.gpu_mem_gib * GiB, tokens.bubble, w.held.rank.share, tokens.balance)
     # total is c.memory.total (its terms added in the property's order), the time per token c's.
     return c, (not c.fits, time / (1 - c.bubble) / c.tokens if c.fits else total, total)
 

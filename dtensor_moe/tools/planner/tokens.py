@@ -4,7 +4,11 @@ traffic.token_traffic multiply them by what the rank holds).
 
 Between blocks a rank holds T = seq_len / (cp * tp) tokens of each sequence; attention works on
 seq_len / cp of them with n_heads / tp heads. Routed tokens go once to each EP rank holding one of
-their experts (`distinct_ranks`, uniform routing), each way.
+their experts (`distinct_ranks`, uniform routing), each way. Under skewed routing (`Workload.skew`) the
+busiest EP rank sets the step: its routed rows (all-to-all, ETP gather, expert activations) are the
+balanced ones times its max / mean rows (`skew.Balance`, with the model's replica slots), and the
+replicas add their weight copies (held with the layer's activations, their gradient as large while it
+runs backward) and the copies' all-to-all over EP, each way.
 """
 
 import math
@@ -13,6 +17,7 @@ from typing import NamedTuple
 from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.tools.planner.cache import PlanCache
 from dtensor_moe.tools.planner.geometry import chain_inter_fraction, pairwise_intra_fraction, ring_inter_fraction
+from dtensor_moe.tools.planner.skew import Balance, balance
 from dtensor_moe.tools.planner.workload import Workload, tokens_per_rank
 from dtensor_moe.tools.presets import ModelSpec
 
@@ -63,6 +68,10 @@ class Rates(NamedTuple):
     tp_inter: float
     kv: int  # per layer
     cp_inter: float
+    # skewed routing and hot-expert replicas
+    balance: Balance | None  # rows per EP rank under Workload.skew; None: balanced (skew 0)
+    replica_copies: int  # one MoE layer's replica slots' weights (bytes); their gradient as many, transient
+    replica_sent: int  # the busiest EP rank's replica weight copies per MoE layer per step, both ways (bytes)
 
 
 def rates(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node: int = 8,
@@ -74,7 +83,12 @@ def rates(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node:
     # part of the sequence (tp times T tokens) with 1/tp of the heads.
     attention = sum(s[0] + s[-1] for _, s in spec.attention if len(s) == 2)
     common = T * b * 3 * D + T * b * attention  # two norm inputs and the residual, plus attention
-    experts = k * (2 * dims.etp * D + 3 * F) + 3 * F * moe.num_shared_experts
+    skewed = None if not work.skew else balance(moe.num_experts, k, dims.ep, dims.ep * dims.etp * T, work.skew,
+                                                moe.expert_replicas, cache)
+    straggler = 1 if skewed is None else skewed.replica_imbalance  # an int 1 keeps the balanced bytes exact
+    experts = k * (2 * dims.etp * D + 3 * F) * straggler + 3 * F * moe.num_shared_experts
+    # A replica slot holds this ETP rank's F slice of w1, w2, w3 (and of b1, b3, with all of b2).
+    slot = 3 * (F // dims.etp) * D + (2 * (F // dims.etp) + D) * moe.expert_biases
     # Dispatch and combine (a token once per rank holding one of its experts, each way) in forward,
     # their reverses in backward, forward again when recomputing.
     routing = moe.num_experts, k, dims.ep, moe.num_expert_groups, moe.num_limited_groups
@@ -85,13 +99,14 @@ def rates(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node:
     return Rates(
         recompute,
         block_input=T * D * b,
-        moe_layer=common + T * b * experts + T * moe.num_experts * 4,  # fp32 router scores
+        # fp32 router scores; the replica slots' weight copies, saved for the layer's backward
+        moe_layer=common + T * b * experts + T * moe.num_experts * 4 + moe.expert_replicas * slot * b,
         dense_layer=common + T * b * 3 * spec.dense_hidden_dim,
         # Logits (replicated over tp) and their fp32 copy for the loss per microbatch; one gradient of them.
         logits=T * dims.tp * spec.vocab_size * (b + 4), logits_grad=T * dims.tp * spec.vocab_size * 4,
         send=M * T * D * b,  # hidden states under SP: the rank's T tokens
         send_inter=chain_inter_fraction(dims.pp, dims.stage_size, G),
-        routed=M * (2 + recompute) * T * rows * D * b,
+        routed=M * (2 + recompute) * T * rows * D * b * straggler,
         ep=dims.ep, ep_inter=1 - pairwise_intra_fraction(dims.ep, dims.etp, G),
         etp=dims.etp, etp_inter=1 - pairwise_intra_fraction(dims.etp, 1, G),
         # Sequence parallelism: each block's attention all-gathers its input and reduce-scatters its output
@@ -101,4 +116,8 @@ def rates(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node:
         # The K/V of the CP part (tp * T tokens, 1/tp of the heads) pass to every CP peer.
         kv=M * (3 + recompute) * (dims.cp - 1) * T * spec.kv_width * b,
         cp_inter=ring_inter_fraction(dims.cp, dims.tp, G),
+        balance=skewed,
+        replica_copies=moe.expert_replicas * slot * b,
+        # Owners send the copies each forward (again when recomputing); their gradients come back.
+        replica_sent=0 if skewed is None else M * (2 + recompute) * skewed.copies * slot * b,
     )

@@ -2,9 +2,10 @@
 
 - its tokens' (`token_traffic`, from the folding's `Rates`): pipeline stage-boundary sends of hidden
   states (forward) and their gradients (backward) per microbatch, EP all-to-all and ETP
-  gather/reduce-scatter of routed tokens (uniform routing, pairwise), K/V all-gather passes under
-  CP, and sequence parallelism's all-gather / reduce-scatter of each block's attention input and
-  output under TP;
+  gather/reduce-scatter of routed tokens (uniform routing, pairwise; under skewed routing the
+  busiest EP rank's), K/V all-gather passes under CP, sequence parallelism's all-gather /
+  reduce-scatter of each block's attention input and output under TP, and with hot-expert replicas
+  the owners' weight copies to the replica slots and their gradients back (`replica_weights`);
 - its weights' (`Held`, from rank 0's footprint): FSDP all-gather (twice per block: forward and
   backward) and reduce-scatter (fp32), HSDP all-reduce over dp_replicate.
 
@@ -91,6 +92,7 @@ def token_traffic(r: Rates, rank: PipelineRank) -> dict[str, Traffic]:
         "etp_gather_scatter": _part(routed * (r.etp - 1), r.etp_inter),
         "tp_sequence": _part((r.seq_per_layer * s.layers + 2 * (s.first + s.last)) * r.seq, r.tp_inter),
         "cp_ring_kv": _part(s.layers * r.kv, r.cp_inter),
+        **({"replica_weights": _part(r.replica_sent * s.moe_layers, r.ep_inter)} if r.replica_copies else {}),
     }
 
 

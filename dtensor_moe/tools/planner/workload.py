@@ -2,13 +2,14 @@
 the byte sizes both imply.
 
 A step is `microbatches` microbatches of `micro_batch` sequences per data-parallel rank. Between
-blocks a rank holds seq_len / (cp * tp) tokens of each sequence (`tokens_per_rank`).
+blocks a rank holds seq_len / (cp * tp) tokens of each sequence (`tokens_per_rank`). Routing is balanced
+across the experts unless `skew` > 0 (Zipf popularity: skew.py).
 """
 
 from dataclasses import dataclass
 
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims
-from dtensor_moe.validate import check_choice, check_int, check_positive
+from dtensor_moe.validate import at_least, check_choice, check_fields, check_int, check_positive
 
 GiB = 2**30
 COMPUTE_BYTES = {"bf16": 2, "fp32": 4}
@@ -28,6 +29,7 @@ class Workload:
     recompute: str = "full"  # "full": each block's activations are recomputed in backward
     microbatches: int = 1  # per step: pipeline microbatches, or gradient accumulation without pp
     pp_schedule: str = "1f1b"
+    skew: float = 0.0  # expert popularity 1 / rank ** skew (skew.py); 0: every expert alike
 
     def __post_init__(self):
         check_int("Workload.seq_len", self.seq_len)
@@ -37,6 +39,7 @@ class Workload:
         check_choice("Workload.dtype", self.dtype, COMPUTE_BYTES)
         check_choice("Workload.optimizer", self.optimizer, OPTIMIZER_MOMENTS)
         check_choice("Workload.recompute", self.recompute, RECOMPUTE)
+        check_fields(self, "Workload.", skew=at_least(0))
 
     @property
     def compute_bytes(self) -> int:
