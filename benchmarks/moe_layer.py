@@ -47,7 +47,8 @@ from torch.profiler import ProfilerActivity, profile
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, grouped_swiglu, parallelize_moe
 from dtensor_moe.kernels import policy
 from dtensor_moe.parallel import dispatch
-from dtensor_moe.router import Routing
+from dtensor_moe.router import Routing, combine_weights_TE
+from dtensor_moe.token_rounding import round_tokens
 from dtensor_moe.train.metrics import write_json
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when run through runpy
@@ -97,8 +98,17 @@ def host_timed_ms(step, dev, iters, warmup, barrier=True, host_ms: list | None =
     return sorted(ts)[len(ts) // 2] * 1e3
 
 
-def bypass_router(moe: MoE, weights_TK, experts_TK):
-    moe.router.forward = lambda x_TD, expert_bias=None: Routing(weights_TK, experts_TK, None, None)
+def bypass_router(moe: MoE, weights_TK, experts_TK, probs_TE=None):
+    """The layer routes as given; `probs_TE` (the scores) only where token rounding weighs the pairs it adds."""
+    moe.router.forward = lambda x_TD, expert_bias=None: Routing(weights_TK, experts_TK, probs_TE, None)
+
+
+def rounded_experts(cfg: MoEConfig, weights_TK, experts_TK, probs_TE):
+    """experts_TK as the layer rounds them (cfg.round_tokens_to; dropped pairs id E), for the rows and GEMM columns."""
+    if not cfg.round_tokens_to:
+        return experts_TK
+    weight_TE = combine_weights_TE(cfg, probs_TE, None, experts_TK)
+    return round_tokens(experts_TK, experts_TK, weights_TK, weight_TE, cfg.round_tokens_to)[0]
 
 
 def build_layer(cfg, mesh, world, dev, dtype, **parallel_kwargs):
@@ -137,13 +147,13 @@ def _check_numerics(cfg, mesh, rank, world, T, dev, dtype, mode, zipf) -> dict:
     ref.experts.precision = "bf16"  # the reference's GEMMs in fp32
     if MESHES[mesh] is not None:
         parallelize_moe(model, MoEParallelDims(world, **MESHES[mesh]), device_type=dev.type)
-    bypass_router(ref, scores_TK, experts_TK)
+    bypass_router(ref, scores_TK, experts_TK, probs_TE)
     x_ref = x.clone().requires_grad_(True)
     y_ref = ref(x_ref.view(1, -1, cfg.dim)).view(-1, cfg.dim)
     ((y_ref * grad_out).sum() / n).backward()
 
     lo, hi = (rank * T, (rank + 1) * T) if n > 1 else (0, T)
-    bypass_router(model, scores_TK[lo:hi].to(dtype), experts_TK[lo:hi])
+    bypass_router(model, scores_TK[lo:hi].to(dtype), experts_TK[lo:hi], probs_TE[lo:hi])
     x_r = x[lo:hi].to(dtype).requires_grad_(True)
     y = model(x_r.view(1, T, cfg.dim)).view(T, cfg.dim)
     (y.float() * grad_out[lo:hi]).sum().backward()
@@ -159,7 +169,7 @@ def numerics_config(cfg: MoEConfig) -> MoEConfig:
     """Same E, K and routing pattern, smaller D/F so the fp32 reference fits beside the layer."""
     return MoEConfig(dim=min(cfg.dim, 1024), hidden_dim=min(cfg.hidden_dim, 512), num_experts=cfg.num_experts,
                      top_k=cfg.top_k, load_balance="none", expert_precision=cfg.expert_precision,
-                     dispatch_precision=cfg.dispatch_precision)
+                     dispatch_precision=cfg.dispatch_precision, round_tokens_to=cfg.round_tokens_to)
 
 
 KERNEL_KINDS = (
@@ -296,7 +306,7 @@ def bench_layer(name, mesh, mode, args, dev, world, rank, dtype, peak, precision
     if local and rank != 0:
         return None
     cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K, load_balance="none", expert_precision=precision,
-                    dispatch_precision=args.dispatch_precision)
+                    dispatch_precision=args.dispatch_precision, round_tokens_to=args.round_tokens_to)
     what = (name, mesh, routing.label(mode, args.zipf))
     progress(rank, *what, "numerics check")
     numerics = check_numerics(numerics_config(cfg), mesh, rank, world, min(T, 2048), dev, dtype, mode, args.zipf)
@@ -304,8 +314,10 @@ def bench_layer(name, mesh, mode, args, dev, world, rank, dtype, peak, precision
         torch.cuda.empty_cache()
     progress(rank, *what, "build")
     moe = build_layer(cfg, mesh, world, dev, dtype)
-    x, weights_TK, experts_TK = routing.routed_inputs(rank, T, D, E, K, dev, dtype, mode, args.zipf)
-    bypass_router(moe, weights_TK, experts_TK)
+    x, weights_TK, experts_TK, probs_TE = routing.routed_inputs(rank, T, D, E, K, dev, dtype, mode, args.zipf,
+                                                                with_probs=True)
+    bypass_router(moe, weights_TK, experts_TK, probs_TE)
+    routed_TK = rounded_experts(cfg, weights_TK, experts_TK, probs_TE)  # what the experts receive
 
     def step():
         moe(x).float().sum().backward()
@@ -313,8 +325,9 @@ def bench_layer(name, mesh, mode, args, dev, world, rank, dtype, peak, precision
     flops = 18 * D * F * T * K
     out = {"shape": name, "mesh": mesh, "routing": mode, "zipf": routing.zipf_of(mode, args.zipf),
            "precision": precision, "dispatch_precision": args.dispatch_precision,
+           "round_tokens_to": args.round_tokens_to, "kept_pairs": (routed_TK < E).sum().item() / experts_TK.numel(),
            "D": D, "F": F, "E": E, "K": K, "T": T, "numerics": numerics,
-           **routing.load_stats(experts_TK, E, all_ranks=not local)}
+           **routing.load_stats(routed_TK[routed_TK < E], E, all_ranks=not local)}
     progress(rank, *what, "timing")
 
     # One microbatch of a training step: fresh gradients (the GEMMs' outputs become .grad), FSDP's reductions.
@@ -362,8 +375,9 @@ def bench_layer(name, mesh, mode, args, dev, world, rank, dtype, peak, precision
         torch.cuda.empty_cache()
     if args.gemm_timing and local:
         progress(rank, *what, "GEMMs at the routed counts")
-        counts_E = torch.bincount(experts_TK.flatten(), minlength=E)
-        rates, _ = expert_gemms.measure(name, D, F, E, T * K, dev, counts_E=counts_E, precisions=(precision,))
+        counts_E = torch.bincount(routed_TK[routed_TK < E], minlength=E)
+        rates, _ = expert_gemms.measure(name, D, F, E, int(counts_E.sum()), dev, counts_E=counts_E,
+                                        precisions=(precision,))
         attach_gemm_rates(out, rates)
     return out
 
@@ -543,6 +557,9 @@ def main():
     ap.add_argument("--dispatch-precision", choices=("bf16", "fp8"), default="bf16",
                     help="MoEConfig.dispatch_precision of the parallel layers (fp8: the EP/ETP token payload in e4m3)")
     routing.add_arguments(ap)
+    ap.add_argument("--round-tokens-to", type=int, default=0,
+                    help="MoEConfig.round_tokens_to of every layer (0: off); rows, GEMM columns and load at the "
+                         "rounded counts; torchtitan's columns stay its unrounded run")
     gemm_source = ap.add_mutually_exclusive_group()
     gemm_source.add_argument("--gemm-rates", default=None,
                              help="expert_gemms.py JSON: the per-GEMM columns (local rows) at its random counts")

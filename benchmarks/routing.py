@@ -92,13 +92,17 @@ def routing_TK(probs_TE: torch.Tensor, K: int, mode: str, zipf: float, seed: int
     return probs_TE.gather(-1, experts_TK), experts_TK
 
 
-def routed_inputs(rank: int, T: int, D: int, E: int, K: int, dev, dtype, mode: str = "topk", zipf: float = 1.2):
-    """The benchmarks' input x_1TD and routing (weights_TK in `dtype`, experts_TK) on this rank: seeded by the
-    rank, the input and logits drawn in the same order as before the modes existed."""
+def routed_inputs(rank: int, T: int, D: int, E: int, K: int, dev, dtype, mode: str = "topk", zipf: float = 1.2,
+                  with_probs: bool = False):
+    """The benchmarks' input x_1TD and routing (weights_TK in `dtype`, experts_TK; `with_probs`: also the float32
+    probs_TE they were drawn from, which token rounding weighs added pairs by) on this rank: seeded by the rank,
+    the input and logits drawn in the same order as before the modes existed."""
     torch.manual_seed(rank)
     x_1TD = torch.randn(1, T, D, device=dev, dtype=dtype, requires_grad=True)
     probs_TE = torch.softmax(torch.randn(T, E, device=dev), -1)
     weights_TK, experts_TK = routing_TK(probs_TE, K, mode, zipf, seed=rank)
+    if with_probs:
+        return x_1TD, weights_TK.to(dtype), experts_TK, probs_TE
     return x_1TD, weights_TK.to(dtype), experts_TK
 
 

@@ -41,6 +41,8 @@ MOE_RULES = dict(
     replica_replan_every=at_least(1),
     # A dropless forward in which an EP rank would compute more expert rows raises, naming them; 0: no cap.
     max_rows_per_rank=at_least(0),
+    # Tile-aware token rounding (token_rounding.py): each expert's pairs on a rank a multiple of this; 0: off.
+    round_tokens_to=at_least(0),
 )
 
 
@@ -49,6 +51,11 @@ def check_routing(cfg, prefix: str):
     ModelConfig alike (after check_fields)."""
     check_groups(cfg, prefix)
     _check_capacity(cfg, prefix)
+    if cfg.round_tokens_to and cfg.pad_to_capacity:
+        # Padding gives every expert exactly its capacity in rows whatever the routing: nothing left to round.
+        raise ValueError(f"{prefix}round_tokens_to ({cfg.round_tokens_to}) needs unpadded routing, got "
+                         f"{prefix}pad_to_capacity=True (every expert's block is its capacity, whatever the counts); "
+                         "valid: round_tokens_to 0, or pad_to_capacity false")
     if cfg.expert_replicas and cfg.pad_to_capacity:
         # Padded dispatch has static per-expert blocks; replicas split an expert's rows by the step's counts.
         raise ValueError(f"{prefix}expert_replicas ({cfg.expert_replicas}) needs the dropless dispatch, got "
@@ -128,6 +135,11 @@ class MoEConfig:
     # > 0: an eager dropless forward in which an EP rank would compute more expert rows than this raises ValueError
     # on every rank, naming the layer, the forward and the rows per rank (never an out-of-memory at an unknown step).
     max_rows_per_rank: int = 0
+    # > 0: tile-aware token rounding (token_rounding.py, docs/routing.md "Token rounding"): after the router and any
+    # capacity dropping, each expert's (token, expert) pairs of one forward on one rank are rounded to a multiple of
+    # this (the grouped GEMMs' row tile, 128 on Hopper; any positive int) by dropping its lowest-weight pairs or
+    # adding the next-best experts of tokens that lost one. 0: off.
+    round_tokens_to: int = 0
 
     def __post_init__(self):
         check_fields(self, "MoEConfig.", hidden_dim=at_least(1), **MOE_RULES)

@@ -13,8 +13,9 @@ from torch import nn
 from dtensor_moe.capacity import capacity, kept_pairs
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.experts import GroupedExperts
-from dtensor_moe.router import TopKRouter
+from dtensor_moe.router import TopKRouter, combine_weights_TE
 from dtensor_moe.routing import PaddedCopies, TokenCopies, expert_major
+from dtensor_moe.token_rounding import round_tokens
 
 
 def recomputing() -> bool:
@@ -118,14 +119,21 @@ class MoE(nn.Module):
         if cfg.z_loss_coeff:
             self.z_loss = self._z_loss(r.logits_TE)
 
-        weights_TK = r.weights_TK
+        weights_TK, experts_TK = r.weights_TK, r.experts_TK
         if cfg.capacity_factor is not None:
             # Statistics and balance losses above see what the router asked for, before dropping.
             keep_TK = kept_pairs(weights_TK, r.experts_TK, counts_E, cfg.capacity_factor, cfg.drop_policy)
             weights_TK = weights_TK * keep_TK
             # Dropped pairs get expert id E: they sort last and counts_E no longer counts them.
-            dropped_id = torch.where(keep_TK, r.experts_TK, cfg.num_experts)
-            sorted_N, order_N, counts_E = expert_major(dropped_id.flatten(), cfg.num_experts)
+            experts_TK = torch.where(keep_TK, r.experts_TK, cfg.num_experts)
+        if cfg.round_tokens_to:  # after capacity, and after the statistics too (docs/routing.md, "Token rounding")
+            C = None if cfg.capacity_factor is None else capacity(len(x_TD), cfg.top_k, cfg.num_experts,
+                                                                   cfg.capacity_factor)
+            experts_TK, weights_TK = round_tokens(
+                r.experts_TK, experts_TK, weights_TK, combine_weights_TE(cfg, r.scores_TE, r.logits_TE, r.experts_TK),
+                cfg.round_tokens_to, C, cfg.num_expert_groups)
+        if experts_TK is not r.experts_TK:
+            sorted_N, order_N, counts_E = expert_major(experts_TK.flatten(), cfg.num_experts)
         if cfg.pad_to_capacity:  # every expert a block of exactly C rows: static shapes downstream
             C = capacity(x_TD.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor)
             copies = PaddedCopies.build(order_N, sorted_N, counts_E, weights_TK, C)

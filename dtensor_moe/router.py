@@ -32,6 +32,20 @@ def limit_groups(select_TE: torch.Tensor, num_groups: int, num_limited: int) -> 
     return select_TGE.masked_fill(~kept_TG[..., None], float("-inf")).view(T, E)
 
 
+def combine_weights_TE(config: MoEConfig, scores_TE: torch.Tensor, logits_TE: torch.Tensor,
+                       experts_TK: torch.Tensor) -> torch.Tensor:
+    """[T, E]: the combine weight the router's formula gives each expert for each token, normalized over the
+    token's chosen experts_TK as its own weights are (route_norm's sum, topk_softmax's softmax), times route_scale.
+    At a chosen expert it is that pair's weight; token rounding weighs the experts it adds with it."""
+    if config.score_func == "topk_softmax":
+        weights_TE = torch.exp(logits_TE - torch.logsumexp(logits_TE.gather(-1, experts_TK), dim=-1, keepdim=True))
+    elif config.route_norm:
+        weights_TE = scores_TE / (scores_TE.gather(-1, experts_TK).sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        weights_TE = scores_TE
+    return weights_TE * config.route_scale
+
+
 class TopKRouter(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()

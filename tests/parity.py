@@ -141,11 +141,12 @@ def parity_errors(rank: int, world_size: int, case: Case) -> tuple[dict, MoE]:
     # Reference: one process, the concatenated batch, loss = mean over ranks of each rank's loss.
     x_ref = x.clone().requires_grad_(True)
     y_ref = ref(x_ref)
-    if cfg.capacity_factor is None:
+    if cfg.capacity_factor is None and not cfg.round_tokens_to:
         outs = [y_ref[_slice(case, dims, r)] for r in range(R)]
     else:
-        # Capacity is per rank's tokens: the reference output runs each rank's slice on its own; the
-        # balance losses and statistics stay the whole batch's (they see the choices before dropping).
+        # Capacity and token rounding are per rank's tokens: the reference output runs each rank's slice on its
+        # own; the balance losses and statistics stay the whole batch's (they see the router's choices, before
+        # dropping and rounding).
         losses, counts = (ref.aux_loss, ref.seq_aux_loss, ref.z_loss), ref.tokens_per_expert.clone()
         outs = [ref(x_ref[_slice(case, dims, r)]) for r in range(R)]
         (ref.aux_loss, ref.seq_aux_loss, ref.z_loss) = losses

@@ -61,6 +61,13 @@ def test_moe_layer_smoke(tmp_path):
     # Per step, "rows there" is the dispatch's tokens and the combine's gradient (same rows); FP8 only the first.
     assert fp8_sent["rows there"] * 2 == bf16_sent["rows there"]
     assert fp8_sent["rows:fp8 there"] / fp8_sent["rows there"] == (64 + 4) / (2 * 64)
+    # Token rounding: the rows (and GEMM columns) are the rounded counts, the numerics those of the rounded layer.
+    round_out = tmp_path / "moe_layer_round.json"
+    torchrun("moe_layer.py", "--device", "cpu", "--shapes", "tiny", "--meshes", "local", "--iters", "1", "--warmup",
+             "0", "--profile-meshes", "--round-tokens-to", "8", "--out", str(round_out))
+    (round_row,) = json.loads(round_out.read_text())["rows"]
+    assert round_row["round_tokens_to"] == 8 and round_row["rows_max"] % 8 == 0 and round_row["kept_pairs"] <= 1
+    assert max(round_row["numerics"].values()) < 3e-2, round_row["numerics"]
 
 
 @pytest.mark.parametrize("T, E, K", [(64, 8, 2), (96, 64, 6), (10, 7, 3)])  # E64's K=6: tokens straddle permutations

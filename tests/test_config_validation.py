@@ -84,6 +84,14 @@ MOE = dict(dim=8, hidden_dim=8, num_experts=8, top_k=2)
         (dict(activation="gelu"), "MoEConfig.activation must be one of ['swiglu', 'clamped_swiglu'], got 'gelu'"),
         (dict(swiglu_limit=0.0), "MoEConfig.swiglu_limit must be > 0, got 0.0"),
         (dict(expert_biases=1), "MoEConfig.expert_biases must be a bool (true or false), got 1 (int)"),
+        (dict(round_tokens_to=-128), "MoEConfig.round_tokens_to must be >= 0, got -128"),
+        (dict(round_tokens_to=128.0), "MoEConfig.round_tokens_to must be an int >= 0, got 128.0"),
+        (dict(round_tokens_to=True), "MoEConfig.round_tokens_to must be an int >= 0, got True (bool)"),
+        (
+            dict(round_tokens_to=128, capacity_factor=1.0, pad_to_capacity=True),
+            "MoEConfig.round_tokens_to (128) needs unpadded routing, got MoEConfig.pad_to_capacity=True (every "
+            "expert's block is its capacity, whatever the counts); valid: round_tokens_to 0, or pad_to_capacity false",
+        ),
     ],
 )
 def test_moe_config_types_and_ranges(kwargs, message):

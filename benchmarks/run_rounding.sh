@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Issue 27 items 3-5 on ONE GPU, results under $OUT, in two parts of under 10 minutes each on an H200:
+#   OUT=$OUT bash benchmarks/run_rounding.sh layer   # the layer: dropless vs round_tokens_to=128 (+ FP8), torchtitan
+#   OUT=$OUT bash benchmarks/run_rounding.sh train   # the 1-GPU job: quality over seeds, tokens/s per option
+# layer: torchtitan 0.3.0 EP=1 (titan_anchor.py) and our layer unparallelized (moe_layer.py --meshes local), fed the
+#   same per-token choices (topk: ragged counts; skewed: Zipf $ZIPF); ours once dropless and once with every
+#   expert's rows rounded to a multiple of 128 (bf16 and FP8). torchtitan's columns are its dropless run on the
+#   same choices: it has no rounding. Writes layer_dropless.json, layer_round128.json.
+# train: configs/gpu_2x.toml on 1 GPU (ep 1), 200 steps, seeds $SEEDS (default 0 1 2): top-k bf16, rounding 128 bf16,
+#   rounding 128 FP8 (every expert GEMM forced to FP8, as fp8_loss_check.sh does); then seed 0 compiled, with and
+#   without rounding. Writes train_rounding.json: mean last-10 loss per option over the seeds, tokens/s per option.
+# Needs the carried wheels in .whl/ (torchtitan 0.3.0 and its small deps) for the baseline.
+set -uo pipefail
+OUT=${OUT:-/tmp/rounding_out}
+source "$(dirname "$0")/device_env.sh"
+RUN=(python3 -m torch.distributed.run --standalone --nproc-per-node 1)
+if [ "${1:-layer}" = layer ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PYTHONPATH
+  MODES=(--routing topk skewed --zipf "${ZIPF:-1.2}")
+  for s in "7168 2048 256 8 8192" "2048 768 128 8 16384" "4096 14336 8 2 8192" "4096 1536 64 6 16384"; do
+    # shellcheck disable=SC2086  # the shape is four arguments
+    OMP_NUM_THREADS=8 timeout 100 "${RUN[@]}" benchmarks/titan_anchor.py $s "${ITERS:-10}" "${MODES[@]}" 2>&1 \
+      | tee -a "$OUT/titan.log" | grep titan0 || echo "titan EP=1 failed: $s" | tee -a "$LOG"
+  done
+  for m in 0 128; do
+    name=$([ "$m" = 0 ] && echo dropless || echo "round$m")
+    precisions=$([ "$m" = 0 ] && echo bf16 || echo "bf16 fp8")
+    # shellcheck disable=SC2086  # the precisions are words
+    timeout 200 "${RUN[@]}" benchmarks/moe_layer.py --meshes local --profile-meshes --gemm-timing \
+      --iters "${ITERS:-10}" "${MODES[@]}" --precisions $precisions --round-tokens-to "$m" \
+      --titan-log "$OUT/titan.log" --out "$OUT/layer_$name.json" 2>&1 | tee -a "$LOG" | grep '^|' \
+      || echo "moe_layer.py --round-tokens-to $m failed" | tee -a "$LOG"
+  done
+  exit 0
+fi
+FORCE=/tmp/fp8_everywhere.json
+python3 - "$FORCE" <<'PY'
+import json, sys
+gemms = [{"shape": "gpu_2x", "gemm": g, "I": I, "O": O, "E": 16, "rows_per_expert": 4096.0, "bf16_tflops": 1.0,
+          "fp8_tflops": 2.0} for g in ("fwd", "dgrad", "wgrad", "wgrad_acc") for I, O in ((1024, 2048), (2048, 1024))]
+json.dump({"note": "forces FP8 for every expert GEMM of configs/gpu_2x.toml", "gemms": gemms}, open(sys.argv[1], "w"))
+PY
+run() {  # name, seed, extra environment, overrides...
+  local name=$1 seed=$2 envs=$3
+  shift 3
+  env $envs timeout 150 python3 -m dtensor_moe.cli train --config configs/gpu_2x.toml --run-dir "/tmp/runs/${name}_s$seed" \
+    parallel.nproc=1 parallel.ep=1 training.steps=200 training.seed="$seed" "$@" 2>&1 | grep -v 'step/s' | tail -n 9 \
+    | tee -a "$LOG"
+}
+for seed in ${SEEDS:-0 1 2}; do  # interleaved, so that a drift of the GPU over the minutes falls on no one option
+  run topk "$seed" ""
+  run round128 "$seed" "" model.round_tokens_to=128
+  run round128_fp8 "$seed" "DTENSOR_MOE_FP8_RATES=$FORCE" model.round_tokens_to=128 model.expert_precision=fp8
+done
+run topk_compiled 0 "" training.compile=true
+run round128_compiled 0 "" training.compile=true model.round_tokens_to=128
+python3 - "$OUT/train_rounding.json" <<'PY' 2>&1 | tee -a "$LOG"
+import glob, json, os, statistics, sys
+res = {"runs": {}}
+for d in sorted(glob.glob("/tmp/runs/*_s*")):
+    if not os.path.exists(f"{d}/metrics.jsonl"):
+        continue
+    rows = [json.loads(line) for line in open(f"{d}/metrics.jsonl")]
+    res["runs"][os.path.basename(d)] = {
+        "steps": len(rows), "final_loss": rows[-1]["loss"],
+        "last10_mean_loss": statistics.mean(r["loss"] for r in rows[-10:]),
+        "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows[4:])}
+for p in ("topk", "round128", "round128_fp8", "topk_compiled", "round128_compiled"):
+    mine = [r for n, r in res["runs"].items() if n.rsplit("_s", 1)[0] == p]
+    if mine:
+        res[p] = {k: statistics.mean(r[k] for r in mine) for k in ("last10_mean_loss", "median_tokens_per_s")}
+        res[p]["seeds"] = len(mine)
+for p in ("round128", "round128_fp8"):
+    if p in res and "topk" in res:
+        res[f"{p}_over_topk_last10_loss"] = res[p]["last10_mean_loss"] / res["topk"]["last10_mean_loss"]
+json.dump(res, open(sys.argv[1], "w"), indent=1)
+print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=1))
+PY
