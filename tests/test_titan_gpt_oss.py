@@ -126,25 +126,44 @@ def test_pp2_ep2_matches_unparallelized(folded):
     _assert_matches_reference("gpt-oss pp2 x ep2", merged, folded["reference"])
 
 
-@pytest.mark.parametrize("flags", [("--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only"),
-                                   ("--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", "/unused")])
-def test_hf_checkpoints_are_refused(capsys, monkeypatch, flags):
-    """torchtitan 0.3.0's gpt-oss state-dict adapter drops the experts (its names lack the parameters' suffixes):
-    one line while the command line is parsed, not a checkpoint without them."""
+def _refused(capsys, argv) -> str:
     from torchtitan.config import ConfigManager
 
-    monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit) as exit_:
-        ConfigManager().parse_args(_argv("gpt_oss_tiny_cpu", "/unused", "--checkpoint.enable", *flags))
+        ConfigManager().parse_args(argv)
     assert exit_.value.code == 2
     ours = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dtensor_moe.titan: ")]
-    flag = flags[0].removeprefix("--")
-    first = [f"layers.0.moe.routed_experts.inner_experts.{n}" for n in ("mlp1_bias_EG", "mlp1_weight_EGD",
-                                                                           "mlp2_bias_ED", "mlp2_weight_EDF")]
-    assert ours == [f"dtensor_moe.titan: {flag}: GptOssStateDictAdapter (torchtitan's state-dict adapter of model_spec "
-                    f"'gpt_oss') maps no Hugging Face key to {first[0]} (8 tensors: {', '.join(first)}, ...), so the "
-                    f"checkpoint would not be the trained model; valid: no --{flag} (torchtitan's DCP checkpoints "
-                    "work)"], ours
+    assert len(ours) == 1, ours
+    return ours[0]
+
+
+def test_hf_checkpoints(capsys, monkeypatch, tmp_path):
+    """Hugging Face saves and loads go through the hook's GptOssHFAdapter (torchtitan 0.3.0's own adapter keeps no
+    expert tensor: its names lack the parameters' suffixes; tests/test_titan_hf_export.py checks the round trip).
+    gpt_oss_tiny_cpu trains torchtitan's aux-loss-free routing bias, which transformers' GptOss has no key for (its
+    router.bias is the gate's): an HF export is refused in one line naming the way out. MXFP4 loads are refused
+    (the adapter reads transformers' unquantized layout)."""
+    from torchtitan.config import ConfigManager
+
+    from dtensor_moe.titan.hf import GptOssHFAdapter
+
+    monkeypatch.delenv("RANK", raising=False)
+    export = _argv("gpt_oss_tiny_cpu", "/unused", "--checkpoint.enable", "--checkpoint.last_save_in_hf",
+                   "--checkpoint.last_save_model_only")
+    line = _refused(capsys, export)
+    want = ("dtensor_moe.titan: checkpoint.last_save_in_hf: gpt_oss's Hugging Face format has no key for "
+                    "layers.0.moe.expert_bias_E (2 layers; its mlp.router.bias is the router gate's, exported), the "
+                    "routing bias that load_balance_coeff trains, so the export would not be the trained model; valid: "
+                    "--dtensor_moe.load_balance_coeff 0 (train without the bias), or no --checkpoint.last_save_in_hf")
+    assert line == want, line
+    config = ConfigManager().parse_args([*export, "--dtensor_moe.load_balance_coeff", "0"])
+    assert config.model_spec.state_dict_adapter is GptOssHFAdapter
+    load = _argv("gpt_oss_tiny_cpu", "/unused", "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+                 "--checkpoint.initial_load_path", str(tmp_path))
+    ConfigManager().parse_args(load)
+    line = _refused(capsys, [*load, "--checkpoint.initial_load_in_hf_quantized"])
+    assert line.startswith("dtensor_moe.titan: checkpoint.initial_load_in_hf_quantized: the hook reads gpt-oss Hugging "
+                           "Face checkpoints in transformers' unquantized layout"), line
 
 
 def test_plan_splits_gate_up_pairs_over_etp():

@@ -36,8 +36,9 @@ CPU configs, for tests on gloo ranks:
 
 The Qwen3 ones train no aux-loss-free routing bias (torchtitan's do: Hugging Face's Qwen3-MoE has no key for it,
 so an HF export would drop it) and export HF in float32 (`_no_routing_bias`; docs/titan.md, "Hugging Face
-checkpoints"). The gpt-oss ones keep torchtitan's bias: their HF saves and loads are refused anyway (titan/hf.py,
-`check_hf_keys`: torchtitan 0.3.0's gpt-oss adapter drops the experts).
+checkpoints"). The gpt-oss ones keep torchtitan's bias (they train as torchtitan's own gpt-oss configs do): an HF
+export of them needs --dtensor_moe.load_balance_coeff 0, and without it is refused in one line (transformers'
+GptOss has no key for the bias; titan/hf.py, GptOssHFAdapter).
 
 A `--config` name that is not here ends the job with one line listing the valid ones (as a bad degree does),
 not torchtitan's traceback.
