@@ -328,6 +328,7 @@ class _Exchange:
         self.copies, self.out_shape, self.groups = copies, out_shape, groups
         self.w_local = None  # with copies: the routing weights at the expert ranks, moved with the tokens
         self.y_replicas = None  # with replicas: the replica slots' outputs, after the experts' own rows
+        self.unsort = None  # without copies, with replicas: (inverse, readers) of the rows' sort by virtual slot
 
     def move(self, xs, kinds, direction, lengths=None):
         """lengths: the senders' row counts, for "back" (for "there" they are xs')."""
@@ -341,6 +342,12 @@ class _PaddedExchange:
         self.copies, self.out_shape = copies, out_shape
         self.experts = copies.num_experts // ep  # E_local
         self.sources = ep * etp  # blocks each local expert receives, one per (ETP peer, EP source)
+
+
+def _eager_replicas() -> None:
+    if torch.compiler.is_compiling():
+        raise ValueError("expert_replicas > 0 runs eagerly only (its split needs the counts on the host); "
+                         "valid: expert_replicas 0 with torch.compile, or an eager layer")
 
 
 class RowCapExceeded(ValueError):
@@ -357,15 +364,19 @@ class ExpertDispatcher:
     ExpertInput.weight_grad_scale and apply it to the weight gradients alone; for any other module
     the activation gradient around it is scaled (and unscaled for its input).
 
-    `replicas` > 0 (MoEConfig.expert_replicas; our experts, dropless dispatch): that many replica slots per EP
-    rank, placed every `replan_every` training forwards (replica_dispatch.py). `max_rows_per_rank` > 0: a
+    `replicas` > 0 (MoEConfig.expert_replicas; dropless dispatch): that many replica slots per EP rank, placed every
+    `replan_every` training forwards (replica_dispatch.py); our experts run the replica rows themselves, other ones
+    (rows in expert order, no copies: torchtitan's) through `replica_forward(experts, x_RD, counts_E, weights)`,
+    their own math with `weights` (copies of their parameters, by name) in place of theirs. `max_rows_per_rank` > 0: a
     (eager) forward in which any EP rank would compute more rows raises ValueError on every rank of the group
     alike, naming `layer`, the forward and the rows (MoEConfig.max_rows_per_rank).
     """
 
     def __init__(self, ep_group, etp_group, grad_divisor: float, dispatch_precision: str = "bf16",
-                 replicas: int = 0, replan_every: int = 100, max_rows_per_rank: int = 0, layer: str = "an MoE layer"):
+                 replicas: int = 0, replan_every: int = 100, max_rows_per_rank: int = 0, layer: str = "an MoE layer",
+                 replica_forward=None):
         self.grad_divisor = float(grad_divisor)
+        self.replica_forward = replica_forward
         self.replicas = Replicas(replicas, replan_every, ep_group, etp_group) if replicas else None
         self.max_rows_per_rank, self.layer = max_rows_per_rank, layer
         self.forwards = 0  # dispatched forwards, named by the row cap's error
@@ -392,9 +403,7 @@ class ExpertDispatcher:
             x_TD = x.reshape(-1, x.shape[-1])
             expert_N, pair_N, weight_N = copies.expert_N, copies.pair_N, copies.weight_N
             if self.replicas is not None:
-                if torch.compiler.is_compiling():
-                    raise ValueError("expert_replicas > 0 runs eagerly only (its split needs the counts on the host); "
-                                     "valid: expert_replicas 0 with torch.compile, or an eager layer")
+                _eager_replicas()
                 counts_E, expert_N, pair_N, weight_N = self.replicas.relabel(
                     copies, counts_E, self._host_counts, experts.training)
             tables = ep_plan(counts_E, expert_N, pair_N, x_TD.shape[0], copies.weight_TK.shape[1], *self.groups)
@@ -408,10 +417,19 @@ class ExpertDispatcher:
             if self.replicas is not None:
                 return self._run_replicas(x_local, ex, experts, scale)
         else:
+            order = None
+            if self.replicas is not None:  # the rows sorted by virtual slot (the combine sorts them back)
+                _eager_replicas()
+                counts_E, order = self.replicas.relabel_rows(counts_E, x.shape[0], self._host_counts, experts.training)
+                inv = inverse_permutation(order)
+                x = gather_rows(x, order, inv[:, None])
             none = counts_E.new_empty(0, dtype=torch.int64)
             ex = _Exchange(ep_plan(counts_E, none, none, x.shape[0], 0, *self.groups), None, x.shape, self.groups)
             self._check_rows(ex.C_host)
             x_local = gather_rows(ex.move([x], f"pairs{self.payload}", "there")[0], ex.idx, ex.inv)
+            if order is not None:
+                ex.unsort = (inv, order[:, None])
+                return self._run_replicas(x_local, ex, experts, scale)
         return ExpertInput(x_local, ex.local_counts_E, ex.local_counts_host, scale, ex, self.adds_output_bias)
 
     def _host_counts(self, counts_1E: torch.Tensor) -> torch.Tensor:
@@ -425,8 +443,12 @@ class ExpertDispatcher:
         host = ex.local_counts_host
         E_local = len(host) - self.replicas.r
         n_own = sum(host[:E_local])
-        ex.y_replicas = self.replicas.run(experts, x_local[n_own:], ex.local_counts_E[E_local:], host[E_local:],
-                                          scale, self.adds_output_bias, _all_to_all)
+        if ex.copies is None:  # other experts: their own forward on the copies (the output gradient scaled as theirs)
+            ex.y_replicas = self.replicas.run_foreign(experts, self.replica_forward, x_local[n_own:],
+                                                      ex.local_counts_E[E_local:], scale, _all_to_all)
+        else:
+            ex.y_replicas = self.replicas.run(experts, x_local[n_own:], ex.local_counts_E[E_local:], host[E_local:],
+                                              scale, self.adds_output_bias, _all_to_all)
         return ExpertInput(x_local[:n_own], ex.local_counts_E[:E_local], host[:E_local], scale, ex,
                            self.adds_output_bias)
 
@@ -492,7 +514,8 @@ class ExpertDispatcher:
         if ex.y_replicas is not None:
             y_local = torch.cat([y_local, ex.y_replicas])
         if ex.copies is None:
-            return ex.move([gather_rows(y_local, ex.inv[:, 0], ex.idx[:, None])], "pairs", "back", [ex.out_shape[0]])[0]
+            y = ex.move([gather_rows(y_local, ex.inv[:, 0], ex.idx[:, None])], "pairs", "back", [ex.out_shape[0]])[0]
+            return y if ex.unsort is None else gather_rows(y, *ex.unsort)
         z_rows = torch.ops.dtensor_moe.gather_sum(y_local, ex.row_readers, ex.row_idx, ex.w_local)
         z_back = ex.move([z_rows], "rows", "back", [ex.send_token.shape[0]])[0]
         token_rows = ex.token_rows.view(*ex.out_shape[:-1], ex.token_rows.shape[1])
@@ -518,7 +541,8 @@ class ExpertDispatcher:
             # Scaled at the senders' rows (the dispatch is linear), not on the dispatched ones: those are
             # also kept in `in_flight`, and a compiled frame that outputs a tensor and a view of it (ScaleGrad's)
             # rebuilds the view from the tensor outside the graph, without ScaleGrad's backward (torch 2.13).
-            inp = self.dispatch(ScaleGrad.apply(x, self.grad_divisor) if self.grad_divisor != 1 else x, counts_E)
+            inp = self.dispatch(ScaleGrad.apply(x, self.grad_divisor) if self.grad_divisor != 1 else x, counts_E,
+                                experts=module)
             self.in_flight.append(inp)
             return inp.x_ND, inp.counts_E
 

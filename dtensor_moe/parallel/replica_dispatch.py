@@ -8,6 +8,9 @@ too) to the replica slots over the EP group, one all-to-all (`SENT_BYTES[("repli
 replica rows run through `grouped_swiglu` with those copies, at the same weight-gradient scale as the owner's rows,
 and the copies' gradients travel back the same way and add into the owner's gradient through autograd (the copies
 are views of the owner's parameters, never parameters themselves: state dicts and checkpoints hold owners only).
+Other experts (torchtitan's, under the hook) get their rows one per pair in expert order: those are sorted by virtual
+slot (`relabel_rows`, a stable permutation the combine undoes), and the replica rows run through the experts' own
+forward with the copies in place of their parameters (`run_foreign`), so they compute exactly as the owner's rows.
 
 Placement (which expert each slot holds) changes only every `replan_every` training forwards, from the counts
 summed since the last change, and only while no training forward awaits its backward: activation checkpointing
@@ -22,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from dtensor_moe.experts import GroupedExperts, gather_for_compute, grouped_swiglu
 from dtensor_moe.moe import recomputing
 from dtensor_moe.parallel.replicas import replica_plan, source_segments
-from dtensor_moe.routing import gather_rows, inverse_permutation
+from dtensor_moe.routing import ScaleGrad, gather_rows, inverse_permutation
 
 
 class _AllToAll(torch.autograd.Function):
@@ -94,38 +97,57 @@ class Replicas:
             self.forwards += 1
         return self.slots
 
-    def relabel(self, copies, counts_E: torch.Tensor, gather, training: bool):
-        """(slot_counts, slot_N, pair_N, weight_N): the pairs by virtual slot, in slot-major order (capacity-dropped
-        pairs, id E, last with id n_virtual), for ep_plan as if they were pairs by expert."""
+    def _segments(self, counts_E: torch.Tensor, gather, training: bool) -> tuple[list[tuple[int, int]], int]:
+        """(this rank's (virtual slot, pairs) segments in the order of its expert-major pairs, the virtual slots)."""
         counts_RE = self._group_counts(counts_E, gather)
         # A recomputation (activation checkpointing) is no new forward: it must run with its forward's slots.
         self.counting = training and not recomputing()
         slots = self._placement([sum(c[e] for c in counts_RE) for e in range(len(counts_RE[0]))], self.counting)
         self.slots_now = slots
         E = len(counts_RE[0])
-        n_virtual = self.ep * (E // self.ep + self.r)
         mine = source_segments(counts_RE, self.ep, slots)[self.etp_rank * self.ep + self.ep_rank]
-        N, dev = copies.pair_N.shape[0], copies.pair_N.device
+        return mine, self.ep * (E // self.ep + self.r)
+
+    @staticmethod
+    def _slot_order(mine, n_virtual: int, N: int, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pairs per virtual slot, each of the N expert-major pairs' slot in slot-major order, the stable order
+        that sorts the pairs by slot); pairs past the segments (capacity-dropped) get slot n_virtual, last."""
         kept = sum(n for _, n in mine)
         v = torch.tensor([s for s, _ in mine] + [n_virtual], dtype=torch.int64)
         n = torch.tensor([c for _, c in mine] + [N - kept], dtype=torch.int64)
         slot_counts = torch.zeros(n_virtual + 1, dtype=torch.int64).index_add_(0, v, n)[:n_virtual].to(dev)
         slot_N, order_N = torch.sort(torch.repeat_interleave(v.to(dev), n.to(dev), output_size=N), stable=True)
+        return slot_counts, slot_N, order_N
+
+    def relabel(self, copies, counts_E: torch.Tensor, gather, training: bool):
+        """(slot_counts, slot_N, pair_N, weight_N): the pairs by virtual slot, in slot-major order (capacity-dropped
+        pairs, id E, last with id n_virtual), for ep_plan as if they were pairs by expert."""
+        mine, n_virtual = self._segments(counts_E, gather, training)
+        slot_counts, slot_N, order_N = self._slot_order(mine, n_virtual, copies.pair_N.shape[0], copies.pair_N.device)
         inv_N = inverse_permutation(order_N)[:, None]
         weight_N = gather_rows(copies.weight_N[:, None], order_N, inv_N)[:, 0]
         return slot_counts, slot_N, copies.pair_N.index_select(0, order_N), weight_N
 
-    def weights(self, experts: GroupedExperts, dtype: torch.dtype, move) -> list[torch.Tensor | None]:
-        """The replica slots' copies of (w1, w2, w3, b1, b2, b3) ([r, ...] each, None for absent biases), this ETP
-        rank's slices, from their owners over the EP group, in the compute dtype (the experts cast the owners' alike,
-        so the copies round as they do); empty slots are zeros (no rows reach them)."""
-        params = [getattr(experts, n) for n in ("w1", "w2", "w3", "b1", "b2", "b3")]
+    def relabel_rows(self, counts_E: torch.Tensor, N: int, gather, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot_counts, order_N) for N rows given one per pair in expert order (counts_E per expert: torchtitan's
+        experts' input): the stable order that groups them by virtual slot, for ep_plan as rows by expert."""
+        mine, n_virtual = self._segments(counts_E, gather, training)
+        slot_counts, _, order_N = self._slot_order(mine, n_virtual, N, counts_E.device)
+        return slot_counts, order_N
+
+    def weights(self, experts, names, dtype: torch.dtype | None, move) -> list[torch.Tensor | None]:
+        """The replica slots' copies of the experts' parameters `names` ([r, ...] each, None for an absent one, e.g.
+        our experts' biases), this ETP rank's slices, from their owners over the EP group, in `dtype` (our experts:
+        the compute dtype, as they cast the owners' weights, so the copies round as they do; None: the parameters'
+        own, for experts that cast them in their forward); empty slots are zeros (no rows reach them)."""
+        params = [getattr(experts, n) for n in names]
         present = [p for p in params if p is not None]
         # The (ep, etp) slice, as the experts take it: under FSDP2 the unsharded parameter; without an experts
         # unit (ExpertParallel(fsdp=False)) gathered over EDP here too, its gradient reduce-scattered back.
         local = [w.to_local() if isinstance(w, DTensor) else w for w in map(gather_for_compute, present)]
         E_local = local[0].shape[0]
-        owned_flat = torch.cat([w.reshape(E_local, -1) for w in local], 1).to(dtype)
+        owned_flat = torch.cat([w.reshape(E_local, -1) for w in local], 1)
+        owned_flat = owned_flat if dtype is None else owned_flat.to(dtype)
         me, slots = self.ep_rank, self.slots_now
         send = [[e % E_local for e in slots[q] if e >= 0 and e // E_local == me] for q in range(self.ep)]
         recv = [[j for j, e in enumerate(slots[me]) if e >= 0 and e // E_local == s] for s in range(self.ep)]
@@ -154,8 +176,16 @@ class Replicas:
 
     def run(self, experts: GroupedExperts, x_ND, counts_E, host_counts, weight_grad_scale, adds_output_bias, move):
         """The replica slots' rows through the owners' weights."""
-        w1, w2, w3, b1, b2, b3 = self.weights(experts, x_ND.dtype, move)
+        w1, w2, w3, b1, b2, b3 = self.weights(experts, ("w1", "w2", "w3", "b1", "b2", "b3"), x_ND.dtype, move)
         biases = None if b1 is None else (b1, b2, b3)
         return grouped_swiglu(x_ND, counts_E, w1, w2, w3, weight_grad_scale=weight_grad_scale,
                               host_counts=host_counts, biases=biases, clamp=experts.clamp, add_b2=adds_output_bias,
                               precision=experts.precision)
+
+    def run_foreign(self, experts, forward, x_RD, counts_E, weight_grad_scale: float, move):
+        """The replica slots' rows through other experts (torchtitan's): `forward(experts, x_RD, counts_E, weights)`
+        runs them with `weights` (a copy of each of the module's own parameters, by name) in place of the owned
+        ones. Their gradient is scaled as the dispatcher scales the owned rows' output gradient (`hooks`)."""
+        names = [n for n, _ in experts.named_parameters(recurse=False)]
+        y_RD = forward(experts, x_RD, counts_E, dict(zip(names, self.weights(experts, names, None, move))))
+        return y_RD if weight_grad_scale == 1 else ScaleGrad.apply(y_RD, weight_grad_scale)

@@ -85,7 +85,7 @@ def shard_moe_layer(
     expert mesh, gathered over EDP in the forward and their gradients reduce-scattered back, both
     DTensor redistributions inside the graph (experts.gather_for_compute). `dispatch_precision`:
     MoEConfig.dispatch_precision, the EP/ETP token payload's. `dispatch_options`: ExpertDispatcher's replica and
-    row-cap arguments (`dispatch_options(moe)`; replicas run with our experts only).
+    row-cap arguments (`dispatch_options(moe)`; replicas run with our experts, or others given a `replica_forward`).
     """
     experts_plans = tuple(wp for wp in plans if wp.role == "expert")
     dense_plans = tuple(wp for wp in plans if wp.role == "dense")
@@ -93,9 +93,11 @@ def shard_moe_layer(
     experts = moe.get_submodule(owner_name)
     ep_etp = meshes.expert["ep", "etp"]
     ours = isinstance(experts, GroupedExperts)  # takes ExpertInput and the weight-gradient scale
-    if not ours and (dispatch_options or {}).get("replicas"):
-        raise ValueError(f"expert_replicas needs dtensor_moe's GroupedExperts (they run the replicas' rows), got "
-                         f"{type(experts).__name__}; valid: expert_replicas 0")
+    options = dispatch_options or {}
+    if not ours and options.get("replicas") and options.get("replica_forward") is None:
+        raise ValueError(f"expert_replicas needs dtensor_moe's GroupedExperts (they run the replicas' rows) or a "
+                         f"replica_forward for {type(experts).__name__} (the torchtitan hook's); valid: "
+                         f"expert_replicas 0")
     in_graph = ours and not experts_unit and experts_fsdp_sharded(dims)
     weight_mesh = meshes.expert_by_plan if in_graph else meshes.expert_weights
     for wp in experts_plans:

@@ -62,26 +62,26 @@ def gpt_oss_plans(plans: tuple[WeightPlan, ...], experts_path: str) -> tuple[Wei
 
 
 def finish_rows(experts: GptOssGroupedExperts, etp: int) -> None:
-    """A forward hook ahead of the dispatcher's combine. torchtitan's gpt-oss experts return bfloat16 rows
+    """A forward hook ahead of the dispatcher's combine: `finish` on the experts' rows."""
+    experts.register_forward_hook(lambda module, args, out_RD: finish(module, *args, out_RD, etp), prepend=True)
+
+
+def finish(module: GptOssGroupedExperts, x_RD, counts_E, out_RD, etp: int):
+    """gpt-oss's expert rows as the dispatcher combines them. torchtitan's gpt-oss experts return bfloat16 rows
     whatever their input (its grouped experts return the input's dtype): under float32 parameters torchtitan's
     own combine would fail (scatter_add of bfloat16 rows into float32), so the rows come back in the input's
     dtype. Under ETP the ranks' outputs are summed: each rank keeps 1 / etp of the down bias it added (the
-    subtracted part is detached, so the bias gradient stays whole)."""
-    take_out = 1.0 - 1.0 / etp
-
-    def finish(module, args, out_RD):
-        x_RD, counts_E = args
-        out_RD = out_RD.to(x_RD.dtype)
-        if etp == 1:
-            return out_RD
-        b_ED = module.mlp2_bias_ED
-        b_ED = b_ED.to_local() if isinstance(b_ED, DTensor) else b_ED
-        counts = counts_E.long()
-        # Rows past the experts' (padding) get no bias, as in torchtitan's forward.
-        slack = (x_RD.shape[0] - counts.sum()).reshape(1)
-        b_RD = torch.cat([b_ED, b_ED.new_zeros(1, b_ED.shape[1])]).repeat_interleave(
-            torch.cat([counts, slack]), dim=0, output_size=x_RD.shape[0])
-        # torchtitan adds the bias rounded to its rows' dtype: the same share of that comes back out.
-        return out_RD - (take_out * b_RD.to(torch.bfloat16)).detach().to(out_RD.dtype)
-
-    experts.register_forward_hook(finish, prepend=True)
+    subtracted part is detached, so the bias gradient stays whole). Replica rows (titan/replicas.py) take it too,
+    with their copy of the bias in the module's place."""
+    out_RD = out_RD.to(x_RD.dtype)
+    if etp == 1:
+        return out_RD
+    b_ED = module.mlp2_bias_ED
+    b_ED = b_ED.to_local() if isinstance(b_ED, DTensor) else b_ED
+    counts = counts_E.long()
+    # Rows past the experts' (padding) get no bias, as in torchtitan's forward.
+    slack = (x_RD.shape[0] - counts.sum()).reshape(1)
+    b_RD = torch.cat([b_ED, b_ED.new_zeros(1, b_ED.shape[1])]).repeat_interleave(
+        torch.cat([counts, slack]), dim=0, output_size=x_RD.shape[0])
+    # torchtitan adds the bias rounded to its rows' dtype: the same share of that comes back out.
+    return out_RD - ((1.0 - 1.0 / etp) * b_RD.to(torch.bfloat16)).detach().to(out_RD.dtype)

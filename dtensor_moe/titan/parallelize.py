@@ -37,6 +37,8 @@ from dtensor_moe.parallel.shard import shard_moe_layer
 
 from .context_parallel import apply_cp
 from .gpt_oss import expert_dims, finish_rows, gpt_oss_plans, is_gpt_oss, moe_fields
+from .replicas import dispatch_options
+from .token_rounding import round_titan_tokens
 from .trainer import ExpertMeshParallelDims
 
 # Plan names (dtensor_moe's MoE) -> torchtitan's names, relative to the MoE module.
@@ -133,11 +135,17 @@ def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_co
         cast_forward_inputs=False,
     )
     reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled)
+    names = {m: n for n, m in model.named_modules()}
+    rounding = parallel_dims.options.round_tokens_to if parallel_dims.options is not None else 0
     for moe, moe_plans in zip(moes, plans):
+        if rounding:  # --dtensor_moe.round_tokens_to (titan/token_rounding.py)
+            round_titan_tokens(moe, moe_config(moe), rounding, dims.ep * dims.etp > 1)
         # torchtitan's loss is a global sum and its FSDP reductions sum (divide factor 1): expert
         # weight gradients must stay sums too, so no EP*ETP division in the dispatcher.
         fsdp_kwargs = {"mp_policy": mp_policy, "reshard_after_forward": reshard}
-        shard_moe_layer(moe, moe_plans, dims, meshes, fsdp_kwargs, grad_divisor=1.0)
+        # Replicas and the row cap (titan/replicas.py): --dtensor_moe.expert_replicas, max_rows_per_rank.
+        options = dispatch_options(parallel_dims.options, f"MoE layer {names[moe]!r}", dims.etp)
+        shard_moe_layer(moe, moe_plans, dims, meshes, fsdp_kwargs, grad_divisor=1.0, dispatch_options=options)
         if is_gpt_oss(moe.routed_experts.inner_experts):
             finish_rows(moe.routed_experts.inner_experts, dims.etp)
 

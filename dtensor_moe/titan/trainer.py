@@ -32,7 +32,7 @@ from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.train.optim import clip_grad_norm_
 from dtensor_moe.train.supervision import INTERRUPTED_RC, PREEMPTED_RC, StopRequests
 
-from .hf import check_hf_export, check_hf_keys, check_hf_load, write_hf_config
+from .hf import check_hf_export, check_hf_keys, check_hf_load, check_hf_quantized, with_hf_adapter, write_hf_config
 
 # torchtitan 0.3.0 calls torch.distributed.set_timeout after the first step, an API that torch
 # 2.13.0 only has under its private name; same signature (timeout, group).
@@ -51,6 +51,18 @@ class ExpertParallelConfig:
     load_balance_coeff: float | None = None
     """Every MoE layer's load_balance_coeff (torchtitan's aux-loss-free routing bias, expert_bias_E, moved by
     this much a step): 0 trains no bias; unset keeps the model config's (the hook's Qwen3 configs train none)."""
+    expert_replicas: int = 0
+    """Hot-expert replica slots per EP rank (MoEConfig.expert_replicas; titan/replicas.py): each holds a copy of
+    another EP rank's hot expert for the forward, the same math; 0: off. Needs ep > 1 and no --compile.enable."""
+    replica_replan_every: int = 100
+    """Training forwards between re-placements of the replica slots (MoEConfig.replica_replan_every)."""
+    max_rows_per_rank: int = 0
+    """> 0: a forward in which an EP rank would compute more expert rows raises RowCapExceeded on every rank,
+    naming the layer and the rows (MoEConfig.max_rows_per_rank); 0: no cap."""
+    round_tokens_to: int = 0
+    """> 0: tile-aware token rounding (MoEConfig.round_tokens_to; titan/token_rounding.py): each expert's (token,
+    expert) pairs of one forward on one rank rounded to a multiple of this (the grouped GEMMs' row tile, 128 on
+    Hopper); 0: off."""
 
 
 @dataclass
@@ -58,6 +70,8 @@ class ExpertMeshParallelDims(ParallelDims):
     """torchtitan's ParallelDims of the dense model, plus the expert degrees our parallelize applies."""
 
     moe: MoEParallelDims | None = None
+    # The hook's `dtensor_moe` section, for what parallelize applies besides the degrees (replicas, row cap).
+    options: ExpertParallelConfig | None = None
 
     @property
     def ep_enabled(self) -> bool:
@@ -78,6 +92,7 @@ class Trainer(TitanTrainer):
 
         def __post_init__(self):
             TitanTrainer.Config.__post_init__(self)
+            with_hf_adapter(self)  # gpt-oss: an HF adapter that keeps the experts (titan/hf.py)
             try:
                 _check_config(self)
                 check_degrees(self, _world_size(self))
@@ -88,7 +103,7 @@ class Trainer(TitanTrainer):
         dense = super().init_distributed()
         moe = check_degrees(self.config, dense.world_size)  # checked while parsing: the same dims, no error
         init = {f.name: getattr(dense, f.name) for f in fields(ParallelDims) if not f.name.startswith("_")}
-        return ExpertMeshParallelDims(**init, moe=moe)
+        return ExpertMeshParallelDims(**init, moe=moe, options=self.config.dtensor_moe)
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -142,6 +157,8 @@ def _check_config(config: Trainer.Config) -> None:
     """What the hook supports of torchtitan's settings; sets torchtitan's replicate degree to ours."""
     p, ours = config.parallelism, config.dtensor_moe
     _only("parallelism.expert_parallel_degree", p.expert_parallel_degree, 1, "set --dtensor_moe.ep instead")
+    _check_replicas(config)
+    _check_rounding(config)
     if p.context_parallel_degree > 1:
         _check_cp(config, p.context_parallel_degree)
     if p.tensor_parallel_degree > 1:
@@ -173,6 +190,7 @@ def _check_config(config: Trainer.Config) -> None:
         check_hf_export(config)
     if c.initial_load_in_hf and c.initial_load_path:
         check_hf_keys(config, "checkpoint.initial_load_in_hf")
+        check_hf_quantized(config)
         check_hf_load(config.model_spec.model, c.initial_load_path)
 
 
@@ -272,6 +290,39 @@ def _check_tp(config: Trainer.Config, tp: int) -> None:
                 raise ValueError(
                     f"parallelism.tensor_parallel_degree ({tp}) must divide layers[{i}].attention.{name} ({heads}) "
                     f"so each TP rank owns whole heads; valid: {[d for d in range(1, heads + 1) if heads % d == 0]}")
+
+
+def _check_replicas(config: Trainer.Config) -> None:
+    """The replica and row-cap options (titan/replicas.py), checked while parsing."""
+    ours, compile_ = config.dtensor_moe, config.compile
+    for name, low in (("expert_replicas", 0), ("replica_replan_every", 1), ("max_rows_per_rank", 0)):
+        value = getattr(ours, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"dtensor_moe.{name}={value!r} is not supported with --module dtensor_moe.titan; "
+                             f"valid: an integer >= {low}")
+    r = ours.expert_replicas
+    if r and ours.ep == 1:
+        raise ValueError(f"--dtensor_moe.expert_replicas {r} needs --dtensor_moe.ep > 1 (a replica holds another "
+                         "EP rank's expert), got ep 1; valid: --dtensor_moe.expert_replicas 0, or --dtensor_moe.ep 2 "
+                         "or more")
+    if r and compile_.enable and "model" in compile_.components:
+        raise ValueError(f"--dtensor_moe.expert_replicas {r} with --compile.enable (compile.components "
+                         f"{list(compile_.components)}) is not supported: the replicas' split of an expert's rows "
+                         "needs each step's counts on the host, eagerly; valid: --dtensor_moe.expert_replicas 0, or "
+                         "no --compile.enable (or --compile.components without 'model')")
+
+
+def _check_rounding(config: Trainer.Config) -> None:
+    """--dtensor_moe.round_tokens_to (titan/token_rounding.py), checked while parsing."""
+    ours = config.dtensor_moe
+    M = ours.round_tokens_to
+    if isinstance(M, bool) or not isinstance(M, int) or M < 0:
+        raise ValueError(f"dtensor_moe.round_tokens_to={M!r} is not supported with --module dtensor_moe.titan; "
+                         "valid: 0 (off) or a positive integer, the grouped GEMMs' row tile (128 on Hopper)")
+    if M and ours.expert_replicas:
+        # The replicas' split of torchtitan's rows by virtual slot has not been checked with dropped rows.
+        raise ValueError(f"--dtensor_moe.round_tokens_to {M} with --dtensor_moe.expert_replicas "
+                         f"{ours.expert_replicas} is not supported; valid: one of them 0")
 
 
 def _check_cp(config: Trainer.Config, cp: int) -> None:

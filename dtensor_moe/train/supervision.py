@@ -109,7 +109,7 @@ class RankSupervision(StopRequests):
 
 def write_stopped(run_dir, reason: str, step: int, **details):
     path = Path(run_dir) / STOPPED
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # the ranks of one EP group may all write it (a row cap)
     tmp.write_text(json.dumps({"reason": reason, "step": step, **details}))
     os.replace(tmp, path)
 
