@@ -242,15 +242,27 @@ class RankPool:
         self.world_size = world_size
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         self.results = ctx.Queue()
-        port, environ = _free_port(), dict(os.environ)
-        self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results, environ), daemon=True)
-            for r in range(world_size)
-        ]
-        for p in self.procs:
-            p.start()
-        # A slow start is not charged to the first task. Threads per idle worker, for idle_leaks.
-        self.start_threads = self._collect(START_TIMEOUT_S, "start-up")
+        environ = dict(os.environ)
+        for attempt in range(3):
+            # _free_port's port is free when asked, not when rank 0 binds it: another process (a launcher's
+            # torchrun in a test beside this one) may take it in between. Then start again on another port.
+            port = _free_port()
+            self.procs = [
+                ctx.Process(target=_worker, args=(r, world_size, port, self.tasks[r], self.results, environ),
+                            daemon=True)
+                for r in range(world_size)
+            ]
+            for p in self.procs:
+                p.start()
+            try:
+                # A slow start is not charged to the first task. Threads per idle worker, for idle_leaks.
+                self.start_threads = self._collect(START_TIMEOUT_S, "start-up")
+                break
+            except (RankFailure, RuntimeError) as e:
+                if "EADDRINUSE" not in str(e) or attempt == 2:
+                    raise
+                self.kill()
+                self.results = ctx.Queue()
 
     def _collect(self, timeout: float, what: str):
         out, errors = [None] * self.world_size, {}
@@ -268,7 +280,9 @@ class RankPool:
                 out[rank] = payload
             else:
                 if not errors:  # ranks still out after one failed are likely stuck in a collective
-                    deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+                    # A rank 0 that could not listen (RankPool starts again elsewhere) leaves the others waiting.
+                    grace = 0 if "EADDRINUSE" in str(payload[0]) else ERROR_GRACE_S
+                    deadline = min(deadline, time.monotonic() + grace)
                 errors[rank] = payload
         if errors:
             types = {type(e) for e, _ in errors.values()}
