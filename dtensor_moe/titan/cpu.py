@@ -2,7 +2,7 @@
 
 torchtitan picks its device once, at import of `torchtitan.tools.utils` (`"cuda"` when no
 accelerator is visible), and other modules bind that choice with `from ... import device_type`.
-`use_cpu()` must therefore run before any other torchtitan module is imported; it points torchtitan
+`use_cpu()` points torchtitan (that module and every loaded module that bound its choice)
 at the CPU and a device-module stand-in with the few calls the Trainer makes (set_device, memory
 statistics, ...). torch.distributed then picks gloo for the "cpu" device type.
 """
@@ -36,17 +36,16 @@ CPU_DEVICE_MODULE = types.SimpleNamespace(
 
 
 def use_cpu() -> None:
-    """Make torchtitan run on CPU ranks (gloo). Call before importing any other torchtitan module."""
+    """Make torchtitan run on CPU ranks (gloo). Safe to call at any time, also after torchtitan modules
+    were imported: the modules that bound the device with `from torchtitan.tools.utils import ...` read
+    it only when called, so their bindings are pointed at the CPU too (a test process that imported
+    torchtitan for another purpose first is the usual case)."""
     import torchtitan.tools.utils as titan_utils
 
-    titan_utils.device_type, titan_utils.device_module = "cpu", CPU_DEVICE_MODULE
-    stale = [
-        name
-        for name, mod in list(sys.modules.items())
-        if name.startswith("torchtitan.") and getattr(mod, "device_type", "cpu") != "cpu"
-    ]
-    if stale:
-        raise ValueError(
-            f"use_cpu() must run before these torchtitan modules are imported (they bound the device "
-            f"type already): {stale}. Call it first, as `python -m dtensor_moe.titan.cpu_train` does."
-        )
+    bound = {"device_type": titan_utils.device_type, "device_module": titan_utils.device_module}
+    cpu = {"device_type": "cpu", "device_module": CPU_DEVICE_MODULE}
+    for name, mod in list(sys.modules.items()):
+        if name == "torchtitan" or name.startswith("torchtitan."):
+            for attr, old in bound.items():
+                if getattr(mod, attr, None) is old:
+                    setattr(mod, attr, cpu[attr])
