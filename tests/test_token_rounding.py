@@ -379,7 +379,7 @@ def test_titan_hook_rounds_as_our_layer():
     x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(1))
     w_BLK, ids_BLK, scores_BLE = moe.router(x, moe.expert_bias_E)
     round_titan_tokens(moe, moe_config(moe), M, dispatched=False)
-    routed = []  # after the rounding's pre-hook
+    routed = []  # what the rounding hands torchtitan's routed experts
     moe.routed_experts.register_forward_pre_hook(lambda m, args: routed.append(args))
     rows = _titan_rows(moe)
     moe(x).square().sum().backward()
@@ -395,6 +395,40 @@ def test_titan_hook_rounds_as_our_layer():
     assert rows[0][0].shape[0] == 36 and torch.equal(rows[0][1], counts)
     assert torch.equal(moe.tokens_per_expert_E, torch.bincount(chosen.flatten(), minlength=8).float())
     assert moe.router.gate.weight.grad.abs().sum() > 0
+
+
+def test_titan_hook_keeps_no_state():
+    """The rounding lives in the MoE's forward, the router's scores a local there: a router run on its own holds
+    nothing back, and a deep copy rounds with its own weights, the same under activation checkpointing's
+    recomputation and under torch.compile (output and every gradient bitwise)."""
+    pytest.importorskip("torchtitan")
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    from dtensor_moe.titan.parallelize import moe_config
+    from dtensor_moe.titan.token_rounding import round_titan_tokens
+
+    moe = _titan_moe(groups=4)
+    moe.train()
+    round_titan_tokens(moe, moe_config(moe), 4, dispatched=False)
+    x = torch.randn(2, 9, 64, generator=torch.Generator().manual_seed(1))
+    out = moe.router(x, moe.expert_bias_E)
+    scores = weakref.ref(out[2])
+    del out
+    assert scores() is None
+    checkpointed, compiled = copy.deepcopy(moe), copy.deepcopy(moe)
+    want = moe(x)
+    want.square().sum().backward()
+    got = checkpoint(checkpointed, x, use_reentrant=False)
+    got.square().sum().backward()
+    assert torch.equal(got, want)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        got = torch.compile(compiled, backend="aot_eager", fullgraph=True)(x)
+        got.square().sum().backward()
+    assert torch.equal(got, want)
+    for p, q, r in zip(moe.parameters(), checkpointed.parameters(), compiled.parameters()):
+        assert torch.equal(q.grad, p.grad) and torch.equal(r.grad, p.grad)
 
 
 def _titan_ep(rank, world_size, M):
