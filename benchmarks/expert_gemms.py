@@ -4,13 +4,14 @@
 
 Per shape (moe_layer.py's four, plus configs/gpu_2x.toml's layer on one GPU) and GEMM, TFLOP/s from
 CUDA-event medians (10 after 3 warm-ups) on random routing (uneven expert blocks, as in training):
-  fwd    x @ w^T per expert (w1/w3: I=D, O=F; w2: I=F, O=D);
-  dgrad  g @ w   (dh = dy @ w2: I=D, O=F; dx = da @ w1: I=F, O=D);
+  fwd    x @ w^T per expert (w1/w3: I=D, O=F; w2: I=F, O=D; gate and up as the experts run them, one
+         GEMM over w13: I=D, O=2F);
+  dgrad  g @ w   (dh = dy @ w2: I=D, O=F; dx = da @ w1: I=F, O=D; dx = [da, db] @ w13: I=2F, O=D);
   wgrad  g_e^T x_e into a fresh [E, O, I] gradient, and wgrad_acc: into an existing one (bf16: the
          in-GEMM accumulation policy.weight_grad_accumulation picks; FP8: its GEMM then an add).
 FP8 times include the fused quantization of the activation operands (rows for fwd/dgrad, per-expert
 columns, transposed and padded, for both wgrad operands); the weights' quantization, memoized until
-they change, is timed on its own (`weight_quant_ms`, all three weights, both layouts). The JSON's
+they change, is timed on its own (`weight_quant_ms`, w13 and w2, both layouts). The JSON's
 "gemms" list is the table kernels/policy.py reads (copy it to dtensor_moe/kernels/fp8_rates.json).
 Checks (JSON "checks"): opcheck of the FP8 ops on CUDA, Triton quantization equal to the torch path,
 the FP8 GEMMs against the dequantized math, empty experts.
@@ -63,8 +64,9 @@ def measure(name, D, F, E, N, dev, counts_E=None, precisions=("bf16", "fp8")) ->
         counts_E = torch.bincount(torch.randint(E, (N,), device=dev), minlength=E)
     offs, host_counts = torch.cumsum(counts_E, 0, dtype=torch.int32), counts_E.tolist()
     x, dy = torch.randn(N, D, **bf), torch.randn(N, D, **bf)
-    h, da = torch.randn(N, F, **bf), torch.randn(N, F, **bf)
-    w1, w2 = torch.randn(E, F, D, **bf) * 0.02, torch.randn(E, D, F, **bf) * 0.02
+    h, dab = torch.randn(N, F, **bf), torch.randn(N, 2 * F, **bf)
+    w13, w2 = torch.randn(E, 2 * F, D, **bf) * 0.02, torch.randn(E, D, F, **bf) * 0.02
+    w1, da = w13[:, :F], dab[:, :F].contiguous()
 
     def rows_mm(a, qw, sw):
         q, s = fp8.quantize_rows(a)
@@ -86,8 +88,9 @@ def measure(name, D, F, E, N, dev, counts_E=None, precisions=("bf16", "fp8")) ->
     weight_quant = {}
     if "fp8" in precisions:  # only then are the FP8 GEMMs below called, with these weights
         weight_quant["weight_quant_ms"] = cuda_ms(
-            lambda: [f(w) for w in (w1, w2, w1) for f in (fwd_weights, dgrad_weights)], iters=3, warmup=1)
+            lambda: [f(w) for w in (w13, w2) for f in (fwd_weights, dgrad_weights)], iters=3, warmup=1)
         fw1, fw2, dw2q, dw1q = fwd_weights(w1), fwd_weights(w2), dgrad_weights(w2), dgrad_weights(w1)
+        fw13, dw13q = fwd_weights(w13), dgrad_weights(w13)
     accumulate = policy.weight_grad_accumulation(x, w1.shape, True, True)
     entries = []
     gemms = [
@@ -97,6 +100,9 @@ def measure(name, D, F, E, N, dev, counts_E=None, precisions=("bf16", "fp8")) ->
         ("dgrad", F, D, lambda: grouped_mm(da, w1, offs), lambda: rows_mm(da, *dw1q)),
         ("wgrad", D, F, lambda: grouped_weight_grad(da, x, offs), lambda: fp8_wgrad(da, x)),
         ("wgrad", F, D, lambda: grouped_weight_grad(dy, h, offs), lambda: fp8_wgrad(dy, h)),
+        ("fwd", D, 2 * F, lambda: grouped_mm(x, w13.transpose(-2, -1), offs), lambda: rows_mm(x, *fw13)),
+        ("dgrad", 2 * F, D, lambda: grouped_mm(dab, w13, offs), lambda: rows_mm(dab, *dw13q)),
+        ("wgrad", D, 2 * F, lambda: grouped_weight_grad(dab, x, offs), lambda: fp8_wgrad(dab, x)),
     ]
     for g, a, (I, O) in ((da, x, (D, F)), (dy, h, (F, D))):
         out = torch.zeros(E, O, I, **bf)
@@ -231,7 +237,7 @@ def main():
                 f"TFLOP/s ({e['fp8_tflops'] / e['bf16_tflops']:.2f}x)",
                 flush=True,
             )
-        print(f"{name:9s} weight quantization (3 weights, 2 layouts): {wq['weight_quant_ms']:.2f} ms", flush=True)
+        print(f"{name:9s} weight quantization (w13 and w2, 2 layouts): {wq['weight_quant_ms']:.2f} ms", flush=True)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
 

@@ -158,7 +158,7 @@ def _check_numerics(cfg, mesh, rank, world, T, dev, dtype, mode, zipf) -> dict:
     y = model(x_r.view(1, T, cfg.dim)).view(T, cfg.dim)
     (y.float() * grad_out[lo:hi]).sum().backward()
     errs = {"out": _rel_err(y, y_ref[lo:hi]), "grad:x": _rel_err(x_r.grad, x_ref.grad[lo:hi] * n)}
-    for name in ("w1", "w2", "w3"):
+    for name in ("w13", "w2"):
         g = getattr(model.experts, name).grad
         g = g.full_tensor() if hasattr(g, "full_tensor") else g
         errs[f"grad:{name}"] = _rel_err(g, getattr(ref.experts, name).grad)
@@ -259,7 +259,7 @@ def grouped_swiglu_tflops(D, F, E_local, N, dev, iters) -> float:
     """Forward + backward of the three grouped GEMMs (+ SiLU) alone, balanced groups."""
     x = torch.randn(N, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
     ws = [torch.randn(s, device=dev, dtype=torch.bfloat16).mul_(0.02).requires_grad_(True)
-          for s in ((E_local, F, D), (E_local, D, F), (E_local, F, D))]
+          for s in ((E_local, 2, F, D), (E_local, D, F))]
     counts = torch.full((E_local,), N // E_local, device=dev)
     counts[-1] += N - int(counts.sum())
 
@@ -349,7 +349,7 @@ def bench_layer(name, mesh, mode, args, dev, world, rank, dtype, peak, precision
     out["tflops"] = flops / (out["ms"] / 1e3) / 1e12
     out["pct_dense_peak"] = 100 * out["tflops"] / peak
     if precision == "fp8":  # the steady state reuses the memoized FP8 weights; this re-quantizes them each step
-        ws = [getattr(moe.experts, n) for n in ("w1", "w2", "w3")]
+        ws = [getattr(moe.experts, n) for n in ("w13", "w2")]
 
         def requant_step():
             for w in ws:
@@ -377,7 +377,7 @@ def bench_layer(name, mesh, mode, args, dev, world, rank, dtype, peak, precision
         progress(rank, *what, "GEMMs at the routed counts")
         counts_E = torch.bincount(routed_TK[routed_TK < E], minlength=E)
         rates, _ = expert_gemms.measure(name, D, F, E, int(counts_E.sum()), dev, counts_E=counts_E,
-                                        precisions=(precision,))
+                                        precisions=tuple(dict.fromkeys(("bf16", precision))))
         attach_gemm_rates(out, rates)
     return out
 
@@ -398,16 +398,26 @@ def read_titan(path) -> dict:
 def attach_gemm_rates(row, rates):
     """fwd / dgrad / wgrad TFLOP/s of the experts' GEMMs alone at this shape (expert_gemms.py's records, one GPU:
     its JSON at random counts, or measured at the row's routed counts), in the row's precision:
-    fwd = x@w1, x@w3, h@w2; dgrad = dy@w2, da@w1, db@w3; wgrad the three weights'."""
+    fwd = x@w13 (gate and up), h@w2; dgrad = dy@w2, [da, db]@w13; wgrad both weights', each gate / up GEMM as the
+    layer runs it (policy.gate_up_fused: one GEMM over 2F, or two over F where FP8 runs them)."""
+    from dtensor_moe.kernels import policy
+
     D, F = row["D"], row["F"]
     got = {(r["gemm"], r["I"], r["O"]): r for r in rates if r["shape"] == row["shape"]}
     if not got or row["mesh"] != "local":
         return
     p = row["precision"]
-    for gemm, (twice, once) in {"fwd": ((D, F), (F, D)), "dgrad": ((F, D), (D, F)), "wgrad": ((D, F), (F, D))}.items():
-        a, b = got[(gemm, *twice)], got[(gemm, *once)]
-        flops = 3 * 2 * a["rows_per_expert"] * a["E"] * D * F
-        row[f"{gemm}_tflops"] = flops / ((2 * a[f"{p}_ms"] + b[f"{p}_ms"]) / 1e3) / 1e12
+    for gemm, (half, fused, w2) in {"fwd": ((D, F), (D, 2 * F), (F, D)), "dgrad": ((F, D), (2 * F, D), (D, F)),
+                                   "wgrad": ((D, F), (D, 2 * F), (F, D))}.items():
+        b = got[(gemm, *w2)]
+        if p == "fp8" and policy.fp8_measured_faster(gemm, *half, b["rows_per_expert"]):
+            gate_up_ms = 2 * got[(gemm, *half)]["fp8_ms"]
+        else:
+            gate_up_ms = got[(gemm, *fused)]["bf16_ms"]
+        w2_ms = b["fp8_ms"] if p == "fp8" and policy.fp8_measured_faster(gemm, *w2, b["rows_per_expert"]) \
+            else b["bf16_ms"]
+        flops = 3 * 2 * b["rows_per_expert"] * b["E"] * D * F
+        row[f"{gemm}_tflops"] = flops / ((gate_up_ms + w2_ms) / 1e3) / 1e12
 
 
 def attach_ratios(rows):

@@ -2,6 +2,8 @@
 # Issue 27 items 3-5 on ONE GPU, results under $OUT, in two parts of under 10 minutes each on an H200:
 #   OUT=$OUT bash benchmarks/run_rounding.sh layer   # the layer: dropless vs round_tokens_to=128 (+ FP8), torchtitan
 #   OUT=$OUT bash benchmarks/run_rounding.sh train   # the 1-GPU job: quality over seeds, tokens/s per option
+#   OUT=$OUT bash benchmarks/run_rounding.sh gemms   # expert_gemms.py: every GEMM bf16 vs FP8, gate / up fused or
+#                                                    # per half (the table kernels/policy.py reads), ~2 minutes
 # layer: torchtitan 0.3.0 EP=1 (titan_anchor.py) and our layer unparallelized (moe_layer.py --meshes local), fed the
 #   same per-token choices (topk: ragged counts; skewed: Zipf $ZIPF); ours once dropless and once with every
 #   expert's rows rounded to a multiple of 128 (bf16 and FP8). torchtitan's columns are its dropless run on the
@@ -14,6 +16,10 @@ set -uo pipefail
 OUT=${OUT:-/tmp/rounding_out}
 source "$(dirname "$0")/device_env.sh"
 RUN=(python3 -m torch.distributed.run --standalone --nproc-per-node 1)
+if [ "${1:-layer}" = gemms ]; then
+  timeout 400 python3 benchmarks/expert_gemms.py --out "$OUT/expert_gemms.json" 2>&1 | tee -a "$LOG"
+  exit 0
+fi
 if [ "${1:-layer}" = layer ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PYTHONPATH
@@ -26,8 +32,9 @@ if [ "${1:-layer}" = layer ]; then
   for m in 0 128; do
     name=$([ "$m" = 0 ] && echo dropless || echo "round$m")
     precisions=$([ "$m" = 0 ] && echo bf16 || echo "bf16 fp8")
+    profile=$([ "$m" = 0 ] && echo local)  # the dropless step's top kernels: where the non-GEMM time goes
     # shellcheck disable=SC2086  # the precisions are words
-    timeout 200 "${RUN[@]}" benchmarks/moe_layer.py --meshes local --profile-meshes --gemm-timing \
+    timeout 260 "${RUN[@]}" benchmarks/moe_layer.py --meshes local --profile-meshes $profile --gemm-timing \
       --iters "${ITERS:-10}" "${MODES[@]}" --precisions $precisions --round-tokens-to "$m" \
       --titan-log "$OUT/titan.log" --out "$OUT/layer_$name.json" 2>&1 | tee -a "$LOG" | grep '^|' \
       || echo "moe_layer.py --round-tokens-to $m failed" | tee -a "$LOG"

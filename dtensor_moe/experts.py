@@ -1,9 +1,12 @@
-"""SwiGLU experts stored stacked, in torchtitan's GroupedExperts layout and names.
+"""SwiGLU experts stored stacked: gate and up in one weight, the down projection in torchtitan's layout.
 
-w1 [E, F, D], w2 [E, D, F], w3 [E, F, D]: state dicts map one-to-one to torchtitan. With
-`expert_biases` (gpt-oss) also b1 [E, F], b3 [E, F] (added to the w1 / w3 outputs) and b2 [E, D]
-(added to the w2 output): torchtitan's gpt-oss mlp1_bias is b1 and b3 interleaved, its mlp2_bias b2.
-`activation` "clamped_swiglu" is gpt-oss's gate (kernels/swiglu.py).
+w13 [E, 2, F, D] (w13[:, 0] is torchtitan's w1 / Hugging Face's gate_proj, w13[:, 1] w3 / up_proj), w2 [E, D, F].
+Stored together, gate and up are one [E, 2F, D] operand: one GEMM computes both in the forward, one
+input-gradient GEMM replaces two and their sum in the backward, one weight-gradient GEMM writes both gradients.
+The size-2 dim keeps each half whole under ETP (which splits F, dim 2). With `expert_biases` (gpt-oss) also
+b13 [E, 2, F] (added to the gate / up outputs) and b2 [E, D] (added to the w2 output). `activation`
+"clamped_swiglu" is gpt-oss's gate (kernels/swiglu.py). `split_gate_up` / `join_gate_up` move state dicts
+between this layout and torchtitan's names (w1, w3, b1, b3) for exports and adapters.
 """
 
 import math
@@ -78,13 +81,19 @@ def _backward_accumulates(ctx) -> bool:
     the question for leaves (RuntimeError); a torch without the query gets autograd's path."""
     try:
         return all(node is not None and torch._C._will_engine_execute_node(node)
-                   for node, _ in ctx.next_functions[1:4])
+                   for node, _ in ctx.next_functions[1:3])
     except (RuntimeError, AttributeError):
         return False
 
 
 def _with_bias(y_NO, b_EO, offs_E):
     return y_NO if b_EO is None else y_NO + expand_rows(b_EO, offs_E, y_NO.shape[0])
+
+
+def _gate_up(w13_E2FD: torch.Tensor) -> torch.Tensor:
+    """w13's two halves as one [E, 2F, D] operand (rows: gate's F, then up's F)."""
+    E, _, F_, D = w13_E2FD.shape
+    return w13_E2FD.reshape(E, 2 * F_, D)
 
 
 @dataclass(frozen=True)
@@ -109,56 +118,70 @@ class _SwiGLUOptions:
 class _GroupedSwiGLU(torch.autograd.Function):
     """y = (gate(x W1^T + b1, x W3^T + b3)) W2^T + b2 per expert, with a hand-ordered backward.
 
-    `weight_grad_scale` is applied on the smaller operand of each weight-gradient GEMM (F-sized
-    activations rather than D-sized tokens when F < D). In eager mode, when the weights already hold
-    gradients (gradient accumulation), `accumulate` adds the weight gradients into them inside the
-    GEMMs and autograd gets None; compiled graphs leave accumulation to autograd. With `add_b2`
-    False (ETP sums the partial outputs) b2's gradient is computed here too, so every replica holds
-    the same one. The weights stay inputs 1-3: _backward_accumulates reads their autograd nodes.
+    W1 and W3 are w13's halves, computed as one GEMM each way (policy.gate_up_fused) unless FP8 runs
+    that GEMM: the FP8 table measured the F-wide GEMMs, so those run on each half. `weight_grad_scale`
+    is applied on the smaller operand of each weight-gradient GEMM (F-sized activations rather than
+    D-sized tokens when F < D). In eager mode, when the weights already hold gradients (gradient
+    accumulation), `accumulate` adds the weight gradients into them inside the GEMMs and autograd gets
+    None; compiled graphs leave accumulation to autograd. With `add_b2` False (ETP sums the partial
+    outputs) b2's gradient is computed here too, so every replica holds the same one. The weights stay
+    inputs 1-2: _backward_accumulates reads their autograd nodes.
     """
 
     @staticmethod
-    def forward(ctx, x_ND, w1, w2, w3, b1, b2, b3, offs_E, opts: _SwiGLUOptions):
+    def forward(ctx, x_ND, w13, w2, b13, b2, offs_E, opts: _SwiGLUOptions):
         # The parameters themselves are the inputs (not their to_local() views): this backward owns
         # their gradients, and a view's backward may turn a skipped gradient into zeros to add.
-        w1_EFD, w2_EDF, w3_EFD = (_shard(w).to(x_ND.dtype) for w in (w1, w2, w3))
-        b1_EF, b2_ED, b3_EF = (None if b is None else _shard(b).to(x_ND.dtype) for b in (b1, b2, b3))
+        w13_E2FD, w2_EDF = (_shard(w).to(x_ND.dtype) for w in (w13, w2))
+        b13_E2F, b2_ED = (None if b is None else _shard(b).to(x_ND.dtype) for b in (b13, b2))
         precision, host = opts.precision, opts.host_counts
-        a_NF = _with_bias(mm(x_ND, w1_EFD.transpose(-2, -1), offs_E, precision, host_counts=host), b1_EF, offs_E)
-        b_NF = _with_bias(mm(x_ND, w3_EFD.transpose(-2, -1), offs_E, precision, host_counts=host), b3_EF, offs_E)
+        E, _, F_, D = w13_E2FD.shape
+        if policy.gate_up_fused(precision, "fwd", x_ND, E, D, F_):
+            ab_N2F = mm(x_ND, _gate_up(w13_E2FD).transpose(-2, -1), offs_E, host_counts=host)
+        else:
+            ab_N2F = torch.cat([mm(x_ND, w13_E2FD[:, i].transpose(-2, -1), offs_E, precision, host_counts=host)
+                               for i in (0, 1)], dim=-1)
+        if b13_E2F is not None:
+            ab_N2F = _with_bias(ab_N2F, b13_E2F.reshape(E, 2 * F_), offs_E)
+        a_NF, b_NF = ab_N2F.chunk(2, dim=-1)
         h_NF = swiglu(a_NF, b_NF) if opts.clamp is None else clamped_swiglu(a_NF, b_NF, *opts.clamp)
         y_ND = _with_bias(mm(h_NF, w2_EDF.transpose(-2, -1), offs_E, precision, host_counts=host),
                           b2_ED if opts.add_b2 else None, offs_E)
         # What autograd would keep but silu(a), which the backward recomputes.
-        ctx.save_for_backward(x_ND, a_NF, b_NF, h_NF, w1_EFD, w2_EDF, w3_EFD, offs_E)
+        ctx.save_for_backward(x_ND, ab_N2F, h_NF, w13_E2FD, w2_EDF, offs_E)
         ctx.opts = opts
-        ctx.params, ctx.biases = (w1, w2, w3), (b1, b2, b3)
+        ctx.params, ctx.biases = (w13, w2), (b13, b2)
         return y_ND
 
     @staticmethod
     def backward(ctx, dy_ND):
-        x_ND, a_NF, b_NF, h_NF, w1_EFD, w2_EDF, w3_EFD, offs_E = ctx.saved_tensors
+        x_ND, ab_N2F, h_NF, w13_E2FD, w2_EDF, offs_E = ctx.saved_tensors
         opts = ctx.opts
         scale, precision, host = opts.weight_grad_scale, opts.precision, opts.host_counts
+        E, _, F_, D = w13_E2FD.shape
         dy_ND = dy_ND.contiguous()
         dh_NF = mm(dy_ND, w2_EDF, offs_E, precision, "dgrad", host)
+        a_NF, b_NF = ab_N2F.chunk(2, dim=-1)
         if opts.clamp is None:
-            da_NF, db_NF = swiglu_backward(dh_NF, a_NF, b_NF)
+            dab_N2F = swiglu_backward(dh_NF, a_NF, b_NF)
         else:
-            da_NF, db_NF = clamped_swiglu_backward(dh_NF, a_NF, b_NF, *opts.clamp)
-        dx_ND = (mm(da_NF, w1_EFD, offs_E, precision, "dgrad", host)
-                 + mm(db_NF, w3_EFD, offs_E, precision, "dgrad", host))
-        dbs = [None if p is None else _like_param(segment_sum(g, offs_E) * scale, p)
-               for g, p in zip((da_NF, dy_ND, db_NF), ctx.biases)]
-        grads = _existing_grads(ctx, (w1_EFD, w2_EDF, w3_EFD)) if opts.accumulate is not None else None
+            dab_N2F = clamped_swiglu_backward(dh_NF, a_NF, b_NF, *opts.clamp)
+        if policy.gate_up_fused(precision, "dgrad", x_ND, E, F_, D):
+            dx_ND = mm(dab_N2F, _gate_up(w13_E2FD), offs_E, host_counts=host)
+        else:
+            da_NF, db_NF = dab_N2F.chunk(2, dim=-1)
+            dx_ND = (mm(da_NF, w13_E2FD[:, 0], offs_E, precision, "dgrad", host)
+                     + mm(db_NF, w13_E2FD[:, 1], offs_E, precision, "dgrad", host))
+        dbs = [None if p is None else _like_param(segment_sum(g, offs_E).view(shape) * scale, p)
+               for g, p, shape in zip((dab_N2F, dy_ND), ctx.biases, ((E, 2, F_), (E, D)))]
+        grads = _existing_grads(ctx, (w13_E2FD, w2_EDF)) if opts.accumulate is not None else None
         if grads is not None:
-            for out, g, x in zip(grads, (da_NF, dy_ND, db_NF), (x_ND, h_NF, x_ND)):
+            for out, g, x in zip((_gate_up(grads[0]), grads[1]), (dab_N2F, dy_ND), (x_ND, h_NF)):
                 add_weight_grad_(out, g, x, offs_E, scale, host, opts.accumulate(out.shape))
-            return dx_ND, None, None, None, *dbs, None, None
+            return dx_ND, None, None, *dbs, None, None
         if scale != 1:  # on whichever operand of each weight-gradient GEMM is smaller
-            F_, D = h_NF.shape[-1], x_ND.shape[-1]
             if 2 * F_ <= D:
-                da_NF, db_NF = da_NF * scale, db_NF * scale
+                dab_N2F = dab_N2F * scale
             else:
                 x_ND = x_ND * scale
             if F_ <= D:
@@ -166,18 +189,18 @@ class _GroupedSwiGLU(torch.autograd.Function):
             else:
                 dy_ND = dy_ND * scale
         dw2 = weight_grad(dy_ND, h_NF, offs_E, precision, host)
-        dw1 = weight_grad(da_NF, x_ND, offs_E, precision, host)
-        dw3 = weight_grad(db_NF, x_ND, offs_E, precision, host)
-        dws = (_like_param(dw, p) for dw, p in zip((dw1, dw2, dw3), ctx.params))
-        return dx_ND, *dws, *dbs, None, None
+        if policy.gate_up_fused(precision, "wgrad", x_ND, E, D, F_):
+            dw13 = weight_grad(dab_N2F, x_ND, offs_E, host_counts=host).view(E, 2, F_, D)
+        else:
+            dw13 = torch.stack([weight_grad(g, x_ND, offs_E, precision, host) for g in dab_N2F.chunk(2, dim=-1)], 1)
+        return dx_ND, *(_like_param(dw, p) for dw, p in zip((dw13, dw2), ctx.params)), *dbs, None, None
 
 
 def grouped_swiglu(
     x_ND,
     counts_E,
-    w1_EFD,
+    w13_E2FD,
     w2_EDF,
-    w3_EFD,
     weight_grad_scale: float = 1.0,
     host_counts: list[int] | None = None,
     biases: tuple | None = None,
@@ -191,41 +214,64 @@ def grouped_swiglu(
     `host_counts`: counts_E as a host list when the caller has it without a sync (the eager
     dispatcher does, padded blocks always); the exact per-expert loop then reads no counts off the
     device, and the backward may add weight gradients into existing ones per expert.
-    `biases`: (b1_EF, b2_ED, b3_EF) or None; `clamp`, `add_b2`: see _SwiGLUOptions. `precision` "fp8":
+    `biases`: (b13_E2F, b2_ED) or None; `clamp`, `add_b2`: see _SwiGLUOptions. `precision` "fp8":
     the GEMMs where kernels/policy.py picks FP8 (MoEConfig.expert_precision)."""
-    w1_EFD, w2_EDF, w3_EFD = (gather_for_compute(w) for w in (w1_EFD, w2_EDF, w3_EFD))
+    w13_E2FD, w2_EDF = (gather_for_compute(w) for w in (w13_E2FD, w2_EDF))
     if biases is not None:
         biases = tuple(None if b is None else gather_for_compute(b) for b in biases)
     # .to(), not cumsum(dtype=): inductor folds the padded layer's constant counts into an int64 cumsum.
     offs_E = torch.cumsum(counts_E, dim=0).to(torch.int32)
     accumulate = None
     if not torch.compiler.is_compiling():
-        grouped = policy.grouped_mm_supported(x_ND, w1_EFD.shape)
-        accumulate = policy.weight_grad_accumulation(x_ND, _shard(w1_EFD).shape, grouped, host_counts is not None,
-                                                     precision)
+        E, _, F_, D = _shard(w13_E2FD).shape
+        grouped = policy.grouped_mm_supported(x_ND, (E, F_, D))
+        accumulate = policy.weight_grad_accumulation(x_ND, (E, F_, D), grouped, host_counts is not None, precision)
     opts = _SwiGLUOptions(weight_grad_scale=weight_grad_scale, accumulate=accumulate, host_counts=host_counts,
                           clamp=clamp, add_b2=add_b2, precision=precision)
-    return _GroupedSwiGLU.apply(x_ND, w1_EFD, w2_EDF, w3_EFD, *(biases or (None, None, None)), offs_E, opts)
+    return _GroupedSwiGLU.apply(x_ND, w13_E2FD, w2_EDF, *(biases or (None, None)), offs_E, opts)
+
+
+def split_gate_up(state: dict) -> dict:
+    """A state dict with our experts' w13 [E, 2, F, D] / b13 [E, 2, F] under torchtitan's names: w1 and w3 (b1,
+    b3) [E, F, D] ([E, F]), in the keys' order otherwise."""
+    out = {}
+    for k, t in state.items():
+        stem, _, leaf = k.rpartition(".")
+        if leaf in ("w13", "b13") and stem.endswith("experts"):
+            out[f"{stem}.{leaf[0]}1"], out[f"{stem}.{leaf[0]}3"] = t[:, 0], t[:, 1]
+        else:
+            out[k] = t
+    return out
+
+
+def join_gate_up(state: dict) -> dict:
+    """split_gate_up's inverse: torchtitan's w1 / w3 (b1 / b3) stacked into w13 (b13)."""
+    out = {}
+    for k, t in state.items():
+        stem, _, leaf = k.rpartition(".")
+        if leaf in ("w1", "b1") and stem.endswith("experts") and f"{stem}.{leaf[0]}3" in state:
+            out[f"{stem}.{leaf[0]}13"] = torch.stack([t, state[f"{stem}.{leaf[0]}3"]], dim=1)
+        elif not (leaf in ("w3", "b3") and stem.endswith("experts") and f"{stem}.{leaf[0]}1" in state):
+            out[k] = t
+    return out
 
 
 class GroupedExperts(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, biases: bool = False,
                  clamp: tuple[float, float] | None = None, precision: str = "bf16"):
-        """`biases`: b1, b2, b3 (see the module docstring); `clamp`: (alpha, limit) of gpt-oss's
+        """`biases`: b13, b2 (see the module docstring); `clamp`: (alpha, limit) of gpt-oss's
         clamped SwiGLU, None for plain SwiGLU; `precision`: MoEConfig.expert_precision."""
         super().__init__()
         self.num_experts = num_experts
         self.clamp = clamp
         self.precision = precision
-        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         if biases:
-            self.b1 = nn.Parameter(torch.empty(num_experts, hidden_dim))
+            self.b13 = nn.Parameter(torch.empty(num_experts, 2, hidden_dim))
             self.b2 = nn.Parameter(torch.empty(num_experts, dim))
-            self.b3 = nn.Parameter(torch.empty(num_experts, hidden_dim))
         else:
-            self.b1 = self.b2 = self.b3 = None
+            self.b13 = self.b2 = None
 
     @classmethod
     def from_config(cls, config) -> "GroupedExperts":
@@ -238,8 +284,8 @@ class GroupedExperts(nn.Module):
         """Tokens x with their routing `copies`: copied into expert order, run, combined back into
         x's shape. Or, from the expert-parallel dispatcher, an `ExpertInput` (rows already grouped
         by local expert): returns one output row per input row."""
-        ws = (self.w1, self.w2, self.w3)
-        biases = None if self.b1 is None else (self.b1, self.b2, self.b3)
+        ws = (self.w13, self.w2)
+        biases = None if self.b13 is None else (self.b13, self.b2)
         if isinstance(x, ExpertInput):
             return grouped_swiglu(x.x_ND, x.counts_E, *ws, weight_grad_scale=x.weight_grad_scale,
                                   host_counts=x.host_counts, biases=biases, clamp=self.clamp,
@@ -251,8 +297,9 @@ class GroupedExperts(nn.Module):
         return copies.combine(y_ND, x.shape)
 
     def reset_parameters(self, std: float = 0.02):
-        for w in (self.w1, self.w2, self.w3):
+        # torchtitan's order (w1, w2, w3): the same seed gives the same weights in either layout.
+        for w in (self.w13[:, 0], self.w2, self.w13[:, 1]):
             nn.init.trunc_normal_(w, std=std)
-        for b in (self.b1, self.b2, self.b3):
+        for b in (self.b13, self.b2):
             if b is not None:
                 nn.init.zeros_(b)

@@ -177,7 +177,7 @@ def test_incompatible_config_raises_on_every_rank(tmp_path):
         run_on_ranks(2, _load_other_config, str(tmp_path))
     msg = str(err.value)
     assert "missing in checkpoint: layers.2." in msg
-    assert "layers.0.moe.experts.w1: checkpoint [4, 8, 16] vs model [4, 16, 16]" in msg
+    assert "layers.0.moe.experts.w13: checkpoint [4, 2, 8, 16] vs model [4, 2, 16, 16]" in msg
     assert "n_layers: saved 2 vs model 3" in msg
 
 
@@ -406,3 +406,14 @@ def test_weights_only_checkpoint_with_fresh_optimizer_ok(tmp_path, capsys):
     assert load(tmp_path, fresh, fresh_opt, fresh_optimizer_ok=True) == {"step": 4}
     assert not fresh_opt.state
     assert "step_00000004 holds model weights only; the optimizer starts fresh at step 4" in capsys.readouterr().err
+
+
+def test_checkpoint_from_before_w13_names_the_way_across():
+    """A checkpoint written when gate and up were experts.w1 / w3: the mismatch says how to carry it over."""
+    from dtensor_moe.train.checkpoint import describe_mismatch
+
+    old = {"layers.0.moe.experts.w1": (4, 8, 16), "layers.0.moe.experts.w3": (4, 8, 16)}
+    msg = describe_mismatch(old, {"layers.0.moe.experts.w13": (4, 2, 8, 16)}, "checkpoint")
+    assert "missing in checkpoint: layers.0.moe.experts.w13" in msg
+    assert "`dtensor-moe import` the file, which stacks them" in msg
+    assert "stacks" not in describe_mismatch({}, {"layers.0.moe.experts.w13": (4, 2, 8, 16)}, "checkpoint")

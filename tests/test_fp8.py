@@ -131,9 +131,9 @@ def _layer_errors(dtype=torch.float32, tokens=37):
 
 def test_fp8_layer_close_to_fp32_layer():
     errs = _layer_errors()
-    assert {"out", "grad:x", "router.gate.weight", "experts.w1", "experts.w2", "experts.w3"} <= set(errs)
+    assert {"out", "grad:x", "router.gate.weight", "experts.w13", "experts.w2"} <= set(errs)
     assert all(v <= LAYER_TOL for v in errs.values()), errs
-    assert errs["experts.w1"] > 1e-3  # the experts really ran in FP8
+    assert errs["experts.w13"] > 1e-3  # the experts really ran in FP8
 
 
 def fp8_ep2_against_fp32(rank, world_size):
@@ -208,7 +208,7 @@ PAYLOAD_TOL = 0.08
 def test_fp8_dispatch_payload(world_size, etp, pad):
     for rel, bf16_bytes, fp8_bytes, bf16_grad_bytes, fp8_grad_bytes in run_on_ranks(
             world_size, fp8_payload_against_unquantized, etp, pad):
-        assert {"out", "grad:x", "router.gate.weight", "experts.w1", "experts.w2", "experts.w3"} <= set(rel)
+        assert {"out", "grad:x", "router.gate.weight", "experts.w13", "experts.w2"} <= set(rel)
         assert all(v <= PAYLOAD_TOL for v in rel.values()), rel
         assert rel["out"] > 1e-3  # the payload really was quantized
         # D = 64: (64 + 4) bytes a row against bf16's 128, counted by the all-to-alls themselves.
@@ -233,3 +233,26 @@ def test_policy_picks_fp8_only_where_measured_faster():
     assert not fp8_measured_faster("fwd", 2048, 768, 1024) and not fp8_measured_faster("dgrad", 4096, 1536, 1536)
     assert not any(fp8_measured_faster(g, 7168, 2048, 256) for g in ("wgrad", "wgrad_acc"))
     assert not fp8_measured_faster("fwd", 7168, 2048 // 2, 256)  # an unmeasured (I, O), e.g. under ETP: bf16
+
+
+def test_gate_and_up_fused_unless_the_table_says_otherwise(tmp_path, monkeypatch):
+    """One GEMM over w13's 2F unless FP8 runs the GEMM (on each half: its table measured F-wide GEMMs) or the
+    table's bf16 halves measured faster than the fused GEMM; unmeasured shapes run fused."""
+    import json
+
+    from dtensor_moe.kernels import policy
+
+    x = torch.zeros(32, 8)
+    assert policy.gate_up_fused("bf16", "fwd", x, 4, 8, 16) and not policy.gate_up_fused("fp8", "fwd", x, 4, 8, 16)
+
+    def record(gemm, I, O, ms):
+        return {"shape": "t", "gemm": gemm, "I": I, "O": O, "E": 4, "rows_per_expert": 8.0, "bf16_ms": ms,
+                "fp8_ms": 2 * ms, "bf16_tflops": 1 / ms, "fp8_tflops": 0.5 / ms}
+
+    table = tmp_path / "rates.json"
+    table.write_text(json.dumps({"gemms": [record("fwd", 8, 16, 1.0), record("fwd", 8, 32, 1.9),
+                                           record("dgrad", 16, 8, 1.0), record("dgrad", 32, 8, 2.1)]}))
+    monkeypatch.setenv("DTENSOR_MOE_FP8_RATES", str(table))
+    assert policy.fused_measured_faster("fwd", 8, 16, 8)  # 1.9 ms fused vs 2 x 1.0 ms
+    assert not policy.fused_measured_faster("dgrad", 16, 8, 8)  # 2.1 ms fused vs 2 x 1.0 ms
+    assert policy.fused_measured_faster("wgrad", 8, 16, 8)  # unmeasured

@@ -107,10 +107,10 @@ def parallel_from_checkpoint(rank, world_size, ckpt_dir, model_type, ep, etp, x,
     prefix = layer_prefix(reader.keys(), fam, LAYERS - 1)
     load_hf_moe(moe, reader, fam, prefix, dims)
     # What this rank must read: its boxes (gpt-oss's interleaved gate/up: the 2F columns once each
-    # for w1 and w3), buffers whole; the layer holds far more.
+    # for gate and up), buffers whole; the layer holds far more.
     owned = sum(
         math.prod(s.stop - s.start for s in owned_box(wp, dims, rank))
-        * (2 if model_type == "gpt_oss" and wp.name in ("experts.w1", "experts.w3", "experts.b1", "experts.b3") else 1)
+        * (2 if model_type == "gpt_oss" and wp.name in ("experts.w13", "experts.b13") else 1)
         for wp in plan_moe(cfg, dims)
     )
     owned += 0 if moe.expert_bias is None else moe.expert_bias.numel()

@@ -112,19 +112,22 @@ def test_no_double_sharding_invariant(inputs):
             assert own.shard_factor == dims.ep * dims.edp * dims.etp
             if not wp.padded:
                 assert own.exact and own.max_rank_numel == wp.numel // (dims.ep * dims.edp * dims.etp)
-            # FSDP pads only when no dim of the local slice splits evenly over EDP.
+            # FSDP pads only when no dim of the local slice splits evenly over EDP (w13's gate / up pair dim
+            # is never split: each rank's GEMM needs both halves of its rows).
             local = [wp.global_shape[0] // dims.ep, *wp.global_shape[1:]]
             local[wp.step_on("etp").dim] //= dims.etp
+            if wp.name == "experts.w13":
+                del local[1]
             assert wp.padded == all(n % dims.edp for n in local)
 
 
 def test_fsdp_dim_avoids_padding_when_experts_per_rank_not_divisible():
     cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2)
     dims = MoEParallelDims(8, ep=4)  # E/EP = 1 expert per rank, EDP = 2
-    w1 = next(wp for wp in plan_moe(cfg, dims) if wp.name == "experts.w1")
-    assert w1.fsdp_step == ShardStep("edp", 2) and not w1.padded  # D splits evenly, E/EP=1 does not
-    assert w1.local_shape == (1, 6, 4)
-    assert ownership(w1, dims).exact
+    w13 = next(wp for wp in plan_moe(cfg, dims) if wp.name == "experts.w13")
+    assert w13.fsdp_step == ShardStep("edp", 3) and not w13.padded  # D splits evenly, E/EP=1 does not
+    assert w13.local_shape == (1, 2, 6, 4)
+    assert ownership(w13, dims).exact
 
 
 def test_tiling_check_detects_overlap_and_holes():

@@ -67,9 +67,9 @@ def naive_moe(moe: MoE, x_BLD, route=naive_route):
     for t in range(x_TD.shape[0]):
         for e, we in zip(experts_TK[t].tolist(), weights_TK[t]):
             ex = moe.experts
-            a, b = ex.w1[e] @ x_TD[t], ex.w3[e] @ x_TD[t]
+            a, b = ex.w13[e, 0] @ x_TD[t], ex.w13[e, 1] @ x_TD[t]
             if cfg.expert_biases:
-                a, b = a + ex.b1[e], b + ex.b3[e]
+                a, b = a + ex.b13[e, 0], b + ex.b13[e, 1]
             if cfg.activation == "clamped_swiglu":  # transformers' GptOssExperts._apply_gate
                 g, u = a.clamp(max=cfg.swiglu_limit), b.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
                 h = (u + 1) * (g * torch.sigmoid(g * cfg.swiglu_alpha))
@@ -216,11 +216,10 @@ def test_grouped_mm_kernel_matches_loop(dtype):
     counts = torch.tensor([5, 0, 7, 4])
     x = torch.randn(int(counts.sum()), D, dtype=dtype, requires_grad=True)
     ws = [
-        torch.randn(E, F_, D, dtype=dtype, requires_grad=True),
+        torch.randn(E, 2, F_, D, dtype=dtype, requires_grad=True),
         torch.randn(E, D, F_, dtype=dtype, requires_grad=True),
-        torch.randn(E, F_, D, dtype=dtype, requires_grad=True),
     ]
-    assert policy.grouped_mm_supported(x, ws[0].shape), f"torch._grouped_mm unavailable on CPU for {dtype}"
+    assert policy.grouped_mm_supported(x, ws[1].shape), f"torch._grouped_mm unavailable on CPU for {dtype}"
     y_kernel = grouped_swiglu(x, counts, *ws)
     with _loop_only(False):
         y_loop = grouped_swiglu(x, counts, *ws)
@@ -241,7 +240,7 @@ def test_float32_moe_matches_naive_on_kernel_and_fallback(dim, hidden):
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.5)
     x = torch.randn(3, 5, dim)
-    assert policy.grouped_mm_supported(x.view(-1, dim), moe.experts.w1.shape) == (dim == 8)
+    assert policy.grouped_mm_supported(x.view(-1, dim), moe.experts.w2.shape) == (dim == 8)
     torch.testing.assert_close(moe(x), naive_moe(moe, x), rtol=1e-5, atol=1e-5)
 
 
@@ -254,7 +253,7 @@ def test_weight_grad_scale_scales_only_weight_grads(dim, hidden, use_kernel):
     counts = torch.tensor([5, 0, 7, 4])
     x = torch.randn(16, dim, dtype=dtype, requires_grad=True)
     ws = [
-        torch.randn(s, dtype=dtype, requires_grad=True) for s in ((4, hidden, dim), (4, dim, hidden), (4, hidden, dim))
+        torch.randn(s, dtype=dtype, requires_grad=True) for s in ((4, 2, hidden, dim), (4, dim, hidden))
     ]
     g = torch.randn(16, dim, dtype=dtype)
     with _loop_only(use_kernel):
@@ -280,7 +279,7 @@ def test_weight_grads_accumulate_in_the_gemm(use_kernel, min_macs, fused, monkey
     torch.manual_seed(0)
     counts = torch.tensor([5, 0, 7, 4])
     x = torch.randn(16, 8, dtype=dtype, requires_grad=True)
-    ws = [torch.randn(s, dtype=dtype, requires_grad=True) for s in ((4, 16, 8), (4, 8, 16), (4, 16, 8))]
+    ws = [torch.randn(s, dtype=dtype, requires_grad=True) for s in ((4, 2, 16, 8), (4, 8, 16))]
     gs = [torch.randn(16, 8, dtype=dtype) for _ in range(2)]
     with _loop_only(use_kernel):
         refs = [torch.autograd.grad(grouped_swiglu(x, counts, *ws), [x, *ws], g) for g in gs]
@@ -292,7 +291,7 @@ def test_weight_grads_accumulate_in_the_gemm(use_kernel, min_macs, fused, monkey
             held = [w.grad.clone() for w in ws]
             y = grouped_swiglu(x, counts, *ws, weight_grad_scale=0.25, host_counts=counts.tolist())
             got = torch.autograd.grad(y, ws, gs[0])
-    assert accumulate.call_count == (3 if fused else 0)  # the second microbatch's three weights
+    assert accumulate.call_count == (2 if fused else 0)  # the second microbatch's two weights (w13, w2)
     tol = dict(rtol=1e-5, atol=1e-5) if use_kernel else dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x.grad, refs[0][0] + refs[1][0], **tol)
     for i, w in enumerate(ws):

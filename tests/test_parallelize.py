@@ -26,15 +26,15 @@ def _mixed_precision_layer(rank: int, world_size: int, ep: int) -> dict:
     y = model(x[rank : rank + 1])
     y.float().square().sum().backward()  # per-rank loss; gradients follow mean over ranks
     y_ref.square().sum().div(world_size).backward()
-    w1 = model.experts.w1
+    w13 = model.experts.w13
     return {
         "experts_fsdp": isinstance(model.experts, FSDPModule),
         "moe_fsdp": isinstance(model, FSDPModule),
         "out_err": ((y.float() - y_ref[rank]).abs().max() / y_ref.abs().max()).item(),
-        "param_dtype": str(w1.dtype),
-        "grad_dtype": str(w1.grad.dtype),
+        "param_dtype": str(w13.dtype),
+        "grad_dtype": str(w13.grad.dtype),
         "grad_err": (
-            (w1.grad.full_tensor() - ref.experts.w1.grad).abs().max() / ref.experts.w1.grad.abs().max()
+            (w13.grad.full_tensor() - ref.experts.w13.grad).abs().max() / ref.experts.w13.grad.abs().max()
         ).item(),
     }
 

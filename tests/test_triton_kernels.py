@@ -82,24 +82,25 @@ for counts, O, I in [([5, 0, 70, 16], 40, 24), ([0, 0], 8, 8), ([33], 17, 130)]:
         wgrad_kernel.accumulate(got, g_NO, x_NI, ends, 0.25, config=config)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
-# swiglu_kernel: h = silu(a) * b and its gradients, against autograd on the torch ops (fp32 math).
+# swiglu_kernel: h = silu(a) * b and its gradient [da, db], against autograd on the torch ops (fp32 math);
+# a and b also as the strided halves of one [N, 2F] GEMM output, as the experts pass them.
 from dtensor_moe.kernels import swiglu as swiglu_kernel
-for n in [0, 7, 5000]:
-    a, b, dh = torch.randn(n), torch.randn(n), torch.randn(n)
+for shape in [(0, 4), (7,), (50, 100)]:
+    a, b, dh = torch.randn(shape), torch.randn(shape), torch.randn(shape)
     a_, b_ = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
     h = torch.nn.functional.silu(a_) * b_
     h.backward(dh)
-    torch.testing.assert_close(swiglu_kernel.triton_forward(a, b), h.detach(), rtol=1e-5, atol=1e-6)
-    da, db = swiglu_kernel.triton_backward(dh, a, b)
-    torch.testing.assert_close(da, a_.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(db, b_.grad, rtol=1e-5, atol=1e-6)
+    ab = torch.cat([a, b], dim=-1)
+    for a_in, b_in in [(a, b), ab.chunk(2, dim=-1)]:
+        torch.testing.assert_close(swiglu_kernel.triton_forward(a_in, b_in), h.detach(), rtol=1e-5, atol=1e-6)
+        dab = swiglu_kernel.triton_backward(dh, a_in, b_in)
+        torch.testing.assert_close(dab, torch.cat([a_.grad, b_.grad], dim=-1), rtol=1e-5, atol=1e-6)
     # The clamped gate (gpt-oss) against its torch path, inputs spread past the limit on both sides.
     a, b = a * 3, b * 3
     h = swiglu_kernel.torch_clamped_forward(a, b, 1.702, 2.0)
     torch.testing.assert_close(swiglu_kernel.triton_forward(a, b, (1.702, 2.0)), h, rtol=1e-5, atol=1e-6)
-    for got, want in zip(swiglu_kernel.triton_backward(dh, a, b, (1.702, 2.0)),
-                         swiglu_kernel.torch_clamped_backward(dh, a, b, 1.702, 2.0)):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(swiglu_kernel.triton_backward(dh, a, b, (1.702, 2.0)),
+                               swiglu_kernel.torch_clamped_backward(dh, a, b, 1.702, 2.0), rtol=1e-5, atol=1e-6)
 # fp8: the two quantization kernels' indexing, padding and scales against the torch path. The values
 # are e4m3 codes with amax 448 per scaled span, so no rounding happens: the interpreter rounds
 # float32 -> e4m3 wrongly at exponent carries (126.8 -> 64); CUDA's rounding is checked on the GPU.

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dtensor_moe.experts import split_gate_up
 from dtensor_moe.hf.families import Family
 from dtensor_moe.hf.layout import GptOss, PerExpert, full_box
 from dtensor_moe.moe import MoE
@@ -35,6 +36,9 @@ def _tensors(moe: MoE) -> dict[str, torch.Tensor]:
 
 
 def _read(reader, fam: Family, layout, prefix: str, name: str, box) -> torch.Tensor:
+    if name in ("experts.w13", "experts.b13"):  # gate and up, each read as torchtitan's w1 / w3 (b1 / b3)
+        kind, rest = name.removeprefix("experts.")[0], (box[0], *box[2:])
+        return torch.stack([layout.read(reader, f"{kind}{i}", rest) for i in (1, 3)], dim=1)
     if name.startswith("experts."):
         return layout.read(reader, name.removeprefix("experts."), box)
     return reader.read(prefix + fam.direct[name], box)
@@ -56,7 +60,7 @@ def read_hf_moe(reader, fam: Family, prefix: str, shapes: dict[str, tuple], boxe
     in `boxes` (whole where absent), in the checkpoint's dtype. First every key under `prefix` and its
     shape are checked (a box would silently cut a larger tensor): a ValueError names the first that
     differs."""
-    layout = fam.layout(reader.keys(), prefix, shapes["experts.w1"][1])
+    layout = fam.layout(reader.keys(), prefix, shapes["experts.w13"][2])
     with torch.device("meta"):
         want = _their_tensors({n: torch.empty(s) for n, s in shapes.items()}, fam, layout, prefix)
     check_tensors({k: reader.shape(k) for k in reader.keys() if k.startswith(prefix)},
@@ -93,6 +97,7 @@ def load_hf_moe(moe: MoE, reader, fam: Family, prefix: str, dims: MoEParallelDim
 
 def _their_tensors(state: dict[str, torch.Tensor], fam: Family, layout, prefix: str) -> dict[str, torch.Tensor]:
     """Our tensors of one layer under `fam`'s keys in `layout`."""
+    state = split_gate_up(state)
     unmapped = sorted(n for n in state if not n.startswith("experts.") and n not in fam.direct)
     if unmapped:
         raise ValueError(

@@ -1,5 +1,6 @@
-"""How Hugging Face checkpoints store the routed experts, and the reads that turn a box of our
-experts.w1/w2/w3/b1/b2/b3 into exactly the matching box of theirs.
+"""How Hugging Face checkpoints store the routed experts, and the reads that turn a box of
+torchtitan's experts.w1/w2/w3/b1/b2/b3 into exactly the matching box of theirs (our w13 / b13 are
+w1 and w3 / b1 and b3 stacked on dim 1: hf/convert.py reads and writes them as those).
 
 Three layouts (transformers 5.x; keys relative to the MoE block):
 - `PerExpert`: what save_pretrained writes and the Hub holds for Qwen3-MoE, Mixtral and DeepSeek-V3:

@@ -147,16 +147,41 @@ def gemm_precision(precision: str, gemm: str, x: torch.Tensor, E: int, I: int, O
     return "fp8" if fp8_measured_faster(gemm, I, O, x.shape[0] / max(E, 1)) else "bf16"
 
 
-def fp8_measured_faster(gemm: str, I: int, O: int, rows_per_expert: float) -> bool:
-    """Whether FP8 beat bf16 in the table (DTENSOR_MOE_FP8_RATES overrides its path) at this GEMM and
-    (I, O), at the measured rows per expert nearest on a log scale; False for an unmeasured (I, O)."""
+def gate_up_fused(precision: str, gemm: str, x: torch.Tensor, E: int, I: int, O: int) -> bool:
+    """Whether the experts' gate and up run as one GEMM over w13's [E, 2F, D] rather than one per half (I, O: one
+    half's, as gemm_precision takes them). One per half where FP8 runs this GEMM, or where the table measured the
+    halves faster in bf16; otherwise one (../shared/bench/fused_w13_probe.py on one H200, RESULTS.md: the input
+    gradient faster at every measured shape, forward and weight gradient even)."""
+    if gemm_precision(precision, gemm, x, E, I, O) == "fp8":
+        return False
+    return not x.is_cuda or fused_measured_faster(gemm, I, O, x.shape[0] / max(E, 1))
+
+
+def fused_measured_faster(gemm: str, I: int, O: int, rows_per_expert: float) -> bool:
+    """Whether the table's bf16 gate / up GEMM over 2F ran at most as long as two over F at this GEMM and half
+    (I, O) (benchmarks/expert_gemms.py writes both); True where either is unmeasured."""
+    fused = _measured(gemm, 2 * I, O, rows_per_expert) if gemm == "dgrad" else _measured(gemm, I, 2 * O,
+                                                                                           rows_per_expert)
+    half = _measured(gemm, I, O, rows_per_expert)
+    return fused is None or half is None or fused["bf16_ms"] <= 2 * half["bf16_ms"]
+
+
+def _measured(gemm: str, I: int, O: int, rows_per_expert: float) -> dict | None:
+    """The table's record (DTENSOR_MOE_FP8_RATES overrides its path) of this GEMM and (I, O) at the measured rows
+    per expert nearest on a log scale; None for an unmeasured (I, O)."""
     rates = [r for r in _fp8_rates(os.environ.get("DTENSOR_MOE_FP8_RATES", FP8_RATES))
              if r["gemm"] == gemm and r["I"] == I and r["O"] == O]
     if not rates:
-        return False
+        return None
     rows = max(rows_per_expert, 1)
-    near = min(rates, key=lambda r: abs(math.log2(r["rows_per_expert"] / rows)))
-    return near["fp8_tflops"] > near["bf16_tflops"]
+    return min(rates, key=lambda r: abs(math.log2(r["rows_per_expert"] / rows)))
+
+
+def fp8_measured_faster(gemm: str, I: int, O: int, rows_per_expert: float) -> bool:
+    """Whether FP8 beat bf16 in the table at this GEMM and (I, O), at the measured rows per expert nearest on a log
+    scale; False for an unmeasured (I, O)."""
+    near = _measured(gemm, I, O, rows_per_expert)
+    return near is not None and near["fp8_tflops"] > near["bf16_tflops"]
 
 
 HOST_SYNCS = {"split_sizes": 0, "exact_loop": 0, "capacity_check": 0}

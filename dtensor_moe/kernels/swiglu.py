@@ -2,12 +2,13 @@
 and their backwards.
 
 swiglu: h = silu(a) * b; backward da = dh * b * silu'(a), db = dh * silu(a), silu(a) recomputed
-rather than kept. clamped_swiglu (gpt-oss): g = min(a, limit), u = clamp(b, -limit, limit),
-h = (u + 1) * g * sigmoid(alpha * g); a clamped input gets no gradient (torch's clamp convention:
-the bounds themselves pass it). On CUDA one Triton pass each way (torch needs two forward, three
-backward, and keeps silu(a)); elsewhere torch ops, exact in the inputs' dtype, in transformers'
-GptOssExperts order. Math in fp32 on the Triton path. Tests run the Triton launchers on CPU under
-TRITON_INTERPRET=1.
+rather than kept, returned as one [..., 2F] tensor (da, db): the gradient of the experts' fused gate / up
+GEMM output; a and b may be the strided halves of that output or two tensors.
+clamped_swiglu (gpt-oss): g = min(a, limit), u = clamp(b, -limit, limit), h = (u + 1) * g * sigmoid(alpha * g);
+a clamped input gets no gradient (torch's clamp convention: the bounds themselves pass it). On CUDA one
+Triton pass each way (torch needs two forward, three backward, and keeps silu(a)); elsewhere torch ops,
+exact in the inputs' dtype, in transformers' GptOssExperts order. Math in fp32 on the Triton path. Tests
+run the Triton launchers on CPU under TRITON_INTERPRET=1.
 """
 
 import functools
@@ -25,12 +26,16 @@ def _kernels():
     import triton
     import triton.language as tl
 
+    # a and b are [N, F] with their own row strides (the two halves of one [N, 2F] GEMM output, or two
+    # tensors); h is [N, F] and the gradient [N, 2F] (da then db in each row), both contiguous.
     @triton.jit
-    def swiglu_fwd(a_ptr, b_ptr, h_ptr, n, alpha, limit, CLAMPED: tl.constexpr, BLOCK: tl.constexpr):
+    def swiglu_fwd(a_ptr, b_ptr, h_ptr, n, F, stride_a, stride_b, alpha, limit, CLAMPED: tl.constexpr,
+                   BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        row, col = offs // F, offs % F
+        a = tl.load(a_ptr + row * stride_a + col, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_b + col, mask=mask, other=0.0).to(tl.float32)
         if CLAMPED:
             g = tl.minimum(a, limit)
             h = (tl.minimum(tl.maximum(b, -limit), limit) + 1.0) * g * tl.sigmoid(alpha * g)
@@ -39,13 +44,14 @@ def _kernels():
         tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def swiglu_bwd(dh_ptr, a_ptr, b_ptr, da_ptr, db_ptr, n, alpha, limit, CLAMPED: tl.constexpr,
+    def swiglu_bwd(dh_ptr, a_ptr, b_ptr, dab_ptr, n, F, stride_a, stride_b, alpha, limit, CLAMPED: tl.constexpr,
                    BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
+        row, col = offs // F, offs % F
         dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(a_ptr + row * stride_a + col, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_b + col, mask=mask, other=0.0).to(tl.float32)
         if CLAMPED:
             g = tl.minimum(a, limit)
             u = tl.minimum(tl.maximum(b, -limit), limit)
@@ -57,36 +63,45 @@ def _kernels():
             silu = a * sig
             da = dh * b * (sig + silu * (1.0 - sig))
             db = dh * silu
-        tl.store(da_ptr + offs, da.to(da_ptr.dtype.element_ty), mask=mask)
-        tl.store(db_ptr + offs, db.to(db_ptr.dtype.element_ty), mask=mask)
+        da_at = dab_ptr + row * 2 * F + col
+        tl.store(da_at, da.to(dab_ptr.dtype.element_ty), mask=mask)
+        tl.store(da_at + F, db.to(dab_ptr.dtype.element_ty), mask=mask)
 
     return triton, swiglu_fwd, swiglu_bwd
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [N, F] with unit column stride, copied only where it is not one already."""
+    t = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def triton_forward(a: torch.Tensor, b: torch.Tensor, clamp: tuple[float, float] | None = None) -> torch.Tensor:
     """`clamp`: (alpha, limit) of the clamped gate, None for silu(a) * b."""
     triton, fwd, _ = _kernels()
-    a, b = a.contiguous(), b.contiguous()
-    h = torch.empty_like(a)
+    a2, b2 = _rows(a), _rows(b)
+    h = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     if a.numel():
-        fwd[(triton.cdiv(a.numel(), BLOCK),)](a, b, h, a.numel(), *(clamp or (1.0, 0.0)), CLAMPED=clamp is not None,
-                                              BLOCK=BLOCK)
+        fwd[(triton.cdiv(a.numel(), BLOCK),)](a2, b2, h, a.numel(), a2.shape[1], a2.stride(0), b2.stride(0),
+                                              *(clamp or (1.0, 0.0)), CLAMPED=clamp is not None, BLOCK=BLOCK)
     return h
 
 
 def triton_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    clamp: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    clamp: tuple[float, float] | None = None) -> torch.Tensor:
+    """The gradient [..., 2F]: da then db along the last dim."""
     triton, _, bwd = _kernels()
-    a, b = a.contiguous(), b.contiguous()
-    da, db = torch.empty_like(a), torch.empty_like(b)
+    a2, b2 = _rows(a), _rows(b)
+    dab = torch.empty(*a.shape[:-1], 2 * a.shape[-1], dtype=a.dtype, device=a.device)
     if a.numel():
-        bwd[(triton.cdiv(a.numel(), BLOCK),)](dh.contiguous(), a, b, da, db, a.numel(), *(clamp or (1.0, 0.0)),
-                                              CLAMPED=clamp is not None, BLOCK=BLOCK)
-    return da, db
+        bwd[(triton.cdiv(a.numel(), BLOCK),)](dh.contiguous(), a2, b2, dab, a.numel(), a2.shape[1], a2.stride(0),
+                                              b2.stride(0), *(clamp or (1.0, 0.0)), CLAMPED=clamp is not None,
+                                              BLOCK=BLOCK)
+    return dab
 
 
-def torch_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.ops.aten.silu_backward(dh * b, a), dh * F.silu(a)
+def torch_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.ops.aten.silu_backward(dh * b, a), dh * F.silu(a)], dim=-1)
 
 
 @torch.library.custom_op("dtensor_moe::swiglu", mutates_args=())
@@ -101,14 +116,18 @@ def _(a, b):
 
 
 @torch.library.custom_op("dtensor_moe::swiglu_backward", mutates_args=())
-def swiglu_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da, db) of h = silu(a) * b."""
+def swiglu_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[da, db] of h = silu(a) * b, concatenated along the last dim (the layout of gate and up in w13)."""
     return triton_backward(dh, a, b) if policy.runs_triton(a) else torch_backward(dh, a, b)
+
+
+def _gate_up_like(a: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(*a.shape[:-1], 2 * a.shape[-1])
 
 
 @swiglu_backward.register_fake
 def _(dh, a, b):
-    return torch.empty_like(a), torch.empty_like(b)
+    return _gate_up_like(a)
 
 
 def _setup(ctx, inputs, output):
@@ -116,7 +135,7 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, dh):
-    return swiglu_backward(dh, *ctx.saved_tensors)
+    return swiglu_backward(dh, *ctx.saved_tensors).chunk(2, dim=-1)
 
 
 swiglu.register_autograd(_backward, setup_context=_setup)
@@ -127,11 +146,11 @@ def torch_clamped_forward(a: torch.Tensor, b: torch.Tensor, alpha: float, limit:
     return (b.clamp(-limit, limit) + 1) * (g * torch.sigmoid(g * alpha))
 
 
-def torch_clamped_backward(dh, a, b, alpha: float, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_clamped_backward(dh, a, b, alpha: float, limit: float) -> torch.Tensor:
     g = a.clamp(max=limit)
     sig = torch.sigmoid(g * alpha)
     dg = dh * (b.clamp(-limit, limit) + 1) * (sig + alpha * g * sig * (1 - sig))
-    return dg * (a <= limit), dh * g * sig * ((b >= -limit) & (b <= limit))
+    return torch.cat([dg * (a <= limit), dh * g * sig * ((b >= -limit) & (b <= limit))], dim=-1)
 
 
 @torch.library.custom_op("dtensor_moe::clamped_swiglu", mutates_args=())
@@ -149,8 +168,8 @@ def _(a, b, alpha, limit):
 
 @torch.library.custom_op("dtensor_moe::clamped_swiglu_backward", mutates_args=())
 def clamped_swiglu_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float,
-                            limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(da, db) of clamped_swiglu."""
+                            limit: float) -> torch.Tensor:
+    """[da, db] of clamped_swiglu, concatenated along the last dim."""
     if policy.runs_triton(a):
         return triton_backward(dh, a, b, (alpha, limit))
     return torch_clamped_backward(dh, a, b, alpha, limit)
@@ -158,7 +177,7 @@ def clamped_swiglu_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor, 
 
 @clamped_swiglu_backward.register_fake
 def _(dh, a, b, alpha, limit):
-    return torch.empty_like(a), torch.empty_like(b)
+    return _gate_up_like(a)
 
 
 def _clamped_setup(ctx, inputs, output):
@@ -167,7 +186,7 @@ def _clamped_setup(ctx, inputs, output):
 
 
 def _clamped_backward(ctx, dh):
-    return *clamped_swiglu_backward(dh, *ctx.saved_tensors, ctx.alpha, ctx.limit), None, None
+    return *clamped_swiglu_backward(dh, *ctx.saved_tensors, ctx.alpha, ctx.limit).chunk(2, dim=-1), None, None
 
 
 clamped_swiglu.register_autograd(_clamped_backward, setup_context=_clamped_setup)

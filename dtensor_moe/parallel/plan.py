@@ -8,7 +8,7 @@ Plain data. `parallelize_moe` applies it, the ownership checks and the CLI (`pla
 read it; nothing else decides placements.
 
 Expert weights shard in this order: EP splits experts (dim 0), ETP splits the expert hidden dim F
-(w1/w3 dim 1, w2 dim 2, the biases b1/b3 dim 1; b2 [E, D] has no F and is replicated over ETP), then
+(dim 2 of w13 [E, 2, F, D], w2 [E, D, F] and b13 [E, 2, F]; b2 [E, D] has no F and is replicated over ETP), then
 FSDP2 splits the local slice over EDP along a dim chosen so that no padding is needed, replicated
 over dp_replicate (HSDP). Dense weights (router, shared experts) are FSDP-sharded over every rank
 with its own tokens (`MoEParallelDims.moe_dp_axis`: data-parallel, CP and, under sequence
@@ -17,7 +17,7 @@ its output no reduce-scatter.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims, divisors
@@ -145,14 +145,14 @@ def plan_moe(config: MoEConfig, dims: MoEParallelDims) -> tuple[WeightPlan, ...]
     sizes = axis_sizes(dims)
     E, F, D = config.num_experts, config.hidden_dim, config.dim
     plans = []
-    experts = [("experts.w1", (E, F, D), 1), ("experts.w2", (E, D, F), 2), ("experts.w3", (E, F, D), 1)]
+    # (name, shape, F dim, FSDP's dims by preference: experts, then D, then F; never w13's gate / up dim)
+    experts = [("experts.w13", (E, 2, F, D), 2, (0, 3, 2)), ("experts.w2", (E, D, F), 2, (0, 1, 2))]
     if config.expert_biases:
         # b2 is added after ETP's sum of partial outputs: every ETP rank holds all of it (and adds it once).
-        experts += [("experts.b1", (E, F), 1), ("experts.b2", (E, D), None), ("experts.b3", (E, F), 1)]
-    for name, shape, f_dim in experts:
+        experts += [("experts.b13", (E, 2, F), 2, (0, 2)), ("experts.b2", (E, D), None, (0, 1))]
+    for name, shape, f_dim, prefer in experts:
         model_steps = [ShardStep("ep", 0)] + ([ShardStep("etp", f_dim)] if f_dim is not None else [])
         local = _local_shape(shape, model_steps, sizes)
-        prefer = (0, 3 - f_dim, f_dim) if len(shape) == 3 else (0, 1)
         d = fsdp_dim(local, dims.edp, prefer=prefer)
         replicate = ("dp_replicate",) if f_dim is not None else ("dp_replicate", "etp")
         plans.append(_weight(name, "expert", shape, [*model_steps, ShardStep("edp", d)], replicate, sizes))
@@ -169,6 +169,32 @@ def plan_moe(config: MoEConfig, dims: MoEParallelDims) -> tuple[WeightPlan, ...]
         d = fsdp_dim(shape, sizes[dp_axis], prefer=tuple(range(len(shape))))
         plans.append(_weight(name, "dense", shape, [ShardStep(dp_axis, d)], ("dp_replicate",), sizes))
     return tuple(plans)
+
+
+def select_gate_up(wp: WeightPlan, half: int, name: str) -> WeightPlan:
+    """The plan of w13[:, half] (b13[:, half]) as a weight of its own, named `name`: torchtitan's and Hugging
+    Face's w1 / w3 (gate / up), which hold what each rank's w13 slice holds of them (dim 1 is never split)."""
+    if any(s.dim == 1 for s in wp.steps) or half not in (0, 1):
+        raise ValueError(f"{wp.name}: dim 1 is split or half {half} is not 0 or 1; no per-half plan")
+
+    def drop(shape):
+        return (shape[0], *shape[2:])
+
+    steps = tuple(ShardStep(s.axis, s.dim - (s.dim > 1)) for s in wp.steps)
+    return replace(wp, name=name, global_shape=drop(wp.global_shape), steps=steps, local_shape=drop(wp.local_shape))
+
+
+def split_gate_up_plans(plans: tuple[WeightPlan, ...]) -> tuple[WeightPlan, ...]:
+    """`plans` with experts.w13 / b13 replaced by experts.w1, w3 / b1, b3 (select_gate_up): the layout of
+    torchtitan's experts and of Hugging Face checkpoints."""
+    out = []
+    for wp in plans:
+        if wp.name in ("experts.w13", "experts.b13"):
+            kind = wp.name.removeprefix("experts.")[0]  # w or b
+            out += [select_gate_up(wp, half, f"experts.{kind}{1 + 2 * half}") for half in (0, 1)]
+        else:
+            out.append(wp)
+    return tuple(out)
 
 
 def owned_box(wp: WeightPlan, dims: MoEParallelDims, rank: int) -> tuple[slice, ...]:

@@ -176,9 +176,9 @@ class Replicas:
 
     def run(self, experts: GroupedExperts, x_ND, counts_E, host_counts, weight_grad_scale, adds_output_bias, move):
         """The replica slots' rows through the owners' weights."""
-        w1, w2, w3, b1, b2, b3 = self.weights(experts, ("w1", "w2", "w3", "b1", "b2", "b3"), x_ND.dtype, move)
-        biases = None if b1 is None else (b1, b2, b3)
-        return grouped_swiglu(x_ND, counts_E, w1, w2, w3, weight_grad_scale=weight_grad_scale,
+        w13, w2, b13, b2 = self.weights(experts, ("w13", "w2", "b13", "b2"), x_ND.dtype, move)
+        biases = None if b13 is None else (b13, b2)
+        return grouped_swiglu(x_ND, counts_E, w13, w2, weight_grad_scale=weight_grad_scale,
                               host_counts=host_counts, biases=biases, clamp=experts.clamp, add_b2=adds_output_bias,
                               precision=experts.precision)
 

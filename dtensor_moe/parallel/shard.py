@@ -151,7 +151,7 @@ def moe_layers(module: nn.Module, dims: MoEParallelDims, caller: str = "parallel
     moes = [m for m in module.modules() if isinstance(m, MoE)]
     plans = [plan_moe(m.config, dims) for m in moes]
     _LAYER_NAMES.update((m, n or type(module).__name__) for n, m in module.named_modules() if isinstance(m, MoE))
-    done = [n for n, m in module.named_modules() if isinstance(m, MoE) and isinstance(m.experts.w1, DTensor)]
+    done = [n for n, m in module.named_modules() if isinstance(m, MoE) and isinstance(m.experts.w2, DTensor)]
     if done:
         raise ValueError(f"{caller}: MoE layers {done} are already parallelized (their expert weights are "
                          "DTensors); parallelize a fresh copy of the unparallelized module instead")

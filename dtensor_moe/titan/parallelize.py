@@ -32,7 +32,7 @@ from torchtitan.tools.utils import device_type
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.parallel.compile import apply_compile
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.parallel.plan import WeightPlan, plan_moe
+from dtensor_moe.parallel.plan import WeightPlan, plan_moe, split_gate_up_plans
 from dtensor_moe.parallel.shard import shard_moe_layer
 
 from .context_parallel import apply_cp
@@ -78,7 +78,7 @@ def moe_config(moe: MoE) -> MoEConfig:
 
 def titan_plan(moe: MoE, dims: MoEParallelDims) -> tuple[WeightPlan, ...]:
     """plan_moe for a torchtitan MoE, under torchtitan's parameter names."""
-    plans = plan_moe(moe_config(moe), dims)
+    plans = split_gate_up_plans(plan_moe(moe_config(moe), dims))
     if is_gpt_oss(moe.routed_experts.inner_experts):
         plans = gpt_oss_plans(plans, _EXPERTS)
     plans = tuple(replace(wp, name=_TITAN_NAMES.get(wp.name, wp.name)) for wp in plans)

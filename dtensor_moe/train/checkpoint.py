@@ -371,6 +371,10 @@ def describe_mismatch(found: dict[str, tuple], expected: dict[str, tuple], sourc
         lines.append(f"  in {source} but not in the model: {_listed(unexpected)}")
     if shapes:
         lines.append(f"  shape differs: {_listed(shapes)}")
+    if any(k.endswith("experts.w13") and k[:-2] + "1" in unexpected for k in missing):
+        lines.append(f"  the {source} holds gate and up as experts.w1 / w3, the model as one experts.w13 (since "
+                     "2026-12-03): export it with the dtensor_moe that wrote it (`dtensor-moe export`), then "
+                     "`dtensor-moe import` the file, which stacks them (the optimizer state starts fresh)")
     return "\n".join(lines)
 
 

@@ -1,7 +1,8 @@
 """Unsharded safetensors export of a checkpoint's model weights, and import into any mesh.
 
 `dtensor-moe export CKPT OUT` writes OUT/model.safetensors and OUT/config.json (the ModelConfig).
-Keys are the model's own state-dict FQNs, so they map one-to-one to torchtitan's MoE layout:
+Keys are the model's state-dict FQNs under torchtitan's MoE layout (our experts' w13 / b13 written as
+w1 and w3 / b1 and b3, read back stacked: experts.split_gate_up / join_gate_up):
 
     tok_embeddings.weight                    [V, D]
     layers.{i}.attention_norm.weight         [D]
@@ -30,12 +31,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from dtensor_moe.experts import join_gate_up, split_gate_up
 from dtensor_moe.train.checkpoint import (
     MODEL_CONFIG,
     TRAIN_STATE,
@@ -78,6 +79,7 @@ def export_checkpoint(ckpt, out_dir) -> Path:
         raise ValueError(f"export output {str(out)!r} is a file; give a directory for {WEIGHTS} and {CONFIG}")
     out.mkdir(parents=True, exist_ok=True)
     # Written under temporary names and renamed: an interrupted export leaves no half file behind.
+    tensors = {k: t.contiguous() for k, t in split_gate_up(tensors).items()}
     save_file(tensors, out / f".{WEIGHTS}.tmp", metadata={"format": "pt", "step": str(step)})
     (out / f".{CONFIG}.tmp").write_text((ckpt / MODEL_CONFIG).read_text())
     os.replace(out / f".{WEIGHTS}.tmp", out / WEIGHTS)
@@ -114,14 +116,15 @@ def load_safetensors_into(model: nn.Module, path) -> nn.Module:
     """Fills `model` (plain, or parallelized on any mesh) from an exported file; call on every rank."""
     path = _weights_path(path)
     try:
-        with safe_open(path, framework="pt") as f:
-            found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         tensors = load_file(path)  # read before the model is touched: a damaged file changes nothing
     except FileNotFoundError:
         raise ValueError(f"no safetensors file at {str(path)!r}") from None
     except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError for damaged files
         raise ValueError(f"{path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
-    expected = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    found = {k: tuple(t.shape) for k, t in tensors.items()}
+    with torch.device("meta"):  # compared under the file's names
+        model_state = {k: torch.empty(v.shape) for k, v in get_model_state_dict(model).items()}
+    expected = {k: tuple(v.shape) for k, v in split_gate_up(model_state).items()}
     problems = describe_mismatch(found, expected, "file")
     cfg_file = path.with_name(CONFIG)
     # Fields that keep every shape (n_heads, top_k, ...) still change what the weights mean.
@@ -129,7 +132,7 @@ def load_safetensors_into(model: nn.Module, path) -> nn.Module:
     if problems or cfg_diff:  # raised on every rank before the collectives that distribute the weights
         raise ValueError(f"{path} does not fit this model:\n" + "\n".join(x for x in (problems, cfg_diff) if x))
     # Each rank holds the full tensors and keeps its own slices of them.
-    set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True))
+    set_model_state_dict(model, join_gate_up(tensors), options=StateDictOptions(full_state_dict=True))
     return model
 
 

@@ -41,9 +41,9 @@ def expert_ep_ranks(config: MoEConfig, dims) -> list[int]:
     EDP splits cut inside an EP rank's experts)."""
     from dtensor_moe.parallel.plan import owned_box, plan_moe, rank_coords
 
-    w1 = next(wp for wp in plan_moe(config, dims) if wp.name == "experts.w1")
-    ep = w1.step_on("ep")
-    by_ep = replace(w1, steps=(ep,))
+    w2 = next(wp for wp in plan_moe(config, dims) if wp.name == "experts.w2")
+    ep = w2.step_on("ep")
+    by_ep = replace(w2, steps=(ep,))
     owner = [0] * config.num_experts
     for rank in range(dims.stage_size):
         for e in range(config.num_experts)[owned_box(by_ep, dims, rank)[ep.dim]]:

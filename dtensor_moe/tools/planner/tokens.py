@@ -87,7 +87,7 @@ def rates(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node:
                                                 moe.expert_replicas, cache)
     straggler = 1 if skewed is None else skewed.replica_imbalance  # an int 1 keeps the balanced bytes exact
     experts = k * (2 * dims.etp * D + 3 * F) * straggler + 3 * F * moe.num_shared_experts
-    # A replica slot holds this ETP rank's F slice of w1, w2, w3 (and of b1, b3, with all of b2).
+    # A replica slot holds this ETP rank's F slice of w13 (two) and w2 (and of b13, with all of b2).
     slot = 3 * (F // dims.etp) * D + (2 * (F // dims.etp) + D) * moe.expert_biases
     # Dispatch and combine (a token once per rank holding one of its experts, each way) in forward,
     # their reverses in backward, forward again when recomputing.
