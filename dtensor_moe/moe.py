@@ -15,7 +15,7 @@ from dtensor_moe.config import MoEConfig
 from dtensor_moe.experts import GroupedExperts
 from dtensor_moe.router import TopKRouter, combine_weights_TE
 from dtensor_moe.routing import PaddedCopies, TokenCopies, expert_major
-from dtensor_moe.token_rounding import round_tokens
+from dtensor_moe.token_rounding import round_tokens_compiled
 
 
 def recomputing() -> bool:
@@ -129,7 +129,7 @@ class MoE(nn.Module):
         if cfg.round_tokens_to:  # after capacity, and after the statistics too (docs/routing.md, "Token rounding")
             C = None if cfg.capacity_factor is None else capacity(len(x_TD), cfg.top_k, cfg.num_experts,
                                                                    cfg.capacity_factor)
-            experts_TK, weights_TK = round_tokens(
+            experts_TK, weights_TK = round_tokens_compiled(
                 r.experts_TK, experts_TK, weights_TK, combine_weights_TE(cfg, r.scores_TE, r.logits_TE, r.experts_TK),
                 cfg.round_tokens_to, C, cfg.num_expert_groups)
         if experts_TK is not r.experts_TK:

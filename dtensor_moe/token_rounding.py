@@ -29,7 +29,11 @@ no host read, a fixed number of rounds: one graph under torch.compile. A token k
 has one twice.
 """
 
+import functools
+
 import torch
+
+from dtensor_moe.kernels import policy
 
 # Matching rounds of step 3, measured on uniform routing at M=128: at T=4096, E=64, K=6, 29 of the 30 experts of U
 # round up after 4 rounds (25 after 3, still 29 after 8); at T=16384, E=256, K=8, 129 of 139 (132 after 8). Each
@@ -141,3 +145,15 @@ def round_tokens(chosen_TK: torch.Tensor, experts_TK: torch.Tensor, weights_TK: 
     out_TK = torch.where(keep_TK, experts_TK, torch.where(fills_TK, added_TK.gather(1, slot_TK.clamp(0, K - 1)), E))
     added_w = weight_TE.gather(1, out_TK.clamp(max=E - 1)).to(weights_TK.dtype)
     return out_TK, torch.where(keep_TK, weights_TK, torch.where(fills_TK, added_w, 0))
+
+
+@functools.cache
+def _compiled(backend: str):
+    return torch.compile(round_tokens, backend=backend, fullgraph=True)
+
+
+def round_tokens_compiled(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """round_tokens, compiled on its own inside an eager layer where policy.rounding_backend says so (one graph:
+    eager, its ~100 small ops cost more than the rounded GEMMs gain); inside a compiled graph it is traced with it."""
+    backend = policy.rounding_backend(args[1])
+    return (round_tokens if backend is None else _compiled(backend))(*args, **kwargs)

@@ -289,6 +289,39 @@ def test_compiled_layer_is_one_graph():
     assert backend.frame_count <= 2 and backend.graphs and all(g is not None for g in backend.graphs)
 
 
+def test_eager_layer_rounds_in_its_own_compiled_graph(monkeypatch):
+    """Where policy.rounding_backend names a backend (CUDA), an eager layer's rounding runs as one compiled graph:
+    outputs and every gradient as the rounding's eager ops give them (float64, bitwise), token counts changing."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+
+    from dtensor_moe.kernels import policy
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, round_tokens_to=3, capacity_factor=1.0,
+                    num_expert_groups=2)
+    eager = MoE(cfg).double()
+    model = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    counters.clear()
+    backend = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(token_rounding, "_compiled", lambda name: torch.compile(
+        round_tokens, backend=backend if name == "counted" else name, fullgraph=True))
+    for step, T in enumerate([6, 9, 5]):
+        x = torch.randn(T, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+        grads = []
+        for m, name in ((model, "counted"), (eager, None)):
+            monkeypatch.setattr(policy, "rounding_backend", lambda experts_TK, name=name: name)
+            m.zero_grad()
+            xx = x.clone().requires_grad_(True)
+            m(xx).square().sum().backward()
+            grads.append([xx.grad, *(p.grad for p in m.parameters())])
+        for a, b in zip(*grads):
+            assert torch.equal(a, b)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert backend.frame_count >= 1  # the compiled rounding ran (one recompile at most: dynamic T)
+
+
 def test_main_job_override():
     from dtensor_moe.train.config import load_config
 

@@ -184,6 +184,16 @@ def fp8_measured_faster(gemm: str, I: int, O: int, rows_per_expert: float) -> bo
     return near is not None and near["fp8_tflops"] > near["bf16_tflops"]
 
 
+def rounding_backend(experts_TK: torch.Tensor) -> str | None:
+    """The torch.compile backend for token rounding (token_rounding.round_tokens) called from an eager layer on
+    CUDA, None to run its ops eagerly: eager on one H200 its ~100 small kernels took more host and device time
+    than the whole-tile GEMMs saved, compiled the 1-GPU job gained from it (RESULTS.md, 2026-12-03). Off CUDA it
+    runs eagerly (CPU tests, float64), inside a compiled graph as part of that graph."""
+    if experts_TK.is_cuda and not torch.compiler.is_compiling() and triton_available():
+        return "inductor"
+    return None
+
+
 HOST_SYNCS = {"split_sizes": 0, "exact_loop": 0, "capacity_check": 0}
 
 

@@ -23,7 +23,7 @@ from torchtitan.models.common.moe import MoE
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.router import combine_weights_TE
 from dtensor_moe.routing import expert_major
-from dtensor_moe.token_rounding import round_tokens
+from dtensor_moe.token_rounding import round_tokens_compiled
 
 
 def round_titan_tokens(moe: nn.Module, cfg: MoEConfig, multiple: int, dispatched: bool) -> None:
@@ -59,7 +59,7 @@ def _round(cfg: MoEConfig, multiple: int, dispatched: bool, groups: int, w_BLK: 
     scores_TE, chosen_TK = scores_BLE.reshape(-1, E), ids_BLK.reshape(-1, K)
     # No topk_softmax among torchtitan's routers: the logits are never read.
     weight_TE = combine_weights_TE(cfg, scores_TE, scores_TE, chosen_TK)
-    ids_TK, w_TK = round_tokens(chosen_TK, chosen_TK, w_BLK.reshape(-1, K), weight_TE, multiple, None, groups)
+    ids_TK, w_TK = round_tokens_compiled(chosen_TK, chosen_TK, w_BLK.reshape(-1, K), weight_TE, multiple, None, groups)
     rows_E = expert_major(ids_TK.flatten(), E)[2]
     if not dispatched:
         rows_E = torch.cat([rows_E[:-1], rows_E[-1:] + (ids_TK.numel() - rows_E.sum())])
