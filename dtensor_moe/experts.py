@@ -231,28 +231,36 @@ def grouped_swiglu(
     return _GroupedSwiGLU.apply(x_ND, w13_E2FD, w2_EDF, *(biases or (None, None)), offs_E, opts)
 
 
+def gate_up_halves(key: str) -> tuple[str, str] | None:
+    """torchtitan's names of the two halves of our experts' w13 / b13 under state-dict key `key` (`...experts.w1`,
+    `...experts.w3`); None for any other key."""
+    stem, _, leaf = key.rpartition(".")
+    if leaf in ("w13", "b13") and (stem == "experts" or stem.endswith(".experts")):
+        return f"{stem}.{leaf[0]}1", f"{stem}.{leaf[0]}3"
+    return None
+
+
 def split_gate_up(state: dict) -> dict:
     """A state dict with our experts' w13 [E, 2, F, D] / b13 [E, 2, F] under torchtitan's names: w1 and w3 (b1,
-    b3) [E, F, D] ([E, F]), in the keys' order otherwise."""
+    b3) [E, F, D] ([E, F]), views of them (DTensors stay DTensors: dim 1 is never sharded)."""
     out = {}
     for k, t in state.items():
-        stem, _, leaf = k.rpartition(".")
-        if leaf in ("w13", "b13") and stem.endswith("experts"):
-            out[f"{stem}.{leaf[0]}1"], out[f"{stem}.{leaf[0]}3"] = t[:, 0], t[:, 1]
-        else:
+        halves = gate_up_halves(k)
+        if halves is None:
             out[k] = t
+        else:
+            out[halves[0]], out[halves[1]] = t[:, 0], t[:, 1]
     return out
 
 
 def join_gate_up(state: dict) -> dict:
     """split_gate_up's inverse: torchtitan's w1 / w3 (b1 / b3) stacked into w13 (b13)."""
-    out = {}
-    for k, t in state.items():
+    out = dict(state)
+    for k in state:
         stem, _, leaf = k.rpartition(".")
-        if leaf in ("w1", "b1") and stem.endswith("experts") and f"{stem}.{leaf[0]}3" in state:
-            out[f"{stem}.{leaf[0]}13"] = torch.stack([t, state[f"{stem}.{leaf[0]}3"]], dim=1)
-        elif not (leaf in ("w3", "b3") and stem.endswith("experts") and f"{stem}.{leaf[0]}1" in state):
-            out[k] = t
+        halves = gate_up_halves(f"{stem}.{leaf[0]}13") if leaf in ("w1", "b1") else None
+        if halves is not None and halves[1] in state:
+            out[f"{stem}.{leaf[0]}13"] = torch.stack([out.pop(halves[0]), out.pop(halves[1])], dim=1)
     return out
 
 

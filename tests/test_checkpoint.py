@@ -177,7 +177,7 @@ def test_incompatible_config_raises_on_every_rank(tmp_path):
         run_on_ranks(2, _load_other_config, str(tmp_path))
     msg = str(err.value)
     assert "missing in checkpoint: layers.2." in msg
-    assert "layers.0.moe.experts.w13: checkpoint [4, 2, 8, 16] vs model [4, 2, 16, 16]" in msg
+    assert "layers.0.moe.experts.w1: checkpoint [4, 8, 16] vs model [4, 16, 16]" in msg
     assert "n_layers: saved 2 vs model 3" in msg
 
 
@@ -408,12 +408,17 @@ def test_weights_only_checkpoint_with_fresh_optimizer_ok(tmp_path, capsys):
     assert "step_00000004 holds model weights only; the optimizer starts fresh at step 4" in capsys.readouterr().err
 
 
-def test_checkpoint_from_before_w13_names_the_way_across():
-    """A checkpoint written when gate and up were experts.w1 / w3: the mismatch says how to carry it over."""
-    from dtensor_moe.train.checkpoint import describe_mismatch
 
-    old = {"layers.0.moe.experts.w1": (4, 8, 16), "layers.0.moe.experts.w3": (4, 8, 16)}
-    msg = describe_mismatch(old, {"layers.0.moe.experts.w13": (4, 2, 8, 16)}, "checkpoint")
-    assert "missing in checkpoint: layers.0.moe.experts.w13" in msg
-    assert "`dtensor-moe import` the file, which stacks them" in msg
-    assert "stacks" not in describe_mismatch({}, {"layers.0.moe.experts.w13": (4, 2, 8, 16)}, "checkpoint")
+def test_checkpoint_holds_torchtitan_names_for_gate_and_up(tmp_path):
+    """The experts' w13 is saved (weights and AdamW moments) as torchtitan's w1 and w3, so checkpoints written
+    before w13 existed, and tools reading torchtitan's names, see the same keys; loading stacks them back."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _plain_model_steps(tmp_path, range(1), keep_last=1)
+    keys = set(dcp.FileSystemReader(latest(tmp_path)).read_metadata().state_dict_metadata)
+    assert {"model.layers.0.moe.experts.w1", "model.layers.0.moe.experts.w3"} <= keys
+    assert {"optim.state.layers.0.moe.experts.w1.exp_avg", "optim.state.layers.0.moe.experts.w3.exp_avg_sq"} <= keys
+    assert not any("w13" in k for k in keys)
+    fresh, fresh_opt, _ = build(1, None, seed=1)
+    load(tmp_path, fresh, fresh_opt)
+    assert_bit_identical(full_state(fresh, fresh_opt), full_state(model, opt))

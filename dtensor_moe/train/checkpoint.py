@@ -60,6 +60,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dtensor_moe.experts import gate_up_halves, split_gate_up
+
 TRAIN_STATE = "train_state.pt"
 RUN_CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints: where the main job saves
 MODEL_CONFIG = "model_config.json"
@@ -285,9 +287,9 @@ def _save(root: Path, step: int, model, optimizer, extra, keep_last, tmp: Path, 
             _write_durably(tmp / MODEL_CONFIG, lambda f: f.write(text.encode()))
 
     _on_rank0(prepare)
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": split_gate_up(get_model_state_dict(model))}
     if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+        state["optim"] = _optim_in_file(get_optimizer_state_dict(model, optimizer))
     # Returns on every rank only after all ranks wrote (and fsynced) their shards and rank 0 wrote .metadata.
     try:
         with single_process_ok():
@@ -371,10 +373,6 @@ def describe_mismatch(found: dict[str, tuple], expected: dict[str, tuple], sourc
         lines.append(f"  in {source} but not in the model: {_listed(unexpected)}")
     if shapes:
         lines.append(f"  shape differs: {_listed(shapes)}")
-    if any(k.endswith("experts.w13") and k[:-2] + "1" in unexpected for k in missing):
-        lines.append(f"  the {source} holds gate and up as experts.w1 / w3, the model as one experts.w13 (since "
-                     "2026-12-03): export it with the dtensor_moe that wrote it (`dtensor-moe export`), then "
-                     "`dtensor-moe import` the file, which stacks them (the optimizer state starts fresh)")
     return "\n".join(lines)
 
 
@@ -427,6 +425,7 @@ def holds_optimizer(ckpt) -> bool:
 
 
 def _check_compatible(ckpt: Path, metadata, model: nn.Module, model_sd: dict, want_optim: bool):
+    """`model_sd`: the model's state dict under the checkpoint's names."""
     saved = {
         k.removeprefix("model."): tuple(md.size)
         for k, md in metadata.state_dict_metadata.items()
@@ -452,6 +451,38 @@ def _check_compatible(ckpt: Path, metadata, model: nn.Module, model_sd: dict, wa
             f"checkpoint {ckpt} holds model weights only (written by `dtensor-moe import` or save(optimizer=None)); "
             f"pass optimizer=None to load the weights and start the optimizer fresh"
         )
+
+
+def _optim_in_file(osd: dict) -> dict:
+    """An optimizer state dict (get_optimizer_state_dict's, by parameter name) under the names a checkpoint holds:
+    the experts' w13 / b13 moments as views of their halves (split_gate_up), a scalar such as the step shared."""
+    state = {}
+    for fqn, s in osd["state"].items():
+        halves = gate_up_halves(fqn)
+        for i, name in enumerate(halves or (fqn,)):
+            state[name] = s if halves is None else {
+                k: v[:, i] if isinstance(v, torch.Tensor) and v.dim() > 1 else v for k, v in s.items()}
+    groups = [{**g, "params": [n for p in g["params"] for n in gate_up_halves(p) or (p,)]} for g in osd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _optim_from_file(staged: dict, loaded: dict) -> dict:
+    """_optim_in_file's inverse after a load into `loaded` (made by _optim_in_file from `staged`): the tensors are
+    staged's, filled through loaded's views; the other values, replaced by the load, are taken from loaded."""
+    state = {}
+    for fqn, s in staged["state"].items():
+        src = loaded["state"][(gate_up_halves(fqn) or (fqn,))[0]]
+        state[fqn] = {k: v if isinstance(v, torch.Tensor) else src[k] for k, v in s.items()}
+    # The loaded groups name every parameter the checkpoint's optimizer had (under PP, other stages' too).
+    groups = [{**g, "params": list(dict.fromkeys(map(_whole, g["params"])))} for g in loaded["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def _whole(name: str) -> str:
+    """The experts' w13 / b13 for the name of one of its halves (w1 / w3, b1 / b3); any other name as it is."""
+    stem, _, leaf = name.rpartition(".")
+    whole = f"{stem}.{leaf[0]}13" if leaf in ("w1", "w3", "b1", "b3") else None
+    return whole if whole is not None and name in (gate_up_halves(whole) or ()) else name
 
 
 def _staged(obj):
@@ -484,10 +515,13 @@ def load(path, model: nn.Module, optimizer=None, *, fresh_optimizer_ok: bool = F
         _note(f"checkpoint: {ckpt.name} holds model weights only; the optimizer starts fresh at step {extra['step']}")
         optimizer = None
     model_sd = get_model_state_dict(model)
-    _check_compatible(ckpt, metadata, model, model_sd, optimizer is not None)
-    state = {"model": _staged(model_sd)}
+    _check_compatible(ckpt, metadata, model, split_gate_up(model_sd), optimizer is not None)
+    staged = {"model": _staged(model_sd)}
+    # Loaded in place through views under the checkpoint's names (torchtitan's w1 / w3 for our w13).
+    state = {"model": split_gate_up(staged["model"])}
     if optimizer is not None:
-        state["optim"] = _staged(get_optimizer_state_dict(model, optimizer))  # allocates moments if still empty
+        staged["optim"] = _staged(get_optimizer_state_dict(model, optimizer))  # allocates moments if still empty
+        state["optim"] = _optim_in_file(staged["optim"])
     try:
         with single_process_ok():
             dcp.load(state, storage_reader=dcp.FileSystemReader(ckpt))
@@ -495,7 +529,7 @@ def load(path, model: nn.Module, optimizer=None, *, fresh_optimizer_ok: bool = F
         raise CheckpointError(f"checkpoint {ckpt} cannot be read: {_failures(e)}") from None
     except Exception as e:  # noqa: BLE001 - named, with the step, instead of a bare torch traceback
         raise CheckpointError(f"checkpoint {ckpt} cannot be read: {type(e).__name__}: {e}") from None
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, staged["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+        set_optimizer_state_dict(model, optimizer, _optim_from_file(staged["optim"], state["optim"]))
     return extra

@@ -1,8 +1,8 @@
 """Unsharded safetensors export of a checkpoint's model weights, and import into any mesh.
 
 `dtensor-moe export CKPT OUT` writes OUT/model.safetensors and OUT/config.json (the ModelConfig).
-Keys are the model's state-dict FQNs under torchtitan's MoE layout (our experts' w13 / b13 written as
-w1 and w3 / b1 and b3, read back stacked: experts.split_gate_up / join_gate_up):
+Keys are the checkpoint's: the model's state-dict FQNs under torchtitan's MoE layout (our experts' w13 / b13
+held as w1 and w3 / b1 and b3, stacked back on import: experts.split_gate_up / join_gate_up):
 
     tok_embeddings.weight                    [V, D]
     layers.{i}.attention_norm.weight         [D]
@@ -79,7 +79,6 @@ def export_checkpoint(ckpt, out_dir) -> Path:
         raise ValueError(f"export output {str(out)!r} is a file; give a directory for {WEIGHTS} and {CONFIG}")
     out.mkdir(parents=True, exist_ok=True)
     # Written under temporary names and renamed: an interrupted export leaves no half file behind.
-    tensors = {k: t.contiguous() for k, t in split_gate_up(tensors).items()}
     save_file(tensors, out / f".{WEIGHTS}.tmp", metadata={"format": "pt", "step": str(step)})
     (out / f".{CONFIG}.tmp").write_text((ckpt / MODEL_CONFIG).read_text())
     os.replace(out / f".{WEIGHTS}.tmp", out / WEIGHTS)
