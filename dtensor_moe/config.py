@@ -116,7 +116,7 @@ class MoEConfig:
     # Megatron's --moe-pad-expert-input-to-capacity: every expert gets exactly its capacity in rows
     # (padded with zero rows), so GEMM sizes and all-to-all splits are static (docs/routing.md).
     pad_to_capacity: bool = False
-    # Experts as gpt-oss defines them: per-expert biases on the w1/w3 outputs [E, F] and the w2
+    # Experts as gpt-oss defines them: per-expert biases on the gate / up outputs [E, 2, F] and the w2
     # output [E, D]; "clamped_swiglu": g = min(a, limit), u = clamp(b, -limit, limit),
     # (u + 1) * g * sigmoid(alpha * g) (swiglu_alpha, swiglu_limit are read only then).
     expert_biases: bool = False

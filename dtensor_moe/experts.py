@@ -176,8 +176,10 @@ class _GroupedSwiGLU(torch.autograd.Function):
                for g, p, shape in zip((dab_N2F, dy_ND), ctx.biases, ((E, 2, F_), (E, D)))]
         grads = _existing_grads(ctx, (w13_E2FD, w2_EDF)) if opts.accumulate is not None else None
         if grads is not None:
-            for out, g, x in zip((_gate_up(grads[0]), grads[1]), (dab_N2F, dy_ND), (x_ND, h_NF)):
-                add_weight_grad_(out, g, x, offs_E, scale, host, opts.accumulate(out.shape))
+            # The method as measured per weight: gate / up by one half's shape.
+            for out, g, x, shape in zip((_gate_up(grads[0]), grads[1]), (dab_N2F, dy_ND), (x_ND, h_NF),
+                                        ((E, F_, D), grads[1].shape)):
+                add_weight_grad_(out, g, x, offs_E, scale, host, opts.accumulate(shape))
             return dx_ND, None, None, *dbs, None, None
         if scale != 1:  # on whichever operand of each weight-gradient GEMM is smaller
             if 2 * F_ <= D:

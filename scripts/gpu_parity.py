@@ -36,7 +36,7 @@ def check_grouped_mm(device):
     E, F, D = 8, 512, 256
     counts = torch.tensor([0, 37, 5, 128, 1, 0, 77, 300], device=device)
     x = torch.randn(int(counts.sum()), D, device=device, generator=g).bfloat16()
-    ws = [torch.randn(s, device=device, generator=g).bfloat16() * 0.05 for s in ((E, F, D), (E, D, F), (E, F, D))]
+    ws = [torch.randn(s, device=device, generator=g).bfloat16() * 0.05 for s in ((E, 2, F, D), (E, D, F))]
     kernel = grouped_swiglu(x, counts, *ws)
     with mock.patch.object(policy, "grouped_mm_supported", return_value=False):
         return rel(kernel, grouped_swiglu(x, counts, *ws))
@@ -44,7 +44,7 @@ def check_grouped_mm(device):
 
 def check_gemm_accumulation(device):
     """Two microbatches, weight gradients added into .grad inside the GEMMs (the library's choice on
-    CUDA: here cuBLAS per expert for w1/w3 and Triton for w2; on CPU the per-expert loop, its
+    CUDA: here cuBLAS per expert for w13 and Triton for w2; on CPU the per-expert loop, its
     threshold lowered for this small case) against autograd's accumulation."""
     g = torch.Generator(device=device).manual_seed(1)
     E, F, D = 8, 512, 256
@@ -54,7 +54,7 @@ def check_gemm_accumulation(device):
     grads = []
     for fused in (False, True):
         ws = [(torch.randn(s, device=device, generator=g.manual_seed(2)) * 0.05).bfloat16().requires_grad_(True)
-              for s in ((E, F, D), (E, D, F), (E, F, D))]
+              for s in ((E, 2, F, D), (E, D, F))]
         choice = policy.weight_grad_accumulation if fused else (lambda *a: None)
         with mock.patch.object(policy, "MIN_MACS_PER_EXPERT_GEMM", 0), \
                 mock.patch.object(policy, "weight_grad_accumulation", side_effect=choice):

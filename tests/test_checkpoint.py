@@ -422,3 +422,17 @@ def test_checkpoint_holds_torchtitan_names_for_gate_and_up(tmp_path):
     fresh, fresh_opt, _ = build(1, None, seed=1)
     load(tmp_path, fresh, fresh_opt)
     assert_bit_identical(full_state(fresh, fresh_opt), full_state(model, opt))
+
+
+def test_load_refuses_gate_up_halves_that_are_copies(tmp_path, monkeypatch):
+    """The load fills w13 through views of its halves: were they copies (another torch), it says so instead of
+    leaving the weights unloaded."""
+    from dtensor_moe.experts import split_gate_up
+    from dtensor_moe.train import checkpoint
+
+    _plain_model_steps(tmp_path, range(1), keep_last=1)
+    monkeypatch.setattr(checkpoint, "split_gate_up",
+                        lambda sd: {k: v.clone() for k, v in split_gate_up(sd).items()})
+    fresh, fresh_opt, _ = build(1, None, seed=1)
+    with pytest.raises(RuntimeError, match="is not a view of its w13"):
+        load(tmp_path, fresh, fresh_opt)

@@ -126,6 +126,18 @@ for t, layout, args in [(x, "token_cols", (offs,)), (w, "weight_cols", (None,))]
     if layout == "token_cols":
         valid[:, int(b[2][-1]):] = False
     assert torch.equal(a[0].float()[valid], b[0].float()[valid])
+# benchmarks/ragged_gemm_probe.py's grouped GEMM (128-row tiles, then 64-row tails, scheduled on the device)
+# against a per-expert loop: empty experts, whole tiles, tails under and over 64 rows, both weight layouts.
+import sys
+sys.path.insert(0, "benchmarks")
+from ragged_gemm_probe import ragged_mm
+for counts in ([0, 130, 5, 200], [128, 0, 0, 64], [0, 0, 0, 0], [300, 1, 63, 65]):
+    ends = torch.cumsum(torch.tensor(counts), 0)
+    x = torch.randn(int(ends[-1]), 48)
+    for w_EIO in (torch.randn(4, 40, 48).transpose(-2, -1), torch.randn(4, 48, 40)):
+        want = torch.cat([x[a:b] @ w_EIO[e] for e, (a, b) in enumerate(zip([0, *ends[:-1].tolist()], ends.tolist()))])
+        got = ragged_mm(x, w_EIO, ends.to(torch.int32), (32, 16, 4, 2))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 print("ok")
 """
 
@@ -133,7 +145,7 @@ print("ok")
 def test_triton_kernels_match_torch_in_triton_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
+                          check=False, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
@@ -146,6 +158,8 @@ def test_wgrad_config_follows_the_measured_table(tmp_path, monkeypatch):
     assert policy.wgrad_config((256, 2048, 7168), 65536) == wgrad.Config(128, 128, 32, 4, 4, True)
     assert policy.wgrad_config((128, 768, 2048), 131072) == wgrad.CONFIG
     assert policy.wgrad_config((8, 14336, 2048), 16384) == wgrad.CONFIG
+    # Gate and up's gradient together ([2F, D], w13), unmeasured: the tiles measured for one half.
+    assert policy.wgrad_config((256, 4096, 7168), 65536) == wgrad.Config(128, 128, 32, 4, 4, True)
     table = tmp_path / "wgrad.json"
     table.write_text('{"configs": [{"O": 64, "I": 32, "rows_per_expert": 100, "config": [16, 32, 16, 4, 2]},'
                      ' {"O": 64, "I": 32, "rows_per_expert": 1000, "config": [32, 16, 16, 4, 2]}]}')

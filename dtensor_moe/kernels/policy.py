@@ -60,7 +60,7 @@ MIN_MACS_PER_EXPERT_GEMM = 2**32
 CUBLAS_WIDE_MIN_ROWS = 2048
 
 
-def weight_grad_accumulation(x_ND: torch.Tensor, w1_shape, grouped: bool, host_counts_known: bool,
+def weight_grad_accumulation(x_ND: torch.Tensor, half_shape, grouped: bool, host_counts_known: bool,
                              precision: str = "bf16"):
     """How a backward adds weight gradients into existing ones, or None where autograd accumulates.
 
@@ -68,7 +68,7 @@ def weight_grad_accumulation(x_ND: torch.Tensor, w1_shape, grouped: bool, host_c
     counts on the host) only where it measured fastest on 2xH200: per-expert GEMMs large enough to
     outlast their launches, in an orientation cuBLAS runs well; elsewhere on CUDA one Triton launch
     per weight (kernels/wgrad.py; benchmarks/wgrad_probe.py, RESULTS.md)."""
-    E, F_, D = w1_shape
+    E, F_, D = half_shape  # one of gate / up: [E, F, D]
     rows = x_ND.shape[0]
     if any(gemm_precision(precision, "wgrad_acc", x_ND, E, I, O) == "fp8" for I, O in ((D, F_), (F_, D))):
         return None  # the FP8 GEMM writes a fresh gradient, which autograd adds
@@ -101,11 +101,13 @@ def _wgrad_configs(path: str) -> tuple:
 
 def wgrad_config(out_shape, rows: int) -> wgrad.Config:
     """kernels/wgrad.py's config for out_shape [E, O, I] over `rows` routed rows: the table's at this
-    (O, I) nearest in rows per expert on a log scale; wgrad.CONFIG for an unmeasured (O, I)
-    (DTENSOR_MOE_WGRAD_CONFIGS overrides the table's path)."""
+    (O, I) nearest in rows per expert on a log scale; for the experts' gate and up gradient [E, 2F, D] unmeasured,
+    the one measured at [E, F, D] (the same tiles over twice the rows of output); wgrad.CONFIG for an unmeasured
+    (O, I) (DTENSOR_MOE_WGRAD_CONFIGS overrides the table's path)."""
     E, O, I = out_shape
     table = _wgrad_configs(os.environ.get("DTENSOR_MOE_WGRAD_CONFIGS", WGRAD_CONFIGS))
-    candidates = [r for r in table if (r["O"], r["I"]) == (O, I)]
+    candidates = ([r for r in table if (r["O"], r["I"]) == (O, I)]
+                  or [r for r in table if (2 * r["O"], r["I"]) == (O, I)])
     if not candidates:
         return wgrad.CONFIG
     per_expert = max(rows / max(E, 1), 1)
@@ -154,7 +156,10 @@ def gate_up_fused(precision: str, gemm: str, x: torch.Tensor, E: int, I: int, O:
     gradient faster at every measured shape, forward and weight gradient even)."""
     if gemm_precision(precision, gemm, x, E, I, O) == "fp8":
         return False
-    return not x.is_cuda or fused_measured_faster(gemm, I, O, x.shape[0] / max(E, 1))
+    # A compiled graph cannot read the table (a file) and would guard on its row count: it runs fused.
+    if not x.is_cuda or torch.compiler.is_compiling():
+        return True
+    return fused_measured_faster(gemm, I, O, x.shape[0] / max(E, 1))
 
 
 def fused_measured_faster(gemm: str, I: int, O: int, rows_per_expert: float) -> bool:

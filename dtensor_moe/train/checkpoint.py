@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from dtensor_moe.experts import gate_up_halves, split_gate_up
 
@@ -461,7 +462,8 @@ def _optim_in_file(osd: dict) -> dict:
         halves = gate_up_halves(fqn)
         for i, name in enumerate(halves or (fqn,)):
             state[name] = s if halves is None else {
-                k: v[:, i] if isinstance(v, torch.Tensor) and v.dim() > 1 else v for k, v in s.items()}
+                k: v[:, i] if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] == 2 else v
+                for k, v in s.items()}
     groups = [{**g, "params": [n for p in g["params"] for n in gate_up_halves(p) or (p,)]} for g in osd["param_groups"]]
     return {"state": state, "param_groups": groups}
 
@@ -474,7 +476,9 @@ def _optim_from_file(staged: dict, loaded: dict) -> dict:
         src = loaded["state"][(gate_up_halves(fqn) or (fqn,))[0]]
         state[fqn] = {k: v if isinstance(v, torch.Tensor) else src[k] for k, v in s.items()}
     # The loaded groups name every parameter the checkpoint's optimizer had (under PP, other stages' too).
-    groups = [{**g, "params": list(dict.fromkeys(map(_whole, g["params"])))} for g in loaded["param_groups"]]
+    own = {p for g in staged["param_groups"] for p in g["params"]}
+    groups = [{**g, "params": list(dict.fromkeys(p if p in own else _whole(p) for p in g["params"]))}
+              for g in loaded["param_groups"]]
     return {"state": state, "param_groups": groups}
 
 
@@ -483,6 +487,23 @@ def _whole(name: str) -> str:
     stem, _, leaf = name.rpartition(".")
     whole = f"{stem}.{leaf[0]}13" if leaf in ("w1", "w3", "b1", "b3") else None
     return whole if whole is not None and name in (gate_up_halves(whole) or ()) else name
+
+
+def _check_views(staged: dict, state: dict) -> None:
+    """Every tensor the load fills through a view (a half of w13, of its moments) shares its storage with the staged
+    tensor: DCP copies into the views in place, so a copy there would leave the staged tensor unloaded."""
+    checks = [(h, t, state["model"][h]) for k, t in staged["model"].items() for h in gate_up_halves(k) or ()]
+    if "optim" in staged:
+        checks += [(f"{h} {name}", v, state["optim"]["state"][h][name])
+                   for k, s in staged["optim"]["state"].items() for h in gate_up_halves(k) or ()
+                   for name, v in s.items() if isinstance(v, torch.Tensor) and v.dim() > 1]
+    for name, whole, view in checks:
+        if _local(whole).untyped_storage().data_ptr() != _local(view).untyped_storage().data_ptr():
+            raise RuntimeError(f"checkpoint load: {name} is not a view of its w13 (this torch copies DTensor slices)")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _staged(obj):
@@ -522,6 +543,7 @@ def load(path, model: nn.Module, optimizer=None, *, fresh_optimizer_ok: bool = F
     if optimizer is not None:
         staged["optim"] = _staged(get_optimizer_state_dict(model, optimizer))  # allocates moments if still empty
         state["optim"] = _optim_in_file(staged["optim"])
+    _check_views(staged, state)
     try:
         with single_process_ok():
             dcp.load(state, storage_reader=dcp.FileSystemReader(ckpt))
