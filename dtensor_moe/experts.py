@@ -138,30 +138,29 @@ class _GroupedSwiGLU(torch.autograd.Function):
         E, _, F_, D = w13_E2FD.shape
         if policy.gate_up_fused(precision, "fwd", x_ND, E, D, F_):
             ab_N2F = mm(x_ND, _gate_up(w13_E2FD).transpose(-2, -1), offs_E, host_counts=host)
-        else:
-            ab_N2F = torch.cat([mm(x_ND, w13_E2FD[:, i].transpose(-2, -1), offs_E, precision, host_counts=host)
-                               for i in (0, 1)], dim=-1)
-        if b13_E2F is not None:
-            ab_N2F = _with_bias(ab_N2F, b13_E2F.reshape(E, 2 * F_), offs_E)
-        a_NF, b_NF = ab_N2F.chunk(2, dim=-1)
+            if b13_E2F is not None:
+                ab_N2F = _with_bias(ab_N2F, b13_E2F.reshape(E, 2 * F_), offs_E)
+            a_NF, b_NF = ab_N2F.chunk(2, dim=-1)
+        else:  # two tensors, which the gate reads as they are
+            a_NF, b_NF = (_with_bias(mm(x_ND, w13_E2FD[:, i].transpose(-2, -1), offs_E, precision, host_counts=host),
+                                     None if b13_E2F is None else b13_E2F[:, i], offs_E) for i in (0, 1))
         h_NF = swiglu(a_NF, b_NF) if opts.clamp is None else clamped_swiglu(a_NF, b_NF, *opts.clamp)
         y_ND = _with_bias(mm(h_NF, w2_EDF.transpose(-2, -1), offs_E, precision, host_counts=host),
                           b2_ED if opts.add_b2 else None, offs_E)
         # What autograd would keep but silu(a), which the backward recomputes.
-        ctx.save_for_backward(x_ND, ab_N2F, h_NF, w13_E2FD, w2_EDF, offs_E)
+        ctx.save_for_backward(x_ND, a_NF, b_NF, h_NF, w13_E2FD, w2_EDF, offs_E)
         ctx.opts = opts
         ctx.params, ctx.biases = (w13, w2), (b13, b2)
         return y_ND
 
     @staticmethod
     def backward(ctx, dy_ND):
-        x_ND, ab_N2F, h_NF, w13_E2FD, w2_EDF, offs_E = ctx.saved_tensors
+        x_ND, a_NF, b_NF, h_NF, w13_E2FD, w2_EDF, offs_E = ctx.saved_tensors
         opts = ctx.opts
         scale, precision, host = opts.weight_grad_scale, opts.precision, opts.host_counts
         E, _, F_, D = w13_E2FD.shape
         dy_ND = dy_ND.contiguous()
         dh_NF = mm(dy_ND, w2_EDF, offs_E, precision, "dgrad", host)
-        a_NF, b_NF = ab_N2F.chunk(2, dim=-1)
         if opts.clamp is None:
             dab_N2F = swiglu_backward(dh_NF, a_NF, b_NF)
         else:

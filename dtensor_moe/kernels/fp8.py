@@ -37,11 +37,11 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def quantize_rows(x_ptr, q_ptr, s_ptr, I, BLOCK: tl.constexpr):
+    def quantize_rows(x_ptr, q_ptr, s_ptr, I, stride_x, BLOCK: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < I
-        x = tl.load(x_ptr + n * I + offs, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + n * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)  # AMAX_FLOOR
         q = tl.clamp(x * (448.0 / amax), -448.0, 448.0)  # FP8_MAX
         tl.store(q_ptr + n * I + offs, q.to(tl.float8e4nv), mask=mask)
@@ -87,8 +87,9 @@ def _scale_inv(amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.library.custom_op("dtensor_moe::fp8_quantize_rows", mutates_args=())
 def quantize_rows(x_NI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [N, I] e4m3, s [N] fp32) with x ~ q * s[:, None]: one scale per row, over the reduced dim I."""
-    x_NI = x_NI.contiguous()
+    """(q [N, I] e4m3, s [N] fp32) with x ~ q * s[:, None]: one scale per row, over the reduced dim I. Rows may
+    have any stride (the experts' gate / up halves of one [N, 2F] gradient)."""
+    x_NI = x_NI if x_NI.stride(-1) == 1 else x_NI.contiguous()
     N, I = x_NI.shape
     if policy.runs_triton(x_NI):
         q = torch.empty(N, I, device=x_NI.device, dtype=FP8)
@@ -96,7 +97,7 @@ def quantize_rows(x_NI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if N and I:
             triton, kernel, _ = _kernels()
             block = triton.next_power_of_2(I)
-            kernel[(N,)](x_NI, q, s, I, BLOCK=block, num_warps=max(1, min(16, block // 512)))
+            kernel[(N,)](x_NI, q, s, I, x_NI.stride(0), BLOCK=block, num_warps=max(1, min(16, block // 512)))
         return q, s
     inv, s = _scale_inv(x_NI.abs().amax(-1) if I else x_NI.new_zeros(N))
     return (x_NI.float() * inv[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), s
