@@ -19,9 +19,14 @@ TRITON_INTERPRET=1 (tests/test_triton_kernels.py).
 import argparse
 import functools
 import json
+import os
+import sys
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when imported by tests
+from expert_gemms import cuda_ms  # noqa: E402
 
 SHAPES = {"deepseek": (7168, 2048, 256, 8, 8192), "qwen": (2048, 768, 128, 8, 16384),
           "mixtral": (4096, 14336, 8, 2, 8192), "e64": (4096, 1536, 64, 6, 16384)}  # D, F, E, K, T
@@ -92,20 +97,6 @@ def ragged_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs_E: torch.Tensor, con
                      w_EIO.stride(1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=w,
                      num_stages=stages)
     return y
-
-
-def cuda_ms(fn, iters=20, warmup=3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def counts_for(mode: str, T: int, E: int, K: int, dev) -> torch.Tensor:
