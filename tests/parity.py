@@ -22,6 +22,8 @@ from dtensor_moe import (
     ownership,
     parallelize_moe,
     plan_moe,
+    record_routing,
+    replay_routing,
 )
 from dtensor_moe import experts as experts_mod
 
@@ -57,6 +59,7 @@ class Case:
     nonfinite_token: int | None = None  # this token of the global batch is non-finite: it must stay isolated
     nonfinite_value: float = float("nan")  # its value in the first dim: NaN, +Inf or -Inf
     compile: bool | str = False  # parallelize_moe(compile=...): True (inductor) or a backend name
+    replay: bool = False  # the training forwards replay choices recorded by no-grad eval forwards of the same tokens
 
 
 def build(case: Case, world_size: int):
@@ -166,8 +169,16 @@ def parity_errors(rank: int, world_size: int, case: Case) -> tuple[dict, MoE]:
         errs[f"own:{wp.name}"] = _err(local, want)
         ownership(wp, dims)
     x_r = x[mine].clone().requires_grad_(True)
+    replaying = contextlib.nullcontext()
+    if case.replay:  # a rollout (eval, no grad: it counts nothing) records; each microbatch replays its forward
+        model.eval()
+        with torch.no_grad(), record_routing(model) as recorded:
+            for _ in range(case.microbatches):
+                model(x_r)
+        model.train()
+        replaying = replay_routing(model, recorded)
     counted = mock.patch.object(experts_mod, "add_weight_grad_", wraps=experts_mod.add_weight_grad_)
-    with counted as fused, inductor_settings(case.compile):
+    with counted as fused, inductor_settings(case.compile), replaying:
         for mb in range(case.microbatches):
             model.set_requires_gradient_sync(mb == case.microbatches - 1)
             y_r = model(x_r)

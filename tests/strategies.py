@@ -126,12 +126,16 @@ def cases(draw, world_size: int):
         case = replace(case, moe=replace(case.moe, expert_replicas=coins.choice((1, 2)),
                                          replica_replan_every=coins.choice((1, 100))))
     # Token rounding one case in four, to tiles small enough for these few pairs per expert (3: any int is a
-    # tile). The last coin, so every other choice above stays as it was. Not padded (refused), not with a
+    # tile). Drawn after the others, so every choice above stays as it was. Not padded (refused), not with a
     # non-finite token (the single-process layer runs dropped pairs as zero-weight rows: 0 * Inf, as for
     # capacity), not with FP8 experts (those rows would join its scales' amax).
     if (not case.moe.pad_to_capacity and case.nonfinite_token is None and case.moe.expert_precision != "fp8"
             and coins.random() < 1 / 4):
         case = replace(case, moe=replace(case.moe, round_tokens_to=coins.choice((2, 3, 4, 8))))
+    # Routing replay one eager case in five (after the other coins, which it leaves as they were): the training
+    # forwards replay what a no-grad eval rollout of the same tokens recorded, so nothing may change.
+    if not case.compile and coins.random() < 1 / 5:
+        case = replace(case, replay=True)
     return case
 
 
@@ -161,6 +165,7 @@ def kinds(case: Case, world_size: int) -> dict[str, bool]:
         "CP or TP > 1": case.cp * case.tp > 1,
         "expert replicas": case.moe.expert_replicas > 0,
         "token rounding": case.moe.round_tokens_to > 0,
+        "routing replay": case.replay,
     }
 
 
