@@ -399,7 +399,8 @@ def attach_gemm_rates(row, rates):
     """fwd / dgrad / wgrad TFLOP/s of the experts' GEMMs alone at this shape (expert_gemms.py's records, one GPU:
     its JSON at random counts, or measured at the row's routed counts), in the row's precision:
     fwd = x@w13 (gate and up), h@w2; dgrad = dy@w2, [da, db]@w13; wgrad both weights', each gate / up GEMM as the
-    layer runs it (policy.gate_up_fused: one GEMM over 2F, or two over F where FP8 runs them)."""
+    layer runs it (policy.gate_up_fused, on the committed table: one bf16 GEMM over 2F, or two over F where the
+    table measured those faster)."""
     from dtensor_moe.kernels import policy
 
     D, F = row["D"], row["F"]
@@ -410,12 +411,13 @@ def attach_gemm_rates(row, rates):
     for gemm, (half, fused, w2) in {"fwd": ((D, F), (D, 2 * F), (F, D)), "dgrad": ((F, D), (2 * F, D), (D, F)),
                                    "wgrad": ((D, F), (D, 2 * F), (F, D))}.items():
         b = got[(gemm, *w2)]
-        if p == "fp8" and policy.fp8_measured_faster(gemm, *half, b["rows_per_expert"]):
-            gate_up_ms = 2 * got[(gemm, *half)]["fp8_ms"]
-        else:
+        rows = b["rows_per_expert"]
+        half_p = "fp8" if p == "fp8" and policy.fp8_measured_faster(gemm, *half, rows) else "bf16"
+        if policy.fused_measured_faster(gemm, *half, rows, half_p):
             gate_up_ms = got[(gemm, *fused)]["bf16_ms"]
-        w2_ms = b["fp8_ms"] if p == "fp8" and policy.fp8_measured_faster(gemm, *w2, b["rows_per_expert"]) \
-            else b["bf16_ms"]
+        else:
+            gate_up_ms = 2 * got[(gemm, *half)][f"{half_p}_ms"]
+        w2_ms = b["fp8_ms"] if p == "fp8" and policy.fp8_measured_faster(gemm, *w2, rows) else b["bf16_ms"]
         flops = 3 * 2 * b["rows_per_expert"] * b["E"] * D * F
         row[f"{gemm}_tflops"] = flops / ((gate_up_ms + w2_ms) / 1e3) / 1e12
 

@@ -150,25 +150,28 @@ def gemm_precision(precision: str, gemm: str, x: torch.Tensor, E: int, I: int, O
 
 
 def gate_up_fused(precision: str, gemm: str, x: torch.Tensor, E: int, I: int, O: int) -> bool:
-    """Whether the experts' gate and up run as one GEMM over w13's [E, 2F, D] rather than one per half (I, O: one
-    half's, as gemm_precision takes them). One per half where FP8 runs this GEMM, or where the table measured the
-    halves faster in bf16; otherwise one (../shared/bench/fused_w13_probe.py on one H200, RESULTS.md: the input
-    gradient faster at every measured shape, forward and weight gradient even)."""
-    if gemm_precision(precision, gemm, x, E, I, O) == "fp8":
-        return False
-    # A compiled graph cannot read the table (a file) and would guard on its row count: it runs fused.
+    """Whether the experts' gate and up run as one bf16 GEMM over w13's [E, 2F, D] rather than one per half (I, O:
+    one half's, as gemm_precision takes them), each half in the precision gemm_precision picks for it. One GEMM
+    unless the table measured the two halves faster in that precision (../shared/bench/fused_w13_probe.py on one
+    H200, RESULTS.md: the fused input gradient faster at every measured shape, forward and weight gradient even);
+    where it has no fused row, one GEMM in bf16 and the halves where FP8 runs them. Off CUDA the halves wherever
+    FP8 runs (CPU tests check FP8's numerics), as in a compiled graph, which cannot read the table (a file)."""
+    half = gemm_precision(precision, gemm, x, E, I, O)
     if not x.is_cuda or torch.compiler.is_compiling():
-        return True
-    return fused_measured_faster(gemm, I, O, x.shape[0] / max(E, 1))
+        return half != "fp8"
+    return fused_measured_faster(gemm, I, O, x.shape[0] / max(E, 1), half)
 
 
-def fused_measured_faster(gemm: str, I: int, O: int, rows_per_expert: float) -> bool:
-    """Whether the table's bf16 gate / up GEMM over 2F ran at most as long as two over F at this GEMM and half
-    (I, O) (benchmarks/expert_gemms.py writes both); True where either is unmeasured."""
+def fused_measured_faster(gemm: str, I: int, O: int, rows_per_expert: float, half: str = "bf16") -> bool:
+    """Whether the table's bf16 gate / up GEMM over 2F ran at most as long as two over F in `half` precision at this
+    GEMM and half (I, O) (benchmarks/expert_gemms.py writes both); where either is unmeasured, True for bf16 halves
+    and False for FP8 ones (which their own rows measured faster than bf16)."""
     fused = _measured(gemm, 2 * I, O, rows_per_expert) if gemm == "dgrad" else _measured(gemm, I, 2 * O,
                                                                                            rows_per_expert)
-    half = _measured(gemm, I, O, rows_per_expert)
-    return fused is None or half is None or fused["bf16_ms"] <= 2 * half["bf16_ms"]
+    halves = _measured(gemm, I, O, rows_per_expert)
+    if fused is None or halves is None:
+        return half == "bf16"
+    return fused["bf16_ms"] <= 2 * halves[f"{half}_ms"]
 
 
 def _measured(gemm: str, I: int, O: int, rows_per_expert: float) -> dict | None:
