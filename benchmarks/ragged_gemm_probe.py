@@ -46,8 +46,8 @@ def _kernel():
         # Programs run expert by expert, column block by column block, row tile fastest: the row tiles of one
         # expert that share a column block of W_e run side by side and read it once from HBM.
         t = tl.program_id(0)
-        lo = 0
-        hi = E
+        lo = t * 0  # int32 tensors, not constants: the loop below reassigns them (E may be specialized to 1)
+        hi = lo + E
         while lo < hi:  # the expert of program t: the first whose cumulative tile count exceeds t
             mid = (lo + hi) // 2
             if tl.load(tile_end_ptr + mid) > t:
