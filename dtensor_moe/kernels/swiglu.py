@@ -27,13 +27,14 @@ def _kernels():
     import triton.language as tl
 
     # a and b are [N, F] with their own row strides (the two halves of one [N, 2F] GEMM output, or two
-    # tensors); h is [N, F] and the gradient [N, 2F] (da then db in each row), both contiguous.
+    # tensors); h is [N, F] and the gradient [N, 2F] (da then db in each row), both contiguous. A program
+    # takes one row's BLOCK columns: no per-element division to find them.
     @triton.jit
-    def swiglu_fwd(a_ptr, b_ptr, h_ptr, n, F, stride_a, stride_b, alpha, limit, CLAMPED: tl.constexpr,
+    def swiglu_fwd(a_ptr, b_ptr, h_ptr, F, stride_a, stride_b, alpha, limit, CLAMPED: tl.constexpr,
                    BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        row, col = offs // F, offs % F
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < F
         a = tl.load(a_ptr + row * stride_a + col, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + row * stride_b + col, mask=mask, other=0.0).to(tl.float32)
         if CLAMPED:
@@ -41,15 +42,15 @@ def _kernels():
             h = (tl.minimum(tl.maximum(b, -limit), limit) + 1.0) * g * tl.sigmoid(alpha * g)
         else:
             h = a * tl.sigmoid(a) * b
-        tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(h_ptr + row * F + col, h.to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def swiglu_bwd(dh_ptr, a_ptr, b_ptr, dab_ptr, n, F, stride_a, stride_b, alpha, limit, CLAMPED: tl.constexpr,
+    def swiglu_bwd(dh_ptr, a_ptr, b_ptr, dab_ptr, F, stride_a, stride_b, alpha, limit, CLAMPED: tl.constexpr,
                    BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        row, col = offs // F, offs % F
-        dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < F
+        dh = tl.load(dh_ptr + row * F + col, mask=mask, other=0.0).to(tl.float32)
         a = tl.load(a_ptr + row * stride_a + col, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + row * stride_b + col, mask=mask, other=0.0).to(tl.float32)
         if CLAMPED:
@@ -76,14 +77,21 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _grid(triton, a2: torch.Tensor) -> tuple[tuple[int, int], int]:
+    N, F_ = a2.shape
+    block = min(BLOCK, triton.next_power_of_2(F_))
+    return (N, triton.cdiv(F_, block)), block
+
+
 def triton_forward(a: torch.Tensor, b: torch.Tensor, clamp: tuple[float, float] | None = None) -> torch.Tensor:
     """`clamp`: (alpha, limit) of the clamped gate, None for silu(a) * b."""
     triton, fwd, _ = _kernels()
     a2, b2 = _rows(a), _rows(b)
     h = torch.empty(a.shape, dtype=a.dtype, device=a.device)
     if a.numel():
-        fwd[(triton.cdiv(a.numel(), BLOCK),)](a2, b2, h, a.numel(), a2.shape[1], a2.stride(0), b2.stride(0),
-                                              *(clamp or (1.0, 0.0)), CLAMPED=clamp is not None, BLOCK=BLOCK)
+        grid, block = _grid(triton, a2)
+        fwd[grid](a2, b2, h, a2.shape[1], a2.stride(0), b2.stride(0), *(clamp or (1.0, 0.0)),
+                  CLAMPED=clamp is not None, BLOCK=block)
     return h
 
 
@@ -94,9 +102,9 @@ def triton_backward(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     a2, b2 = _rows(a), _rows(b)
     dab = torch.empty(*a.shape[:-1], 2 * a.shape[-1], dtype=a.dtype, device=a.device)
     if a.numel():
-        bwd[(triton.cdiv(a.numel(), BLOCK),)](dh.contiguous(), a2, b2, dab, a.numel(), a2.shape[1], a2.stride(0),
-                                              b2.stride(0), *(clamp or (1.0, 0.0)), CLAMPED=clamp is not None,
-                                              BLOCK=BLOCK)
+        grid, block = _grid(triton, a2)
+        bwd[grid](dh.contiguous(), a2, b2, dab, a2.shape[1], a2.stride(0), b2.stride(0), *(clamp or (1.0, 0.0)),
+                  CLAMPED=clamp is not None, BLOCK=block)
     return dab
 
 
