@@ -260,3 +260,21 @@ def test_gate_and_up_fused_unless_the_table_says_otherwise(tmp_path, monkeypatch
     assert policy.fused_measured_faster("dgrad", 16, 8, 8) and policy.fused_measured_faster("dgrad", 16, 8, 8, "fp8")
     assert not policy.fused_measured_faster("wgrad", 8, 16, 8)
     assert policy.fused_measured_faster("fwd", 8, 64, 8) and not policy.fused_measured_faster("fwd", 8, 64, 8, "fp8")
+
+
+def test_table_lookups_trace_in_compiled_graphs():
+    """The FP8 / fused-GEMM table is read inside compiled layers on CUDA: no file opened there, and no guard on a row
+    count that may be data-dependent (dynamic shapes). Same answers as eager at the committed table's rows."""
+    from dtensor_moe.kernels import policy
+
+    def choose(x):
+        rows = x.shape[0] / 256
+        fp8 = policy.fp8_measured_faster("fwd", 7168, 2048, rows)
+        fused = policy.fused_measured_faster("dgrad", 2048, 7168, rows, "fp8" if fp8 else "bf16")
+        return x * (2 * fp8 + fused)
+
+    x = torch.ones(256 * 256)
+    torch._dynamo.reset()
+    for dynamic in (False, True):
+        compiled = torch.compile(choose, fullgraph=True, backend="eager", dynamic=dynamic)
+        assert torch.equal(compiled(x), choose(x)), dynamic

@@ -133,6 +133,9 @@ def fp8_gemms_available(device: torch.device) -> bool:
             and triton_available())
 
 
+_RATES_AT_IMPORT = _fp8_rates(os.environ.get("DTENSOR_MOE_FP8_RATES", FP8_RATES))
+
+
 def gemm_precision(precision: str, gemm: str, x: torch.Tensor, E: int, I: int, O: int) -> str:
     """"fp8" or "bf16" for one expert GEMM ("fwd", "dgrad", "wgrad", "wgrad_acc": into an existing
     gradient) of E experts, reduced dim I (wgrad: the weight's [O, I]), over x's rows.
@@ -174,13 +177,20 @@ def fused_measured_faster(gemm: str, I: int, O: int, rows_per_expert: float, hal
     return fused["bf16_ms"] <= 2 * halves[f"{half}_ms"]
 
 
+def _rates() -> tuple:
+    """The FP8 table's records. A compiled graph cannot open a file: it reads the table loaded at import."""
+    if torch.compiler.is_compiling():
+        return _RATES_AT_IMPORT
+    return _fp8_rates(os.environ.get("DTENSOR_MOE_FP8_RATES", FP8_RATES))
+
+
 def _measured(gemm: str, I: int, O: int, rows_per_expert: float) -> dict | None:
     """The table's record (DTENSOR_MOE_FP8_RATES overrides its path) of this GEMM and (I, O) at the measured rows
-    per expert nearest on a log scale; None for an unmeasured (I, O)."""
-    rates = [r for r in _fp8_rates(os.environ.get("DTENSOR_MOE_FP8_RATES", FP8_RATES))
-             if r["gemm"] == gemm and r["I"] == I and r["O"] == O]
-    if not rates:
-        return None
+    per expert nearest on a log scale; None for an unmeasured (I, O). A compiled graph's row count may be
+    data-dependent (the expert-parallel dispatch's): there the first measurement of this GEMM and (I, O)."""
+    rates = [r for r in _rates() if r["gemm"] == gemm and r["I"] == I and r["O"] == O]
+    if not rates or torch.compiler.is_compiling():
+        return rates[0] if rates else None
     rows = max(rows_per_expert, 1)
     return min(rates, key=lambda r: abs(math.log2(r["rows_per_expert"] / rows)))
 
