@@ -305,10 +305,12 @@ class GroupedExperts(nn.Module):
                               precision=self.precision)
         return copies.combine(y_ND, x.shape)
 
+    @torch.no_grad()
     def reset_parameters(self, std: float = 0.02):
-        # torchtitan's order (w1, w2, w3): the same seed gives the same weights in either layout.
+        # torchtitan's order (w1, w2, w3), each drawn whole: the same seed gives the same weights in either layout
+        # (a strided half draws its numbers in another order).
         for w in (self.w13[:, 0], self.w2, self.w13[:, 1]):
-            nn.init.trunc_normal_(w, std=std)
+            w.copy_(nn.init.trunc_normal_(torch.empty_like(w, memory_format=torch.contiguous_format), std=std))
         for b in (self.b13, self.b2):
             if b is not None:
                 nn.init.zeros_(b)

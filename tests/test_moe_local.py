@@ -394,3 +394,18 @@ def test_dropped_nonfinite_token_stays_isolated():
     torch.testing.assert_close(y_TD[1:], torch.zeros(3, 4, dtype=torch.float64), rtol=0, atol=0)
     grads = torch.autograd.grad(y_TD[:3].sum(), list(moe.parameters()))
     assert all(g.isfinite().all() for g in grads)
+
+
+def test_w13_init_draws_as_torchtitan_w1_w2_w3():
+    """reset_parameters draws w1, w2, w3 (torchtitan's order, each whole) into w13's halves and w2: the same seed
+    gives the same weights as the three separate parameters did (a strided half would draw in another order)."""
+    from dtensor_moe.experts import GroupedExperts
+
+    torch.manual_seed(0)
+    w1, w2, w3 = torch.empty(4, 6, 8), torch.empty(4, 8, 6), torch.empty(4, 6, 8)
+    for w in (w1, w2, w3):
+        torch.nn.init.trunc_normal_(w, std=0.02)
+    torch.manual_seed(0)
+    ex = GroupedExperts(8, 6, 4)
+    ex.reset_parameters()
+    assert torch.equal(ex.w13[:, 0], w1) and torch.equal(ex.w2, w2) and torch.equal(ex.w13[:, 1], w3)
