@@ -241,6 +241,14 @@ def gate_up_halves(key: str) -> tuple[str, str] | None:
     return None
 
 
+def gate_up_whole(key: str) -> str | None:
+    """gate_up_halves' inverse: our w13 / b13 for the key of one of its halves (`...experts.w1` or `.w3`); None for
+    any other key."""
+    stem, _, leaf = key.rpartition(".")
+    whole = f"{stem}.{leaf[0]}13" if leaf in ("w1", "w3", "b1", "b3") else None
+    return whole if whole is not None and key in (gate_up_halves(whole) or ()) else None
+
+
 def split_gate_up(state: dict) -> dict:
     """A state dict with our experts' w13 [E, 2, F, D] / b13 [E, 2, F] under torchtitan's names: w1 and w3 (b1,
     b3) [E, F, D] ([E, F]), views of them (DTensors stay DTensors: dim 1 is never sharded)."""
@@ -257,11 +265,10 @@ def split_gate_up(state: dict) -> dict:
 def join_gate_up(state: dict) -> dict:
     """split_gate_up's inverse: torchtitan's w1 / w3 (b1 / b3) stacked into w13 (b13)."""
     out = dict(state)
-    for k in state:
-        stem, _, leaf = k.rpartition(".")
-        halves = gate_up_halves(f"{stem}.{leaf[0]}13") if leaf in ("w1", "b1") else None
-        if halves is not None and halves[1] in state:
-            out[f"{stem}.{leaf[0]}13"] = torch.stack([out.pop(halves[0]), out.pop(halves[1])], dim=1)
+    for whole in dict.fromkeys(w for w in map(gate_up_whole, state) if w is not None):
+        first, second = gate_up_halves(whole)
+        if first in state and second in state:
+            out[whole] = torch.stack([out.pop(first), out.pop(second)], dim=1)
     return out
 
 

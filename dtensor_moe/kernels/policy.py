@@ -110,9 +110,13 @@ def wgrad_config(out_shape, rows: int) -> wgrad.Config:
                   or [r for r in table if (2 * r["O"], r["I"]) == (O, I)])
     if not candidates:
         return wgrad.CONFIG
-    per_expert = max(rows / max(E, 1), 1)
-    near = min(candidates, key=lambda r: abs(math.log2(r["rows_per_expert"] / per_expert)))
-    return wgrad.Config(*near["config"])
+    return wgrad.Config(*_nearest(candidates, rows / max(E, 1))["config"])
+
+
+def _nearest(records: list[dict], rows_per_expert: float) -> dict:
+    """The record measured at the rows per expert nearest `rows_per_expert` on a log scale."""
+    rows = max(rows_per_expert, 1)
+    return min(records, key=lambda r: abs(math.log2(r["rows_per_expert"] / rows)))
 
 
 # Measured bf16 and FP8 rates of each expert GEMM (benchmarks/expert_gemms.py on one H200: CUDA-event
@@ -191,8 +195,7 @@ def _measured(gemm: str, I: int, O: int, rows_per_expert: float) -> dict | None:
     rates = [r for r in _rates() if r["gemm"] == gemm and r["I"] == I and r["O"] == O]
     if not rates or torch.compiler.is_compiling():
         return rates[0] if rates else None
-    rows = max(rows_per_expert, 1)
-    return min(rates, key=lambda r: abs(math.log2(r["rows_per_expert"] / rows)))
+    return _nearest(rates, rows_per_expert)
 
 
 def fp8_measured_faster(gemm: str, I: int, O: int, rows_per_expert: float) -> bool:

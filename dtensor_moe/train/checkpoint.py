@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from dtensor_moe.experts import gate_up_halves, split_gate_up
+from dtensor_moe.experts import gate_up_halves, gate_up_whole, split_gate_up
 
 TRAIN_STATE = "train_state.pt"
 RUN_CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints: where the main job saves
@@ -477,16 +477,9 @@ def _optim_from_file(staged: dict, loaded: dict) -> dict:
         state[fqn] = {k: v if isinstance(v, torch.Tensor) else src[k] for k, v in s.items()}
     # The loaded groups name every parameter the checkpoint's optimizer had (under PP, other stages' too).
     own = {p for g in staged["param_groups"] for p in g["params"]}
-    groups = [{**g, "params": list(dict.fromkeys(p if p in own else _whole(p) for p in g["params"]))}
+    groups = [{**g, "params": list(dict.fromkeys(p if p in own else gate_up_whole(p) or p for p in g["params"]))}
               for g in loaded["param_groups"]]
     return {"state": state, "param_groups": groups}
-
-
-def _whole(name: str) -> str:
-    """The experts' w13 / b13 for the name of one of its halves (w1 / w3, b1 / b3); any other name as it is."""
-    stem, _, leaf = name.rpartition(".")
-    whole = f"{stem}.{leaf[0]}13" if leaf in ("w1", "w3", "b1", "b3") else None
-    return whole if whole is not None and name in (gate_up_halves(whole) or ()) else name
 
 
 def _check_views(staged: dict, state: dict) -> None:
