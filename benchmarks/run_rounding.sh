@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 27 items 3-5 on ONE GPU, results under $OUT, in two parts of under 10 minutes each on an H200:
 #   OUT=$OUT bash benchmarks/run_rounding.sh layer   # the layer: dropless vs round_tokens_to=128 (+ FP8), torchtitan
+#     (ROUNDS="0", "128" or "" runs one, the other or neither of our passes; TITAN=0 TITAN_LOG=file skips torchtitan, reading its log)
 #   OUT=$OUT bash benchmarks/run_rounding.sh train   # the 1-GPU job: quality over seeds, tokens/s per option
 #   OUT=$OUT bash benchmarks/run_rounding.sh gemms   # expert_gemms.py: every GEMM bf16 vs FP8, gate / up fused or
 #                                                    # per half (the table kernels/policy.py reads), then
@@ -27,18 +28,19 @@ if [ "${1:-layer}" = layer ]; then
   export PYTHONPATH=/tmp/site:$PYTHONPATH
   MODES=(--routing topk skewed --zipf "${ZIPF:-1.2}")
   for s in "7168 2048 256 8 8192" "2048 768 128 8 16384" "4096 14336 8 2 8192" "4096 1536 64 6 16384"; do
+    [ "${TITAN:-1}" = 1 ] || break  # TITAN=0: a second call reuses the first one's titan.log (TITAN_LOG)
     # shellcheck disable=SC2086  # the shape is four arguments
     OMP_NUM_THREADS=8 timeout 100 "${RUN[@]}" benchmarks/titan_anchor.py $s "${ITERS:-10}" "${MODES[@]}" 2>&1 \
       | tee -a "$OUT/titan.log" | grep titan0 || echo "titan EP=1 failed: $s" | tee -a "$LOG"
   done
-  for m in 0 128; do
+  for m in ${ROUNDS-0 128}; do
     name=$([ "$m" = 0 ] && echo dropless || echo "round$m")
     precisions=$([ "$m" = 0 ] && echo bf16 || echo "bf16 fp8")
     profile=$([ "$m" = 0 ] && echo local)  # the dropless step's top kernels: where the non-GEMM time goes
     # shellcheck disable=SC2086  # the precisions are words
     timeout 260 "${RUN[@]}" benchmarks/moe_layer.py --meshes local --profile-meshes $profile --gemm-timing \
       --iters "${ITERS:-10}" "${MODES[@]}" --precisions $precisions --round-tokens-to "$m" \
-      --titan-log "$OUT/titan.log" --out "$OUT/layer_$name.json" 2>&1 | tee -a "$LOG" | grep '^|' \
+      --titan-log "${TITAN_LOG:-$OUT/titan.log}" --out "$OUT/layer_$name.json" 2>&1 | tee -a "$LOG" | grep '^|' \
       || echo "moe_layer.py --round-tokens-to $m failed" | tee -a "$LOG"
   done
   exit 0
