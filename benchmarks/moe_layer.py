@@ -371,10 +371,12 @@ def bench_layer(name, mesh, mode, args, dev, world, rank, dtype, peak, precision
         out["a2a_ceiling_gbps"] = all_to_all_gbps(moved_bytes, dev, args.iters)
     moe = x = step = None  # the layer and its inputs go before the next one is built
     gc.collect()  # FSDP's hooks keep the module in reference cycles: free its gathered weights now
+    torch._dynamo.reset()  # the compiled token rounding's graphs and guards, before GEMMs that need the memory
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     if args.gemm_timing and local:
-        progress(rank, *what, "GEMMs at the routed counts")
+        held = f"{torch.cuda.memory_allocated(dev) / 2**30:.1f} GiB held" if dev.type == "cuda" else ""
+        progress(rank, *what, "GEMMs at the routed counts", held)  # a rounded run ran out of memory here on 12-03
         counts_E = torch.bincount(routed_TK[routed_TK < E], minlength=E)
         rates, _ = expert_gemms.measure(name, D, F, E, int(counts_E.sum()), dev, counts_E=counts_E,
                                         precisions=tuple(dict.fromkeys(("bf16", precision))))

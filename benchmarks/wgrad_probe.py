@@ -5,8 +5,11 @@
   fresh:       `torch._grouped_mm` into a new gradient (no accumulation: the rate the issue quotes);
   grouped+add: `torch._grouped_mm` then `grad += result` (autograd's accumulation);
   addmm:       one cuBLAS `addmm_` per expert, beta = 1 (add_weight_grad_'s "per_expert", host counts);
+  baddbmm:     one cuBLAS batched `baddbmm_`, beta = 1, over every expert's rows zero-padded to the largest count
+               (host counts), timed with (+pad) and without the padding copies (as if dispatch wrote that layout);
   triton CFG:  kernels/wgrad.accumulate, one launch, for each tile config in CONFIGS.
-Both orientations: w1/w3 ([E, F, D] = da^T x) and w2 ([E, D, F] = dy^T h). Uniform random routing.
+Three orientations: w1/w3 ([E, F, D] = da^T x), w13 ([E, 2F, D], gate and up as one weight, as the layer
+accumulates them) and w2 ([E, D, F] = dy^T h). Uniform random routing.
 Every method starts from the same random gradient and is checked against an fp32 reference
 (relative Frobenius error) before it is timed (CUDA-event medians). Prints a table; writes JSON, and
 with --configs-out per (O, I, rows per expert) the fastest correct Triton config where it beat
@@ -57,9 +60,21 @@ def measure(shape, orient, O, I, counts, ends, iters, timed) -> list[dict]:
     def grouped_fresh():
         fresh["g"] = grouped_weight_grad(g_NO, x_NI, ends)
 
+    k_max = int(counts.max())
+    starts = torch.cat([counts.new_zeros(1), counts.cumsum(0)[:-1]])
+    expert_N = torch.repeat_interleave(torch.arange(E), counts)
+    slot_N = (expert_N * k_max + torch.arange(N) - starts[expert_N]).to(dev)
+
+    def padded(t_NC):
+        out_EKC = t_NC.new_zeros(E * k_max, t_NC.shape[1])
+        return out_EKC.index_copy_(0, slot_N, t_NC).view(E, k_max, -1)
+
+    g_EKO, x_EKI = padded(g_NO), padded(x_NI)
     methods = [("fresh", grouped_fresh, None),
                ("grouped+add", lambda: out.add_(grouped_weight_grad(g_NO, x_NI, ends), alpha=0.5), None),
-               ("addmm", lambda: add_weight_grad_(out, g_NO, x_NI, ends, 0.5, counts.tolist(), "per_expert"), None)]
+               ("addmm", lambda: add_weight_grad_(out, g_NO, x_NI, ends, 0.5, counts.tolist(), "per_expert"), None),
+               ("baddbmm+pad", lambda: out.baddbmm_(padded(g_NO).transpose(1, 2), padded(x_NI), alpha=0.5), None),
+               ("baddbmm", lambda: out.baddbmm_(g_EKO.transpose(1, 2), x_EKI, alpha=0.5), None)]
     methods += [(f"triton {tuple(c)}", lambda c=c: wgrad_kernel.accumulate(out, g_NO, x_NI, ends, 0.5, config=c), c)
                 for c in CONFIGS]
     rows, key = [], (shape, O, I, N / E)
@@ -106,7 +121,7 @@ def main():
         torch.manual_seed(0)
         counts = torch.bincount(torch.randint(E, (N,)), minlength=E)
         ends = counts.cumsum(0).to(device=dev, dtype=torch.int32)
-        for orient, (O, I) in (("w1 [F,D]", (F, D)), ("w2 [D,F]", (D, F))):
+        for orient, (O, I) in (("w1 [F,D]", (F, D)), ("w13 [2F,D]", (2 * F, D)), ("w2 [D,F]", (D, F))):
             rows += measure(shape, orient, O, I, counts, ends, args.iters, timed)
             torch.cuda.empty_cache()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
