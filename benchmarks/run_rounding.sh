@@ -59,33 +59,41 @@ gemms = [{"shape": "gpu_2x", "gemm": g, "I": I, "O": O, "E": 16, "rows_per_exper
           "fp8_tflops": 2.0} for g in ("fwd", "dgrad", "wgrad", "wgrad_acc") for I, O in ((1024, 2048), (2048, 1024))]
 json.dump({"note": "forces FP8 for every expert GEMM of configs/gpu_2x.toml", "gemms": gemms}, open(sys.argv[1], "w"))
 PY
-run() {  # name, seed, extra environment, overrides...
-  local name=$1 seed=$2 envs=$3
+mkdir -p /tmp/runs
+run() {  # name, seed, extra environment, overrides...; its summary line joins /tmp/runs/summary.jsonl at once, so a
+  local name=$1 seed=$2 envs=$3  # call cut at its time limit keeps the runs it finished
   shift 3
   env $envs timeout 150 python3 -m dtensor_moe.cli train --config configs/gpu_2x.toml --run-dir "/tmp/runs/${name}_s$seed" \
     parallel.nproc=1 parallel.ep=1 training.steps=200 training.seed="$seed" "$@" 2>&1 | grep -v 'step/s' | tail -n 9 \
     | tee -a "$LOG"
+  python3 - "/tmp/runs/${name}_s$seed" "$name" "$seed" <<'PY' >>/tmp/runs/summary.jsonl
+import json, statistics, sys
+rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")]
+print(json.dumps({"option": sys.argv[2], "seed": int(sys.argv[3]), "steps": len(rows), "final_loss": rows[-1]["loss"],
+                  "last10_mean_loss": statistics.mean(r["loss"] for r in rows[-10:]),
+                  "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows[4:])}))
+PY
+  cp /tmp/runs/summary.jsonl "$OUT/train_runs.jsonl"
 }
+# OPTIONS: which of topk, round128, round128_fp8 (each over SEEDS) and compiled (seed 0, with and without rounding)
+# run; nine eager runs fill one 10-minute device call, so a second call (same machine) runs OPTIONS=compiled.
+OPTIONS=" ${OPTIONS:-topk round128 round128_fp8 compiled} "
 for seed in ${SEEDS:-0 1 2}; do  # interleaved, so that a drift of the GPU over the minutes falls on no one option
-  run topk "$seed" ""
-  run round128 "$seed" "" model.round_tokens_to=128
-  run round128_fp8 "$seed" "DTENSOR_MOE_FP8_RATES=$FORCE" model.round_tokens_to=128 model.expert_precision=fp8
+  [[ $OPTIONS == *" topk "* ]] && run topk "$seed" ""
+  [[ $OPTIONS == *" round128 "* ]] && run round128 "$seed" "" model.round_tokens_to=128
+  [[ $OPTIONS == *" round128_fp8 "* ]] && run round128_fp8 "$seed" "DTENSOR_MOE_FP8_RATES=$FORCE" \
+    model.round_tokens_to=128 model.expert_precision=fp8
 done
-run topk_compiled 0 "" training.compile=true
-run round128_compiled 0 "" training.compile=true model.round_tokens_to=128
+if [[ $OPTIONS == *" compiled "* ]]; then
+  run topk_compiled 0 "" training.compile=true
+  run round128_compiled 0 "" training.compile=true model.round_tokens_to=128
+fi
 python3 - "$OUT/train_rounding.json" <<'PY' 2>&1 | tee -a "$LOG"
-import glob, json, os, statistics, sys
-res = {"runs": {}}
-for d in sorted(glob.glob("/tmp/runs/*_s*")):
-    if not os.path.exists(f"{d}/metrics.jsonl"):
-        continue
-    rows = [json.loads(line) for line in open(f"{d}/metrics.jsonl")]
-    res["runs"][os.path.basename(d)] = {
-        "steps": len(rows), "final_loss": rows[-1]["loss"],
-        "last10_mean_loss": statistics.mean(r["loss"] for r in rows[-10:]),
-        "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows[4:])}
+import json, statistics, sys
+runs = [json.loads(line) for line in open("/tmp/runs/summary.jsonl")]  # this machine's runs, every call
+res = {"runs": runs}
 for p in ("topk", "round128", "round128_fp8", "topk_compiled", "round128_compiled"):
-    mine = [r for n, r in res["runs"].items() if n.rsplit("_s", 1)[0] == p]
+    mine = [r for r in runs if r["option"] == p]
     if mine:
         res[p] = {k: statistics.mean(r[k] for r in mine) for k in ("last10_mean_loss", "median_tokens_per_s")}
         res[p]["seeds"] = len(mine)
