@@ -205,16 +205,24 @@ def checks(dev) -> dict:
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+def probe_cli(doc: str, shapes: dict, *extra: tuple[tuple, dict]) -> tuple[argparse.Namespace, torch.device, dict]:
+    """The GPU probes' command line (--shapes of `shapes`, --out, and each `extra` (flags, options) argument), their
+    GPU, and their JSON's header: torch, the device, when measured."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(shapes), choices=list(shapes))
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    for flags, options in extra:
+        ap.add_argument(*flags, **options)
     dev = torch.device("cuda")
-    res = {"torch": torch.__version__, "device": torch.cuda.get_device_name(dev),
-           "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()) + " by benchmarks/expert_gemms.py: "
-                       "CUDA-event medians of 10, random routing, FP8 including activation quantization",
-           "checks": {}, "gemms": [], "weight_quant": []}
+    return ap.parse_args(), dev, {"torch": torch.__version__, "device": torch.cuda.get_device_name(dev),
+                                  "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+
+
+def main():
+    args, dev, res = probe_cli(__doc__, SHAPES)
+    res["measured"] += (" by benchmarks/expert_gemms.py: CUDA-event medians of 10, random routing, FP8 including "
+                        "activation quantization")
+    res.update(checks={}, gemms=[], weight_quant=[])
     try:
         res["checks"] = checks(dev)
     except Exception as e:  # recorded: the measurements still run

@@ -16,17 +16,15 @@ of CONFIGS; the outputs are checked against torch._grouped_mm. Correctness of th
 TRITON_INTERPRET=1 (tests/test_triton_kernels.py).
 """
 
-import argparse
 import functools
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when imported by tests
-from expert_gemms import cuda_ms  # noqa: E402
+from expert_gemms import cuda_ms, probe_cli  # noqa: E402
 
 SHAPES = {"deepseek": (7168, 2048, 256, 8, 8192), "qwen": (2048, 768, 128, 8, 16384),
           "mixtral": (4096, 14336, 8, 2, 8192), "e64": (4096, 1536, 64, 6, 16384)}  # D, F, E, K, T
@@ -110,13 +108,8 @@ def counts_for(mode: str, T: int, E: int, K: int, dev) -> torch.Tensor:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    dev = torch.device("cuda")
-    res = {"torch": torch.__version__, "device": torch.cuda.get_device_name(dev),
-           "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": []}
+    args, dev, res = probe_cli(__doc__, SHAPES)
+    res["rows"] = []
     for name in args.shapes:
         D, F, E, K, T = SHAPES[name]
         w = torch.randn(E, F, D, device=dev, dtype=torch.bfloat16) * 0.02

@@ -17,11 +17,10 @@ wgrad.CONFIG by at least 4% (else CONFIG): the form of kernels/wgrad_configs.jso
 kernels/policy.wgrad_config reads (the committed table asks for that margin in every run, at least two).
 """
 
-import argparse
 import json
 
 import torch
-from expert_gemms import cuda_ms  # run from benchmarks/ or as benchmarks/wgrad_probe.py
+from expert_gemms import cuda_ms, probe_cli  # run from benchmarks/ or as benchmarks/wgrad_probe.py
 
 from dtensor_moe.kernels import wgrad as wgrad_kernel
 from dtensor_moe.kernels.grouped_mm import add_weight_grad_, grouped_weight_grad
@@ -108,13 +107,8 @@ def chosen(timed: dict) -> list[dict]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--configs-out", default=None)
-    args = ap.parse_args()
-    dev = torch.device("cuda")
+    args, dev, _ = probe_cli(__doc__, SHAPES, (("--iters",), {"type": int, "default": 10}),
+                             (("--configs-out",), {"default": None}))
     rows, timed = [], {}
     for shape in args.shapes:
         D, F, E, N = SHAPES[shape]
