@@ -26,7 +26,8 @@ if [ "${1:-layer}" = gemms ]; then
   exit 0
 fi
 if [ "${1:-layer}" = wgrad ]; then  # accumulating weight gradients, incl. cuBLAS baddbmm over padded rows, ~3 minutes
-  (cd benchmarks && timeout 400 python3 wgrad_probe.py --shapes deepseek mixtral --out "$OUT/wgrad_probe.json") 2>&1 \
+  (cd benchmarks && timeout 400 python3 wgrad_probe.py --shapes ${WGRAD_SHAPES:-deepseek mixtral e64 qwen} --out "$OUT/wgrad_probe.json" \
+    --configs-out "$OUT/wgrad_configs.json") 2>&1 \
     | tee -a "$LOG"
   exit 0
 fi
@@ -63,13 +64,14 @@ mkdir -p /tmp/runs
 run() {  # name, seed, extra environment, overrides...; its summary line joins /tmp/runs/summary.jsonl at once, so a
   local name=$1 seed=$2 envs=$3  # call cut at its time limit keeps the runs it finished
   shift 3
-  env $envs timeout 150 python3 -m dtensor_moe.cli train --config configs/gpu_2x.toml --run-dir "/tmp/runs/${name}_s$seed" \
+  env $envs timeout "$RUN_LIMIT" python3 -m dtensor_moe.cli train --config configs/gpu_2x.toml --run-dir "/tmp/runs/${name}_s$seed" \
     parallel.nproc=1 parallel.ep=1 training.steps=200 training.seed="$seed" "$@" 2>&1 | grep -v 'step/s' | tail -n 9 \
     | tee -a "$LOG"
-  python3 - "/tmp/runs/${name}_s$seed" "$name" "$seed" <<'PY' >>/tmp/runs/summary.jsonl
+  python3 - "/tmp/runs/${name}_s$seed" "$name" "$seed" "$AT_ONCE" <<'PY' >>/tmp/runs/summary.jsonl
 import json, statistics, sys
 rows = [json.loads(line) for line in open(f"{sys.argv[1]}/metrics.jsonl")]
-print(json.dumps({"option": sys.argv[2], "seed": int(sys.argv[3]), "steps": len(rows), "final_loss": rows[-1]["loss"],
+print(json.dumps({"option": sys.argv[2], "seed": int(sys.argv[3]), "runs_at_once": int(sys.argv[4]),
+                  "steps": len(rows), "final_loss": rows[-1]["loss"],
                   "last10_mean_loss": statistics.mean(r["loss"] for r in rows[-10:]),
                   "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows[4:])}))
 PY
@@ -77,13 +79,19 @@ PY
 }
 # OPTIONS: which of topk, round128, round128_fp8 (each over SEEDS) and compiled (seed 0, with and without rounding)
 # run; nine eager runs fill one 10-minute device call, so a second call (same machine) runs OPTIONS=compiled.
+# TOGETHER=1: a seed's eager options train side by side on the GPU (their losses count, not their tokens/s: the
+# summary's tokens/s are of runs that had the GPU alone), so that three seeds' quality check fits one call.
 OPTIONS=" ${OPTIONS:-topk round128 round128_fp8 compiled} "
+AT_ONCE=1 RUN_LIMIT=150 BG=""
+[ "${TOGETHER:-0}" = 1 ] && AT_ONCE=$(grep -ow -E 'topk|round128|round128_fp8' <<<"$OPTIONS" | wc -l) RUN_LIMIT=300 BG="&"
 for seed in ${SEEDS:-0 1 2}; do  # interleaved, so that a drift of the GPU over the minutes falls on no one option
-  [[ $OPTIONS == *" topk "* ]] && run topk "$seed" ""
-  [[ $OPTIONS == *" round128 "* ]] && run round128 "$seed" "" model.round_tokens_to=128
-  [[ $OPTIONS == *" round128_fp8 "* ]] && run round128_fp8 "$seed" "DTENSOR_MOE_FP8_RATES=$FORCE" \
-    model.round_tokens_to=128 model.expert_precision=fp8
+  [[ $OPTIONS == *" topk "* ]] && eval run topk "$seed" '""' "$BG"
+  [[ $OPTIONS == *" round128 "* ]] && eval run round128 "$seed" '""' model.round_tokens_to=128 "$BG"
+  [[ $OPTIONS == *" round128_fp8 "* ]] && eval run round128_fp8 "$seed" "DTENSOR_MOE_FP8_RATES=$FORCE" \
+    model.round_tokens_to=128 model.expert_precision=fp8 "$BG"
+  wait
 done
+AT_ONCE=1 RUN_LIMIT=150
 if [[ $OPTIONS == *" compiled "* ]]; then
   run topk_compiled 0 "" training.compile=true
   run round128_compiled 0 "" training.compile=true model.round_tokens_to=128
@@ -95,8 +103,9 @@ res = {"runs": runs}
 for p in ("topk", "round128", "round128_fp8", "topk_compiled", "round128_compiled"):
     mine = [r for r in runs if r["option"] == p]
     if mine:
-        res[p] = {k: statistics.mean(r[k] for r in mine) for k in ("last10_mean_loss", "median_tokens_per_s")}
-        res[p]["seeds"] = len(mine)
+        alone = [r["median_tokens_per_s"] for r in mine if r.get("runs_at_once", 1) == 1]
+        res[p] = {"last10_mean_loss": statistics.mean(r["last10_mean_loss"] for r in mine), "seeds": len(mine),
+                  "median_tokens_per_s": statistics.mean(alone) if alone else None, "runs_alone": len(alone)}
 for p in ("round128", "round128_fp8"):
     if p in res and "topk" in res:
         res[f"{p}_over_topk_last10_loss"] = res[p]["last10_mean_loss"] / res["topk"]["last10_mean_loss"]

@@ -3,6 +3,7 @@
     python benchmarks/wgrad_probe.py --out wgrad.json [--configs-out wgrad_configs.json]
 
   fresh:       `torch._grouped_mm` into a new gradient (no accumulation: the rate the issue quotes);
+  fresh bmm+pad: cuBLAS's batched `bmm` over every expert's rows zero-padded to the largest count, a new gradient;
   grouped+add: `torch._grouped_mm` then `grad += result` (autograd's accumulation);
   addmm:       one cuBLAS `addmm_` per expert, beta = 1 (add_weight_grad_'s "per_expert", host counts);
   baddbmm:     one cuBLAS batched `baddbmm_`, beta = 1, over every expert's rows zero-padded to the largest count
@@ -13,8 +14,9 @@ accumulates them) and w2 ([E, D, F] = dy^T h). Uniform random routing.
 Every method starts from the same random gradient and is checked against an fp32 reference
 (relative Frobenius error) before it is timed (CUDA-event medians). Prints a table; writes JSON, and
 with --configs-out per (O, I, rows per expert) the fastest correct Triton config where it beat
-wgrad.CONFIG by at least 4% (else CONFIG): the form of kernels/wgrad_configs.json, which
-kernels/policy.wgrad_config reads (the committed table asks for that margin in every run, at least two).
+wgrad.CONFIG by at least 4% (else CONFIG), and the padded baddbmm's time with its routing's max/mean rows per
+expert: the form of kernels/wgrad_configs.json, which kernels/policy.wgrad_config and padded_measured_faster
+read (the committed table asks for that margin in every run, at least two).
 """
 
 import json
@@ -69,7 +71,10 @@ def measure(shape, orient, O, I, counts, ends, iters, timed) -> list[dict]:
         return out_EKC.index_copy_(0, slot_N, t_NC).view(E, k_max, -1)
 
     g_EKO, x_EKI = padded(g_NO), padded(x_NI)
-    methods = [("fresh", grouped_fresh, None),
+    def padded_fresh():
+        fresh["g"] = torch.bmm(padded(g_NO).transpose(1, 2), padded(x_NI))
+
+    methods = [("fresh", grouped_fresh, None), ("fresh bmm+pad", padded_fresh, None),
                ("grouped+add", lambda: out.add_(grouped_weight_grad(g_NO, x_NI, ends), alpha=0.5), None),
                ("addmm", lambda: add_weight_grad_(out, g_NO, x_NI, ends, 0.5, counts.tolist(), "per_expert"), None),
                ("baddbmm+pad", lambda: out.baddbmm_(padded(g_NO).transpose(1, 2), padded(x_NI), alpha=0.5), None),
@@ -81,7 +86,7 @@ def measure(shape, orient, O, I, counts, ends, iters, timed) -> list[dict]:
         out.copy_(out0)
         try:
             fn()
-            err = rel(out0.float() + 0.5 * fresh["g"].float(), ref) if name == "fresh" else rel(out, ref)
+            err = rel(out0.float() + 0.5 * fresh["g"].float(), ref) if name.startswith("fresh") else rel(out, ref)
             ms = cuda_ms(fn, iters, warmup=2)
         except Exception as e:  # a config that does not compile or fit: report it, go on
             print(f"{shape} {orient} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -92,17 +97,23 @@ def measure(shape, orient, O, I, counts, ends, iters, timed) -> list[dict]:
         print(f"{shape} {orient} {name}: {ms:.3f} ms {r['tflops']:.0f} TFLOP/s err {err:.1e}", flush=True)
         if config is not None and err < TOL:
             timed.setdefault(key, {})[config] = ms
+        if name == "baddbmm+pad" and err < TOL:
+            timed.setdefault(key, {})["padded"] = ms
+            timed[key]["max_over_mean"] = k_max * E / N
     return rows
 
 
 def chosen(timed: dict) -> list[dict]:
     table = []
     for (shape, O, I, rows), ms in timed.items():
+        padded = {"padded_ms": ms.pop("padded"), "max_over_mean": ms.pop("max_over_mean")} if "padded" in ms else {}
+        if not ms:  # no Triton config was correct here: nothing to compare the padded GEMM with
+            continue
         default = ms.get(wgrad_kernel.CONFIG, float("inf"))
         best = min(ms, key=ms.get)
         pick = best if ms[best] <= MARGIN * default else wgrad_kernel.CONFIG
         table.append({"shape": shape, "O": O, "I": I, "rows_per_expert": rows, "config": list(pick),
-                      "ms": ms.get(pick), "default_ms": ms.get(wgrad_kernel.CONFIG)})
+                      "ms": ms.get(pick), "default_ms": ms.get(wgrad_kernel.CONFIG), **padded})
     return table
 
 

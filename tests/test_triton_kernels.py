@@ -172,3 +172,46 @@ def test_wgrad_config_follows_the_measured_table(tmp_path, monkeypatch):
     assert policy.wgrad_config((4, 64, 32), 4 * 250) == wgrad.Config(16, 32, 16, 4, 2)
     assert policy.wgrad_config((4, 64, 32), 4 * 400) == wgrad.Config(32, 16, 16, 4, 2)
     assert policy.wgrad_config((4, 32, 64), 4 * 400) == wgrad.CONFIG
+
+
+def test_padded_weight_grad_adds_as_the_per_expert_loop():
+    # cuBLAS's batched baddbmm_ over rows zero-padded to the largest count: empty experts, one expert taking every
+    # row, and a single expert, in float64 against one addmm_ per expert.
+    import torch
+
+    from dtensor_moe.kernels.grouped_mm import add_weight_grad_
+
+    torch.manual_seed(0)
+    for counts in ([5, 0, 7, 4], [0, 9, 0], [3]):
+        g, x = torch.randn(sum(counts), 6, dtype=torch.float64), torch.randn(sum(counts), 5, dtype=torch.float64)
+        offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+        out0 = torch.randn(len(counts), 6, 5, dtype=torch.float64)
+        want, got = out0.clone(), out0.clone()
+        add_weight_grad_(want, g, x, offs, 0.5, counts, "per_expert")
+        add_weight_grad_(got, g, x, offs, 0.5, counts, "padded")
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_padded_weight_grad_where_measured_faster_at_these_counts(tmp_path, monkeypatch):
+    import torch
+
+    from dtensor_moe.kernels import policy
+
+    table = tmp_path / "wgrad.json"
+    table.write_text('{"configs": [{"O": 64, "I": 32, "rows_per_expert": 100, "config": [16, 32, 16, 4, 2],'
+                     ' "ms": [8.0], "padded_ms": [6.0], "max_over_mean": 1.2}]}')
+    monkeypatch.setenv("DTENSOR_MOE_WGRAD_CONFIGS", str(table))
+    # 6 ms at max/mean 1.2: faster than 8 ms up to max/mean 1.6 (exclusive), scaled by the largest count.
+    assert policy.padded_measured_faster((4, 64, 32), [100, 100, 100, 100])
+    assert policy.padded_measured_faster((4, 64, 32), [150, 90, 80, 80])  # max/mean 1.5
+    assert not policy.padded_measured_faster((4, 64, 32), [160, 80, 80, 80])  # 1.6: 8.0 ms, not faster
+    assert not policy.padded_measured_faster((4, 64, 32), [0, 0, 0, 0])
+    assert not policy.padded_measured_faster((4, 32, 64), [100] * 4)  # unmeasured (O, I)
+    # Gate and up's [2F, D] gradient reads the half's record.
+    assert policy.padded_measured_faster((4, 128, 32), [100] * 4)
+    # The backward's choice per weight, where the Triton kernel runs and the counts are on the host.
+    monkeypatch.setattr(policy, "runs_triton", lambda t: True)
+    x_ND = torch.empty(400, 32)
+    assert policy.weight_grad_accumulation(x_ND, (4, 64, 32), True, [100] * 4)((4, 64, 32)) == "padded"
+    assert policy.weight_grad_accumulation(x_ND, (4, 64, 32), True, [250, 50, 50, 50])((4, 64, 32)) == "triton"
+    assert policy.weight_grad_accumulation(x_ND, (4, 64, 32), True, None)((4, 64, 32)) == "triton"
