@@ -91,7 +91,7 @@ def measure(name, D, F, E, N, dev, counts_E=None, precisions=("bf16", "fp8")) ->
             lambda: [f(w) for w in (w13, w2) for f in (fwd_weights, dgrad_weights)], iters=3, warmup=1)
         fw1, fw2, dw2q, dw1q = fwd_weights(w1), fwd_weights(w2), dgrad_weights(w2), dgrad_weights(w1)
         fw13, dw13q = fwd_weights(w13), dgrad_weights(w13)
-    accumulate = policy.weight_grad_accumulation(x, w1.shape, True, host_counts)
+    accumulate = policy.weight_grad_accumulation(x, w1.shape, True, True)
     entries = []
     gemms = [
         ("fwd", D, F, lambda: grouped_mm(x, w1.transpose(-2, -1), offs), lambda: rows_mm(x, *fw1)),

@@ -14,9 +14,8 @@ accumulates them) and w2 ([E, D, F] = dy^T h). Uniform random routing.
 Every method starts from the same random gradient and is checked against an fp32 reference
 (relative Frobenius error) before it is timed (CUDA-event medians). Prints a table; writes JSON, and
 with --configs-out per (O, I, rows per expert) the fastest correct Triton config where it beat
-wgrad.CONFIG by at least 4% (else CONFIG), and the padded baddbmm's time with its routing's max/mean rows per
-expert: the form of kernels/wgrad_configs.json, which kernels/policy.wgrad_config and padded_measured_faster
-read (the committed table asks for that margin in every run, at least two).
+wgrad.CONFIG by at least 4% (else CONFIG): the form of kernels/wgrad_configs.json, which
+kernels/policy.wgrad_config reads (the committed table asks for that margin in every run, at least two).
 """
 
 import json
@@ -97,23 +96,17 @@ def measure(shape, orient, O, I, counts, ends, iters, timed) -> list[dict]:
         print(f"{shape} {orient} {name}: {ms:.3f} ms {r['tflops']:.0f} TFLOP/s err {err:.1e}", flush=True)
         if config is not None and err < TOL:
             timed.setdefault(key, {})[config] = ms
-        if name == "baddbmm+pad" and err < TOL:
-            timed.setdefault(key, {})["padded"] = ms
-            timed[key]["max_over_mean"] = k_max * E / N
     return rows
 
 
 def chosen(timed: dict) -> list[dict]:
     table = []
     for (shape, O, I, rows), ms in timed.items():
-        padded = {"padded_ms": ms.pop("padded"), "max_over_mean": ms.pop("max_over_mean")} if "padded" in ms else {}
-        if not ms:  # no Triton config was correct here: nothing to compare the padded GEMM with
-            continue
         default = ms.get(wgrad_kernel.CONFIG, float("inf"))
         best = min(ms, key=ms.get)
         pick = best if ms[best] <= MARGIN * default else wgrad_kernel.CONFIG
         table.append({"shape": shape, "O": O, "I": I, "rows_per_expert": rows, "config": list(pick),
-                      "ms": ms.get(pick), "default_ms": ms.get(wgrad_kernel.CONFIG), **padded})
+                      "ms": ms.get(pick), "default_ms": ms.get(wgrad_kernel.CONFIG)})
     return table
 
 

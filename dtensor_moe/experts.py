@@ -226,7 +226,7 @@ def grouped_swiglu(
     if not torch.compiler.is_compiling():
         E, _, F_, D = _shard(w13_E2FD).shape
         grouped = policy.grouped_mm_supported(x_ND, (E, F_, D))
-        accumulate = policy.weight_grad_accumulation(x_ND, (E, F_, D), grouped, host_counts, precision)
+        accumulate = policy.weight_grad_accumulation(x_ND, (E, F_, D), grouped, host_counts is not None, precision)
     opts = _SwiGLUOptions(weight_grad_scale=weight_grad_scale, accumulate=accumulate, host_counts=host_counts,
                           clamp=clamp, add_b2=add_b2, precision=precision)
     return _GroupedSwiGLU.apply(x_ND, w13_E2FD, w2_EDF, *(biases or (None, None)), offs_E, opts)

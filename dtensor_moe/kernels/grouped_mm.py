@@ -6,8 +6,6 @@ loop reads them on the host, inside the op, so a compiled graph never holds that
 caller passes them as `host_counts` (known without a sync: the eager dispatcher's, padded blocks).
 """
 
-import itertools
-
 import torch
 
 from dtensor_moe.kernels import fp8, policy, wgrad
@@ -57,37 +55,13 @@ def add_weight_grad_(out_EOI: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tens
                      alpha: float, host_counts: list[int] | None, method: str) -> None:
     """out_EOI[e] += alpha * g_e^T x_e, the sum done by the GEMM (beta = 1): no separate pass that
     reads and rewrites the whole gradient, as autograd's accumulation does. `method` (policy):
-    "per_expert" (one addmm_ per expert, host counts), "padded" (one batched baddbmm_ over every expert's
-    rows zero-padded to the largest count, host counts) or "triton" (kernels/wgrad.py)."""
+    "per_expert" (one addmm_ per expert, host counts) or "triton" (kernels/wgrad.py)."""
     if method == "triton":
         wgrad.accumulate(out_EOI, g_NO, x_NI, offs_E, alpha, policy.wgrad_config(out_EOI.shape, x_NI.shape[0]))
         return
     counts = _blocks(offs_E, host_counts)
-    if method == "padded":
-        slot_N, k_max = _padded_slots(counts, g_NO.device)
-        E = len(counts)
-        out_EOI.baddbmm_(_padded(g_NO, slot_N, E, k_max).transpose(1, 2), _padded(x_NI, slot_N, E, k_max),
-                         alpha=alpha)
-        return
     for o_OI, g_nO, x_nI in zip(out_EOI.unbind(0), g_NO.split(counts), x_NI.split(counts)):
         o_OI.addmm_(g_nO.t(), x_nI, alpha=alpha)
-
-
-def _padded_slots(counts: list[int], device) -> tuple[torch.Tensor, int]:
-    """Row n of expert e goes to row e * k_max + (n - start_e) of the padded [E * k_max] layout; built on the
-    device from the host counts (no sync)."""
-    k_max = max(counts, default=0)
-    starts = itertools.accumulate([0, *counts[:-1]])
-    shift_E = torch.tensor([e * k_max - s for e, s in enumerate(starts)], device=device)
-    N = sum(counts)
-    slot_N = torch.arange(N, device=device) + shift_E.repeat_interleave(torch.tensor(counts, device=device),
-                                                                        output_size=N)
-    return slot_N, k_max
-
-
-def _padded(t_NC: torch.Tensor, slot_N: torch.Tensor, E: int, k_max: int) -> torch.Tensor:
-    """[E, k_max, C]: each expert's rows of t_NC, then zeros."""
-    return t_NC.new_zeros(E * k_max, t_NC.shape[1]).index_copy_(0, slot_N, t_NC).view(E, k_max, -1)
 
 
 @add_weight_grad_.register_fake

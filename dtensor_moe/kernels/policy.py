@@ -8,7 +8,6 @@ import functools
 import json
 import math
 import os
-import statistics
 
 import torch
 
@@ -61,22 +60,20 @@ MIN_MACS_PER_EXPERT_GEMM = 2**32
 CUBLAS_WIDE_MIN_ROWS = 2048
 
 
-def weight_grad_accumulation(x_ND: torch.Tensor, half_shape, grouped: bool, host_counts: list[int] | None,
+def weight_grad_accumulation(x_ND: torch.Tensor, half_shape, grouped: bool, host_counts_known: bool,
                              precision: str = "bf16"):
     """How a backward adds weight gradients into existing ones, or None where autograd accumulates.
 
-    Returns `method(out_shape) -> "per_expert" | "padded" | "triton"`. One cuBLAS addmm_ per expert (needs
-    the counts on the host) only where it measured fastest on 2xH200: per-expert GEMMs large enough to
-    outlast their launches, in an orientation cuBLAS runs well; elsewhere on CUDA one launch per weight:
-    cuBLAS's batched GEMM over rows padded to the largest count where the table measured it faster at
-    these counts' padding (padded_measured_faster), else the Triton kernel (kernels/wgrad.py;
-    benchmarks/wgrad_probe.py, RESULTS.md)."""
+    Returns `method(out_shape) -> "per_expert" | "triton"`. One cuBLAS addmm_ per expert (needs the
+    counts on the host) only where it measured fastest on 2xH200: per-expert GEMMs large enough to
+    outlast their launches, in an orientation cuBLAS runs well; elsewhere on CUDA one Triton launch
+    per weight (kernels/wgrad.py; benchmarks/wgrad_probe.py, RESULTS.md)."""
     E, F_, D = half_shape  # one of gate / up: [E, F, D]
     rows = x_ND.shape[0]
     if any(gemm_precision(precision, "wgrad_acc", x_ND, E, I, O) == "fp8" for I, O in ((D, F_), (F_, D))):
         return None  # the FP8 GEMM writes a fresh gradient, which autograd adds
     # The exact loop (no grouped kernel) reads the counts on the host anyway.
-    per_expert = not grouped or (host_counts is not None and rows * F_ * D >= MIN_MACS_PER_EXPERT_GEMM * max(E, 1))
+    per_expert = not grouped or (host_counts_known and rows * F_ * D >= MIN_MACS_PER_EXPERT_GEMM * max(E, 1))
     triton = grouped and runs_triton(x_ND)
     if not (per_expert or triton):
         return None
@@ -85,8 +82,6 @@ def weight_grad_accumulation(x_ND: torch.Tensor, half_shape, grouped: bool, host
     def method(out_shape) -> str:
         if per_expert and (not triton or long_rows or out_shape[-2] >= out_shape[-1]):
             return "per_expert"
-        if host_counts is not None and padded_measured_faster(out_shape, host_counts):
-            return "padded"
         return "triton"
 
     return method
@@ -104,37 +99,18 @@ def _wgrad_configs(path: str) -> tuple:
         return tuple(json.load(f)["configs"])
 
 
-def _wgrad_record(out_shape, rows: int) -> dict | None:
-    """The table's record at out_shape [E, O, I]'s (O, I) nearest in rows per expert on a log scale; for the
-    experts' gate and up gradient [E, 2F, D] unmeasured, the one measured at [E, F, D] (the same tiles over
-    twice the rows of output); None for an unmeasured (O, I) (DTENSOR_MOE_WGRAD_CONFIGS overrides the table's
-    path)."""
+def wgrad_config(out_shape, rows: int) -> wgrad.Config:
+    """kernels/wgrad.py's config for out_shape [E, O, I] over `rows` routed rows: the table's at this
+    (O, I) nearest in rows per expert on a log scale; for the experts' gate and up gradient [E, 2F, D] unmeasured,
+    the one measured at [E, F, D] (the same tiles over twice the rows of output); wgrad.CONFIG for an unmeasured
+    (O, I) (DTENSOR_MOE_WGRAD_CONFIGS overrides the table's path)."""
     E, O, I = out_shape
     table = _wgrad_configs(os.environ.get("DTENSOR_MOE_WGRAD_CONFIGS", WGRAD_CONFIGS))
     candidates = ([r for r in table if (r["O"], r["I"]) == (O, I)]
                   or [r for r in table if (2 * r["O"], r["I"]) == (O, I)])
-    return _nearest(candidates, rows / max(E, 1)) if candidates else None
-
-
-def wgrad_config(out_shape, rows: int) -> wgrad.Config:
-    """kernels/wgrad.py's config for out_shape [E, O, I] over `rows` routed rows: the table's (_wgrad_record),
-    wgrad.CONFIG where unmeasured."""
-    record = _wgrad_record(out_shape, rows)
-    return wgrad.CONFIG if record is None else wgrad.Config(*record["config"])
-
-
-def padded_measured_faster(out_shape, counts: list[int]) -> bool:
-    """Whether cuBLAS's batched baddbmm_ over every expert's rows zero-padded to the largest count (with the
-    padding copies) beats the Triton kernel here: the table's padded time at its routing's max/mean rows per
-    expert, scaled to these counts' (the padded GEMM's work grows with the largest count; skewed counts lose),
-    against its Triton time."""
-    rows = sum(counts)
-    record = _wgrad_record(out_shape, rows)
-    if not rows or record is None or "padded_ms" not in record:
-        return False
-    max_over_mean = max(counts) * len(counts) / rows
-    padded_ms = statistics.mean(record["padded_ms"]) * max_over_mean / record["max_over_mean"]
-    return padded_ms < statistics.mean(record["ms"])
+    if not candidates:
+        return wgrad.CONFIG
+    return wgrad.Config(*_nearest(candidates, rows / max(E, 1))["config"])
 
 
 def _nearest(records: list[dict], rows_per_expert: float) -> dict:
