@@ -12,7 +12,8 @@ tile exit; within an expert the row tile varies fastest, so the tiles sharing a 
 together. Per shape (moe_layer.py's four) and counts (`exact`: equal; `topk`: top-k of random logits, as the layer
 benchmarks route; `round128`: topk's rounded to multiples of 128), the forward x @ w^T ([N, D] x [E, F, D]) and the
 input gradient dy @ w ([N, F] x [E, F, D]), TFLOP/s from CUDA-event medians, for torch._grouped_mm and the best
-of CONFIGS; the outputs are checked against torch._grouped_mm. Correctness of the launcher runs on CPU under
+of CONFIGS; the outputs are checked against torch._grouped_mm. Also torch._grouped_mm itself made to pick its
+small tiles (small_tile_groups; --no-triton: only that). Correctness of the launcher runs on CPU under
 TRITON_INTERPRET=1 (tests/test_triton_kernels.py).
 """
 
@@ -97,6 +98,22 @@ def ragged_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs_E: torch.Tensor, con
     return y
 
 
+def small_tile_groups(w_EIO: torch.Tensor, offs_E: torch.Tensor, rows: int):
+    """The same GEMM as torch._grouped_mm(x, w_EIO, offs_E) over `rows` rows in G * (E - 1) + 1 groups, expert e's
+    rows in group G * e and the others empty, G the smallest power of two that brings the mean rows per group to
+    128 or fewer: there torch's sm90 kernel picks 64 x 128 tiles (128-row granularity with its 2 x 1 cluster), else
+    128 x 256 tiles (256-row granularity). The extra groups are views 1/G of an expert apart into the same weights
+    (no copy); having no rows, they read nothing. None where that needs 1024 groups or more (the kernel's limit)."""
+    E, G = w_EIO.shape[0], 1
+    while rows > 128 * (G * (E - 1) + 1) or w_EIO.stride(0) % G:
+        G *= 2
+        if G * (E - 1) + 1 >= 1024:
+            return None
+    n = G * (E - 1) + 1
+    w = w_EIO.as_strided((n, *w_EIO.shape[1:]), (w_EIO.stride(0) // G, *w_EIO.stride()[1:]))
+    return w, offs_E.repeat_interleave(G)[:n]
+
+
 def counts_for(mode: str, T: int, E: int, K: int, dev) -> torch.Tensor:
     ids = torch.randn(T, E, device=dev, generator=torch.Generator(dev).manual_seed(0)).topk(K, -1).indices
     topk = torch.bincount(ids.flatten(), minlength=E)
@@ -108,7 +125,8 @@ def counts_for(mode: str, T: int, E: int, K: int, dev) -> torch.Tensor:
 
 
 def main():
-    args, dev, res = probe_cli(__doc__, SHAPES)
+    args, dev, res = probe_cli(__doc__, SHAPES, (("--no-triton",), {"action": "store_true",
+                                                                     "help": "torch._grouped_mm's two ways only"}))
     res["rows"] = []
     for name in args.shapes:
         D, F, E, K, T = SHAPES[name]
@@ -123,7 +141,14 @@ def main():
                 want = torch._grouped_mm(x, w_op, offs=offs)
                 row = {"shape": name, "counts": mode, "gemm": gemm, "rows_max": int(c.max()), "rows_mean": N / E,
                        "torch_tflops": flops / cuda_ms(lambda: torch._grouped_mm(x, w_op, offs=offs)) / 1e9}
-                for cfg in CONFIGS:
+                small = small_tile_groups(w_op, offs, N)
+                if small is not None:
+                    w_small, offs_small = small
+                    got = torch._grouped_mm(x, w_small, offs=offs_small)
+                    row["small_rel_err"] = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                    row["torch_small_tflops"] = flops / cuda_ms(
+                        lambda: torch._grouped_mm(x, w_small, offs=offs_small)) / 1e9
+                for cfg in [] if args.no_triton else CONFIGS:
                     try:
                         got = ragged_mm(x, w_op, offs, cfg)
                         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
@@ -136,7 +161,9 @@ def main():
                 row["ratio"] = row.get("triton_tflops", 0) / row["torch_tflops"]
                 res["rows"].append(row)
                 print(f"{name:9s} {mode:8s} {gemm:5s} rows {N / E:.0f}/{int(c.max())}: torch._grouped_mm "
-                      f"{row['torch_tflops']:.0f}, ragged tiles {row.get('triton_tflops', 0):.0f} TFLOP/s "
+                      f"{row['torch_tflops']:.0f}, in small tiles {row.get('torch_small_tflops', 0):.0f} "
+                      f"(err {row.get('small_rel_err', float('nan')):.1e}), "
+                      f"ragged tiles {row.get('triton_tflops', 0):.0f} TFLOP/s "
                       f"({row['ratio']:.2f}x, {row.get('triton_config')}, err {row.get('rel_err', float('nan')):.1e})",
                       flush=True)
                 with open(args.out, "w") as f:
