@@ -107,7 +107,7 @@ def small_tile_groups(w_EIO: torch.Tensor, offs_E: torch.Tensor, rows: int):
     E, G = w_EIO.shape[0], 1
     while rows > 128 * (G * (E - 1) + 1) or w_EIO.stride(0) % G:
         G *= 2
-        if G * (E - 1) + 1 >= 1024:
+        if E == 1 or G * (E - 1) + 1 >= 1024:  # one expert has no room for views after it
             return None
     n = G * (E - 1) + 1
     w = w_EIO.as_strided((n, *w_EIO.shape[1:]), (w_EIO.stride(0) // G, *w_EIO.stride()[1:]))

@@ -160,3 +160,27 @@ def test_replica_balance_smoke():
     assert all(r["max_over_mean"] < w["max_over_mean"] for w, r in zip(rows[::2], rows[1::2]))
     print("\n" + "\n".join(f"r={r['replicas']} batch {r['batch']}: {r['rows_per_rank']} {r['max_over_mean']:.3f} "
                            f"(planner {r['planner_max_over_mean']:.3f})" for r in rows))
+
+
+@pytest.mark.parametrize("E, N", [(5, 300), (5, 20), (5, 5000), (1, 700)])
+def test_small_tile_groups_compute_the_same_grouped_gemm(E, N):
+    # ragged_gemm_probe.small_tile_groups: expert e's rows in group G*e, the others empty strided views of the same
+    # weights, at most 128 mean rows per group; the grouped product over them equals the one over the experts.
+    from benchmarks.ragged_gemm_probe import small_tile_groups
+
+    def grouped(x, w, ends):
+        return torch.cat([x[a:b] @ w[g] for g, (a, b) in enumerate(zip([0, *ends[:-1].tolist()], ends.tolist()))])
+
+    gen = torch.Generator().manual_seed(E * N)
+    ends = torch.multinomial(torch.ones(E), N, replacement=True, generator=gen).bincount(minlength=E).cumsum(0)
+    x = torch.randn(N, 16, dtype=torch.float64, generator=gen)
+    w = torch.randn(E, 8, 16, dtype=torch.float64, generator=gen)
+    for w_EIO in (w.transpose(-2, -1), w.transpose(-2, -1).contiguous()):
+        small = small_tile_groups(w_EIO, ends, N)
+        if E == 1 and N > 128:  # no room for empty groups after the only expert
+            assert small is None
+            continue
+        w_small, ends_small = small
+        assert N <= 128 * w_small.shape[0]
+        assert w_small.untyped_storage().data_ptr() == w_EIO.untyped_storage().data_ptr()  # views, no copy
+        torch.testing.assert_close(grouped(x, w_small, ends_small), grouped(x, w_EIO, ends), rtol=0, atol=0)
