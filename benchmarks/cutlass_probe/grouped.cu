@@ -1,7 +1,7 @@
 // Issue 27 probe: CUTLASS sm90 grouped GEMMs the way torch's GroupMM.cu builds them (128 x 256 x 64 tiles,
 // cooperative), with the two changes torch does not expose: (1) the weight gradient added into an existing
 // gradient in the epilogue (beta = 1, C = D), (2) the row-ragged forward with clusters along N instead of M, so
-// that an expert's rows are not rounded up to 256. A C ABI over raw pointers (ctypes), no torch headers.
+// that an expert's rows are not rounded up to 256 (forward and input gradient). A C ABI over raw pointers (ctypes).
 #include <cuda_runtime.h>
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -38,7 +38,8 @@ struct Grouped {
 
 // Per group e (rows start..end of the ragged dim): problem shape, operand pointers, strides.
 // wgrad: out[e] (O x I) = alpha * g_e^T x_e + beta * out[e]; A = g^T (col-major, ld O), B = x (K x I row-major).
-// fwd:   y[rows] (rows x O) = x_rows (rows x I) @ w[e]^T, w [E, O, I] row-major: B col-major (ld I).
+// fwd:   y[rows] (rows x O) = x_rows (rows x I) @ w[e]^T, w [E, O, I] row-major: B col-major (ld I);
+// dgrad: y[rows] (rows x O) = x_rows (rows x I) @ w[e], w [E, I, O] row-major: B row-major (ld O), same pointers.
 template <class G>
 __global__ void prepare(bool wgrad, const BF16* a, const BF16* b, BF16* d, const int* ends, int E, int O, int I,
                         typename ProblemShape::UnderlyingProblemShape* shapes, const BF16** pa, const BF16** pb,
@@ -126,6 +127,8 @@ using WgradM2 = Grouped<ColMajor, RowMajor, Shape<_2, _1, _1>>;  // torch's clus
 using WgradN2 = Grouped<ColMajor, RowMajor, Shape<_1, _2, _1>>;
 using FwdM2 = Grouped<RowMajor, ColMajor, Shape<_2, _1, _1>>;    // torch's forward
 using FwdN2 = Grouped<RowMajor, ColMajor, Shape<_1, _2, _1>>;    // rows rounded to 128, not 256
+using DgradM2 = Grouped<RowMajor, RowMajor, Shape<_2, _1, _1>>;
+using DgradN2 = Grouped<RowMajor, RowMajor, Shape<_1, _2, _1>>;
 
 extern "C" int grouped_gemm(int kind, const void* a, const void* b, void* d, const int* ends, int E, int O, int I,
                             float alpha, float beta, int sms, void* stream) {
@@ -135,6 +138,8 @@ extern "C" int grouped_gemm(int kind, const void* a, const void* b, void* d, con
     case 1: return run<WgradN2>(true, a, b, d, ends, E, O, I, alpha, beta, sms, s);
     case 2: return run<FwdM2>(false, a, b, d, ends, E, O, I, alpha, beta, sms, s);
     case 3: return run<FwdN2>(false, a, b, d, ends, E, O, I, alpha, beta, sms, s);
+    case 4: return run<DgradM2>(false, a, b, d, ends, E, O, I, alpha, beta, sms, s);
+    case 5: return run<DgradN2>(false, a, b, d, ends, E, O, I, alpha, beta, sms, s);
   }
   return -9;
 }

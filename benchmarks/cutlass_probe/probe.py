@@ -26,7 +26,8 @@ from ragged_gemm_probe import SHAPES, counts_for  # noqa: E402
 
 from dtensor_moe.kernels import policy, wgrad  # noqa: E402
 
-KINDS = {"wgrad cluster 2x1": 0, "wgrad cluster 1x2": 1, "fwd cluster 2x1": 2, "fwd cluster 1x2": 3}
+KINDS = {"wgrad cluster 2x1": 0, "wgrad cluster 1x2": 1, "fwd cluster 2x1": 2, "fwd cluster 1x2": 3,
+         "dgrad cluster 2x1": 4, "dgrad cluster 1x2": 5}
 
 
 def rel(a, b, E8):
@@ -39,6 +40,7 @@ def main():
     ap.add_argument("--lib", required=True)
     ap.add_argument("--shapes", nargs="+", default=["deepseek", "mixtral", "e64"])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--row-gemms-only", action="store_true", help="the forward and input-gradient GEMMs only")
     args = ap.parse_args()
     lib = ctypes.CDLL(args.lib)
     lib.grouped_gemm.restype = ctypes.c_int
@@ -69,17 +71,21 @@ def main():
             return
         record(**key, ms=t, tflops=flops / t / 1e9, rel_err=err)
 
-    def forward(name, mode, x, ends, E, D, F):  # gate and up: [N, D] x w13 [E, 2F, D]^T
-        N = x.shape[0]
-        w13 = torch.randn(E, 2 * F, D, device=dev, dtype=torch.bfloat16) * 0.02
-        want = torch._grouped_mm(x, w13.transpose(-2, -1), offs=ends).float()
-        y = torch.empty(N, 2 * F, device=dev, dtype=torch.bfloat16)
-        key = dict(shape=name, counts=mode, gemm="fwd w13")
-        flops = 2 * N * D * 2 * F
-        timed({**key, "method": "torch._grouped_mm"}, lambda: torch._grouped_mm(x, w13.transpose(-2, -1), offs=ends),
-              flops)
-        for kind in ("fwd cluster 2x1", "fwd cluster 1x2"):
-            timed({**key, "method": kind}, lambda kind=kind: cutlass(kind, x, w13, y, ends, E, 2 * F, D, 1.0, 0.0),
+    def row_gemm(name, mode, gemm, ends, E, I, O):
+        """y [N, O] = x [N, I] @ W_e: fwd takes W_e = w[e]^T of w [E, O, I] (w13, w2 as stored), dgrad W_e = w[e]
+        of w [E, I, O]."""
+        N = int(ends[-1])
+        x = torch.randn(N, I, device=dev, dtype=torch.bfloat16)
+        shape = (E, O, I) if gemm.startswith("fwd") else (E, I, O)
+        w = torch.randn(*shape, device=dev, dtype=torch.bfloat16) * 0.02
+        w_op = w.transpose(-2, -1) if gemm.startswith("fwd") else w
+        want = torch._grouped_mm(x, w_op, offs=ends).float()
+        y = torch.empty(N, O, device=dev, dtype=torch.bfloat16)
+        key = dict(shape=name, counts=mode, gemm=gemm)
+        flops = 2 * N * I * O
+        timed({**key, "method": "torch._grouped_mm"}, lambda: torch._grouped_mm(x, w_op, offs=ends), flops)
+        for kind in [k for k in KINDS if k.startswith(gemm.split()[0])]:
+            timed({**key, "method": kind}, lambda kind=kind: cutlass(kind, x, w, y, ends, E, O, I, 1.0, 0.0),
                   flops, lambda: ((y.float() - want).norm() / want.norm()).item())
 
     def weight_grad(name, mode, gemm, x, ends, E, O, I):  # .grad [E, O, I] += 0.5 * g^T a
@@ -106,9 +112,12 @@ def main():
         D, F, E, K, T = SHAPES[name]
         for mode in ("topk", "round128"):
             ends = torch.cumsum(counts_for(mode, T, E, K, dev), 0).to(torch.int32)
+            for gemm, I, O in (("fwd w13", D, 2 * F), ("fwd w2", F, D), ("dgrad w13", 2 * F, D), ("dgrad w2", D, F)):
+                row_gemm(name, mode, gemm, ends, E, I, O)
+                torch.cuda.empty_cache()
+            if args.row_gemms_only:
+                continue
             x = torch.randn(int(ends[-1]), D, device=dev, dtype=torch.bfloat16)
-            forward(name, mode, x, ends, E, D, F)
-            torch.cuda.empty_cache()
             for gemm, O, I in (("wgrad w13", 2 * F, D), ("wgrad w2", D, F)):
                 weight_grad(name, mode, gemm, x, ends, E, O, I)
                 torch.cuda.empty_cache()
