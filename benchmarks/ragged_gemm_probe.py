@@ -25,7 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when imported by tests
-from expert_gemms import cuda_ms, probe_cli  # noqa: E402
+from expert_gemms import cuda_ms, probe_cli, rel  # noqa: E402
 
 SHAPES = {"deepseek": (7168, 2048, 256, 8, 8192), "qwen": (2048, 768, 128, 8, 16384),
           "mixtral": (4096, 14336, 8, 2, 8192), "e64": (4096, 1536, 64, 6, 16384)}  # D, F, E, K, T
@@ -138,20 +138,20 @@ def main():
             for gemm, x, w_op in (("fwd", torch.randn(N, D, device=dev, dtype=torch.bfloat16), w.transpose(-2, -1)),
                                   ("dgrad", torch.randn(N, F, device=dev, dtype=torch.bfloat16), w)):
                 flops = 2 * N * D * F
-                want = torch._grouped_mm(x, w_op, offs=offs)
+                want = torch._grouped_mm(x, w_op, offs=offs).float()
                 row = {"shape": name, "counts": mode, "gemm": gemm, "rows_max": int(c.max()), "rows_mean": N / E,
                        "torch_tflops": flops / cuda_ms(lambda: torch._grouped_mm(x, w_op, offs=offs)) / 1e9}
                 small = small_tile_groups(w_op, offs, N)
                 if small is not None:
                     w_small, offs_small = small
                     got = torch._grouped_mm(x, w_small, offs=offs_small)
-                    row["small_rel_err"] = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                    row["small_rel_err"] = rel(got, want)
                     row["torch_small_tflops"] = flops / cuda_ms(
                         lambda: torch._grouped_mm(x, w_small, offs=offs_small)) / 1e9
                 for cfg in [] if args.no_triton else CONFIGS:
                     try:
                         got = ragged_mm(x, w_op, offs, cfg)
-                        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                        err = rel(got, want)
                         tf = flops / cuda_ms(lambda cfg=cfg: ragged_mm(x, w_op, offs, cfg)) / 1e9
                     except Exception as e:  # noqa: BLE001 - a config that does not compile is recorded, not fatal
                         row.setdefault("errors", {})[str(cfg)] = f"{type(e).__name__}: {str(e)[:200]}"

@@ -21,7 +21,7 @@ kernels/policy.wgrad_config reads (the committed table asks for that margin in e
 import json
 
 import torch
-from expert_gemms import cuda_ms, probe_cli  # run from benchmarks/ or as benchmarks/wgrad_probe.py
+from expert_gemms import cuda_ms, probe_cli, rel  # run from benchmarks/ or as benchmarks/wgrad_probe.py
 
 from dtensor_moe.kernels import wgrad as wgrad_kernel
 from dtensor_moe.kernels.grouped_mm import add_weight_grad_, grouped_weight_grad
@@ -39,10 +39,6 @@ CONFIGS = [C(128, 128, 64, 4, 3), C(128, 256, 64, 8, 3), C(128, 128, 64, 4, 3, T
            C(128, 256, 64, 8, 3, True)]
 TOL = 1e-2  # bf16 gradient rounding is ~3e-3 relative
 MARGIN = 0.96  # another config replaces wgrad.CONFIG only when this much faster: run-to-run spread is ~4%
-
-
-def rel(a, b) -> float:
-    return ((a.float() - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
 def measure(shape, orient, O, I, counts, ends, iters, timed) -> list[dict]:

@@ -12,7 +12,6 @@ Each result is checked against torch (relative Frobenius error on the first 8 ex
 (CUDA-event medians). Counts: top-k of random logits (ragged_gemm_probe.counts_for), and rounded to 128.
 """
 
-import argparse
 import ctypes
 import json
 import os
@@ -21,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from expert_gemms import cuda_ms  # noqa: E402
+from expert_gemms import cuda_ms, probe_cli, rel  # noqa: E402
 from ragged_gemm_probe import SHAPES, counts_for  # noqa: E402
 
 from dtensor_moe.kernels import policy, wgrad  # noqa: E402
@@ -30,23 +29,22 @@ KINDS = {"wgrad cluster 2x1": 0, "wgrad cluster 1x2": 1, "fwd cluster 2x1": 2, "
          "dgrad cluster 2x1": 4, "dgrad cluster 1x2": 5}
 
 
-def rel(a, b, E8):
-    a, b = a[:E8].float(), b[:E8].float()
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--lib", required=True)
-    ap.add_argument("--shapes", nargs="+", default=["deepseek", "mixtral", "e64"])
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--row-gemms-only", action="store_true", help="the forward and input-gradient GEMMs only")
-    args = ap.parse_args()
-    lib = ctypes.CDLL(args.lib)
+def load(path: str) -> ctypes.CDLL:
+    """grouped.so with its one entry point's C signature: grouped_gemm(kind, a, b, d, ends, E, O, I, alpha, beta,
+    SM count, stream) -> 0 or a negative step that failed."""
+    lib = ctypes.CDLL(path)
     lib.grouped_gemm.restype = ctypes.c_int
     lib.grouped_gemm.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float] * 2 + [
         ctypes.c_int, ctypes.c_void_p]
-    dev = torch.device("cuda")
+    return lib
+
+
+def main():
+    shapes = {k: SHAPES[k] for k in ("deepseek", "mixtral", "e64")}
+    args, dev, res = probe_cli(__doc__, shapes, (("--lib",), {"required": True}),
+                               (("--row-gemms-only",), {"action": "store_true",
+                                                        "help": "the forward and input-gradient GEMMs only"}))
+    lib = load(args.lib)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
 
     def cutlass(kind, a, b, d, ends, E, O, I, alpha, beta):
@@ -55,7 +53,7 @@ def main():
         if rc:
             raise RuntimeError(f"{kind}: rc {rc}")
 
-    rows = []
+    rows = res["rows"] = []
 
     def record(**r):
         rows.append(r)
@@ -86,7 +84,7 @@ def main():
         timed({**key, "method": "torch._grouped_mm"}, lambda: torch._grouped_mm(x, w_op, offs=ends), flops)
         for kind in [k for k in KINDS if k.startswith(gemm.split()[0])]:
             timed({**key, "method": kind}, lambda kind=kind: cutlass(kind, x, w, y, ends, E, O, I, 1.0, 0.0),
-                  flops, lambda: ((y.float() - want).norm() / want.norm()).item())
+                  flops, lambda: rel(y, want))
 
     def weight_grad(name, mode, gemm, x, ends, E, O, I):  # .grad [E, O, I] += 0.5 * g^T a
         N = x.shape[0]
@@ -94,7 +92,7 @@ def main():
         a = x if I == x.shape[1] else torch.randn(N, I, device=dev, dtype=torch.bfloat16)
         out0 = torch.randn(E, O, I, device=dev, dtype=torch.bfloat16)
         E8 = min(E, 8)
-        ref = out0[:E8].float() + 0.5 * torch._grouped_mm(g.t(), a, offs=ends)[:E8].float()
+        ref = out0[:E8].float() + 0.5 * torch._grouped_mm(g.t(), a, offs=ends)[:E8].float()  # first 8: memory
         out = out0.clone()
         key = dict(shape=name, counts=mode, gemm=gemm)
         flops = 2 * N * O * I
@@ -102,11 +100,11 @@ def main():
         cfg = policy.wgrad_config(out.shape, N)
         out.copy_(out0)
         timed({**key, "method": f"triton {tuple(cfg)}"}, lambda: wgrad.accumulate(out, g, a, ends, 0.5, cfg), flops,
-              lambda: rel(out, ref, E8))
+              lambda: rel(out[:E8], ref))
         for kind in ("wgrad cluster 2x1", "wgrad cluster 1x2"):
             out.copy_(out0)
             timed({**key, "method": kind}, lambda kind=kind: cutlass(kind, g, a, out, ends, E, O, I, 0.5, 1.0), flops,
-                  lambda: rel(out, ref, E8))
+                  lambda: rel(out[:E8], ref))
 
     for name in args.shapes:
         D, F, E, K, T = SHAPES[name]
@@ -122,7 +120,7 @@ def main():
                 weight_grad(name, mode, gemm, x, ends, E, O, I)
                 torch.cuda.empty_cache()
     with open(args.out, "w") as f:
-        json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

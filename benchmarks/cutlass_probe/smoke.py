@@ -1,12 +1,13 @@
 """Exit 0 if grouped.so loads and its weight-gradient kernel adds a small grouped product correctly on this GPU."""
-import ctypes
+import os
 import sys
 
 import torch
 
-lib = ctypes.CDLL(sys.argv[1])
-lib.grouped_gemm.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float] * 2 + [
-    ctypes.c_int, ctypes.c_void_p]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from probe import load  # noqa: E402
+
+lib = load(sys.argv[1])
 E, O, I = 4, 256, 128
 counts = torch.tensor([100, 0, 37, 300])
 ends = counts.cumsum(0).to(device="cuda", dtype=torch.int32)
