@@ -61,6 +61,9 @@ gemms = [{"shape": "gpu_2x", "gemm": g, "I": I, "O": O, "E": 16, "rows_per_exper
 json.dump({"note": "forces FP8 for every expert GEMM of configs/gpu_2x.toml", "gemms": gemms}, open(sys.argv[1], "w"))
 PY
 mkdir -p /tmp/runs
+# A signal to this script stops its training runs too (TOGETHER's run in the background; each launcher stops its
+# ranks on SIGTERM), so none is left behind.
+trap 'pkill -TERM -f "dtensor_moe.cli train --config configs/gpu_2x.toml --run-dir /tmp/runs/"; exit 143' INT TERM
 run() {  # name, seed, extra environment, overrides...; its summary line joins /tmp/runs/summary.jsonl at once, so a
   local name=$1 seed=$2 envs=$3  # call cut at its time limit keeps the runs it finished
   shift 3
