@@ -214,7 +214,8 @@ def probe_cli(doc: str, shapes: dict, *extra: tuple[tuple, dict]) -> tuple[argpa
     for flags, options in extra:
         ap.add_argument(*flags, **options)
     dev = torch.device("cuda")
-    return ap.parse_args(), dev, {"torch": torch.__version__, "device": torch.cuda.get_device_name(dev),
+    return ap.parse_args(), dev, {"torch": torch.__version__,
+                                  "device": torch.cuda.get_device_name(dev) if torch.cuda.is_available() else None,
                                   "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 

@@ -10,6 +10,7 @@ from dtensor_moe.kernels import gather_sum as G
 from dtensor_moe.kernels import grouped_mm as M
 from dtensor_moe.kernels import policy
 from dtensor_moe.kernels import swiglu as S
+from dtensor_moe.kernels import wgrad as W
 from dtensor_moe.routing import gather_rows
 
 
@@ -40,6 +41,21 @@ def main():
         torch.library.opcheck(gather_rows, (xr, torch.tensor([0, 0, 2, 3, 1], device=dev),
                                             torch.tensor([[0, 1], [4, -1], [2, -1], [3, -1]], device=dev)))
         print(f"opcheck on cuda {dtype}: ok", flush=True)
+    # kernels/wgrad's epilogues (read-add-write, atomic, TMA reduce-add) and grids (a program per tile, persistent)
+    # at ragged counts, an empty expert, partial tiles and rows TMA cannot take (130 bf16: not 16-byte aligned).
+    for counts, O, I in (([5, 0, 70, 16], 40, 24), ([33], 17, 130), ([3, 40, 200], 136, 264)):
+        g = torch.randn(sum(counts), O, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(sum(counts), I, device=dev, dtype=torch.bfloat16)
+        out0 = torch.randn(len(counts), O, I, device=dev, dtype=torch.bfloat16)
+        want = out0.float() + 0.5 * torch.stack([a.t().float() @ b.float() for a, b in zip(g.split(counts),
+                                                                                                x.split(counts))])
+        ends = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
+        for config in (W.CONFIG, W.Config(128, 128, 32, 4, 4, True), W.Config(128, 128, 32, 4, 4, True, True),
+                       W.Config(64, 128, 32, 4, 3, True, True, 1), W.Config(128, 64, 32, 4, 3, False, False, 2)):
+            out = out0.clone()
+            W.accumulate(out, g, x, ends, 0.5, config)
+            torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=0.5)
+    print("wgrad accumulate configs on cuda: ok", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,12 @@ Every method starts from the same random gradient and is checked against an fp32
 (relative Frobenius error) before it is timed (CUDA-event medians). Prints a table; writes JSON, and
 with --configs-out per (O, I, rows per expert) the fastest correct Triton config where it beat
 wgrad.CONFIG by at least 4% (else CONFIG): the form of kernels/wgrad_configs.json, which
-kernels/policy.wgrad_config reads (the committed table asks for that margin in every run, at least two).
+kernels/policy.wgrad_config reads. The committed table asks for that margin in every run, at least two:
+
+    python benchmarks/wgrad_probe.py --merge run1/wgrad.json run2/wgrad.json --out wgrad_configs.json
 """
 
+import ast
 import json
 
 import torch
@@ -36,7 +39,13 @@ SHAPES = {  # D, F, experts, routed rows: moe_layer.py's local shapes, and DeepS
 }
 C = wgrad_kernel.Config
 CONFIGS = [C(128, 128, 64, 4, 3), C(128, 256, 64, 8, 3), C(128, 128, 64, 4, 3, True), C(128, 128, 32, 4, 4, True),
-           C(128, 256, 64, 8, 3, True)]
+           C(128, 256, 64, 8, 3, True),
+           # the sum as TMA's bulk reduce-add, per tile and persistent (per_sm programs per SM)
+           C(128, 128, 64, 4, 3, True, True), C(128, 128, 32, 4, 4, True, True), C(128, 256, 64, 8, 3, True, True),
+           C(128, 128, 64, 4, 3, True, True, 2), C(128, 128, 32, 4, 4, True, True, 2),
+           C(128, 256, 64, 8, 3, True, True, 1), C(128, 128, 32, 4, 4, True, False, 2),
+           C(128, 128, 32, 4, 5, True, True), C(128, 128, 32, 8, 4, True, True), C(128, 64, 32, 4, 4, True, True),
+           C(64, 128, 32, 4, 4, True, True), C(128, 128, 16, 4, 6, True, True), C(128, 256, 32, 8, 4, True, True)]
 TOL = 1e-2  # bf16 gradient rounding is ~3e-3 relative
 MARGIN = 0.96  # another config replaces wgrad.CONFIG only when this much faster: run-to-run spread is ~4%
 
@@ -95,20 +104,48 @@ def measure(shape, orient, O, I, counts, ends, iters, timed) -> list[dict]:
     return rows
 
 
-def chosen(timed: dict) -> list[dict]:
+def chosen(runs: list[dict]) -> list[dict]:
+    """Per (shape, O, I, rows per expert): the config with the lowest worst-run ratio to wgrad.CONFIG among those
+    every run measured, where that ratio is at most MARGIN (else CONFIG); `runs`: each run's {key: {config: ms}}."""
     table = []
-    for (shape, O, I, rows), ms in timed.items():
-        default = ms.get(wgrad_kernel.CONFIG, float("inf"))
-        best = min(ms, key=ms.get)
-        pick = best if ms[best] <= MARGIN * default else wgrad_kernel.CONFIG
+    for key in runs[0]:
+        shape, O, I, rows = key
+        both = [ms for ms in (run.get(key, {}) for run in runs) if wgrad_kernel.CONFIG in ms]
+        common = set.intersection(*(set(ms) for ms in both)) if both else set()
+        worst = {c: max(ms[c] / ms[wgrad_kernel.CONFIG] for ms in both) for c in common}
+        best = min(worst, key=worst.get, default=wgrad_kernel.CONFIG)
+        pick = best if worst.get(best, 1) <= MARGIN else wgrad_kernel.CONFIG
         table.append({"shape": shape, "O": O, "I": I, "rows_per_expert": rows, "config": list(pick),
-                      "ms": ms.get(pick), "default_ms": ms.get(wgrad_kernel.CONFIG)})
+                      "ms": [ms[pick] for ms in both], "default_ms": [ms[wgrad_kernel.CONFIG] for ms in both]})
     return table
+
+
+def timed_of(path: str) -> dict:
+    """A written run's {key: {config: ms}} of its correct Triton configs (the form `measure` fills)."""
+    timed = {}
+    for r in json.load(open(path))["rows"]:
+        if r["method"].startswith("triton ") and r["rel_err"] < TOL:
+            config = C(*ast.literal_eval(r["method"].removeprefix("triton ")))
+            timed.setdefault((r["shape"], r["O"], r["I"], r["rows_per_expert"]), {})[config] = r["ms"]
+    return timed
+
+
+def write_configs(path: str, runs: list[dict], note: str):
+    with open(path, "w") as f:
+        json.dump({"note": note, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                   "torch": torch.__version__, "configs": chosen(runs)}, f, indent=1)
 
 
 def main():
     args, dev, _ = probe_cli(__doc__, SHAPES, (("--iters",), {"type": int, "default": 10}),
-                             (("--configs-out",), {"default": None}))
+                             (("--configs-out",), {"default": None}),
+                             (("--merge",), {"nargs": "+", "default": None,
+                                             "help": "no GPU work: --out is the table of these runs' --out files"}))
+    if args.merge:
+        write_configs(args.out, [timed_of(p) for p in args.merge],
+                      f"benchmarks/wgrad_probe.py --merge of {len(args.merge)} runs: a config other than "
+                      f"kernels/wgrad.CONFIG only where it ran <= {MARGIN} of its time in every run")
+        return
     rows, timed = [], {}
     for shape in args.shapes:
         D, F, E, N = SHAPES[shape]
@@ -127,9 +164,8 @@ def main():
         )
     write_json(args.out, {"torch": torch.__version__, "rows": rows})
     if args.configs_out:
-        with open(args.configs_out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "configs": chosen(timed)}, f, indent=1)
+        write_configs(args.configs_out, [timed], "benchmarks/wgrad_probe.py, one run (the committed table asks for "
+                      "two: --merge)")
 
 
 if __name__ == "__main__":

@@ -71,13 +71,15 @@ for got in both(lambda: combine.gather_sum(y_ND, idx_RK, idx_RK, torch.rand(5)))
 
 # wgrad_kernel: out[e] += alpha * g_e^T x_e; empty experts, rows not a multiple of the tile, partial tiles.
 from dtensor_moe.kernels import wgrad as wgrad_kernel
-for counts, O, I in [([5, 0, 70, 16], 40, 24), ([0, 0], 8, 8), ([33], 17, 130)]:
+for counts, O, I in [([5, 0, 70, 16], 40, 24), ([0, 0], 8, 8), ([33], 17, 130), ([3, 40], 24, 64)]:
     N = sum(counts)
     g_NO, x_NI = torch.randn(N, O), torch.randn(N, I)
     out = torch.randn(len(counts), O, I)
     want = out + 0.25 * torch.stack([a.t() @ b for a, b in zip(g_NO.split(counts), x_NI.split(counts))])
     ends = torch.tensor(counts).cumsum(0).to(torch.int32)
-    for config in [(16, 32, 16, 4, 2), (32, 16, 16, 4, 2), (16, 32, 16, 4, 2, True)]:  # wide, tall, atomic epilogue
+    # wide, tall, atomic epilogue; TMA's (the interpreter has no tensor reductions: there the atomic one); persistent
+    for config in [(16, 32, 16, 4, 2), (32, 16, 16, 4, 2), (16, 32, 16, 4, 2, True), (16, 32, 16, 4, 2, True, True),
+                   (16, 32, 16, 4, 2, False, False, 1), (32, 16, 16, 4, 2, True, False, 2)]:
         got = out.clone()
         wgrad_kernel.accumulate(got, g_NO, x_NI, ends, 0.25, config=config)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
@@ -156,14 +158,13 @@ def test_triton_kernels_match_torch_in_triton_interpreter():
 def test_wgrad_config_follows_the_measured_table(tmp_path, monkeypatch):
     from dtensor_moe.kernels import policy, wgrad
     # The committed table: Mixtral-like w1/w3 gradients ([F, D] = [14336, 4096], 2048 rows per expert)
-    # take the wide tile, DeepSeek-like ones (256 rows) BLOCK_K 32, both with the atomic epilogue;
-    # Qwen-like ones and an unmeasured (O, I) the default.
+    # take the wide tile with the atomic epilogue, DeepSeek-like ones (256 rows) BLOCK_K 32 with TMA's reduce-add,
+    # Qwen-like ones the wide tile persistent, an unmeasured (O, I) the default; gate and up's [2F, D] its own row.
     assert policy.wgrad_config((8, 14336, 4096), 16384) == wgrad.Config(128, 256, 64, 8, 3, True)
-    assert policy.wgrad_config((256, 2048, 7168), 65536) == wgrad.Config(128, 128, 32, 4, 4, True)
-    assert policy.wgrad_config((128, 768, 2048), 131072) == wgrad.CONFIG
+    assert policy.wgrad_config((256, 2048, 7168), 65536) == wgrad.Config(128, 128, 32, 4, 4, True, True)
+    assert policy.wgrad_config((128, 768, 2048), 131072) == wgrad.Config(128, 256, 64, 8, 3, True, True, 1)
     assert policy.wgrad_config((8, 14336, 2048), 16384) == wgrad.CONFIG
-    # Gate and up's gradient together ([2F, D], w13), unmeasured: the tiles measured for one half.
-    assert policy.wgrad_config((256, 4096, 7168), 65536) == wgrad.Config(128, 128, 32, 4, 4, True)
+    assert policy.wgrad_config((256, 4096, 7168), 65536) == wgrad.Config(128, 128, 32, 4, 4, True, True)
     table = tmp_path / "wgrad.json"
     table.write_text('{"configs": [{"O": 64, "I": 32, "rows_per_expert": 100, "config": [16, 32, 16, 4, 2]},'
                      ' {"O": 64, "I": 32, "rows_per_expert": 1000, "config": [32, 16, 16, 4, 2]}]}')
@@ -172,3 +173,5 @@ def test_wgrad_config_follows_the_measured_table(tmp_path, monkeypatch):
     assert policy.wgrad_config((4, 64, 32), 4 * 250) == wgrad.Config(16, 32, 16, 4, 2)
     assert policy.wgrad_config((4, 64, 32), 4 * 400) == wgrad.Config(32, 16, 16, 4, 2)
     assert policy.wgrad_config((4, 32, 64), 4 * 400) == wgrad.CONFIG
+    # Gate and up's gradient together ([2F, D]) where only one half's was measured: the tiles measured for a half.
+    assert policy.wgrad_config((4, 128, 32), 4 * 100) == wgrad.Config(16, 32, 16, 4, 2)
