@@ -41,7 +41,8 @@ def main():
         torch.library.opcheck(gather_rows, (xr, torch.tensor([0, 0, 2, 3, 1], device=dev),
                                             torch.tensor([[0, 1], [4, -1], [2, -1], [3, -1]], device=dev)))
         print(f"opcheck on cuda {dtype}: ok", flush=True)
-    # kernels/wgrad's epilogues (read-add-write, atomic, TMA reduce-add) and grids (a program per tile, persistent)
+    # kernels/wgrad's epilogues (read-add-write, atomic, TMA reduce-add), grids (a program per tile, persistent) and
+    # operand loads (pointers, TMA)
     # at ragged counts, an empty expert, partial tiles and rows TMA cannot take (130 bf16: not 16-byte aligned).
     for counts, O, I in (([5, 0, 70, 16], 40, 24), ([33], 17, 130), ([3, 40, 200], 136, 264)):
         g = torch.randn(sum(counts), O, device=dev, dtype=torch.bfloat16)
@@ -51,7 +52,9 @@ def main():
                                                                                                 x.split(counts))])
         ends = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
         for config in (W.CONFIG, W.Config(128, 128, 32, 4, 4, True), W.Config(128, 128, 32, 4, 4, True, True),
-                       W.Config(64, 128, 32, 4, 3, True, True, 1), W.Config(128, 64, 32, 4, 3, False, False, 2)):
+                       W.Config(64, 128, 32, 4, 3, True, True, 1), W.Config(128, 64, 32, 4, 3, False, False, 2),
+                       W.Config(128, 128, 32, 4, 4, True, True, 0, True),
+                       W.Config(64, 128, 32, 4, 3, False, False, 1, True)):
             out = out0.clone()
             W.accumulate(out, g, x, ends, 0.5, config)
             torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=0.5)

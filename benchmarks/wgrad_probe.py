@@ -45,7 +45,11 @@ CONFIGS = [C(128, 128, 64, 4, 3), C(128, 256, 64, 8, 3), C(128, 128, 64, 4, 3, T
            C(128, 128, 64, 4, 3, True, True, 2), C(128, 128, 32, 4, 4, True, True, 2),
            C(128, 256, 64, 8, 3, True, True, 1), C(128, 128, 32, 4, 4, True, False, 2),
            C(128, 128, 32, 4, 5, True, True), C(128, 128, 32, 8, 4, True, True), C(128, 64, 32, 4, 4, True, True),
-           C(64, 128, 32, 4, 4, True, True), C(128, 128, 16, 4, 6, True, True), C(128, 256, 32, 8, 4, True, True)]
+           C(64, 128, 32, 4, 4, True, True), C(128, 128, 16, 4, 6, True, True), C(128, 256, 32, 8, 4, True, True),
+           # and the operands' whole BLOCK_K steps through TMA
+           C(128, 128, 32, 4, 4, True, True, 0, True), C(128, 128, 64, 4, 3, True, True, 0, True),
+           C(128, 128, 32, 4, 4, True, True, 2, True), C(128, 256, 64, 8, 3, True, True, 1, True),
+           C(128, 128, 64, 4, 3, False, False, 0, True), C(128, 256, 64, 8, 3, True, False, 0, True)]
 TOL = 1e-2  # bf16 gradient rounding is ~3e-3 relative
 MARGIN = 0.96  # another config replaces wgrad.CONFIG only when this much faster: run-to-run spread is ~4%
 

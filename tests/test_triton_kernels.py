@@ -78,11 +78,20 @@ for counts, O, I in [([5, 0, 70, 16], 40, 24), ([0, 0], 8, 8), ([33], 17, 130), 
     want = out + 0.25 * torch.stack([a.t() @ b for a, b in zip(g_NO.split(counts), x_NI.split(counts))])
     ends = torch.tensor(counts).cumsum(0).to(torch.int32)
     # wide, tall, atomic epilogue; TMA's (the interpreter has no tensor reductions: there the atomic one); persistent
+    # TMA operand loads (the interpreter runs them), alone and persistent
     for config in [(16, 32, 16, 4, 2), (32, 16, 16, 4, 2), (16, 32, 16, 4, 2, True), (16, 32, 16, 4, 2, True, True),
-                   (16, 32, 16, 4, 2, False, False, 1), (32, 16, 16, 4, 2, True, False, 2)]:
+                   (16, 32, 16, 4, 2, False, False, 1), (32, 16, 16, 4, 2, True, False, 2),
+                   (16, 32, 16, 4, 2, True, False, 0, True), (32, 16, 16, 4, 2, False, False, 1, True)]:
         got = out.clone()
         wgrad_kernel.accumulate(got, g_NO, x_NI, ends, 0.25, config=config)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+# A non-finite row of one expert reaches only that expert's gradient, also where whole steps load through TMA.
+g_NO, x_NI, ends = torch.randn(60, 32), torch.randn(60, 16), torch.tensor([20, 60], dtype=torch.int32)
+x_NI[20] = float("inf")
+for config in [(16, 16, 16, 4, 2), (16, 16, 16, 4, 2, False, False, 0, True)]:
+    got = torch.zeros(2, 32, 16)
+    wgrad_kernel.accumulate(got, g_NO, x_NI, ends, 1.0, config=config)
+    assert got[0].isfinite().all() and not got[1].isfinite().all()
 
 # swiglu_kernel: h = silu(a) * b and its gradient [da, db], against autograd on the torch ops (fp32 math);
 # a and b also as the strided halves of one [N, 2F] GEMM output, as the experts pass them.

@@ -16,12 +16,13 @@ persistent, where the next tile's loop overlaps the last one's reduction (it pai
 Launched by the `dtensor_moe::add_weight_grad_` op (grouped_mm.py) where policy.weight_grad_accumulation
 chooses it, with the tile config policy.wgrad_config picks for the shape; tests run it on CPU under
 TRITON_INTERPRET=1 (the interpreter has no tensor reductions: there `tma` runs the atomic epilogue;
-benchmarks/gpu_ops_check.py checks it on the GPU). Tried on H200 and slower at every shape (RESULTS.md session 7): loading the output
-tile before the K loop, TMA operand loads through per-expert tensor descriptors, and a persistent
-kernel with the read-add-write epilogue, both with a loop per tile and with one flat loop over all of a program's K steps; and (session
-8, commit ff72408) Triton 3.6's warp specialization of the K loop over those TMA descriptors
-(`tl.range(..., warp_specialize=True)`, 4 or 8 warps): 8.7-12.9 ms against 7.0 at DeepSeek's 256 rows
-per expert where it compiled; its pass (NVGPUWarpSpecialization) crashed on two of the four atomic configs.
+benchmarks/gpu_ops_check.py checks it on the GPU). Tried on H200 and slower at every shape (RESULTS.md
+session 7): loading the output tile before the K loop, TMA operand loads through per-expert tensor
+descriptors, and a persistent kernel with the read-add-write epilogue, both with a loop per tile and with
+one flat loop over all of a program's K steps; and (session 8, commit ff72408) Triton 3.6's warp
+specialization of the K loop over those TMA descriptors (`tl.range(..., warp_specialize=True)`, 4 or 8
+warps): 8.7-12.9 ms against 7.0 at DeepSeek's 256 rows per expert where it compiled; its pass
+(NVGPUWarpSpecialization) crashed on two of the four atomic configs.
 """
 
 from typing import NamedTuple
@@ -34,7 +35,8 @@ class Config(NamedTuple):
     `atomic`: the epilogue adds the tile into the gradient with one bf16 atomic add per element
     (in L2, nothing for the program to wait on) instead of reading, adding in fp32 and writing it;
     `tma`: that add as one bulk tensor reduction per tile (TMA's reduce-add, sm90), not one per element;
-    `per_sm`: a persistent grid of that many programs per SM, each looping over tiles (0: a program per tile)."""
+    `per_sm`: a persistent grid of that many programs per SM, each looping over tiles (0: a program per tile);
+    `tma_loads`: the operands' whole BLOCK_K steps through TMA (sm90), an expert's partial last step masked."""
     block_o: int
     block_i: int
     block_k: int
@@ -43,6 +45,7 @@ class Config(NamedTuple):
     atomic: bool = False
     tma: bool = False
     per_sm: int = 0
+    tma_loads: bool = False
 
 
 # Where policy.wgrad_config has no measurement: the best at the DeepSeek shape in session 4 (two
@@ -60,23 +63,32 @@ def accumulate(out_EOI: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tensor, en
 
     from dtensor_moe.kernels import wgrad_triton  # imports Triton: only where a kernel runs
 
-    block_o, block_i, block_k, warps, stages, atomic, tma, per_sm = Config(*config)
+    block_o, block_i, block_k, warps, stages, atomic, tma, per_sm, tma_loads = Config(*config)
     sm90 = out_EOI.is_cuda and torch.cuda.get_device_capability(out_EOI.device) >= (9, 0)
     if out_EOI.is_cuda and not sm90:
         atomic = False  # 16-bit float atomic adds are native from sm90 on: elsewhere read-add-write
-    # TMA (sm90; Triton's interpreter has no tensor reductions) needs 16-byte aligned rows and base.
-    tma = (tma and sm90 and out_EOI.is_contiguous() and I * out_EOI.element_size() % 16 == 0
-           and out_EOI.data_ptr() % 16 == 0)
-    desc = out_EOI
-    if tma:
+    # TMA (sm90; Triton's interpreter has no tensor reductions) needs 16-byte aligned rows and bases.
+    g_NO, x_NI = g_NO.contiguous(), x_NI.contiguous()
+    tma = tma and sm90 and _tma_ok(out_EOI)
+    tma_loads = tma_loads and (sm90 or not out_EOI.is_cuda) and _tma_ok(g_NO) and _tma_ok(x_NI)
+    out_desc, g_desc, x_desc = out_EOI, g_NO, x_NI
+    if tma or tma_loads:
         from triton.tools.tensor_descriptor import TensorDescriptor
-        desc = TensorDescriptor.from_tensor(out_EOI, [1, block_o, block_i])
+    if tma:
+        out_desc = TensorDescriptor.from_tensor(out_EOI, [1, block_o, block_i])
+    if tma_loads:
+        g_desc = TensorDescriptor.from_tensor(g_NO, [block_k, block_o])
+        x_desc = TensorDescriptor.from_tensor(x_NI, [block_k, block_i])
     tiles = triton.cdiv(O, block_o) * triton.cdiv(I, block_i)
     if per_sm:
         sms = torch.cuda.get_device_properties(out_EOI.device).multi_processor_count if out_EOI.is_cuda else 2
         kernel, grid = wgrad_triton.wgrad_accumulate_persistent, (min(E * tiles, per_sm * sms),)
     else:
         kernel, grid = wgrad_triton.wgrad_accumulate, (tiles, E)
-    kernel[grid](g_NO.contiguous(), x_NI.contiguous(), ends_E, out_EOI, desc, E, O, I, alpha,
-                 BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_K=block_k, ATOMIC=atomic or tma, TMA=tma, num_warps=warps,
-                 num_stages=stages)
+    kernel[grid](g_NO, x_NI, ends_E, out_EOI, out_desc, g_desc, x_desc, E, O, I, alpha,
+                 BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_K=block_k, ATOMIC=atomic or tma, TMA=tma, TMA_LOADS=tma_loads,
+                 num_warps=warps, num_stages=stages)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.shape[-1] * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0
