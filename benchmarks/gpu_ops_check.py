@@ -42,8 +42,8 @@ def main():
                                             torch.tensor([[0, 1], [4, -1], [2, -1], [3, -1]], device=dev)))
         print(f"opcheck on cuda {dtype}: ok", flush=True)
     # kernels/wgrad's epilogues (read-add-write, atomic, TMA reduce-add), grids (a program per tile, persistent) and
-    # operand loads (pointers, TMA)
-    # at ragged counts, an empty expert, partial tiles and rows TMA cannot take (130 bf16: not 16-byte aligned).
+    # operand loads (pointers, TMA) at ragged counts, an empty expert, partial tiles and rows TMA cannot take (130
+    # bf16: not 16-byte aligned).
     for counts, O, I in (([5, 0, 70, 16], 40, 24), ([33], 17, 130), ([3, 40, 200], 136, 264)):
         g = torch.randn(sum(counts), O, device=dev, dtype=torch.bfloat16)
         x = torch.randn(sum(counts), I, device=dev, dtype=torch.bfloat16)

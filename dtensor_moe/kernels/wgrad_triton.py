@@ -42,6 +42,7 @@ def accumulate_tile(g_ptr, x_ptr, ends_ptr, out_ptr, out_desc, g_desc, x_desc, e
         acc = acc * alpha + tl.load(out, mask=in_tile, other=0.0).to(tl.float32)
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_tile)
 
+
 @triton.jit
 def wgrad_accumulate(g_ptr, x_ptr, ends_ptr, out_ptr, out_desc, g_desc, x_desc, E, O, I, alpha,
                      BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr,
@@ -50,6 +51,7 @@ def wgrad_accumulate(g_ptr, x_ptr, ends_ptr, out_ptr, out_desc, g_desc, x_desc, 
     accumulate_tile(g_ptr, x_ptr, ends_ptr, out_ptr, out_desc, g_desc, x_desc, tl.program_id(1).to(tl.int64),
                     tl.program_id(0) // tiles_i, tl.program_id(0) % tiles_i, O, I, alpha,
                     BLOCK_O, BLOCK_I, BLOCK_K, ATOMIC, TMA, TMA_LOADS)
+
 
 @triton.jit
 def wgrad_accumulate_persistent(g_ptr, x_ptr, ends_ptr, out_ptr, out_desc, g_desc, x_desc, E, O, I, alpha,
