@@ -20,7 +20,6 @@ kernels/policy.wgrad_config reads. The committed table asks for that margin in e
     python benchmarks/wgrad_probe.py --merge run1/wgrad.json run2/wgrad.json --out wgrad_configs.json
 """
 
-import ast
 import json
 
 import torch
@@ -100,7 +99,8 @@ def measure(shape, orient, O, I, counts, ends, iters, timed) -> list[dict]:
             print(f"{shape} {orient} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue
         r = {"shape": shape, "orientation": orient, "O": O, "I": I, "rows_per_expert": N / E,
-             "method": name, "ms": ms, "tflops": 2 * N * O * I / ms / 1e9, "rel_err": err}
+             "method": name, "config": config and list(config), "ms": ms, "tflops": 2 * N * O * I / ms / 1e9,
+             "rel_err": err}
         rows.append(r)
         print(f"{shape} {orient} {name}: {ms:.3f} ms {r['tflops']:.0f} TFLOP/s err {err:.1e}", flush=True)
         if config is not None and err < TOL:
@@ -114,13 +114,14 @@ def chosen(runs: list[dict]) -> list[dict]:
     table = []
     for key in runs[0]:
         shape, O, I, rows = key
-        both = [ms for ms in (run.get(key, {}) for run in runs) if wgrad_kernel.CONFIG in ms]
-        common = set.intersection(*(set(ms) for ms in both)) if both else set()
-        worst = {c: max(ms[c] / ms[wgrad_kernel.CONFIG] for ms in both) for c in common}
+        measured = [ms for ms in (run.get(key, {}) for run in runs) if wgrad_kernel.CONFIG in ms]
+        common = set.intersection(*(set(ms) for ms in measured)) if measured else set()
+        worst = {c: max(ms[c] / ms[wgrad_kernel.CONFIG] for ms in measured) for c in common}
         best = min(worst, key=worst.get, default=wgrad_kernel.CONFIG)
         pick = best if worst.get(best, 1) <= MARGIN else wgrad_kernel.CONFIG
         table.append({"shape": shape, "O": O, "I": I, "rows_per_expert": rows, "config": list(pick),
-                      "ms": [ms[pick] for ms in both], "default_ms": [ms[wgrad_kernel.CONFIG] for ms in both]})
+                      "ms": [ms[pick] for ms in measured],
+                      "default_ms": [ms[wgrad_kernel.CONFIG] for ms in measured]})
     return table
 
 
@@ -128,9 +129,8 @@ def timed_of(path: str) -> dict:
     """A written run's {key: {config: ms}} of its correct Triton configs (the form `measure` fills)."""
     timed = {}
     for r in json.load(open(path))["rows"]:
-        if r["method"].startswith("triton ") and r["rel_err"] < TOL:
-            config = C(*ast.literal_eval(r["method"].removeprefix("triton ")))
-            timed.setdefault((r["shape"], r["O"], r["I"], r["rows_per_expert"]), {})[config] = r["ms"]
+        if r["config"] is not None and r["rel_err"] < TOL:
+            timed.setdefault((r["shape"], r["O"], r["I"], r["rows_per_expert"]), {})[C(*r["config"])] = r["ms"]
     return timed
 
 
