@@ -9,6 +9,7 @@ ownership of every weight slice against the reference.
 """
 
 import contextlib
+import functools
 from dataclasses import dataclass, replace
 from unittest import mock
 
@@ -60,6 +61,11 @@ class Case:
     nonfinite_value: float = float("nan")  # its value in the first dim: NaN, +Inf or -Inf
     compile: bool | str = False  # parallelize_moe(compile=...): True (inductor) or a backend name
     replay: bool = False  # the training forwards replay choices recorded by no-grad eval forwards of the same tokens
+    # Where both sides run: "cpu", or "cuda" (benchmarks/gpu_suite.py: ranks sharing the GPU over gloo).
+    device: str = "cpu"
+    # The parallel layer's dtype where it is not `dtype` (e.g. bfloat16 against a float32 reference): the
+    # reference's weights and inputs are rounded through it, so only the arithmetic differs.
+    compute_dtype: str | None = None
 
 
 def build(case: Case, world_size: int):
@@ -85,7 +91,14 @@ def build(case: Case, world_size: int):
     grad_out = torch.randn(total, case.seq_len, cfg.dim, generator=g, dtype=dtype)
     if case.nonfinite_token is not None and total:
         x.view(-1, cfg.dim)[case.nonfinite_token % (total * case.seq_len), 0] = case.nonfinite_value
-    return cfg, dims, ref, x, grad_out
+    if case.compute_dtype:
+        low = getattr(torch, case.compute_dtype)
+        with torch.no_grad():
+            for t in [*ref.parameters(), *ref.buffers(), x]:
+                if t.is_floating_point():
+                    t.copy_(t.to(low))
+    # Drawn on the CPU, then moved: every device sees the same numbers.
+    return cfg, dims, ref.to(case.device), x.to(case.device), grad_out.to(case.device)
 
 
 def _route_skewed(ref: MoE, x: torch.Tensor, case: Case) -> None:
@@ -118,14 +131,19 @@ def inductor_settings(compile: bool | str):
     return torch._inductor.config.patch({"cpp.vec_isa_ok": False})
 
 
-def _err(a, b) -> float:
-    """Max |a - b| where both are finite; inf unless a and b are non-finite at the same places."""
+def _err(a, b, relative: bool = False) -> float:
+    """Max |a - b| where both are finite (with `relative`, over the largest finite |b|); inf unless a and b are
+    non-finite at the same places."""
     if not a.numel():
         return 0.0
     if not torch.equal(a.isfinite(), b.isfinite()):
         return float("inf")
     finite = a.isfinite()
-    return (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
+    if not finite.any():
+        return 0.0
+    a, b = a[finite].double(), b[finite].double()
+    err = (a - b).abs().max().item()
+    return err / max(b.abs().max().item(), 1e-30) if relative else err
 
 
 def check_parity(rank: int, world_size: int, case: Case) -> dict:
@@ -133,9 +151,15 @@ def check_parity(rank: int, world_size: int, case: Case) -> dict:
 
 
 def parity_errors(rank: int, world_size: int, case: Case) -> tuple[dict, MoE]:
-    """check_parity's errors, and the parallelized layer after its backward."""
+    """check_parity's errors, and the parallelized layer after its backward. Float64 cases compare absolute
+    differences; lower precisions (the GPU suite's) relative to the reference's largest magnitude."""
+    if case.device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # ranks may share a GPU (gloo)
     cfg, dims, ref, x, grad_out = build(case, world_size)
-    model = MoE(cfg).to(ref.router.gate.weight.dtype)
+    dtype = getattr(torch, case.compute_dtype or case.dtype)
+    err = functools.partial(_err, relative=dtype != torch.float64)
+
+    model = MoE(cfg).to(dtype=dtype, device=case.device)
     model.load_state_dict(ref.state_dict())
     full = {n: p.detach().clone() for n, p in ref.named_parameters()}
     R = world_size
@@ -160,15 +184,15 @@ def parity_errors(rank: int, world_size: int, case: Case) -> tuple[dict, MoE]:
 
     if case.compile:
         torch._dynamo.reset()  # each case compiles a new module; keep the cache to this one
-    parallelize_moe(model, dims, device_type="cpu", compile=case.compile)
+    parallelize_moe(model, dims, device_type=case.device, compile=case.compile)
     errs = {}
     for wp in plan_moe(cfg, dims):  # the plan's ownership is the real local slice on this rank
         local = model.get_parameter(wp.name).to_local()
         want = full[wp.name][owned_box(wp, dims, rank)]
         assert local.shape == want.shape, (wp.name, tuple(local.shape), tuple(want.shape))
-        errs[f"own:{wp.name}"] = _err(local, want)
+        errs[f"own:{wp.name}"] = err(local, want)
         ownership(wp, dims)
-    x_r = x[mine].clone().requires_grad_(True)
+    x_r = x[mine].to(dtype, copy=True).requires_grad_(True)
     replaying = contextlib.nullcontext()
     if case.replay:  # a rollout (eval, no grad: it counts nothing) records; each microbatch replays its forward
         model.eval()
@@ -186,17 +210,17 @@ def parity_errors(rank: int, world_size: int, case: Case) -> tuple[dict, MoE]:
             loss_r = loss_r + sum(model.losses())
             for name in ("aux_loss", "seq_aux_loss", "z_loss"):
                 if getattr(ref, name) is not None:
-                    errs[name] = _err(getattr(model, name).detach(), getattr(ref, name).detach())
+                    errs[name] = err(getattr(model, name).detach(), getattr(ref, name).detach())
             loss_r.backward()
 
-    errs["out"] = _err(y_r.detach(), outs[rank].detach())
+    errs["out"] = err(y_r.detach(), outs[rank].detach())
     n = case.microbatches
     # From the second microbatch on, every expert weight gradient is summed by the GEMMs themselves.
     # Compiled graphs leave accumulation to autograd (the in-GEMM sum reads .grad, which a graph cannot),
     # and so do FP8 weight gradients (a fresh GEMM output).
     in_gemm = 0 if case.compile or cfg.expert_precision == "fp8" else 2 * (n - 1)  # w13 and w2
     errs["accumulated_outside_gemm"] = float(n > 1 and fused.call_count != in_gemm)
-    errs["grad:x"] = _err(x_r.grad, x_ref.grad[mine] * R * n)
+    errs["grad:x"] = err(x_r.grad, x_ref.grad[mine] * R * n)
     # Each rank's gradient shard against its owned box of the reference gradient: the boxes tile every
     # weight (ownership above), and no full_tensor(): on expert weights sharded twice along E (EP, then
     # EDP) DTensor plans that gather by graph search, ~2 s a call on 8 ranks.
@@ -205,12 +229,12 @@ def parity_errors(rank: int, world_size: int, case: Case) -> tuple[dict, MoE]:
         assert type(p).__name__ == "DTensor", name
         assert p.grad.placements == p.placements, (name, p.grad.placements, p.placements)
         want = ref.get_parameter(name).grad[owned_box(planned[name], dims, rank)] * n
-        errs[f"grad:{name}"] = _err(p.grad.to_local(), want)
-    errs["tokens_per_expert"] = _err(model.global_tokens_per_expert(), ref.tokens_per_expert * n)
+        errs[f"grad:{name}"] = err(p.grad.to_local(), want)
+    errs["tokens_per_expert"] = err(model.global_tokens_per_expert(), ref.tokens_per_expert * n)
     if cfg.load_balance == "aux_free_bias":
         model.update_expert_bias()
         ref.update_expert_bias()
-        errs["expert_bias"] = _err(model.expert_bias, ref.expert_bias)
+        errs["expert_bias"] = err(model.expert_bias, ref.expert_bias)
     return errs, model
 
 

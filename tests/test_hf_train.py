@@ -46,14 +46,18 @@ def _train(model, tokens_BL, loss_fn):
     return losses
 
 
-def train_on_ranks(rank, world_size, ckpt, out, ep, etp, tokens_BL, probe_BL):
+def train_on_ranks(rank, world_size, ckpt, out, ep, etp, tokens_BL, probe_BL, device="cpu"):
+    """Each rank's part of the test (also benchmarks/gpu_suite.py's, with device "cuda": ranks may share the GPU)."""
     import torch.distributed as dist
 
     from dtensor_moe import MoE, MoEParallelDims
     from dtensor_moe.hf import moe_aux_loss, parallelize_hf_model, save_hf
 
-    model = _load(ckpt)
-    parallelize_hf_model(model, MoEParallelDims(world_size, ep=ep, etp=etp), device_type="cpu")
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    model = _load(ckpt).to(device)
+    tokens_BL, probe_BL = tokens_BL.to(device), probe_BL.to(device)
+    parallelize_hf_model(model, MoEParallelDims(world_size, ep=ep, etp=etp), device_type=device)
     swapped = sum(isinstance(m, MoE) for m in model.modules())
     n = tokens_BL.shape[0] // world_size
 
@@ -66,8 +70,8 @@ def train_on_ranks(rank, world_size, ckpt, out, ep, etp, tokens_BL, probe_BL):
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)
     with torch.no_grad():
         logits = model(input_ids=probe_BL).logits
-    saved = save_hf(model, out)
-    return dict(losses=torch.stack(losses), logits=logits, saved=saved, swapped=swapped)
+    saved = save_hf(model, out) if out is not None else None
+    return dict(losses=torch.stack(losses).cpu(), logits=logits.cpu(), saved=saved, swapped=swapped)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,342 @@
+"""The GPU suite: every way to use dtensor_moe run on the GPU, several ranks included, each against a
+one-process reference on the same GPU and inputs (outputs and every gradient, or every step's loss).
+
+    python benchmarks/gpu_suite.py                                  # the GPU machine: writes gpu_suite.json
+    python benchmarks/gpu_suite.py --only 'layer_ep2*' 'hf_*'       # some cases (fnmatch patterns)
+    python benchmarks/gpu_suite.py --device cpu --only layer_ep2_fp32 --out /tmp/s.json   # CPU smoke
+
+One GPU serves several ranks: they share it over gloo, which carries CUDA tensors through the host (NCCL
+refuses two ranks on one GPU); one-rank cases run over NCCL. Timings of shared-GPU runs mean nothing here,
+correctness does. What each case covers is its `covers` line; the groups:
+  layer_*  `parallelize_moe` over the parity draw's foldings (EP, ETP, EDP/FSDP2, HSDP, TP+SP, CP), fp32 and
+           bf16, FP8 experts and payload, compile, replicas, token rounding, routing replay, capacity padding,
+           in-GEMM gradient accumulation: tests/parity.py's check on the GPU (ownership of every slice, output,
+           input and every weight gradient, balance statistics), relative to the reference's largest value;
+  main_*   the main job (`dtensor-moe train`) on 4 ranks with `--parity` (the 1-process run's losses), PP,
+           bf16 + selective AC + FP8, compile, and a Hugging Face checkpoint trained, `export --hf` and loaded
+           by transformers' `from_pretrained`;
+  hf_*     Hugging Face models trained directly (`parallelize_hf_model`, the four families), EP2 over gloo and
+           one rank over NCCL, against transformers' own model trained in this process (tests/test_hf_train.py);
+  titan_*  the torchtitan hook (benchmarks/titan_torch211.py; its `titan_blocker` when it cannot run).
+Writes {"date", "torch", "device", "seconds", "cases": [{"name", "covers", "ranks", "backend", "passed",
+"max_rel_err", "tol", "seconds", "error"?}], "titan_blocker"} and prints a line per case.
+"""
+
+import argparse
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # tests/ (the references) and dtensor_moe from this checkout
+os.environ.setdefault("DTENSOR_MOE_TEST_TIMEOUT", "240")  # a hung case fails in minutes, not the harness's 10
+os.environ.setdefault("DTENSOR_MOE_TEST_ERROR_GRACE", "30")
+
+import torch  # noqa: E402
+
+from dtensor_moe.train.metrics import write_json  # noqa: E402
+
+# Relative to the reference's largest magnitude: fp32 differs only by summation order; bf16 by its 8 bits of
+# mantissa over a few GEMMs; FP8 by e4m3's 3 (the reference quantizes too, but other row blocks under EP).
+TOL = {"float32": 1e-4, "bfloat16": 3e-2, "fp8": 0.15}
+
+
+@dataclass(frozen=True)
+class SuiteCase:
+    name: str
+    covers: str
+    ranks: int
+    backend: str  # "gloo" (ranks share the GPU) or "nccl" (one rank a GPU)
+    run: object  # () -> {"max_rel_err", "tol", ...}
+
+
+# --- layer: tests/parity.py's check on the GPU -------------------------------------------------------------------
+
+
+def layer_cases(device: str) -> list[SuiteCase]:
+    from tests.parity import Case, moe_config
+
+    def layer(name, covers, world, tol_key, **case):
+        precision = dict(dtype="float32") if tol_key == "float32" else dict(dtype="float32", compute_dtype="bfloat16")
+        return SuiteCase(f"layer_{name}", covers, world, "gloo",
+                         lambda: _layer_parity(world, Case(device=device, **precision, **case), TOL[tol_key]))
+
+    def cfg(**kw):  # big enough for the CUDA GEMMs' tiles, small enough for seconds a case
+        return moe_config(**{"num_experts": 8, "top_k": 2, "dim": 64, "hidden_dim": 128, **kw})
+
+    seq = dict(batch_per_rank=(2, 3, 1, 2), seq_len=32)
+    two = dict(batch_per_rank=(2, 3), seq_len=32)
+    return [
+        layer("ep2_fp32", "EP2: all-to-all over gloo, host-read split sizes, grouped GEMMs on dispatched ragged counts",
+              2, "float32", ep=2, moe=cfg(num_shared_experts=1, load_balance="aux_loss"), **two),
+        layer("ep2_bf16", "EP2 in bf16 (the CUDA grouped GEMM), sigmoid routing, aux-free bias", 2, "bfloat16", ep=2,
+              moe=cfg(score_func="sigmoid", load_balance="aux_free_bias"), **two),
+        layer("etp2_bf16", "ETP2: expert hidden dim sharded, gather / reduce-scatter of rows", 2, "bfloat16", etp=2,
+              moe=cfg(), **two),
+        layer("ep2_etp2_bf16", "EP2 x ETP2 on 4 ranks, seq aux and z losses", 4, "bfloat16", ep=2, etp=2,
+              moe=cfg(load_balance="aux_loss", seq_aux_loss_coeff=0.3, z_loss_coeff=0.01), **seq),
+        layer("edp2_ep2_fp32", "EDP2 x EP2: experts FSDP2-sharded over EDP, two microbatches (gradients add into "
+              ".grad)", 4, "float32", ep=2, moe=cfg(), microbatches=2, **seq),
+        layer("hsdp2_ep2_bf16", "HSDP: dp_replicate 2 x EP2, shared expert", 4, "bfloat16", dp_replicate=2, ep=2,
+              moe=cfg(num_shared_experts=1), **seq),
+        layer("tp2_ep2_fp32", "dense TP2 (sequence-parallel input) x EP2", 4, "float32", tp=2, ep=2,
+              moe=cfg(load_balance="aux_loss", seq_aux_loss_coeff=0.3), batch_per_rank=(2, 3), seq_len=32),
+        layer("cp2_ep2_fp32", "CP2 (each rank part of every sequence) x EP2", 4, "float32", cp=2, ep=2,
+              moe=cfg(load_balance="aux_loss", seq_aux_loss_coeff=0.3), batch_per_rank=(2, 3), seq_len=32),
+        layer("ep4_fp8_experts", "FP8 experts (e4m3 rowwise GEMMs where the policy runs them) under EP4", 4, "fp8",
+              ep=4, moe=cfg(dim=128, hidden_dim=256, expert_precision="fp8"), **seq),
+        layer("ep4_fp8_payload", "FP8 dispatch payload (e4m3 rows + a scale per row through the all-to-all), EP4", 4,
+              "fp8", ep=4, moe=cfg(dim=128, hidden_dim=256, dispatch_precision="fp8"), **seq),
+        layer("ep2_compiled", "torch.compile (inductor, Triton on CUDA) of the EP2 layer, one fullgraph graph", 2,
+              "bfloat16", ep=2, compile=True, moe=cfg(), **two),
+        layer("ep2_replicas", "hot-expert replicas (expert_replicas 1) with every token on one expert, EP2", 2,
+              "bfloat16", ep=2, hot_expert=3, moe=cfg(expert_replicas=1), **two),
+        layer("ep2_token_rounding", "tile-aware token rounding (round_tokens_to 16), EP2", 2, "bfloat16", ep=2,
+              moe=cfg(round_tokens_to=16), **two),
+        layer("ep2_routing_replay", "routing replay: no-grad eval forwards record, the training forwards replay", 2,
+              "bfloat16", ep=2, replay=True, moe=cfg(), **two),
+        layer("ep2_capacity_padded", "capacity 1.0 padded to capacity (static splits, pair-wise all-to-all), EP2", 2,
+              "bfloat16", ep=2, moe=cfg(capacity_factor=1.0, pad_to_capacity=True), batch_per_rank=(2, 2),
+              seq_len=32),
+        layer("ep2_accumulate_wgrad", "EP2, D512 F1024, three microbatches: the weight-gradient kernels add into "
+              ".grad on dispatched counts", 2, "bfloat16", ep=2, microbatches=3,
+              moe=cfg(dim=512, hidden_dim=1024, num_shared_experts=1), **two),
+    ]
+
+
+def _layer_parity(world: int, case, tol: float) -> dict:
+    from tests.harness import run_on_ranks
+    from tests.parity import check_parity
+
+    per_rank = run_on_ranks(world, check_parity, case)
+    worst = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    key = max(worst, key=lambda k: worst[k])
+    return {"max_rel_err": worst[key], "worst": key, "tol": tol, "compared": len(worst)}
+
+
+# --- the main job ------------------------------------------------------------------------------------------------
+
+
+def _cli(args: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dtensor_moe.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
+def _checked(proc: subprocess.CompletedProcess) -> str:
+    if proc.returncode != 0:
+        raise RuntimeError(f"rc {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}")
+    warned = [line for line in (proc.stdout + proc.stderr).splitlines() if "Warning" in line]
+    if warned:
+        raise RuntimeError(f"the console printed warnings: {warned[:3]}")
+    return proc.stdout
+
+
+def _main_job(run_root: str, device: str, name: str, nproc: int, overrides: list[str], tol: float,
+              config: str = "configs/tiny_cpu.toml") -> dict:
+    run = os.path.join(run_root, name)
+    backend = "nccl" if device == "cuda" and nproc == 1 else "gloo"
+    _checked(_cli(["train", "--config", config, "--steps", "6", "--nproc", str(nproc), "--run-dir", run, "--parity",
+                   f"parallel.device={device}", f"parallel.backend={backend}", f"training.parity_tolerance={tol}",
+                   *overrides]))
+    report = json.load(open(os.path.join(run, "parity.json")))
+    return {"max_abs_dloss": report["max_abs_delta"], "max_rel_err": report["max_abs_delta"], "tol": tol}
+
+
+def main_cases(device: str, run_root: str) -> list[SuiteCase]:
+    def job(name, covers, nproc, overrides, tol=1e-4):
+        return SuiteCase(f"main_{name}", covers, nproc, "nccl" if device == "cuda" and nproc == 1 else "gloo",
+                         lambda: _main_job(run_root, device, name, nproc, overrides, tol))
+
+    return [
+        job("edp2_ep2_etp2_parity", "dtensor-moe train, 4 ranks EP2 x ETP2 (EDP1) --parity vs 1 process, float32", 4,
+            ["parallel.ep=2", "parallel.etp=2"]),
+        job("pp2_ep2_parity", "the main job with 2 pipeline stages (1f1b) x EP2 --parity", 4,
+            ["parallel.pp=2", "parallel.ep=2", "parallel.etp=1"]),
+        job("bf16_selective_ac_fp8_parity", "bf16 mixed precision, selective AC, FP8 experts and payload, EDP2 x EP2 "
+            "--parity", 4, ["parallel.ep=2", "parallel.etp=1", "training.dtype=bf16",
+                            "training.activation_checkpoint=selective", "model.expert_precision=fp8",
+                            "model.dispatch_precision=fp8", "model.dim=128", "model.moe_hidden_dim=256"], tol=5e-2),
+        job("compiled_ep2_parity", "training.compile (each block one graph) on 4 ranks EDP2 x EP2 --parity", 4,
+            ["parallel.ep=2", "parallel.etp=1", "training.compile=true"]),
+        job("1rank_nccl_bf16_compiled", "one rank over NCCL, bf16, compiled, --parity", 1,
+            ["parallel.ep=1", "parallel.etp=1", "training.dtype=bf16", "training.compile=true"], tol=5e-2),
+        SuiteCase("main_hf_checkpoint_export_from_pretrained",
+                  "[model] hf_path (a Qwen3-MoE checkpoint) on 4 ranks EDP2 x EP2 --parity, export --hf, transformers' "
+                  "from_pretrained logits vs the trained model's", 4, "gloo",
+                  lambda: _main_hf_export(run_root, device)),
+    ]
+
+
+def _main_hf_export(run_root: str, device: str) -> dict:
+    import torch.nn.functional as F
+
+    from dtensor_moe.train.config import ModelConfig
+    from dtensor_moe.train.data import Batches, load_tokens
+    from dtensor_moe.train.export import load_safetensors_into, read_config
+    from dtensor_moe.train.model import build_model
+    from tests.test_hf_train import _byte_level_qwen3, _load, _rel
+
+    root = os.path.join(run_root, "hf_export")
+    src, run = _byte_level_qwen3(os.path.join(root, "qwen3")), os.path.join(root, "run")
+    cfg = os.path.join(root, "hf.toml")
+    backend = "gloo"
+    with open(cfg, "w") as f:
+        f.write(f'[model]\nhf_path = "{src}"\nload_balance = "aux_loss"\n[parallel]\nnproc = 4\nep = 2\n'
+                f'device = "{device}"\nbackend = "{backend}"\n[training]\nsteps = 3\nseq_len = 16\nglobal_batch = 8\n')
+    _checked(_cli(["train", "--config", cfg, "--run-dir", run, "--parity", "--checkpoint-every", "3"]))
+    parity = json.load(open(os.path.join(run, "parity.json")))["max_abs_delta"]
+    _checked(_cli(["export", run, os.path.join(root, "plain")]))
+    _checked(_cli(["export", run, "--hf", os.path.join(root, "hf")]))
+    inputs_BL, targets_BL = (t.to(device) for t in Batches(load_tokens("corpus", 0), 16, 8, 0, 0, 1)(0))
+    trained = build_model(ModelConfig.from_dict(read_config(os.path.join(root, "plain"))))
+    load_safetensors_into(trained, os.path.join(root, "plain"))
+    with torch.no_grad():
+        want = trained.to(device)(inputs_BL)
+        got = _load(os.path.join(root, "hf")).to(device)(input_ids=inputs_BL).logits
+        first = F.cross_entropy(_load(src).to(device)(input_ids=inputs_BL).logits.flatten(0, 1), targets_BL.flatten())
+    step1 = json.loads(open(os.path.join(run, "metrics.jsonl")).readline())["loss"]
+    errs = {"logits": _rel(got, want), "parity_dloss": parity, "step1_loss_vs_transformers": abs(step1 - first.item())}
+    return {"max_rel_err": max(errs.values()), "errors": errs, "tol": 1e-4}
+
+
+# --- Hugging Face models trained directly --------------------------------------------------------------------------
+
+
+def hf_cases(device: str, run_root: str) -> list[SuiteCase]:
+    from tests.test_hf_train import FAMILIES
+
+    cases = []
+    for family in FAMILIES:
+        cases.append(SuiteCase(f"hf_{family}_ep2_gloo", f"parallelize_hf_model({family}) EP2 on 2 ranks sharing the "
+                               "GPU: 3 AdamW steps' losses and the trained logits vs transformers' own model", 2,
+                               "gloo", lambda f=family: _hf(run_root, device, f, 2)))
+        cases.append(SuiteCase(f"hf_{family}_1rank", f"parallelize_hf_model({family}) on one rank over "
+                               f"{'NCCL' if device == 'cuda' else 'gloo'}, saved by save_hf and loaded by "
+                               "from_pretrained", 1, "nccl" if device == "cuda" else "gloo",
+                               lambda f=family: _hf(run_root, device, f, 1)))
+    return cases
+
+
+def _hf(run_root: str, device: str, family: str, world: int) -> dict:
+    import torch.distributed as dist
+
+    from tests.harness import _free_port, run_on_ranks
+    from tests.hf_models import hf_model
+    from tests.test_hf_train import _batch, _load, _rel, _train, train_on_ranks
+
+    ckpt = os.path.join(run_root, "hf", family)
+    if not os.path.isdir(ckpt):
+        hf_model(family).float().save_pretrained(ckpt)
+    tokens_BL, probe_BL = _batch()
+    ref = _load(ckpt).to(device)
+    ref_losses = torch.stack(_train(ref, tokens_BL.to(device), lambda m, t: m(input_ids=t, labels=t).loss)).cpu()
+    with torch.no_grad():
+        ref_logits = ref(input_ids=probe_BL.to(device)).logits.cpu()
+    out = os.path.join(run_root, "hf_trained", f"{family}_{world}")
+    if world == 1:  # this process: a one-rank group on the GPU's own backend
+        if not dist.is_initialized():
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+            dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+        ours = train_on_ranks(0, 1, ckpt, out, 1, 1, tokens_BL, probe_BL, device)
+    else:
+        ours = run_on_ranks(world, train_on_ranks, ckpt, None, 2, 1, tokens_BL, probe_BL, device)[0]
+    errs = {"losses": _rel(ours["losses"], ref_losses), "logits": _rel(ours["logits"], ref_logits)}
+    if world == 1:
+        with torch.no_grad():
+            back = _load(out).to(device)(input_ids=probe_BL.to(device)).logits.cpu()
+        errs["from_pretrained_logits"] = _rel(back, ours["logits"])
+    return {"max_rel_err": max(errs.values()), "errors": errs, "tol": 1e-4}
+
+
+# --- the torchtitan hook -------------------------------------------------------------------------------------------
+
+
+def titan_cases(device: str, run_root: str) -> list[SuiteCase]:
+    def titan(nproc, backend):
+        return SuiteCase(f"titan_hook_{nproc}rank_{backend}", "torchtitan 0.3.0's Trainer with --module "
+                         f"dtensor_moe.titan on {nproc} rank(s) over {backend} (benchmarks/titan_torch211.py)", nproc,
+                         backend,
+                         lambda: _titan(run_root, nproc, backend))
+
+    return [titan(1, "nccl" if device == "cuda" else "gloo"), titan(2, "gloo")]
+
+
+def _titan(run_root: str, nproc: int, backend: str) -> dict:
+    out = os.path.join(run_root, f"titan_{nproc}_{backend}.json")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "titan_torch211.py"), "--nproc", str(nproc),
+                           "--backend", backend, "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if not os.path.exists(out):
+        raise RuntimeError(f"titan_torch211.py wrote no result (rc {proc.returncode}): {proc.stderr[-1500:]}")
+    case = json.load(open(out))
+    if not case.get("passed"):
+        raise RuntimeError(case.get("titan_blocker") or case.get("log_tail", "")[-1500:])
+    return {"max_rel_err": case.get("max_rel_err", 0.0), "tol": case.get("tol", 0.0), "losses": case.get("losses")}
+
+
+# --- the run -------------------------------------------------------------------------------------------------------
+
+
+def run_case(case: SuiteCase) -> dict:
+    t0 = time.perf_counter()
+    row = {"name": case.name, "covers": case.covers, "ranks": case.ranks, "backend": case.backend}
+    try:
+        result = case.run()
+        row.update(result, passed=bool(result["max_rel_err"] <= result["tol"]))
+    except Exception as e:  # a case's failure is its row; the suite goes on
+        row.update(passed=False, error=f"{type(e).__name__}: {e}"[-2000:])
+        traceback.print_exc()
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--only", nargs="+", default=["*"], help="fnmatch patterns of case names")
+    ap.add_argument("--budget-s", type=float, default=540, help="start no case after this many seconds")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu_suite.json"))
+    ap.add_argument("--run-root", default=None, help="the cases' run directories (default: a temporary one)")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_suite.py: no CUDA device here; --device cpu runs the CPU smoke")
+    run_root = args.run_root or tempfile.mkdtemp(prefix="gpu_suite_")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # its load and save bars, a few per case
+    cases = [c for c in (*layer_cases(args.device), *main_cases(args.device, run_root),
+                         *hf_cases(args.device, run_root), *titan_cases(args.device, run_root))
+             if any(fnmatch.fnmatch(c.name, p) for p in args.only)]
+    start, rows = time.perf_counter(), []
+    for i, case in enumerate(cases):
+        if time.perf_counter() - start > args.budget_s:
+            rows.append({"name": case.name, "covers": case.covers, "ranks": case.ranks, "backend": case.backend,
+                         "passed": False, "error": "not run: the suite's time budget was spent"})
+        else:
+            rows.append(run_case(case))
+        r = rows[-1]
+        err = f"{r['max_rel_err']:.1e} (tol {r['tol']:g})" if "max_rel_err" in r else r.get("error", "")[:160]
+        print(f"[{i + 1:2d}/{len(cases)}] {'ok  ' if r['passed'] else 'FAIL'} {r['name']:44s} "
+              f"{r.get('seconds', 0):6.1f} s  {err}", flush=True)
+    titan = [r for r in rows if r["name"].startswith("titan_")]
+    blocker = next((r["error"] for r in titan if not r["passed"]), None) if titan else "not run"
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
+              "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+              "seconds": round(time.perf_counter() - start, 1), "titan_blocker": blocker, "cases": rows}
+    from tests.harness import close_all
+
+    close_all()
+    write_json(args.out, report)
+    passed = sum(r["passed"] for r in rows)
+    print(f"gpu suite: {passed}/{len(rows)} passed in {report['seconds']:.0f} s -> {args.out}")
+    return 0 if passed == len(rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
