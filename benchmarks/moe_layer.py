@@ -27,6 +27,19 @@ fp32 reference, and one profiled step per layer (where the time goes). Baseline 
 `titan_anchor.py` lines in --titan-log (run_gpu.sh runs it on the same machine first), matched by shape and routing.
 `--gemm-timing` adds the local rows' fwd / dgrad / wgrad TFLOP/s of the three grouped GEMMs alone at the row's
 routed counts (expert_gemms.py's measurement, CUDA events; on CPU one untimed-quality run).
+
+EP-rank proxies (`--shapes proxies`, or by name: deepseek_ep8, deepseek_ep32, qwen_ep8, e64_ep8; `--meshes local`
+only). The model shapes put all E experts on one GPU: 256 DeepSeek-like experts get T*K/E = 256 rows each, far
+fewer than one EP rank's. A proxy is what one rank of EP N runs, on one GPU: its E/N local experts, the same K and
+tokens per rank, so each expert gets the T*K*N/E rows EP gives it (every rank's tokens reach them) and the rank
+runs T*K rows, the FLOPs of its model shape. Not in it: the all-to-all, and each token's spread over the ranks (a
+token sends each rank its 0..K choices there; here it sends all K to the one rank). K must stay <= E/N: at
+deepseek_ep32 K = E = 8, every token goes to every local expert (equal counts in every routing mode; only the
+order of a token's choices, and so which weight goes with which, differs). Mixtral-like at EP 8 has one expert a
+rank and K = 2 cannot be kept: its proxy would be one dense SwiGLU MLP over 16384 rows with nothing routed, which
+measures a plain GEMM and neither side's MoE path, so it has none. torchtitan's baseline for a proxy is
+titan_anchor.py at the proxy's own D F E K T on one GPU (run_routing.sh with SHAPES=proxies runs both); its rows
+carry `ep_proxy` (the N) and `proxy_of` (the model shape).
 """
 
 import argparse
@@ -62,9 +75,29 @@ SHAPES = {  # name: (D, F, E, K, tokens per rank)
     "e64": (4096, 1536, 64, 6, 16384),
     "tiny": (64, 32, 8, 2, 64),
 }
+EP_PROXIES = {  # name: (model shape, EP): that shape's experts on one rank of EP N (the docstring's proxies)
+    "deepseek_ep8": ("deepseek", 8),  # 32 experts, 2048 rows each
+    "deepseek_ep32": ("deepseek", 32),  # 8 experts, K = E: 8192 rows each
+    "qwen_ep8": ("qwen", 8),  # 16 experts, 8192 rows each
+    "e64_ep8": ("e64", 8),  # 8 experts, 12288 rows each
+    "tiny_ep4": ("tiny", 4),  # the CPU smoke test's: 2 experts, K = E
+}
+SHAPE_SETS = {"proxies": [n for n, (of, _) in EP_PROXIES.items() if of != "tiny"]}  # --shapes names for several
+
+
+def ep_proxy_shape(of: str, ep: int) -> tuple:
+    """(D, F, E/ep, K, T): one EP rank's local experts of shape `of`, its tokens per rank and K."""
+    D, F, E, K, T = SHAPES[of]
+    if E % ep or not K <= E // ep:
+        raise ValueError(f"an EP proxy of {of!r} needs EP dividing E={E} with top-k K={K} <= E/EP, got EP={ep}")
+    return D, F, E // ep, K, T
+
+
+SHAPES.update({name: ep_proxy_shape(of, ep) for name, (of, ep) in EP_PROXIES.items()})
 MESHES = {"ep2": dict(ep=2), "local": None, "etp2": dict(etp=2), "edp2": {}}  # local: one GPU, no parallelism
-TARGET_RATIO = {"deepseek": 1.3, "qwen": 1.3, "mixtral": 1.0, "e64": 1.0}
-TARGET_PEAK_FRACTION = {"deepseek": 0.5}
+TARGET_RATIO = {"deepseek": 1.3, "qwen": 1.3, "mixtral": 1.0, "e64": 1.0,  # model shapes: on the ep2 rows
+                "deepseek_ep8": 1.4, "deepseek_ep32": 1.4, "qwen_ep8": 1.8}  # EP proxies: on their local rows
+TARGET_PEAK_FRACTION = {"deepseek": 0.5, "deepseek_ep8": 0.8, "deepseek_ep32": 0.8, "qwen_ep8": 0.7}
 NUMERICS_TOL = {"bf16": 3e-2, "fp8": 0.2}  # max |path - fp32 reference| / max |reference|; fp8: e4m3 rowwise
 TITAN_LINE = re.compile(  # lines without a routing (before the modes) routed by top-k
     r"titan0\.3\.0 EP=(\d+) D=(\d+) F=(\d+) E=(\d+) K=(\d+) T/rank=(\d+)(?: routing=(\w+)(?: zipf=([\d.]+))?)?: "
@@ -323,11 +356,14 @@ def bench_layer(name, mesh, mode, args, dev, world, rank, dtype, peak, precision
         moe(x).float().sum().backward()
 
     flops = 18 * D * F * T * K
-    out = {"shape": name, "mesh": mesh, "routing": mode, "zipf": routing.zipf_of(mode, args.zipf),
+    proxy_of, ep_proxy = EP_PROXIES.get(name, (None, None))
+    out = {"shape": name, "ep_proxy": ep_proxy, "proxy_of": proxy_of, "mesh": mesh, "routing": mode,
+           "zipf": routing.zipf_of(mode, args.zipf),
            "precision": precision, "dispatch_precision": args.dispatch_precision,
            "round_tokens_to": args.round_tokens_to, "kept_pairs": (routed_TK < E).sum().item() / experts_TK.numel(),
            "D": D, "F": F, "E": E, "K": K, "T": T, "numerics": numerics,
            **routing.load_stats(routed_TK[routed_TK < E], E, all_ranks=not local)}
+    out["bars"] = bars(out)
     progress(rank, *what, "timing")
 
     # One microbatch of a training step: fresh gradients (the GEMMs' outputs become .grad), FSDP's reductions.
@@ -445,19 +481,30 @@ def attach_baseline(row, titan):
     row["ratio"] = base[0] / row["ms"] if base else None  # both count 18*D*F*T*K; its TFLOP/s are rounded
 
 
+BAR_NAMES = {"ratio": "/ titan", "pct_dense_peak": "% dense peak"}
+
+
+def bars(row) -> dict:
+    """The issue's bars for the row's layer ({"ratio": over torchtitan, "pct_dense_peak": %}): a model shape's on the
+    EP=2 layer (the baseline's own setting), an EP proxy's on its one-GPU layer (what it stands for: one EP rank;
+    torchtitan's there too); none on other meshes."""
+    if row["mesh"] != ("local" if row["ep_proxy"] else "ep2"):
+        return {}
+    fraction = TARGET_PEAK_FRACTION.get(row["shape"])
+    wants = {"ratio": TARGET_RATIO.get(row["shape"]), "pct_dense_peak": fraction and 100 * fraction}
+    return {field: want for field, want in wants.items() if want is not None}
+
+
 def targets(rows) -> list[dict]:
-    """The issue's bars, judged on the EP=2 layer (the baseline's own setting) with top-k routing (the bars')."""
+    """The bars judged on top-k routing (the bars'); the numerics' tolerances; FP8 against its bf16 twin."""
     out = []
     for r in rows:
-        if r["mesh"] != "ep2" or r["routing"] != "topk":
+        if r["routing"] != "topk":
             continue
-        if r["shape"] in TARGET_RATIO and r["ratio"] is not None:
-            want = TARGET_RATIO[r["shape"]]
-            out.append({"what": f"{r['shape']} ep2 / titan", "want": want, "got": r["ratio"], "ok": r["ratio"] >= want})
-        if r["shape"] in TARGET_PEAK_FRACTION:
-            want = 100 * TARGET_PEAK_FRACTION[r["shape"]]
-            out.append({"what": f"{r['shape']} ep2 % dense peak", "want": want, "got": r["pct_dense_peak"],
-                        "ok": r["pct_dense_peak"] >= want})
+        for field, want in r["bars"].items():
+            if r[field] is not None:
+                out.append({"what": f"{r['shape']} {r['mesh']} {BAR_NAMES[field]}", "want": want, "got": r[field],
+                            "ok": r[field] >= want})
     for p in NUMERICS_TOL:  # "fp8": e4m3 anywhere, in the expert GEMMs or the dispatch payload
         errs = [max(r["numerics"].values()) for r in rows
                 if ("fp8" if "fp8" in (r["precision"], r.get("dispatch_precision")) else "bf16") == p]
@@ -481,6 +528,7 @@ def row_cells(r) -> tuple:
     rows = f"{r['rows_mean']:.0f}/{r['rows_max']} ({r['rows_max_over_mean']:.2f}x)"
     return (
         r["shape"],
+        f"EP{r['ep_proxy']} rank" if r["ep_proxy"] else "-",
         r["mesh"],
         routing.label(r["routing"], r["zipf"]),
         rows,
@@ -508,6 +556,7 @@ def row_cells(r) -> tuple:
 
 HEAD = (
     "shape",
+    "EP proxy",
     "mesh",
     "routing",
     "rows/expert mean/max",
@@ -553,10 +602,16 @@ def print_table(res):
                 print(f"  {k['ms']:8.2f} ms  x{k['count']:<4d} {k['name']}")
 
 
+def shape_names(names) -> list[str]:
+    """--shapes with its sets expanded, each shape once, in order."""
+    return list(dict.fromkeys(n for name in names for n in SHAPE_SETS.get(name, [name])))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    ap.add_argument("--shapes", nargs="+", default=["deepseek", "qwen", "mixtral", "e64"], choices=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=["deepseek", "qwen", "mixtral", "e64"],
+                    choices=[*SHAPES, *SHAPE_SETS], help=f"shapes, or sets of them: {SHAPE_SETS}")
     ap.add_argument("--meshes", nargs="+", default=list(MESHES), choices=list(MESHES))
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -581,6 +636,11 @@ def main():
                              help="time the per-GEMM columns (local rows) at each row's routed counts")
     ap.add_argument("--out", required=True, help="JSON results (written by rank 0)")
     args = ap.parse_args()
+    args.shapes = shape_names(args.shapes)
+    proxies = [n for n in args.shapes if n in EP_PROXIES]
+    if proxies and args.meshes != ["local"]:
+        raise ValueError(f"--shapes {proxies} are EP-rank proxies (one rank's experts on one GPU) and run only with "
+                         f"--meshes local, got --meshes {args.meshes}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda needs a GPU; use --device cpu (gloo) for a smoke test")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")

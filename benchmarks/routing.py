@@ -11,6 +11,8 @@ the same experts, and their ratio is on the same per-expert counts.
           each token draws K distinct experts from it without replacement (seeded by the rank).
 
 Every mode's routing weights are the softmax of the same random logits at the chosen experts (topk: its top K).
+Where K == E (moe_layer.py's EP-rank proxy deepseek_ep32; E == 1 alike) every mode sends every token to every
+expert, T rows each: the modes then differ only in the order of a token's choices, which weight goes with which row.
 """
 
 import argparse

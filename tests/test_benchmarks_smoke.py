@@ -70,19 +70,24 @@ def test_moe_layer_smoke(tmp_path):
     assert max(round_row["numerics"].values()) < 3e-2, round_row["numerics"]
 
 
-@pytest.mark.parametrize("T, E, K", [(64, 8, 2), (96, 64, 6), (10, 7, 3)])  # E64's K=6: tokens straddle permutations
+# E64's K=6: tokens straddle permutations; K = E (the deepseek_ep32 proxy) and E = 1: every token to every expert.
+@pytest.mark.parametrize("T, E, K", [(64, 8, 2), (96, 64, 6), (10, 7, 3), (64, 8, 8), (10, 1, 1)])
 def test_routing_modes(T, E, K):
     exact = routing.expert_choices_TK("exact", T, E, K, seed=0)
     counts_E = torch.bincount(exact.flatten(), minlength=E)
     assert counts_E.max() == -(-T * K // E) and counts_E.min() == T * K // E
     skewed = routing.expert_choices_TK("skewed", T, E, K, seed=0, zipf=1.2)
     assert torch.equal(skewed, routing.expert_choices_TK("skewed", T, E, K, seed=0, zipf=1.2))
-    assert not torch.equal(skewed, routing.expert_choices_TK("skewed", T, E, K, seed=1, zipf=1.2))
+    if E > 1:  # with one expert there is one draw
+        assert not torch.equal(skewed, routing.expert_choices_TK("skewed", T, E, K, seed=1, zipf=1.2))
     with torch.device("meta"):  # a default device does not move the draws (the numerics check runs under cuda's)
         assert torch.equal(skewed, routing.expert_choices_TK("skewed", T, E, K, seed=0, zipf=1.2))
         assert torch.equal(exact, routing.expert_choices_TK("exact", T, E, K, seed=0))
-    hottest = routing.popularity_E(E, 1.2).argmax()
-    assert torch.bincount(skewed.flatten(), minlength=E).argmax() == hottest
+    skewed_E = torch.bincount(skewed.flatten(), minlength=E)
+    if K < E:
+        assert skewed_E.argmax() == routing.popularity_E(E, 1.2).argmax()
+    else:  # no choice left to skew
+        assert (skewed_E == T).all()
     for mode in routing.MODES:
         _, weights_TK, experts_TK = routing.routed_inputs(0, T, 4, E, K, "cpu", torch.bfloat16, mode)
         assert experts_TK.shape == weights_TK.shape == (T, K)
@@ -126,6 +131,41 @@ def test_routing_smoke(tmp_path):
             assert r["ratio"] is None and all(r[f"{g}_tflops"] > 0 for g in ("fwd", "dgrad", "wgrad"))
     assert rows[("ep2", "exact")]["rows_max_over_mean"] == 1.0
     assert rows[("ep2", "skewed")]["rows_max_over_mean"] > rows[("ep2", "topk")]["rows_max_over_mean"]
+
+
+def test_ep_proxy_smoke(tmp_path):
+    """An EP-rank proxy at tiny size (tiny_ep4: tiny's 8 experts over EP 4, 2 a rank, K = E = 2) and torchtitan's
+    anchor at its D F E K T, as run_routing.sh runs them with SHAPES=proxies: the same rows per expert (T*K*EP/E)
+    on both sides, the row named as a proxy, in every routing mode."""
+    from benchmarks import moe_layer
+
+    assert moe_layer.SHAPES["tiny_ep4"] == (64, 32, 2, 2, 64)
+    assert moe_layer.SHAPES["deepseek_ep8"] == (7168, 2048, 32, 8, 8192)  # 2048 rows an expert
+    assert moe_layer.shape_names(["proxies"]) == ["deepseek_ep8", "deepseek_ep32", "qwen_ep8", "e64_ep8"]
+    modes = ["--routing", *routing.MODES, "--zipf", "1.2"]
+    anchor = ("path", str(ROOT / "benchmarks" / "titan_anchor.py"))
+    ((code, printed),) = run_on_ranks(1, _stdout_of_torchrun_rank, anchor, ["64", "32", "2", "2", "64", "1", *modes],
+                                      dict(os.environ), _free_port())
+    assert code == 0
+    titan = tmp_path / "titan.log"
+    titan.write_text(printed)
+    out = tmp_path / "moe_layer.json"
+    torchrun("moe_layer.py", "--device", "cpu", "--shapes", "tiny_ep4", "--meshes", "local", "--iters", "1",
+             "--warmup", "0", "--profile-meshes", *modes, "--titan-log", str(titan), "--out", str(out), nproc=1)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["routing"] for r in rows] == list(routing.MODES)
+    for r in rows:
+        assert (r["shape"], r["ep_proxy"], r["proxy_of"], r["E"], r["K"]) == ("tiny_ep4", 4, "tiny", 2, 2)
+        assert r["rows_mean"] == r["rows_max"] == 64 * 2 * 4 / 8  # every token to both local experts
+        assert re.search(rf"T/rank=64 {routing.describe(r['routing'], 1.2)}: .* rows/expert mean 64 max 64 ", printed)
+        assert r["ratio"] == r["titan_ms"] / r["ms"] and r["bars"] == {}
+    # The bars of a proxy are judged on its one-GPU layer, a model shape's on EP=2 only.
+    proxy = {**rows[0], "shape": "deepseek_ep8", "ratio": 1.5, "pct_dense_peak": 79.0}
+    proxy["bars"] = moe_layer.bars(proxy)
+    assert proxy["bars"] == {"ratio": 1.4, "pct_dense_peak": 80.0}
+    assert [(t["what"], t["ok"]) for t in moe_layer.targets([proxy])[:2]] == [
+        ("deepseek_ep8 local / titan", True), ("deepseek_ep8 local % dense peak", False)]
+    assert moe_layer.bars({**rows[0], "shape": "deepseek", "ep_proxy": None}) == {}
 
 
 def test_memory_smoke(tmp_path):
