@@ -55,6 +55,9 @@ class SuiteCase:
     ranks: int
     backend: str  # "gloo" (ranks share the GPU) or "nccl" (one rank a GPU)
     run: object  # () -> {"max_rel_err", "tol", ...}
+    # Runs in a process of its own (this script with --case): it uses the GPU in the calling process, where a
+    # CUDA error would leave every later case a broken context.
+    isolated: bool = False
 
 
 # --- layer: tests/parity.py's check on the GPU -------------------------------------------------------------------
@@ -170,7 +173,7 @@ def main_cases(device: str, run_root: str) -> list[SuiteCase]:
         SuiteCase("main_hf_checkpoint_export_from_pretrained",
                   "[model] hf_path (a Qwen3-MoE checkpoint) on 4 ranks EDP2 x EP2 --parity, export --hf, transformers' "
                   "from_pretrained logits vs the trained model's", 4, "gloo",
-                  lambda: _main_hf_export(run_root, device)),
+                  lambda: _main_hf_export(run_root, device), isolated=True),
     ]
 
 
@@ -216,11 +219,11 @@ def hf_cases(device: str, run_root: str) -> list[SuiteCase]:
     for family in FAMILIES:
         cases.append(SuiteCase(f"hf_{family}_ep2_gloo", f"parallelize_hf_model({family}) EP2 on 2 ranks sharing the "
                                "GPU: 3 AdamW steps' losses and the trained logits vs transformers' own model", 2,
-                               "gloo", lambda f=family: _hf(run_root, device, f, 2)))
+                               "gloo", lambda f=family: _hf(run_root, device, f, 2), isolated=True))
         cases.append(SuiteCase(f"hf_{family}_1rank", f"parallelize_hf_model({family}) on one rank over "
                                f"{'NCCL' if device == 'cuda' else 'gloo'}, saved by save_hf and loaded by "
                                "from_pretrained", 1, "nccl" if device == "cuda" else "gloo",
-                               lambda f=family: _hf(run_root, device, f, 1)))
+                               lambda f=family: _hf(run_root, device, f, 1), isolated=True))
     return cases
 
 
@@ -283,17 +286,33 @@ def _titan(run_root: str, nproc: int, backend: str) -> dict:
 # --- the run -------------------------------------------------------------------------------------------------------
 
 
-def run_case(case: SuiteCase) -> dict:
+def run_case(case: SuiteCase, args) -> dict:
     t0 = time.perf_counter()
     row = {"name": case.name, "covers": case.covers, "ranks": case.ranks, "backend": case.backend}
     try:
-        result = case.run()
+        result = _in_child(case, args) if case.isolated and args.case is None else case.run()
         row.update(result, passed=bool(result["max_rel_err"] <= result["tol"]))
     except Exception as e:  # a case's failure is its row; the suite goes on
         row.update(passed=False, error=f"{type(e).__name__}: {e}"[-2000:])
         traceback.print_exc()
     row["seconds"] = round(time.perf_counter() - t0, 1)
     return row
+
+
+def _in_child(case: SuiteCase, args) -> dict:
+    """`case` run by this script in a new process (--case); its result, or its failure raised here."""
+    out = os.path.join(args.run_root, f"{case.name}.json")
+    # Synchronous launches: a CUDA error's traceback names the kernel's caller, not a later call.
+    env = {**os.environ, "CUDA_LAUNCH_BLOCKING": "1"}
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--device", args.device, "--case", case.name,
+                           "--run-root", args.run_root, "--out", out], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+    if not os.path.exists(out):
+        raise RuntimeError(f"the case's process wrote no result (rc {proc.returncode}): {proc.stderr[-1500:]}")
+    row = json.load(open(out))
+    if "error" in row:
+        raise RuntimeError(row["error"] + "\n" + proc.stderr[-1500:])
+    return {k: v for k, v in row.items() if k not in ("name", "covers", "ranks", "backend", "passed", "seconds")}
 
 
 def main() -> int:
@@ -303,23 +322,29 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=540, help="start no case after this many seconds")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu_suite.json"))
     ap.add_argument("--run-root", default=None, help="the cases' run directories (default: a temporary one)")
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # one isolated case, its row written to --out
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_suite.py: no CUDA device here; --device cpu runs the CPU smoke")
-    run_root = args.run_root or tempfile.mkdtemp(prefix="gpu_suite_")
+    if args.device == "cuda":  # workers forked from the harness's forkserver cannot initialize CUDA
+        os.environ.setdefault("DTENSOR_MOE_TEST_START_METHOD", "spawn")
+    run_root = args.run_root = args.run_root or tempfile.mkdtemp(prefix="gpu_suite_")
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # its load and save bars, a few per case
     cases = [c for c in (*layer_cases(args.device), *main_cases(args.device, run_root),
                          *hf_cases(args.device, run_root), *titan_cases(args.device, run_root))
-             if any(fnmatch.fnmatch(c.name, p) for p in args.only)]
+             if any(fnmatch.fnmatch(c.name, p) for p in ([args.case] if args.case else args.only))]
+    if args.case:
+        write_json(args.out, run_case(cases[0], args))
+        return 0
     start, rows = time.perf_counter(), []
     for i, case in enumerate(cases):
         if time.perf_counter() - start > args.budget_s:
             rows.append({"name": case.name, "covers": case.covers, "ranks": case.ranks, "backend": case.backend,
                          "passed": False, "error": "not run: the suite's time budget was spent"})
         else:
-            rows.append(run_case(case))
+            rows.append(run_case(case, args))
         r = rows[-1]
         err = f"{r['max_rel_err']:.1e} (tol {r['tol']:g})" if "max_rel_err" in r else r.get("error", "")[:160]
         print(f"[{i + 1:2d}/{len(cases)}] {'ok  ' if r['passed'] else 'FAIL'} {r['name']:44s} "
