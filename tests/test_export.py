@@ -173,3 +173,40 @@ def test_safetensors_into_a_model_whose_config_keeps_the_shapes(one_process_expo
         ValueError, match=r"model config differs: n_heads: saved 2 vs model 4, top_k: saved 2 vs model 1"
     ):
         export.load_safetensors_into(model, weights)
+
+
+# --- export --hf of a main-job checkpoint -----------------------------------------------------
+
+QWEN3_CFG = ModelConfig(**{**CFG.__dict__, "num_shared_experts": 0, "load_balance": "aux_loss"})  # qwen3_moe's MoE
+
+
+def _train_and_save_qwen3(rank, world, root):
+    model, opt, sched = build(world, {"ep": 2}, seed=0, cfg=QWEN3_CFG)
+    train(model, opt, sched, range(2), rank, world)
+    save(root, 2, model, opt)
+    state = {k: _full(v) for k, v in get_model_state_dict(model).items()}
+    return state if rank == 0 else None
+
+
+def test_export_hf_of_a_main_job_checkpoint_round_trips(tmp_path):
+    """export --hf --model-type qwen3_moe of a checkpoint the main job saved on 2 ranks (EP2; its files hold the
+    experts' gate and up as torchtitan's w1 / w3), then import --hf of what it wrote: every MoE tensor of the
+    trained model again, bit for bit; the Hugging Face file's gate_proj / up_proj / down_proj are w13's halves and
+    w2 expert by expert."""
+    want = run_on_ranks(2, _train_and_save_qwen3, str(tmp_path / "run"))[0]
+    assert cli.main(["export", str(tmp_path / "run"), "--hf", str(tmp_path / "hf"), "--model-type", "qwen3_moe"]) == 0
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    E = QWEN3_CFG.num_experts
+    for i in range(QWEN3_CFG.n_layers):
+        w13, w2 = want[f"layers.{i}.moe.experts.w13"], want[f"layers.{i}.moe.experts.w2"]
+        assert torch.equal(hf[f"model.layers.{i}.mlp.gate.weight"], want[f"layers.{i}.moe.router.gate.weight"])
+        for e in range(E):
+            for name, w in (("gate", w13[e, 0]), ("up", w13[e, 1]), ("down", w2[e])):
+                assert torch.equal(hf[f"model.layers.{i}.mlp.experts.{e}.{name}_proj.weight"], w), (i, e, name)
+    assert len(hf) == QWEN3_CFG.n_layers * (1 + 3 * E)
+    assert cli.main(["import", "--hf", str(tmp_path / "hf"), str(tmp_path / "ours")]) == 0
+    ours = load_file(tmp_path / "ours" / "model.safetensors")
+    moe = {k: v for k, v in want.items() if ".moe." in k}
+    assert ours.keys() == moe.keys()
+    for k, v in ours.items():
+        assert torch.equal(v, moe[k]), k

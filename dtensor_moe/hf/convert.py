@@ -73,10 +73,13 @@ def read_hf_moe(reader, fam: Family, prefix: str, shapes: dict[str, tuple], boxe
     }
 
 
-def moe_shapes(config) -> dict[str, tuple]:
-    """The global shape of every tensor of an `MoE` with `config`, allocating nothing."""
+def moe_shapes(config, halves: bool = False) -> dict[str, tuple]:
+    """The global shape of every tensor of an `MoE` with `config`, allocating nothing; `halves`: the experts'
+    w13 / b13 as torchtitan's w1 and w3 / b1 and b3 (experts.split_gate_up), as the main job's checkpoints and
+    exports hold them."""
     with torch.device("meta"):
-        return {n: tuple(t.shape) for n, t in _tensors(MoE(config)).items()}
+        tensors = _tensors(MoE(config))
+        return {n: tuple(t.shape) for n, t in (split_gate_up(tensors) if halves else tensors).items()}
 
 
 @torch.no_grad()
@@ -109,6 +112,7 @@ def _their_tensors(state: dict[str, torch.Tensor], fam: Family, layout, prefix: 
 
 
 def to_hf(state: dict[str, torch.Tensor], fam: Family, prefix: str) -> dict[str, torch.Tensor]:
-    """Full tensors of one layer under our names (an unparallelized MoE's state dict) -> the keys and
-    layout save_pretrained writes for `fam` (per-expert where the family has one, gpt-oss fused)."""
+    """Full tensors of one layer under our names (an unparallelized MoE's state dict; gate and up as w13 / b13
+    or as their halves w1 and w3 / b1 and b3) -> the keys and layout save_pretrained writes for `fam`
+    (per-expert where the family has one, gpt-oss fused)."""
     return _their_tensors(state, fam, PerExpert(prefix, *fam.per_expert) if fam.per_expert else GptOss(prefix), prefix)

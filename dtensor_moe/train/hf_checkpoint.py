@@ -25,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dtensor_moe.config import MoEConfig
+from dtensor_moe.experts import gate_up_whole
 from dtensor_moe.hf.convert import check_tensors, layer_prefix, moe_shapes, read_hf_moe, to_hf
 from dtensor_moe.hf.families import FAMILIES, family, getter, hf_fields, moe_config_from_hf
 from dtensor_moe.hf.model import checked_output_dir, hf_state_dict, write_hf_dir
@@ -109,11 +110,13 @@ def export_hf(src, out_dir, model_type: str | None = None, force: bool = False) 
     model_type, config, layers, num_hidden_layers = _source(src, model_type)
     fam = family(model_type)
     fields = hf_fields(fam, config, layers, num_hidden_layers)
-    shapes = moe_shapes(config)
     out = {}
     with safe_open(src / WEIGHTS, framework="pt") as f:
-        check_tensors({k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if re.match(r"layers\.\d+\.moe\.", k)},
-                      {f"layers.{i}.moe.{n}": s for i in layers for n, s in shapes.items()},
+        have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if re.match(r"layers\.\d+\.moe\.", k)}
+        # The main job's export holds the experts' gate and up as its checkpoints do, torchtitan's w1 / w3 (b1 / b3);
+        # import --hf writes our w13 (b13). Each is checked in its own layout; to_hf takes either.
+        shapes = moe_shapes(config, halves=any(gate_up_whole(k) for k in have))
+        check_tensors(have, {f"layers.{i}.moe.{n}": s for i in layers for n, s in shapes.items()},
                       f"{src / WEIGHTS} does not hold the {model_type} MoE layers {layers} its {CONFIG} describes")
         for i in layers:
             state = {n: f.get_tensor(f"layers.{i}.moe.{n}") for n in shapes}
