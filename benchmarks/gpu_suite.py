@@ -328,6 +328,8 @@ def main() -> int:
         raise SystemExit("gpu_suite.py: no CUDA device here; --device cpu runs the CPU smoke")
     if args.device == "cuda":  # workers forked from the harness's forkserver cannot initialize CUDA
         os.environ.setdefault("DTENSOR_MOE_TEST_START_METHOD", "spawn")
+        # CUDA's own threads in each worker are no leaked process group: keep the pools (a spawned pool costs ~13 s)
+        os.environ.setdefault("DTENSOR_MOE_TEST_RECYCLE_THREADS", "1000")
     run_root = args.run_root = args.run_root or tempfile.mkdtemp(prefix="gpu_suite_")
     import transformers
 
