@@ -164,6 +164,16 @@ def test_parallel_dims_types(args, kwargs, message):
         (ParallelConfig, dict(ep=2.0), "parallel.ep must be an int >= 1, got 2.0"),
         (ParallelConfig, dict(nproc=0), "parallel.nproc must be >= 1, got 0"),
         (ParallelConfig, dict(device="tpu"), "parallel.device must be one of ['cpu', 'cuda'], got 'tpu'"),
+        (ParallelConfig, dict(backend="mpi"), "parallel.backend must be one of ['auto', 'nccl', 'gloo'], got 'mpi'"),
+        (ParallelConfig, dict(backend=None), "parallel.backend must be one of ['auto', 'nccl', 'gloo'], got None "
+                                             "(NoneType)"),
+        (
+            ParallelConfig,
+            dict(backend="nccl"),
+            "parallel.backend = 'nccl' needs parallel.device = 'cuda' (NCCL runs on GPUs only), got parallel.device "
+            "= 'cpu'; valid: parallel.backend = 'auto' or 'gloo' with parallel.device = 'cpu', or parallel.device = "
+            "'cuda'",
+        ),
         (TrainingConfig, dict(steps="ten"), "training.steps must be an int >= 1, got 'ten' (str)"),
         (TrainingConfig, dict(steps=-5), "training.steps must be >= 1, got -5"),
         (TrainingConfig, dict(global_batch=0), "training.global_batch must be >= 1, got 0"),
@@ -192,6 +202,21 @@ def test_training_config_types_and_ranges(cls, kwargs, message):
     with pytest.raises(ValueError) as err:
         cls(**kwargs)
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("device,backend,resolved", [
+    ("cpu", "auto", "gloo"), ("cuda", "auto", "nccl"), ("cpu", "gloo", "gloo"), ("cuda", "gloo", "gloo"),
+    ("cuda", "nccl", "nccl"),
+])
+def test_backend_auto_resolves_per_device(device, backend, resolved):
+    """What `init_process_group` gets: auto is the device's own backend; gloo on cuda is kept (ranks share GPUs)."""
+    assert ParallelConfig(device=device, backend=backend).resolved_backend == resolved
+    overrides = [f"parallel.device={device}", f"parallel.backend={backend}"]
+    assert load_config("configs/tiny_cpu.toml", overrides).parallel.resolved_backend == resolved
+
+
+def test_backend_defaults_to_auto():
+    assert ParallelConfig().backend == "auto" and load_config("configs/tiny_cpu.toml").parallel.backend == "auto"
 
 
 @pytest.mark.parametrize(

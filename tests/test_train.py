@@ -8,7 +8,7 @@ import pytest
 
 from dtensor_moe.cli import main
 from dtensor_moe.cli import train as train_cli
-from dtensor_moe.train.config import load_config
+from dtensor_moe.train.config import ParallelConfig, load_config
 
 from .harness import torchrun_on_ranks
 
@@ -212,6 +212,7 @@ TINY = ["train", "--config", "configs/tiny_cpu.toml"]
             ["parallel.cp=2", "parallel.tp=2", "training.global_batch=5"],
             "training.global_batch (5) must be divisible by the data-parallel size (2)",
         ),
+        (["parallel.backend=nccl"], "parallel.backend = 'nccl' needs parallel.device = 'cuda'"),
     ],
 )
 def test_launcher_rejects_bad_input_in_one_line(tmp_path, capsys, argv, message):
@@ -254,6 +255,96 @@ def test_launcher_refuses_an_empty_run_dir(tmp_path, capsys, monkeypatch):
         f"{os.path.join('runs', 'tiny_cpu')}\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+# --- parallel.device = cuda: GPUs and backends, checked before launch (torch.cuda mocked) ---------------
+
+
+def _gpus(monkeypatch, n: int):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+def _launched(monkeypatch) -> list:
+    """The torchrun commands the launcher would start; each "run" fails with rc 7, so nothing else follows."""
+    cmds = []
+
+    def launch(cmd, env, run_dir, nproc, timeout_s):
+        cmds.append(cmd)
+        return 7
+
+    monkeypatch.setattr(train_cli, "_launch", launch)
+    return cmds
+
+
+@pytest.mark.parametrize("backend", ["auto", "nccl"])
+def test_launcher_refuses_more_nccl_ranks_than_gpus(tmp_path, capsys, monkeypatch, backend):
+    import torch
+
+    _gpus(monkeypatch, 1)
+    cmds = _launched(monkeypatch)
+    argv = [*TINY, "--run-dir", str(tmp_path / "run"), "parallel.device=cuda", f"parallel.backend={backend}"]
+    assert main(argv) == 2
+    name = "'nccl'" if backend == "nccl" else "'auto' (nccl on parallel.device = 'cuda')"
+    assert capsys.readouterr().err == (
+        f"dtensor-moe train: parallel.backend = {name} runs one rank per GPU: parallel.nproc = 8 on a machine with 1 "
+        f"GPU (torch {torch.__version__}); valid: parallel.nproc <= 1, or parallel.backend = 'gloo' to share the GPUs "
+        "(CUDA tensors through the host: slow, for debugging)\n"
+    )
+    assert cmds == [] and not (tmp_path / "run").exists()
+
+
+def test_launcher_lets_gloo_ranks_share_gpus(tmp_path, monkeypatch):
+    _gpus(monkeypatch, 1)
+    cmds = _launched(monkeypatch)
+    assert main([*TINY, "--run-dir", str(tmp_path / "run"), "parallel.device=cuda", "parallel.backend=gloo"]) == 7
+    assert "--nproc-per-node=8" in cmds[0] and "parallel.backend=gloo" in cmds[0]
+    _gpus(monkeypatch, 2)  # nccl with one rank per GPU starts too
+    argv = [*TINY, "--run-dir", str(tmp_path / "run2"), "parallel.device=cuda", "--nproc", "2", "parallel.etp=1"]
+    assert main(argv) == 7
+    assert "--nproc-per-node=2" in cmds[1]
+
+
+def test_launcher_refuses_cuda_without_a_gpu(tmp_path, capsys, monkeypatch):
+    import torch
+
+    _gpus(monkeypatch, 0)
+    cmds = _launched(monkeypatch)
+    for backend in ("auto", "gloo"):  # sharing GPUs needs one to share
+        argv = [*TINY, "--run-dir", str(tmp_path / "run"), "parallel.device=cuda", f"parallel.backend={backend}"]
+        assert main(argv) == 2
+        assert capsys.readouterr().err == (
+            f"dtensor-moe train: parallel.device = 'cuda' needs a GPU; this machine has none that torch "
+            f"{torch.__version__} can use (torch.cuda.is_available() is False); valid: parallel.device = 'cpu'\n"
+        )
+    assert cmds == [] and not (tmp_path / "run").exists()
+
+
+def test_under_torchrun_nccl_ranks_are_counted_from_torchrun(tmp_path, capsys, monkeypatch):
+    """An outside torchrun says how many ranks share this node, whatever parallel.nproc says."""
+    _gpus(monkeypatch, 2)
+    for key, value in {"LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv(train_cli.LAUNCHED, raising=False)
+    argv = [*TINY, "--run-dir", str(tmp_path / "run"), "parallel.device=cuda", "parallel.nproc=2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "torchrun's local ranks = 4 on a machine with 2 GPUs" in err and "torchrun --nproc-per-node <= 2" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_parity_reference_runs_on_the_jobs_device_with_its_own_backend(tmp_path, monkeypatch):
+    """One rank shares no GPU: the reference of a gloo-on-GPUs job is nccl on the same device."""
+    cmds = _launched(monkeypatch)
+    for device, backend in (("cuda", "gloo"), ("cpu", "gloo"), ("cuda", "nccl")):
+        cfg = load_config("configs/tiny_cpu.toml", [f"parallel.device={device}", f"parallel.backend={backend}"])
+        rc, line = train_cli.parity(cfg, str(tmp_path))
+        assert rc == 7 and line == "the 1-process reference run failed (rc 7); nothing compared"
+        assert "--nproc-per-node=1" in cmds[-1]
+        ref = ParallelConfig(**json.loads(cmds[-1][-2])["parallel"])  # python -m dtensor_moe.train.loop CONFIG DIR
+        assert (ref.device, ref.nproc, ref.resolved_backend) == (device, 1, {"cuda": "nccl", "cpu": "gloo"}[device])
 
 
 def test_launcher_refuses_an_empty_config_file(tmp_path, capsys):

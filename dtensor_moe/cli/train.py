@@ -1,4 +1,4 @@
-"""`dtensor-moe train`: train the small MoE language model on CPU ranks (gloo) or GPUs (NCCL).
+"""`dtensor-moe train`: train the small MoE language model on CPU ranks (gloo) or GPUs (NCCL; gloo to share them).
 
 Outside torchrun it starts its local ranks itself through torch.distributed.run; under torchrun
 (also multi-node) it uses the environment as given. `--parity` then trains the same model on one
@@ -82,13 +82,14 @@ def run(args) -> int:
         resume = args.resume is not None and not under_torchrun
         # A run dir that does not exist yet has nothing to lock: a missing checkpoint is refused without making it.
         target = _resume_target(args, cfg, run_dir) if resume and not os.path.isdir(run_dir) else None
-        if owner:  # a bad config creates no run dir; a held one is refused before its checkpoints are read
+        if owner:  # a bad config or machine creates no run dir; a held one is refused before its checkpoints are read
+            local = os.environ.get("LOCAL_WORLD_SIZE") if under_torchrun else None  # torchrun's, not the config's
+            _check_device(cfg, None if local is None else int(local))
             _check_run_dir(cfg, run_dir)
             lock = RunDirLock(run_dir)
         if resume:
             args.resume = str(target or _resume_target(args, cfg, run_dir))  # the ranks load exactly this step
         if owner:
-            _check_device(cfg)
             clear_run_state(run_dir)
     except ValueError as e:
         print(f"dtensor-moe train: {' '.join(str(e).split())}", file=sys.stderr)
@@ -163,15 +164,27 @@ def _check_run_dir(cfg: Config, run_dir: str):
         )
 
 
-def _check_device(cfg: Config):
-    if cfg.parallel.device == "cuda":
-        import torch
+def _check_device(cfg: Config, torchrun_local: int | None = None):
+    """parallel.device = 'cuda' needs a GPU, and NCCL one GPU per rank on this node: `torchrun_local` ranks under an
+    outside torchrun, else parallel.nproc. gloo ranks share GPUs (loop.py maps LOCAL_RANK onto them in turn)."""
+    p = cfg.parallel
+    if p.device != "cuda":
+        return
+    import torch
 
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        valid = "parallel.device = 'cpu'" + (f", or parallel.nproc <= {have}" if have else "")
-        if have < cfg.parallel.nproc:
-            raise ValueError(f"parallel.device = 'cuda' with parallel.nproc = {cfg.parallel.nproc} needs that many "
-                             f"GPUs; this machine has {have} (torch {torch.__version__}); valid: {valid}")
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have == 0:
+        raise ValueError(f"parallel.device = 'cuda' needs a GPU; this machine has none that torch {torch.__version__} "
+                         "can use (torch.cuda.is_available() is False); valid: parallel.device = 'cpu'")
+    ranks = p.nproc if torchrun_local is None else torchrun_local
+    if p.resolved_backend == "nccl" and ranks > have:
+        what, fix = (("parallel.nproc", "parallel.nproc") if torchrun_local is None
+                     else ("torchrun's local ranks", "torchrun --nproc-per-node"))
+        backend = "'nccl'" if p.backend == "nccl" else "'auto' (nccl on parallel.device = 'cuda')"
+        raise ValueError(f"parallel.backend = {backend} runs one rank per GPU: {what} = {ranks} on a machine with "
+                         f"{have} GPU{'s' if have > 1 else ''} (torch {torch.__version__}); valid: {fix} <= {have}, "
+                         "or parallel.backend = 'gloo' to share the GPUs (CUDA tensors through the host: slow, for "
+                         "debugging)")
 
 
 def console_summary(run_dir: str, parity_line: str | None = None) -> str:
@@ -240,8 +253,9 @@ def parity(cfg: Config, run_dir: str) -> tuple[int, str]:
     Returns (rc, the line that says how it went)."""
     # The reference is the plain eager single process: no compile, no activation checkpointing.
     # It accumulates gradients over the same microbatches (each MoE's load-balancing loss is per microbatch).
+    # One rank has no GPU to share: it takes the device's own backend (nccl on cuda, gloo on cpu) whatever the job's.
     ref_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc=1, dp_replicate=1, ep=1, etp=1, tp=1, cp=1, pp=1,
-                                            microbatches=cfg.parallel.num_microbatches),
+                                            microbatches=cfg.parallel.num_microbatches, backend="auto"),
                       training=replace(cfg.training, compile=False, activation_checkpoint="none"))
     ref_dir = os.path.join(run_dir, "reference_1proc")
     cmd = [*_TORCHRUN, "--nproc-per-node=1"]

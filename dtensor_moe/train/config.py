@@ -95,10 +95,17 @@ class ModelConfig:
         return self.vocab_size * D * (1 if self.tie_embeddings else 2) + self.n_layers * block + D
 
 
+BACKENDS = ("auto", "nccl", "gloo")  # parallel.backend
+AUTO_BACKEND = {"cpu": "gloo", "cuda": "nccl"}  # what auto means on each parallel.device
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     nproc: int = 1
-    device: str = "cpu"  # cpu (gloo) | cuda (nccl)
+    device: str = "cpu"  # cpu | cuda
+    # The process groups' backend (BACKENDS): auto is nccl on cuda, gloo on cpu. gloo on cuda lets several ranks
+    # share a GPU (more ranks than GPUs, e.g. EP on a one-GPU box): slow, CUDA tensors go through the host.
+    backend: str = "auto"
     dp_replicate: int = 1
     ep: int = 1
     etp: int = 1
@@ -113,9 +120,19 @@ class ParallelConfig:
     timeout_s: float = 900.0
 
     def __post_init__(self):
-        check_fields(self, "parallel.", nproc=at_least(1), device=("cpu", "cuda"), dp_replicate=at_least(1),
-                     ep=at_least(1), etp=at_least(1), tp=at_least(1), cp=at_least(1), pp=at_least(1),
-                     pp_schedule=tuple(PP_STAGES_PER_RANK), microbatches=at_least(0), timeout_s=above(0))
+        check_fields(self, "parallel.", nproc=at_least(1), device=("cpu", "cuda"), backend=BACKENDS,
+                     dp_replicate=at_least(1), ep=at_least(1), etp=at_least(1), tp=at_least(1), cp=at_least(1),
+                     pp=at_least(1), pp_schedule=tuple(PP_STAGES_PER_RANK), microbatches=at_least(0),
+                     timeout_s=above(0))
+        if self.backend == "nccl" and self.device != "cuda":
+            raise ValueError(f"parallel.backend = 'nccl' needs parallel.device = 'cuda' (NCCL runs on GPUs only), got "
+                             f"parallel.device = {self.device!r}; valid: parallel.backend = 'auto' or 'gloo' with "
+                             f"parallel.device = {self.device!r}, or parallel.device = 'cuda'")
+
+    @property
+    def resolved_backend(self) -> str:
+        """The backend `init_process_group` gets: `backend`, with auto resolved for `device`."""
+        return AUTO_BACKEND[self.device] if self.backend == "auto" else self.backend
 
     @property
     def num_microbatches(self) -> int:

@@ -52,16 +52,18 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     # Under TP the logits are the head's replicated DTensor output as a local view; only the loss reads them.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoETransformer\) returned a view tensor")
     p, t = cfg.parallel, cfg.training
+    backend = p.resolved_backend
     if p.device == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        # Under gloo several local ranks may share a GPU (the launcher refuses more ranks than GPUs under nccl).
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    # device_id binds NCCL to this rank's GPU up front (else every barrier warns that it guesses).
+    # device_id binds NCCL to this rank's GPU up front (else every barrier warns that it guesses); gloo takes none.
     # The launcher's heartbeat watchdog stops a stalled job at timeout_s with one line naming the rank; the
     # collectives' own timeout comes a minute later, so it never races the watchdog into a traceback per rank
     # (it alone acts under an outside torchrun). The rendezvous shares it: a busy machine's slow start is no stall.
-    dist.init_process_group("nccl" if p.device == "cuda" else "gloo", device_id=device if p.device == "cuda" else None,
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None,
                             timeout=timedelta(seconds=p.timeout_s + 60))
     rank, world = dist.get_rank(), dist.get_world_size()
     dims = parallel_dims(cfg, world)

@@ -1,15 +1,17 @@
 """AdamW, warmup + cosine LR, and gradient clipping whose norm is global across meshes.
 
 Dense and expert parameters are DTensors on different meshes, so one `clip_grad_norm_` over all of
-them cannot combine their norms (torchtitan issue #1541). Each mesh's norm is reduced on its own
-mesh, then the squares are added: every element is counted exactly once, whatever the placements.
+them cannot combine their norms (torchtitan issue #1541). Each mesh's squared norm is summed over the
+mesh dims its gradients are split on, then the squares are added: every element is counted exactly
+once, whatever the placements.
 """
 
 import math
 from collections import defaultdict
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def build_optimizer(model, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -28,15 +30,30 @@ def build_scheduler(optimizer, warmup_steps: int, total_steps: int, min_ratio: f
 
 
 def global_grad_norm(params) -> torch.Tensor:
-    by_mesh = defaultdict(list)
+    """The 2-norm of all of `params`' gradients together, the same on every rank.
+
+    The sums over mesh dims are plain c10d all-reduces, not DTensor's full_tensor / redistribute: those issue
+    functional collectives, which crash a gloo process group on CUDA tensors (torch 2.11; parallel.backend = gloo on
+    GPUs), and this runs every step. Replicate dims hold copies, so only the other dims are summed over."""
+    by_split = defaultdict(list)  # (mesh, the mesh dims the local gradients are disjoint parts over) -> gradients
     for p in params:
-        if p.grad is not None:
-            by_mesh[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p.grad)
-    norms = []
-    for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, foreach=False)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.tensor(0.0)
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            if any(pl.is_partial() for pl in g.placements):  # a norm of partial sums is no sum of norms
+                g = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
+            split = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate())
+            by_split[g.device_mesh, split].append(g.to_local())
+        else:
+            by_split[None, ()].append(g)
+    squares = []
+    for (mesh, split), grads in by_split.items():
+        square = torch.nn.utils.get_total_norm(grads, foreach=False) ** 2
+        for dim in split:
+            dist.all_reduce(square, group=mesh.get_group(dim))
+        squares.append(square)
+    return torch.stack(squares).sum().sqrt() if squares else torch.tensor(0.0)
 
 
 def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
@@ -45,7 +62,7 @@ def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
     norm = global_grad_norm(params)
     if pp_group is not None:
         norm = norm**2
-        torch.distributed.all_reduce(norm, group=pp_group)
+        dist.all_reduce(norm, group=pp_group)
         norm = norm.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=False)
     return norm
