@@ -51,6 +51,9 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     # Under TP the logits are the head's replicated DTensor output as a local view; only the loss reads them.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoETransformer\) returned a view tensor")
+    # Inductor advises TF32 for every float32 matmul it compiles. A float32 job asked for float32, and in a bf16 job
+    # the one float32 matmul is the router's gate, kept so on purpose (router.py): TF32 would round the routing.
+    warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores for float32 matrix multiplication")
     p, t = cfg.parallel, cfg.training
     backend = p.resolved_backend
     if p.device == "cuda":
