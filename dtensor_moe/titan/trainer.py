@@ -11,33 +11,25 @@ MoEParallelDims' tp, cp and pp. Under CP torchtitan shards each batch and the lo
 the attention is always ours (titan/context_parallel.py), on every device type.
 """
 
-import inspect
 import os
 import sys
 import time
 from dataclasses import dataclass, field, fields
-from unittest import mock
 
 import torch
 import torch.distributed as dist
-import torchtitan.distributed.utils as titan_dist_utils
-from torch.distributed.distributed_c10d import _set_pg_timeout
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.linear import ScaledBiasRowwiseLinear
-from torchtitan.models.common.moe import MoE
 from torchtitan.trainer import Trainer as TitanTrainer
 
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.train.optim import clip_grad_norm_
 from dtensor_moe.train.supervision import INTERRUPTED_RC, PREEMPTED_RC, StopRequests
 
+from . import compat
 from .hf import check_hf_export, check_hf_keys, check_hf_load, check_hf_quantized, with_hf_adapter, write_hf_config
 
-# torchtitan 0.3.0 calls torch.distributed.set_timeout after the first step, an API that torch
-# 2.13.0 only has under its private name; same signature (timeout, group).
-if not hasattr(dist, "set_timeout"):
-    dist.set_timeout = _set_pg_timeout
+compat.install()  # process-wide, so also for torchtitan's own Trainer under this module (titan/compat.py)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -75,8 +67,10 @@ class ExpertMeshParallelDims(ParallelDims):
 
     @property
     def ep_enabled(self) -> bool:
-        # Expert weights live on our expert mesh, not on the dense one: torchtitan's gradient
-        # clipping must take its EP path, which norms the two meshes' gradients separately.
+        # Expert weights live on our expert mesh, never on torchtitan's dense one, whatever its own ep. torchtitan
+        # reads this where that matters to it: its expert-bias update sums the MoEs' token counts over tp only
+        # with EP on (under sequence parallelism each TP rank's MoE counts its own tokens). Its clipping also
+        # takes the flag, but the hook's Trainer clips with its own norm (compat.train_step_clipping_by_mesh).
         return True
 
 
@@ -108,9 +102,9 @@ class Trainer(TitanTrainer):
     def __init__(self, config: Config):
         super().__init__(config)
         if self.parallel_dims.pp_enabled:
-            _accept_premade_microbatches(self.pp_schedule)
+            compat.accept_premade_microbatches(self.pp_schedule)
             for part in self.model_parts:
-                _uncount_shape_inference(part)
+                compat.uncount_shape_inference(part)
         _write_config_json_on_export(self.checkpointer, self.config)
         # torchrun hands SIGTERM / SIGINT on to every rank and waits for them (30 s) before it kills them.
         self.stop_requests, self.stopped_by = StopRequests().__enter__(), None
@@ -128,8 +122,7 @@ class Trainer(TitanTrainer):
         self.stopped_by = self.stop_requests.requested or "a stop signal on another rank"
         ckpt = self.checkpointer
         if ckpt.enable and not ckpt.load_only and self.step % ckpt.interval and self.step > 0:
-            with mock.patch.object(ckpt, "_should_save", lambda *_: True):
-                ckpt.save(self.step)
+            compat.save_off_interval(ckpt, self.step)
         ckpt.maybe_wait_for_saving()
         return False
 
@@ -148,9 +141,8 @@ class Trainer(TitanTrainer):
         dist.destroy_process_group()  # torchtitan's main would; SystemExit skips it
         raise SystemExit(INTERRUPTED_RC if self.stopped_by == "SIGINT" else PREEMPTED_RC)
 
-    def train_step(self, data_iterator):
-        with mock.patch.object(titan_dist_utils, "clip_grad_norm_", _clip_grad_norm_by_mesh):
-            return super().train_step(data_iterator)
+    # Our parameters live on more meshes than torchtitan's clipping can norm: its train_step, clipping per mesh.
+    train_step = compat.train_step_clipping_by_mesh(TitanTrainer.train_step)
 
 
 def _check_config(config: Trainer.Config) -> None:
@@ -260,15 +252,6 @@ def _write_config_json_on_export(checkpointer, config: Trainer.Config) -> None:
     checkpointer._save_last_step = save_with_config
 
 
-def _clip_grad_norm_by_mesh(parameters, max_norm, *, foreach, pp_mesh, ep_enabled):
-    """torchtitan's clipping under EP takes one norm of the weights on meshes with an "ep" axis and
-    one of the rest, but our parameters are DTensors on more meshes than two (under TP: the dense
-    (fsdp, tp) weights and the MoEs' router and shared experts on the mesh of every rank with its own
-    tokens), which one norm cannot stack. The main job's clipping norms each mesh on its own (the
-    same global norm); same arguments as torchtitan's call in Trainer.train_step."""
-    return clip_grad_norm_(parameters, max_norm, None if pp_mesh is None else pp_mesh.get_group())
-
-
 def _check_tp(config: Trainer.Config, tp: int) -> None:
     """What torchtitan's dense TP under our expert plan needs, checked while parsing the command line."""
     if not config.parallelism.enable_sequence_parallel:
@@ -341,44 +324,3 @@ def _check_cp(config: Trainer.Config, cp: int) -> None:
                     f"parallelism.context_parallel_degree={cp} with --module dtensor_moe.titan needs SDPA attention: "
                     f"{where}[{i}].attention.inner_attention is {inner.__qualname__}; valid: "
                     "ScaledDotProductAttention (the *_cpu configs), or context_parallel_degree 1")
-
-
-def _uncount_shape_inference(model_part) -> None:
-    """torchtitan 0.3.0 builds its pipeline stages without static metadata, so torch runs each
-    stage's model part once more before the first microbatch to infer shapes (the first stage on a
-    copy of that microbatch, the others on uninitialized tensors). That forward would add to the MoEs'
-    token counts, and so to the first expert-bias update: the counts are put back after it."""
-    moes = [m for m in model_part.modules() if isinstance(m, MoE)]
-    saved = []
-
-    def before(module, args):
-        saved.extend((moe, moe.tokens_per_expert_E.clone()) for moe in moes)
-
-    def after(module, args, output):
-        for moe, counts in saved:
-            moe.tokens_per_expert_E.copy_(counts)
-        pre.remove()
-        post.remove()
-
-    pre, post = model_part.register_forward_pre_hook(before), model_part.register_forward_hook(after)
-
-
-def _accept_premade_microbatches(schedule) -> None:
-    """torchtitan 0.3.0 calls `schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, ...)` with the
-    microbatches already split; torch 2.13's `step(*args, target=, **kwargs)` takes the whole batch
-    and forwards unknown keywords to the model (`forward() got an unexpected keyword argument
-    'arg_mbs'`). torchtitan's microbatches are equal-size dataloader batches, so their
-    concatenation along the batch dim is the whole local batch, which torch's step splits back into
-    the same microbatches. Installed only where the schedule's step lacks `arg_mbs`."""
-    if "arg_mbs" in inspect.signature(schedule.step).parameters:
-        return
-    whole_batch_step = schedule.step
-
-    # torch's `eval` calls `self.step(..., target=None, ...)`: torchtitan's validator reaches here too.
-    def step(*, arg_mbs=None, kwarg_mbs=None, target_mbs=None, target=None, **step_kwargs):
-        args = tuple(torch.cat(a) for a in zip(*arg_mbs)) if arg_mbs else ()
-        model_kwargs = {k: torch.cat([kw[k] for kw in kwarg_mbs]) for k in kwarg_mbs[0]} if kwarg_mbs else {}
-        target = torch.cat(target_mbs) if target_mbs else target
-        return whole_batch_step(*args, target=target, **step_kwargs, **model_kwargs)
-
-    schedule.step = step
