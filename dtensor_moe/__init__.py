@@ -1,5 +1,13 @@
 """dtensor_moe: DTensor-native Mixture-of-Experts parallelism (EP x EDP x ETP folded over FSDP2).
 
+The layer: `MoE` (configured by `MoEConfig`; its parts `TopKRouter`, `GroupedExperts`, `grouped_swiglu`).
+Parallelizing it: `MoEParallelDims` (the degrees; `MoEMeshes` their meshes), then `ExpertParallel` in a
+`parallelize_module` plan or `parallelize_moe` over a module tree. The placement plan they follow:
+`plan_moe` (`WeightPlan`, `ShardStep`), `owned_box`, `ownership` (`Ownership`). Routing replay:
+`record_routing`, `replay_routing` (`RoutingReplay`). Raised to be caught: `RowCapExceeded`.
+Subpackages: `dtensor_moe.hf` (Hugging Face weights and models), `dtensor_moe.titan` (the torchtitan hook),
+`dtensor_moe.train` (the `dtensor-moe train` job), `dtensor_moe.tools.planner` (the planner).
+
 Exports resolve lazily (PEP 562) so torch-free tools (`dtensor-moe plan`) start fast.
 """
 
@@ -22,6 +30,7 @@ _EXPORTS = {
     "record_routing": "replay",
     "replay_routing": "replay",
     "RoutingReplay": "replay",
+    "RowCapExceeded": "parallel.dispatch",
     "parallelize_moe": "parallel.parallelize",
     "TopKRouter": "router",
 }

@@ -4,6 +4,11 @@ from dataclasses import dataclass
 
 from dtensor_moe.validate import Range, above, at_least, check_fields
 
+__all__ = [
+    "MoEConfig", "SCORE_FUNCS", "LOAD_BALANCE", "DROP_POLICIES", "ACTIVATIONS", "EXPERT_PRECISIONS",
+    "DISPATCH_PRECISIONS",
+]
+
 SCORE_FUNCS = ("softmax", "sigmoid", "topk_softmax")
 LOAD_BALANCE = ("none", "aux_loss", "aux_free_bias")
 DROP_POLICIES = ("probs", "position")
@@ -91,6 +96,83 @@ def _check_capacity(cfg, prefix: str):
 
 @dataclass(frozen=True)
 class MoEConfig:
+    """Configuration of one MoE feed-forward layer (`MoE`): router, experts, load balancing, token dropping.
+
+    Frozen plain data, checked at construction: a bad field or combination of fields raises ValueError
+    naming the field and its valid values. How the layer is parallelized is not configured here
+    (`MoEParallelDims`); docs/routing.md describes the routing fields at length.
+
+    Attributes:
+        dim (int): the model dim D, the layer's input and output width; >= 1.
+        hidden_dim (int): the hidden dim F of each routed expert (and of each shared expert); >= 1.
+        num_experts (int): routed experts E; >= 1.
+        top_k (int): experts each token is routed to, 1..num_experts (under group-limited routing at most
+            the experts of the kept groups).
+        score_func (str): "softmax" (Qwen3-MoE, Mixtral), "sigmoid" (DeepSeek-V3) or "topk_softmax"
+            (gpt-oss: top-k over the logits, softmax over the chosen ones). Default "softmax".
+        route_norm (bool): renormalize each token's chosen scores to sum to 1 (moot for "topk_softmax").
+            Default True.
+        route_scale (float): factor on every combine weight (DeepSeek-V3's routed_scaling_factor); > 0.
+            Default 1.0.
+        num_shared_experts (int): S dense SwiGLU experts every token also goes through, run as one
+            feed-forward of hidden dim hidden_dim * S; >= 0. Default 0.
+        load_balance (str): "none", "aux_loss" (the global-batch loss sum_e f_e * P_e, `MoE.aux_loss`) or
+            "aux_free_bias" (DeepSeek-V3's bias on the selection scores, moved by
+            `MoE.update_expert_bias`). Default "none".
+        aux_loss_coeff (float): the aux loss's weight (load_balance "aux_loss"); >= 0. Default 1e-3.
+        bias_update_rate (float): the aux-free bias's step per update (load_balance "aux_free_bias");
+            >= 0. Default 1e-3.
+        num_expert_groups (int): DeepSeek-V3's group-limited routing: the experts in this many equal
+            groups; divides num_experts. Default 1 (no groups).
+        num_limited_groups (int): top-k runs only over the experts of this many best groups,
+            1..num_expert_groups. Default 1.
+        router_bias (bool): the gate Linear has a bias (gpt-oss). Default False.
+        seq_aux_loss_coeff (float): weight of DeepSeek-V3's sequence-wise balance loss (`MoE.seq_aux_loss`);
+            >= 0, 0 is off. Default 0.0.
+        z_loss_coeff (float): weight of the router z-loss, the mean over tokens of logsumexp(logits)^2
+            (`MoE.z_loss`); >= 0, 0 is off. Default 0.0.
+        capacity_factor (float | None): Megatron's token dropping: each expert keeps at most
+            ceil(tokens * top_k / num_experts * capacity_factor) of one rank's (token, expert) pairs;
+            a finite number > 0, or None (dropless). Default None.
+        drop_policy (str): which pairs an expert over capacity keeps: "probs" (the highest-weight ones)
+            or "position" (the first in token order). Default "probs".
+        pad_to_capacity (bool): Megatron's --moe-pad-expert-input-to-capacity: every expert gets exactly
+            its capacity in rows (zero rows pad it), so GEMM sizes and all-to-all splits are static;
+            needs capacity_factor. Default False.
+        expert_biases (bool): gpt-oss's per-expert biases, b13 [E, 2, F] on the gate / up outputs and
+            b2 [E, D] on the down projection's. Default False.
+        activation (str): "swiglu" or gpt-oss's "clamped_swiglu": g = min(a, limit),
+            u = clamp(b, -limit, limit), (u + 1) * g * sigmoid(alpha * g). Default "swiglu".
+        swiglu_alpha (float): clamped_swiglu's alpha (read only with that activation); > 0. Default 1.702.
+        swiglu_limit (float): clamped_swiglu's limit (read only with that activation); > 0. Default 7.0.
+        expert_precision (str): the routed experts' GEMMs: "bf16", or "fp8" (e4m3 where the measured
+            policy picks it, kernels/fp8.py; docs/fp8.md). Default "bf16".
+        dispatch_precision (str): the dispatched tokens' payload under EP / ETP: "bf16" (the activations'
+            dtype), or "fp8" (e4m3 rows with one fp32 scale each; gradients travel unquantized).
+            Default "bf16".
+        expert_replicas (int): hot-expert replicas under EP (parallel/replicas.py): this many replica
+            slots per EP rank hold copies of the hottest experts, so each EP rank computes about the mean
+            rows; the math is that of no replicas. 0..num_experts, 0 is off; needs ep > 1 and no
+            pad_to_capacity. Default 0.
+        replica_replan_every (int): the replicas are placed from the counts of the last this many
+            training forwards; >= 1. Default 100.
+        max_rows_per_rank (int): > 0: an eager dropless forward in which an EP rank would compute more
+            expert rows than this raises `RowCapExceeded` (a ValueError) on every rank, naming the layer,
+            the forward and the rows per rank, rather than running out of memory at an unknown step;
+            0 is no cap. Default 0.
+        round_tokens_to (int): > 0: tile-aware token rounding (token_rounding.py; docs/routing.md,
+            "Token rounding"): after the router and any capacity dropping, each expert's pairs of one
+            forward on one rank are rounded to a multiple of this (the grouped GEMMs' row tile, 128 on
+            Hopper) by dropping its lowest-weight pairs or adding the next-best experts of tokens that
+            lost one; needs pad_to_capacity off. 0 is off. Default 0.
+
+    Example:
+        >>> from dtensor_moe import MoEConfig
+        >>> cfg = MoEConfig(dim=64, hidden_dim=128, num_experts=8, top_k=2, load_balance="aux_loss")
+        >>> cfg.score_func, cfg.capacity_factor
+        ('softmax', None)
+    """
+
     dim: int
     hidden_dim: int
     num_experts: int
@@ -102,43 +184,23 @@ class MoEConfig:
     load_balance: str = "none"
     aux_loss_coeff: float = 1e-3
     bias_update_rate: float = 1e-3
-    # DeepSeek-V3's group-limited routing: experts in num_expert_groups equal groups, top-k only
-    # over the experts of the num_limited_groups best groups.
     num_expert_groups: int = 1
     num_limited_groups: int = 1
-    router_bias: bool = False  # the gate Linear has a bias (gpt-oss)
-    seq_aux_loss_coeff: float = 0.0  # DeepSeek-V3's sequence-wise balance loss
-    z_loss_coeff: float = 0.0  # router z-loss: mean over tokens of logsumexp(logits)^2
-    # Megatron's token dropping: each expert keeps at most ceil(tokens * top_k / num_experts *
-    # capacity_factor) of one rank's (token, expert) pairs.
+    router_bias: bool = False
+    seq_aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
     capacity_factor: float | None = None
     drop_policy: str = "probs"
-    # Megatron's --moe-pad-expert-input-to-capacity: every expert gets exactly its capacity in rows
-    # (padded with zero rows), so GEMM sizes and all-to-all splits are static (docs/routing.md).
     pad_to_capacity: bool = False
-    # Experts as gpt-oss defines them: per-expert biases on the gate / up outputs [E, 2, F] and the w2
-    # output [E, D]; "clamped_swiglu": g = min(a, limit), u = clamp(b, -limit, limit),
-    # (u + 1) * g * sigmoid(alpha * g) (swiglu_alpha, swiglu_limit are read only then).
     expert_biases: bool = False
     activation: str = "swiglu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
-    # FP8 experts (kernels/fp8.py): "bf16" | "fp8"
     expert_precision: str = "bf16"
-    # The dispatched tokens' payload under EP / ETP: "bf16" (the activations' dtype) | "fp8"
     dispatch_precision: str = "bf16"
-    # Hot-expert replicas under EP (parallel/replicas.py): this many replica slots per EP rank hold copies of the
-    # hottest experts, so each EP rank computes about the mean rows (0: off). The copies are placed from the counts
-    # of the last replica_replan_every training forwards; the math is that of no replicas.
     expert_replicas: int = 0
     replica_replan_every: int = 100
-    # > 0: an eager dropless forward in which an EP rank would compute more expert rows than this raises ValueError
-    # on every rank, naming the layer, the forward and the rows per rank (never an out-of-memory at an unknown step).
     max_rows_per_rank: int = 0
-    # > 0: tile-aware token rounding (token_rounding.py, docs/routing.md "Token rounding"): after the router and any
-    # capacity dropping, each expert's (token, expert) pairs of one forward on one rank are rounded to a multiple of
-    # this (the grouped GEMMs' row tile, 128 on Hopper; any positive int) by dropping its lowest-weight pairs or
-    # adding the next-best experts of tokens that lost one. 0: off.
     round_tokens_to: int = 0
 
     def __post_init__(self):

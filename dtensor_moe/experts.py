@@ -23,6 +23,8 @@ from dtensor_moe.kernels.segment_sum import expand_rows, segment_sum
 from dtensor_moe.kernels.swiglu import clamped_swiglu, clamped_swiglu_backward, swiglu, swiglu_backward
 from dtensor_moe.routing import ExpertInput, PaddedCopies, ScaleGrad, TokenCopies
 
+__all__ = ["GroupedExperts", "grouped_swiglu", "split_gate_up", "join_gate_up"]
+
 
 def _shard(w: torch.Tensor) -> torch.Tensor:
     # Parallelized weights are DTensors; the dispatcher already brought this rank the tokens
@@ -209,14 +211,42 @@ def grouped_swiglu(
     add_b2: bool = True,
     precision: str = "bf16",
 ) -> torch.Tensor:
-    """Rows grouped by expert (counts_E[e] rows for expert e) through each expert's SwiGLU.
+    """Rows grouped by expert (counts_E[e] rows for expert e) through each expert's SwiGLU:
+    y = (silu(x W1^T) * x W3^T) W2^T per expert, differentiable in x and every weight.
 
-    The weights may be DTensors: the GEMMs run on their local shards, in x_ND's dtype.
-    `host_counts`: counts_E as a host list when the caller has it without a sync (the eager
-    dispatcher does, padded blocks always); the exact per-expert loop then reads no counts off the
-    device, and the backward may add weight gradients into existing ones per expert.
-    `biases`: (b13_E2F, b2_ED) or None; `clamp`, `add_b2`: see _SwiGLUOptions. `precision` "fp8":
-    the GEMMs where kernels/policy.py picks FP8 (MoEConfig.expert_precision)."""
+    The experts' compute, as `GroupedExperts` runs it. The weights may be DTensors: the GEMMs run on
+    their local shards, in x_ND's dtype.
+
+    Args:
+        x_ND (Tensor): [N, D] rows, expert 0's first, then expert 1's, ...
+        counts_E (Tensor): [E] integer rows per expert, in row order.
+        w13_E2FD (Tensor): [E, 2, F, D] gate and up weights.
+        w2_EDF (Tensor): [E, D, F] down weights.
+        weight_grad_scale (float): multiplies only the weight (and bias) gradients. Default 1.0.
+        host_counts (list[int] | None): counts_E as a host list when the caller has it without a sync (the
+            eager dispatcher does, padded blocks always); the exact per-expert loop then reads no counts
+            off the device, and the backward may add weight gradients into existing ones per expert.
+            Default None.
+        biases (tuple | None): (b13_E2F, b2_ED), or None. Default None.
+        clamp (tuple[float, float] | None): (alpha, limit) of gpt-oss's clamped SwiGLU, None for silu.
+            Default None.
+        add_b2 (bool): False where another rank adds b2 to these partial outputs (ETP). Default True.
+        precision (str): "fp8" runs the GEMMs in FP8 where kernels/policy.py picks it
+            (`MoEConfig.expert_precision`); "bf16" never. Default "bf16".
+
+    Returns:
+        Tensor: y_ND [N, D], one output row per input row, in x_ND's dtype.
+
+    Example:
+        >>> import torch
+        >>> from dtensor_moe import grouped_swiglu
+        >>> w13_E2FD, w2_EDF = torch.randn(2, 2, 8, 4), torch.randn(2, 4, 8)
+        >>> x_ND = torch.randn(3, 4)  # rows 0-1 for expert 0, row 2 for expert 1
+        >>> y_ND = grouped_swiglu(x_ND, torch.tensor([2, 1]), w13_E2FD, w2_EDF)
+        >>> gate, up = x_ND[2] @ w13_E2FD[1, 0].T, x_ND[2] @ w13_E2FD[1, 1].T
+        >>> torch.allclose(y_ND[2], (torch.nn.functional.silu(gate) * up) @ w2_EDF[1].T, atol=1e-5)
+        True
+    """
     w13_E2FD, w2_EDF = (gather_for_compute(w) for w in (w13_E2FD, w2_EDF))
     if biases is not None:
         biases = tuple(None if b is None else gather_for_compute(b) for b in biases)
@@ -273,10 +303,43 @@ def join_gate_up(state: dict) -> dict:
 
 
 class GroupedExperts(nn.Module):
+    """The routed experts of one MoE layer: `num_experts` SwiGLU feed-forwards stored stacked and run as
+    grouped GEMMs over rows grouped by expert.
+
+    Parameters: w13 [E, 2, F, D] (gate and up; w13[:, 0] is torchtitan's w1 / Hugging Face's gate_proj,
+    w13[:, 1] w3 / up_proj), w2 [E, D, F] (down), and with `biases` b13 [E, 2, F] and b2 [E, D]. Under
+    `parallelize_moe` they become DTensors (E over EP, F over ETP, FSDP2 over EDP) and the forward takes
+    an `ExpertInput` from the expert-parallel dispatcher. `MoE` builds one from its config
+    (`GroupedExperts.from_config`); the weights are uninitialized until `reset_parameters()`.
+
+    Args:
+        dim (int): the model dim D.
+        hidden_dim (int): each expert's hidden dim F.
+        num_experts (int): the experts E.
+        biases (bool): add gpt-oss's per-expert biases b13 (gate / up outputs) and b2 (down output).
+            Default False.
+        clamp (tuple[float, float] | None): (alpha, limit) of gpt-oss's clamped SwiGLU, None for plain
+            SwiGLU. Default None.
+        precision (str): the GEMMs' precision, `MoEConfig.expert_precision`: "bf16" or "fp8".
+            Default "bf16".
+
+    Forward: `experts(x, counts_E, copies)` copies tokens x [..., D] into expert order by their routing
+    `copies` (`routing.TokenCopies` / `PaddedCopies`), runs them and combines the outputs into x's shape;
+    `experts(expert_input)` returns one output row per row of an `ExpertInput`.
+
+    Example:
+        >>> import torch
+        >>> from dtensor_moe import GroupedExperts, grouped_swiglu
+        >>> experts = GroupedExperts(dim=16, hidden_dim=32, num_experts=4)
+        >>> experts.reset_parameters()
+        >>> counts_E = torch.tensor([3, 0, 2, 1])  # rows per expert, rows grouped by expert
+        >>> y_ND = grouped_swiglu(torch.randn(6, 16), counts_E, experts.w13, experts.w2)
+        >>> y_ND.shape
+        torch.Size([6, 16])
+    """
+
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, biases: bool = False,
                  clamp: tuple[float, float] | None = None, precision: str = "bf16"):
-        """`biases`: b13, b2 (see the module docstring); `clamp`: (alpha, limit) of gpt-oss's
-        clamped SwiGLU, None for plain SwiGLU; `precision`: MoEConfig.expert_precision."""
         super().__init__()
         self.num_experts = num_experts
         self.clamp = clamp

@@ -17,6 +17,8 @@ from dtensor_moe.router import TopKRouter, combine_weights_TE
 from dtensor_moe.routing import PaddedCopies, TokenCopies, expert_major
 from dtensor_moe.token_rounding import round_tokens_compiled
 
+__all__ = ["MoE"]
+
 
 def recomputing() -> bool:
     """Whether this forward is eager activation checkpointing's recomputation (it runs inside
@@ -61,6 +63,38 @@ class FeedForward(nn.Module):
 
 
 class MoE(nn.Module):
+    """A Mixture-of-Experts feed-forward layer: each token goes to its top-k routed experts, their outputs
+    are weighted by the routing weights and summed, and the shared experts' output (if any) is added.
+
+    The layer holds no parallel code: `parallelize_moe` or `ExpertParallel` shard it in place (experts over
+    EP / ETP / EDP, the rest over the data-parallel ranks) and swap `stats` for a reducer over the ranks,
+    so the same module runs on one process and on any mesh. Submodules: `router` (`TopKRouter`),
+    `experts` (`GroupedExperts`), `shared_experts` (a dense SwiGLU of hidden dim
+    hidden_dim * num_shared_experts, or None).
+
+    After each forward, `aux_loss`, `seq_aux_loss` and `z_loss` hold the enabled balance losses (global-batch
+    values, None when disabled) and `losses()` lists them, to add to the training loss. With
+    load_balance="aux_free_bias", call `update_expert_bias()` once per optimizer step (it sums the routed
+    counts over the ranks). docs/routing.md describes the routing and the losses.
+
+    Args:
+        config (MoEConfig): the layer's configuration. The weights are initialized at construction
+            (`reset_parameters(std=0.02)`: normal or truncated-normal weights, zero biases).
+
+    Shape:
+        input x_BLD [..., dim], floating point, any leading dims (batch, sequence); the output has its
+        shape and dtype.
+
+    Example:
+        >>> import torch
+        >>> from dtensor_moe import MoE, MoEConfig
+        >>> moe = MoE(MoEConfig(dim=16, hidden_dim=32, num_experts=4, top_k=2, load_balance="aux_loss"))
+        >>> y_BLD = moe(torch.randn(2, 8, 16))
+        >>> y_BLD.shape
+        torch.Size([2, 8, 16])
+        >>> (y_BLD.square().mean() + sum(moe.losses())).backward()
+    """
+
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.config = config

@@ -23,12 +23,28 @@ from torch import nn
 
 from dtensor_moe.moe import MoE, recomputing
 
+__all__ = ["RoutingReplay", "record_routing", "replay_routing"]
+
 
 class RoutingReplay:
-    """Expert choices on this rank: `experts[name]` lists, for the MoE layer at qualified name `name` in the
-    model, one int64 experts_TK [tokens, top_k] per recorded forward in forward order. `record_routing` fills
-    one; a rollout engine's choices (vLLM's, say) can be handed in directly. Replaying never consumes it: the
-    same recording replays again (several optimizer epochs over one rollout)."""
+    """A recording of every MoE layer's expert choices on this rank, what `replay_routing` replays.
+
+    `record_routing` fills one; a rollout engine's choices (vLLM's, say) can be handed in directly.
+    Replaying never consumes it: the same recording replays again (several optimizer epochs over one
+    rollout).
+
+    Args:
+        experts (Mapping[str, Sequence[Tensor]] | None): for the MoE layer at qualified name `name` in the
+            model, `experts[name]` lists one int64 experts_TK [tokens, top_k] per recorded forward, in
+            forward order (copied into the `experts` attribute, a dict of lists). Default None (empty).
+
+    Example:
+        >>> import torch
+        >>> from dtensor_moe import RoutingReplay
+        >>> recorded = RoutingReplay({"layers.0.moe": [torch.tensor([[0, 1], [2, 3]])]})
+        >>> len(recorded.experts["layers.0.moe"])
+        1
+    """
 
     def __init__(self, experts: Mapping[str, Sequence[torch.Tensor]] | None = None):
         self.experts: dict[str, list[torch.Tensor]] = {name: list(v) for name, v in (experts or {}).items()}
@@ -104,8 +120,27 @@ def moe_layers(model: nn.Module) -> dict[str, MoE]:
 
 @contextmanager
 def record_routing(model: nn.Module, into: RoutingReplay | None = None) -> Iterator[RoutingReplay]:
-    """Inside, each forward of each MoE layer of `model` appends its choices (this rank's tokens) to the yielded
-    `RoutingReplay` (`into`, else a new one). Any mode: eval and no-grad forwards record too."""
+    """Context manager recording routing: inside, each forward of each MoE layer of `model` appends its
+    choices (this rank's tokens) to the yielded `RoutingReplay`. Any mode: eval and no-grad forwards
+    record too.
+
+    Args:
+        model (nn.Module): the model whose `MoE` layers record (named by their qualified names in it).
+        into (RoutingReplay | None): a recording to append to; None (default) starts a new one.
+
+    Returns:
+        Iterator[RoutingReplay]: yields the recording (`into`, else the new one), filled as the forwards run.
+
+    Example:
+        >>> import torch
+        >>> from dtensor_moe import MoE, MoEConfig, record_routing, replay_routing
+        >>> moe = MoE(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2))
+        >>> x_BLD = torch.randn(2, 3, 8)
+        >>> with record_routing(moe) as recorded:
+        ...     y_BLD = moe(x_BLD)
+        >>> recorded.experts[""][0].shape  # the root module's name is ""
+        torch.Size([6, 2])
+    """
     recorded = RoutingReplay() if into is None else into
     layers = moe_layers(model)
     with _attached(model, layers, {n: LayerReplay(n, recorded.experts.setdefault(n, []), False) for n in layers}):
@@ -114,8 +149,35 @@ def record_routing(model: nn.Module, into: RoutingReplay | None = None) -> Itera
 
 @contextmanager
 def replay_routing(model: nn.Module, recorded: RoutingReplay) -> Iterator[None]:
-    """Inside, the k-th forward of each MoE layer of `model` chooses the experts of that layer's k-th recorded
-    forward. Every check that needs no forward runs here, before any collective."""
+    """Context manager replaying routing: inside, the k-th forward of each MoE layer of `model` chooses the
+    experts of that layer's k-th recorded forward (its combine weights are the current router's scores at
+    them, so the gate still gets its gradient).
+
+    Every check that needs no forward runs on entry, before any collective; a forward whose token count
+    differs from its recording's raises ValueError. Replay on the recording's mesh with the same per-rank
+    batches (docs/routing.md, "Routing replay").
+
+    Args:
+        model (nn.Module): the model that recorded (the same MoE layer names).
+        recorded (RoutingReplay): the recording, e.g. from `record_routing`; it is not consumed.
+
+    Returns:
+        Iterator[None]: a context manager; nothing is yielded.
+
+    Raises:
+        ValueError: the model has no MoE layer, a layer has no recording or the recording names layers
+            the model lacks, or a recorded experts_TK has the wrong shape, dtype or expert ids.
+
+    Example:
+        >>> import torch
+        >>> from dtensor_moe import MoE, MoEConfig, record_routing, replay_routing
+        >>> moe = MoE(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2))
+        >>> x_BLD = torch.randn(2, 3, 8)
+        >>> with record_routing(moe) as recorded:
+        ...     y_BLD = moe(x_BLD)
+        >>> with replay_routing(moe, recorded):
+        ...     moe(x_BLD).sum().backward()
+    """
     layers = moe_layers(model)
     _check(layers, recorded)
     with _attached(model, layers, {n: LayerReplay(n, recorded.experts[n], True) for n in layers}):

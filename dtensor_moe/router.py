@@ -9,6 +9,8 @@ from torch import nn
 
 from dtensor_moe.config import MoEConfig
 
+__all__ = ["TopKRouter", "Routing", "combine_weights_TE"]
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -47,6 +49,32 @@ def combine_weights_TE(config: MoEConfig, scores_TE: torch.Tensor, logits_TE: to
 
 
 class TopKRouter(nn.Module):
+    """The MoE layer's top-k router: a gate Linear [num_experts, dim] scores every expert for every token,
+    and each token's top_k experts are chosen with their combine weights.
+
+    Scores by `score_func` (softmax, sigmoid, or gpt-oss's softmax over the chosen logits), renormalized
+    over the chosen experts with `route_norm`, times `route_scale`; DeepSeek-V3's group limit and the
+    aux-free bias steer only which experts are chosen, never the weights. The gate runs in at least
+    float32 whatever the activations' dtype, since routing decisions are sensitive to rounding.
+    `MoE` builds one (`MoE.router`); build one directly to route outside a layer.
+
+    Args:
+        config (MoEConfig): read for dim, num_experts, top_k, score_func, route_norm, route_scale,
+            router_bias, num_expert_groups and num_limited_groups.
+
+    Forward args: x_TD [tokens, dim]; `expert_bias_E` (the aux-free bias, or None); `experts_TK` (routing
+    replay's recorded choices, or None). Returns a `Routing`: weights_TK in x's dtype, experts_TK,
+    and scores_TE, logits_TE in at least float32.
+
+    Example:
+        >>> import torch
+        >>> from dtensor_moe import MoEConfig, TopKRouter
+        >>> router = TopKRouter(MoEConfig(dim=16, hidden_dim=32, num_experts=8, top_k=2))
+        >>> r = router(torch.randn(5, 16))
+        >>> r.experts_TK.shape, r.weights_TK.sum(dim=-1).allclose(torch.ones(5))
+        (torch.Size([5, 2]), True)
+    """
+
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.config = config

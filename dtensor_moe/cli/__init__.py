@@ -8,6 +8,8 @@ import argparse
 import importlib
 import sys
 
+__all__ = ["main", "SUBCOMMANDS"]
+
 SUBCOMMANDS = {
     "train": ("dtensor_moe.cli.train", "train a small MoE language model on CPU ranks or GPUs"),
     "plan": ("dtensor_moe.cli.plan", "choose EP x EDP x ETP from memory and traffic"),
@@ -22,6 +24,8 @@ def _is_override(arg: str) -> bool:
 
 
 def main(argv=None) -> int:
+    """Runs `dtensor-moe` (the console script's entry point): `argv` (default sys.argv[1:]) names a subcommand
+    and its arguments; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="dtensor-moe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)

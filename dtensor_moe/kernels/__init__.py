@@ -4,3 +4,7 @@ Each op has a torch implementation (every device; exact in float64), a CUDA impl
 Triton kernel pays, a fake implementation for torch.compile, and autograd where it is differentiated
 directly. `policy.py` alone decides which implementation runs.
 """
+
+# Nothing is re-exported here: the public modules, each imported by its own name.
+# wgrad_triton holds wgrad's Triton kernels and imports Triton: wgrad loads it where it runs.
+__all__ = ["fp8", "gather_sum", "grouped_mm", "policy", "segment_sum", "swiglu", "wgrad"]

@@ -10,6 +10,8 @@ from dtensor_moe.parallel.compile import apply_activation_checkpointing, apply_c
 from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
 from dtensor_moe.parallel.shard import dp_fsdp_mesh, fsdp_kwargs, moe_layers, shard_and_connect
 
+__all__ = ["parallelize_blocks"]
+
 
 def parallelize_blocks(
     model: nn.Module,

@@ -12,6 +12,8 @@ included, at the cost of holding a whole sequence's K and V per rank.
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+__all__ = ["attend_over_cp"]
+
 
 def attend_over_cp(q_BHLK, k_BHLK, v_BHLK, cp_mesh, key_order, **sdpa_kwargs):
     """Attention of this rank's queries over the keys and values of every cp rank, causal by

@@ -42,6 +42,8 @@ from dtensor_moe.moe import recomputing
 from dtensor_moe.parallel.replica_dispatch import Replicas
 from dtensor_moe.routing import ExpertInput, PaddedCopies, ScaleGrad, TokenCopies, gather_rows, inverse_permutation
 
+__all__ = ["RowCapExceeded", "ExpertDispatcher", "SENT_BYTES", "ep_plan", "ep_move", "pair_move"]
+
 _GROUPS: "weakref.WeakValueDictionary[str, dist.ProcessGroup]" = weakref.WeakValueDictionary()
 # torch 2.13 names all_gather_single in place of the deprecated all_gather_into_tensor (2.11 has only that).
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -351,8 +353,24 @@ def _eager_replicas() -> None:
 
 
 class RowCapExceeded(ValueError):
-    """MoEConfig.max_rows_per_rank was exceeded: raised alike on every rank of the EP x ETP group, before the
-    tokens move."""
+    """Raised when a forward would exceed `MoEConfig.max_rows_per_rank`: an EP rank would compute more
+    expert rows than the cap.
+
+    Raised alike on every rank of the EP x ETP group, before the tokens move, with a message naming the
+    layer, the forward, the worst EP rank and the rows per EP rank. Ranks of other EP groups do not raise
+    and may wait in a later collective, so catch it to report and stop, not to carry on (the main job
+    writes a "row cap" stop note and exits). A ValueError: `except ValueError` catches it too.
+
+    Example::
+
+        from dtensor_moe import RowCapExceeded
+
+        try:
+            model(tokens).sum().backward()
+        except RowCapExceeded as e:
+            print(f"stopping: {e}")
+            raise  # end the job: other EP groups may be waiting in a collective
+    """
 
 
 class ExpertDispatcher:

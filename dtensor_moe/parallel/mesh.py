@@ -21,6 +21,8 @@ from dtensor_moe.validate import check_fields
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+__all__ = ["MoEParallelDims", "MoEMeshes", "DENSE_AXES", "EXPERT_AXES", "PP_STAGES_PER_RANK"]
+
 DENSE_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 # Pipeline schedules (torch.distributed.pipelining) -> stages each rank holds.
 PP_STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}
@@ -33,6 +35,34 @@ def divisors(n: int) -> list[int]:
 
 @dataclass(frozen=True)
 class MoEParallelDims:
+    """The parallel degrees of a run: the dense mesh (dp_replicate, dp_shard, cp, tp) and the expert mesh
+    (dp_replicate, edp, ep, etp) folded over the same ranks, inside each of `pp` pipeline stages.
+
+    Plain data, checked at construction (no torch needed): degrees that do not fold raise ValueError
+    naming the valid ones. The expert data-parallel degree is derived, edp = dp_shard * cp * tp /
+    (ep * etp). `build_meshes(device_type)` creates the process groups (`MoEMeshes`); `plan_moe`,
+    `ExpertParallel` and `parallelize_moe` take the degrees.
+
+    Args:
+        world_size (int): ranks in the job; >= 1.
+        dp_replicate (int): HSDP replicas (data-parallel groups holding full copies); >= 1. Default 1.
+        dp_shard (int): FSDP2 sharding degree; -1 (default) takes the rest of a stage:
+            world_size / (pp * dp_replicate * cp * tp).
+        cp (int): context-parallel degree (each sequence split over cp ranks); >= 1. Default 1.
+        tp (int): dense tensor-parallel degree (with sequence parallelism); >= 1. Default 1.
+        ep (int): expert-parallel degree (the experts split over ep ranks); >= 1, and ep * etp must
+            divide dp_shard * cp * tp. Default 1.
+        etp (int): expert tensor-parallel degree (each expert's hidden dim F split over etp ranks);
+            >= 1. Default 1.
+        pp (int): pipeline stages, outermost; must divide world_size. Default 1.
+
+    Example:
+        >>> from dtensor_moe import MoEParallelDims
+        >>> dims = MoEParallelDims(world_size=8, ep=2, etp=2)
+        >>> dims.dp_shard, dims.edp, dims.expert_shape
+        (8, 2, (1, 2, 2, 2))
+    """
+
     world_size: int
     dp_replicate: int = 1
     dp_shard: int = -1
@@ -136,12 +166,34 @@ def _coords(rank: int, axes, shape) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class MoEMeshes:
+    """The device meshes of one `MoEParallelDims`, made by `MoEParallelDims.build_meshes(device_type)`
+    (a collective, cached): with pp > 1 each is the mesh of this rank's pipeline stage.
+
+    Attributes:
+        dense (DeviceMesh): (dp_replicate, dp_shard, cp, tp).
+        expert (DeviceMesh): (dp_replicate, edp, ep, etp), over the same ranks as `dense`.
+        dp (DeviceMesh): (dp_replicate, dp_shard), or (dp_replicate, dp_shard_cp) with cp > 1: where the
+            dense weights are FSDP-sharded (the mesh of the caller's own `fully_shard`).
+        tp (DeviceMesh): dense tensor parallelism, on the same root mesh as `dp`, so FSDP2 composes them
+            (the mesh of a `parallelize_module` plan).
+        moe_dp (DeviceMesh): (dp_replicate, `MoEParallelDims.moe_dp_axis`): every rank with its own
+            tokens, where an MoE's dense weights are sharded and its statistics summed.
+        pp (DeviceMesh | None): this rank's pipeline (one rank per stage); None when pp == 1.
+
+    Example (under torchrun, 4 ranks)::
+
+        dims = MoEParallelDims(world_size=4, ep=2, etp=2)
+        meshes = dims.build_meshes("cuda")
+        parallelize_module(model, meshes.tp, {"*.moe": ExpertParallel(meshes=meshes)})
+        fully_shard(model, mesh=meshes.dp)
+    """
+
     dense: "DeviceMesh"
     expert: "DeviceMesh"
-    dp: "DeviceMesh"  # (dp_replicate, dp_shard_cp): where dense weights are FSDP-sharded
-    tp: "DeviceMesh"  # dense tensor parallelism, on the same root mesh as `dp` (FSDP2 composes them)
-    moe_dp: "DeviceMesh"  # (dp_replicate, moe_dp_axis): an MoE's dense weights and statistics
-    pp: "DeviceMesh | None"  # this rank's pipeline (one rank per stage); None when pp == 1
+    dp: "DeviceMesh"
+    tp: "DeviceMesh"
+    moe_dp: "DeviceMesh"
+    pp: "DeviceMesh | None"
 
     @functools.cached_property
     def expert_weights(self) -> "DeviceMesh":

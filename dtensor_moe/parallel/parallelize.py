@@ -16,53 +16,74 @@ from dtensor_moe.parallel.compile import apply_compile
 from dtensor_moe.parallel.mesh import DENSE_AXES, EXPERT_AXES, MoEMeshes, MoEParallelDims
 from dtensor_moe.parallel.shard import experts_fsdp_sharded, fsdp_kwargs, moe_layers, shard_and_connect
 
+__all__ = ["ExpertParallel", "parallelize_moe"]
+
 TP_REDUCE = ("sum", "mean")
 
 
 class ExpertParallel(ParallelStyle):
-    """Shards every `dtensor_moe.MoE` in the module it is applied to (the MoE itself, or any module holding
-    MoE layers, e.g. `"layers.*.moe"` or the whole model) exactly as `parallelize_moe` does: expert weights
-    become DTensors by the placement plan (`plan_moe`: E over EP, F over ETP), `ExpertDispatcher` moves
-    tokens around the experts, load-balancing statistics reduce over every rank with its own tokens
-    (`DataParallelStats`), and FSDP2 shards the experts over EDP / HSDP and the router and shared experts
-    over those ranks.
+    """A DTensor `ParallelStyle` that shards every `dtensor_moe.MoE` in the module it is applied to by the
+    placement plan: key it in a `parallelize_module` plan beside torch's ColwiseParallel / RowwiseParallel.
+
+    It applies to the MoE itself or to any module holding MoE layers (e.g. `"layers.*.moe"` or the whole
+    model), exactly as `parallelize_moe` does: expert weights become DTensors by the placement plan
+    (`plan_moe`: E over EP, F over ETP), `ExpertDispatcher` moves tokens around the experts,
+    load-balancing statistics reduce over every rank with its own tokens (`DataParallelStats`), and
+    FSDP2 shards the experts over EDP / HSDP and the router and shared experts over those ranks.
+
+    The mesh `parallelize_module` hands every style in the plan (the dense TP mesh, or the world mesh)
+    gives only the device type, when `device_type` is None: the expert mesh (dp_replicate, edp, ep, etp)
+    folds over the same ranks as the dense one, so no 1-D slice of either is enough; the style builds
+    (or takes) both folded meshes and uses all of their axes. `src_data_rank` (`parallelize_module`'s,
+    0 by default) is honoured as torch's styles honour it: every rank takes the layer's parameters from
+    that group rank on each axis of its pipeline stage (meta weights are not sent); None slices each
+    rank's own copy, so all ranks must hold the same weights (`parallelize_moe`'s behaviour).
+
+    Args:
+        dims (MoEParallelDims | None): the degrees; or leave it None and pass `meshes`.
+
+    Keyword Args:
+        meshes (MoEMeshes | None): the meshes of `dims.build_meshes(...)`; its degrees are read off them.
+            Default None (the style builds them from `dims`).
+        device_type (str | None): "cuda", "cpu", ...; None (default) takes the device type of the mesh
+            `parallelize_module` passes.
+        fsdp (bool): True (default): the layer's FSDP2 units are made here, so a later `fully_shard` of
+            the model or of its blocks skips the MoE's parameters. False: no units here; the caller's
+            `fully_shard` around the layer takes its router and shared experts and must leave the
+            experts out (`ignored_params=ExpertParallel.expert_parameters(model)`): under EDP / HSDP
+            their weights are DTensors on the whole expert mesh, gathered over EDP inside the forward
+            and their gradients reduce-scattered back (`experts.gather_for_compute`). False needs
+            `dims.tp == 1`, where the caller's data-parallel mesh holds every rank with its own tokens.
+        mp_policy (MixedPrecisionPolicy | None): the layer's FSDP2 units' mixed precision (fsdp=True
+            only). Default None.
+        reshard_after_forward (bool): the layer's FSDP2 units' `reshard_after_forward`. Default True.
+        compile (bool | str): True, or a backend name: each MoE's forward compiles as one graph
+            (`fullgraph=True`) inside its FSDP2 unit's hooks, the experts then in no unit (gathered in
+            the graph, as above). This is the supported route to a compiled layer: FSDP2's hooks cannot
+            be traced (torch 2.11-2.13), so `torch.compile(m, fullgraph=True)` of a module `m` that
+            holds one of the layer's units fails, with an error that names this route (a hook ahead of
+            each unit's own). `torch.compile` of the MoE itself compiles when its experts have no unit
+            (no EDP / HSDP): a compiled module's own hooks run outside its graph. With `fsdp=False` no
+            unit is in the way of any `fullgraph` compile. Default False.
+        tp_reduce (str): with `dims.tp > 1` (every TP rank holds its own slice of each sequence,
+            sequence parallelism): "sum" (default) sums the MoE's weight gradients over the tp ranks as
+            DTensor sums a TP-sharded weight's, so the whole plan follows one loss convention (the loss
+            of a tp group, averaged over the data-parallel groups by FSDP); "mean" averages over them as
+            over every data-parallel rank, each rank's loss its own (`parallelize_moe`'s convention).
+
+    Returns:
+        A `ParallelStyle` for a `parallelize_module` plan; applying it shards the layers in place.
+
+    Raises:
+        ValueError: bad arguments, here; bad degrees for a layer, a module with no MoE or one already
+            parallelized, when applied, before any collective.
+
+    Example (under torchrun; README.md runs a complete one on 4 CPU ranks)::
 
         meshes = dims.build_meshes("cuda")
         parallelize_module(model, meshes.tp, {"attn.wq": ColwiseParallel(), ...,
                                               "moe": ExpertParallel(dims)})
         fully_shard(model, mesh=meshes.dp)   # the dense rest; the MoE's own units are left alone
-
-    `dims` (`MoEParallelDims`), or `meshes` (`MoEMeshes` from `dims.build_meshes`; its degrees are read off
-    them). The mesh `parallelize_module` hands every style in the plan (the dense TP mesh, or the world
-    mesh) only gives the device type when `device_type` is None: the expert mesh (dp_replicate, edp, ep,
-    etp) folds over the same ranks as the dense one, so no 1-D slice of either is enough; the style builds
-    (or takes) both folded meshes and uses all of their axes. `src_data_rank` (`parallelize_module`'s, 0
-    by default) is honoured as torch's styles honour it: every rank takes the layer's parameters from
-    that group rank on each axis of its pipeline stage (meta weights are not sent); None slices each
-    rank's own copy, so all ranks must hold the same weights (`parallelize_moe`'s behaviour).
-
-    `fsdp` True (default): the layer's FSDP2 units are made here (`mp_policy`, `reshard_after_forward` are
-    theirs), so a later `fully_shard` of the model or of its blocks skips the MoE's parameters. False: no
-    units here; the caller's `fully_shard` around the layer takes its router and shared experts and must
-    leave the experts out (`ignored_params=ExpertParallel.expert_parameters(model)`): under EDP / HSDP
-    their weights are DTensors on the whole expert mesh, gathered over EDP inside the forward and their
-    gradients reduce-scattered back (`experts.gather_for_compute`). Needs `dims.tp == 1`, where the
-    caller's data-parallel mesh holds every rank with its own tokens.
-
-    `compile` (True, or a backend name): each MoE's forward compiles as one graph (`fullgraph=True`)
-    inside its FSDP2 unit's hooks, the experts then in no unit (gathered in the graph, as above). This
-    is the supported route to a compiled layer: FSDP2's hooks cannot be traced (torch 2.11-2.13), so
-    `torch.compile(m, fullgraph=True)` of a module `m` that holds one of the layer's units fails, with
-    an error that names this route (a hook ahead of each unit's own). `torch.compile` of the MoE itself
-    compiles when its experts have no unit (no EDP / HSDP): a compiled module's own hooks run outside
-    its graph. With `fsdp=False` no unit is in the way of any `fullgraph` compile.
-
-    `tp_reduce` (`dims.tp > 1`: every TP rank holds its own slice of each sequence, sequence parallelism):
-    "sum" (default) sums the MoE's weight gradients over the tp ranks as DTensor sums a TP-sharded
-    weight's, so the whole plan follows one loss convention (the loss of a tp group, averaged over the
-    data-parallel groups by FSDP); "mean" averages over them as over every data-parallel rank, each
-    rank's loss its own (`parallelize_moe`'s convention). Bad arguments raise ValueError here; bad
-    degrees for a layer, a module with no MoE or one already parallelized, before any collective.
     """
 
     def __init__(
@@ -222,15 +243,38 @@ def parallelize_moe(
     reshard_after_forward: bool = True,
     compile: bool | str = False,
 ) -> nn.Module:
-    """Shard every `MoE` in `module` by its placement plan (EP, ETP, FSDP2 over EDP / HSDP): the
-    `ExpertParallel` style applied to the whole tree, each rank slicing its own copy of the weights
-    (no broadcast) and the tp ranks averaged like every data-parallel rank (`tp_reduce="mean"`).
+    """Shard every `MoE` in `module` in place by its placement plan (EP, ETP, FSDP2 over EDP / HSDP).
 
-    Dense parts outside the MoE layers are left for the caller's own `fully_shard` (on
-    `dims.build_meshes(...).dp`), as in torchtitan's parallelize functions. `compile`: each MoE's
-    forward becomes one graph (its FSDP unit's hooks run around it); a string names the backend.
-    This, not `torch.compile(..., fullgraph=True)` of a module holding the layer's FSDP2 units, is
-    how a parallelized layer compiles (see ExpertParallel). A module with no MoE is returned as is.
+    The `ExpertParallel` style applied to the whole tree, each rank slicing its own copy of the weights
+    (no broadcast: every rank must hold the same weights, e.g. from the same seed) and the tp ranks
+    averaged like every data-parallel rank (`tp_reduce="mean"`). Dense parts outside the MoE layers are
+    left for the caller's own `fully_shard` (on `dims.build_meshes(...).dp`), as in torchtitan's
+    parallelize functions. Must run on every rank (it builds the meshes: a collective).
+
+    Args:
+        module (nn.Module): a model holding `MoE` layers, or an `MoE`; one with no MoE is returned as is.
+        dims (MoEParallelDims): the degrees; world_size must be the process group's size.
+
+    Keyword Args:
+        device_type (str): the meshes' device type. Default "cuda".
+        mp_policy (MixedPrecisionPolicy | None): the layers' FSDP2 units' mixed precision. Default None.
+        reshard_after_forward (bool): the layers' FSDP2 units' `reshard_after_forward`. Default True.
+        compile (bool | str): each MoE's forward becomes one graph (its FSDP unit's hooks run around it);
+            a string names the backend. This, not `torch.compile(..., fullgraph=True)` of a module holding
+            the layer's FSDP2 units, is how a parallelized layer compiles (see `ExpertParallel`).
+            Default False.
+
+    Returns:
+        nn.Module: `module`, its MoE layers sharded.
+
+    Raises:
+        ValueError: degrees that do not fit a layer, or a layer already parallelized, before any collective.
+
+    Example (under torchrun, 4 ranks; docs/compile.md and docs/hf.md run complete ones)::
+
+        dims = MoEParallelDims(world_size=4, ep=2, etp=2)
+        parallelize_moe(model, dims, device_type="cuda")
+        fully_shard(model, mesh=dims.build_meshes("cuda").dp)  # the dense rest
     """
     style = ExpertParallel(dims, device_type=device_type, mp_policy=mp_policy,
                            reshard_after_forward=reshard_after_forward, compile=compile, tp_reduce="mean")

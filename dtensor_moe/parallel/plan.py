@@ -22,22 +22,66 @@ from dataclasses import dataclass, replace
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims, divisors
 
+__all__ = [
+    "plan_moe", "WeightPlan", "ShardStep", "owned_box", "ownership", "Ownership", "rank_coords", "check_pipeline",
+    "stage_layers", "rank_layers",
+]
+
 
 @dataclass(frozen=True)
 class ShardStep:
-    axis: str  # mesh axis name
-    dim: int  # tensor dim split over that axis, applied to the slice left by earlier steps
+    """One step of a weight's placement: split tensor dim `dim` over mesh axis `axis`.
+
+    Attributes:
+        axis (str): the mesh axis's name ("ep", "etp", "edp", or a dense data-parallel axis such as
+            "dp_shard").
+        dim (int): the tensor dim split over that axis, applied to the slice the earlier steps left
+            (torch.chunk's split: ceil-sized chunks, the last ones short or empty).
+
+    Example:
+        >>> from dtensor_moe import MoEConfig, MoEParallelDims, plan_moe
+        >>> plan_moe(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2),
+        ...          MoEParallelDims(world_size=8, ep=2, etp=2))[0].steps  # experts.w13 [E, 2, F, D]
+        (ShardStep(axis='ep', dim=0), ShardStep(axis='etp', dim=2), ShardStep(axis='edp', dim=0))
+    """
+
+    axis: str
+    dim: int
 
 
 @dataclass(frozen=True)
 class WeightPlan:
-    name: str  # parameter name relative to the MoE module
-    role: str  # "expert" | "dense"
+    """The placement of one parameter of an `MoE` layer, as `plan_moe` decides it: which slice each rank
+    holds follows from `steps` alone (`owned_box`), and every element is held once per replica
+    (`ownership` checks it).
+
+    Attributes:
+        name (str): the parameter's name relative to the MoE module, e.g. "experts.w13".
+        role (str): "expert" (sharded over ep, etp, edp) or "dense" (router, shared experts: sharded over
+            the data-parallel ranks).
+        global_shape (tuple[int, ...]): the full parameter's shape.
+        steps (tuple[ShardStep, ...]): the splits, in application order; the last is FSDP2's.
+        replicate_axes (tuple[str, ...]): the mesh axes that hold full copies of each slice.
+        local_shape (tuple[int, ...]): the slice rank 0 holds, the largest.
+        padded (bool): FSDP2 pads the last slices (no dim split evenly).
+
+    Example:
+        >>> from dtensor_moe import MoEConfig, MoEParallelDims, plan_moe
+        >>> w13 = plan_moe(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2),
+        ...                MoEParallelDims(world_size=8, ep=2, etp=2))[0]
+        >>> w13.name, w13.global_shape, w13.local_shape
+        ('experts.w13', (4, 2, 16, 8), (1, 2, 8, 8))
+        >>> w13.placements()
+        {'dp_replicate': 'Replicate()', 'ep': 'Shard(0)', 'etp': 'Shard(2)', 'edp': 'Shard(0) of local'}
+    """
+
+    name: str
+    role: str
     global_shape: tuple[int, ...]
-    steps: tuple[ShardStep, ...]  # in application order
-    replicate_axes: tuple[str, ...]  # axes that hold full copies of each slice
-    local_shape: tuple[int, ...]  # on rank 0, which holds the largest slice
-    padded: bool  # FSDP pads the last slices (no even split existed)
+    steps: tuple[ShardStep, ...]
+    replicate_axes: tuple[str, ...]
+    local_shape: tuple[int, ...]
+    padded: bool
 
     @property
     def fsdp_step(self) -> ShardStep:
@@ -140,7 +184,31 @@ def _weight(name, role, shape, steps, replicate, sizes) -> WeightPlan:
 
 
 def plan_moe(config: MoEConfig, dims: MoEParallelDims) -> tuple[WeightPlan, ...]:
-    """The placement of every parameter of one `MoE` module (names relative to it)."""
+    """The placement plan of one `MoE` layer: which rank holds which slice of each of its parameters.
+
+    The single source of truth for placements: `parallelize_moe` / `ExpertParallel` shard by it, and the
+    checkpoints, the planner and `dtensor-moe explain` read it. Expert weights split E over EP, F over
+    ETP, then FSDP2 splits the local slice over EDP along a dim that needs no padding where one exists,
+    replicated over dp_replicate (HSDP); the router and shared experts are FSDP-sharded over every rank
+    with its own tokens (`MoEParallelDims.moe_dp_axis`). Plain data: no torch, no collective.
+
+    Args:
+        config (MoEConfig): the layer.
+        dims (MoEParallelDims): the degrees; num_experts must be divisible by ep and hidden_dim by etp.
+
+    Returns:
+        tuple[WeightPlan, ...]: one plan per parameter, named relative to the MoE module (experts first).
+
+    Raises:
+        ValueError: the degrees do not fit the layer (naming the valid ones).
+
+    Example:
+        >>> from dtensor_moe import MoEConfig, MoEParallelDims, plan_moe
+        >>> plans = plan_moe(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2, num_shared_experts=1),
+        ...                  MoEParallelDims(world_size=4, ep=2))
+        >>> [(wp.name, wp.local_shape) for wp in plans][:3]
+        [('experts.w13', (1, 2, 16, 8)), ('experts.w2', (1, 8, 16)), ('router.gate.weight', (1, 8))]
+    """
     _validate(config, dims)
     sizes = axis_sizes(dims)
     E, F, D = config.num_experts, config.hidden_dim, config.dim
@@ -198,7 +266,26 @@ def split_gate_up_plans(plans: tuple[WeightPlan, ...]) -> tuple[WeightPlan, ...]
 
 
 def owned_box(wp: WeightPlan, dims: MoEParallelDims, rank: int) -> tuple[slice, ...]:
-    """The global index box of `wp` that `rank` holds (each step chunks the previous slice)."""
+    """The slice of a parameter's full tensor that one rank holds, from the plan alone.
+
+    Each of `wp.steps` chunks the slice the earlier ones left, as DTensor and FSDP2 do.
+
+    Args:
+        wp (WeightPlan): the parameter's plan (from `plan_moe`).
+        dims (MoEParallelDims): the degrees the plan was made for.
+        rank (int): a global rank; with pp > 1 its coordinates inside its pipeline stage count.
+
+    Returns:
+        tuple[slice, ...]: one slice per dim of `wp.global_shape`: `full[box]` is the rank's local tensor
+        (empty slices where FSDP2's padding leaves a rank nothing).
+
+    Example:
+        >>> from dtensor_moe import MoEConfig, MoEParallelDims, owned_box, plan_moe
+        >>> dims = MoEParallelDims(world_size=4, ep=2, etp=2)
+        >>> w13 = plan_moe(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2), dims)[0]
+        >>> owned_box(w13, dims, rank=3)
+        (slice(2, 4, None), slice(0, 2, None), slice(8, 16, None), slice(0, 8, None))
+    """
     coords = rank_coords(dims, rank)
     sizes = axis_sizes(dims)
     box = [(0, n) for n in wp.global_shape]
@@ -209,12 +296,31 @@ def owned_box(wp: WeightPlan, dims: MoEParallelDims, rank: int) -> tuple[slice, 
 
 @dataclass(frozen=True)
 class Ownership:
+    """How the ranks of a pipeline stage hold one parameter, counted by `ownership` from its plan.
+
+    Attributes:
+        name (str): the parameter's name relative to the MoE module.
+        numel (int): the full parameter's elements.
+        copies (int): how many ranks hold each element (the product of the replicate axes' sizes,
+            the same for every element).
+        max_rank_numel (int): the most elements one rank holds.
+        min_rank_numel (int): the fewest elements one rank holds.
+        shard_factor (int): the product of the shard degrees applied (EP * ETP * EDP for experts).
+
+    Example:
+        >>> from dtensor_moe import MoEConfig, MoEParallelDims, ownership, plan_moe
+        >>> dims = MoEParallelDims(world_size=4, dp_replicate=2, ep=2)
+        >>> w2 = plan_moe(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2), dims)[1]
+        >>> ownership(w2, dims)
+        Ownership(name='experts.w2', numel=512, copies=2, max_rank_numel=256, min_rank_numel=256, shard_factor=2)
+    """
+
     name: str
     numel: int
-    copies: int  # how many ranks hold each element (the product of the replicate axes' sizes, everywhere)
+    copies: int
     max_rank_numel: int
     min_rank_numel: int
-    shard_factor: int  # product of the shard degrees applied: EP*ETP*EDP for experts
+    shard_factor: int
 
     @property
     def exact(self) -> bool:
@@ -225,10 +331,26 @@ class Ownership:
 
 
 def ownership(wp: WeightPlan, dims: MoEParallelDims) -> Ownership:
-    """Counts, from the plan alone, how many ranks hold each element of the weight.
+    """Counts, from the plan alone, how many ranks hold each element of the weight, and checks the count.
 
-    Raises ValueError if any element is held by a number of ranks other than the product of the
-    replicate axes' sizes (double sharding or a hole)."""
+    Args:
+        wp (WeightPlan): the parameter's plan (from `plan_moe`).
+        dims (MoEParallelDims): the degrees the plan was made for.
+
+    Returns:
+        Ownership: the copies of each element and the elements per rank.
+
+    Raises:
+        ValueError: some element is held by a number of ranks other than the product of the replicate
+            axes' sizes (double sharding or a hole).
+
+    Example:
+        >>> from dtensor_moe import MoEConfig, MoEParallelDims, ownership, plan_moe
+        >>> dims = MoEParallelDims(world_size=8, ep=2, etp=2)
+        >>> own = ownership(plan_moe(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2), dims)[0], dims)
+        >>> own.copies, own.shard_factor, own.exact
+        (1, 8, True)
+    """
     sizes = axis_sizes(dims)
     want = math.prod(sizes[a] for a in wp.replicate_axes)
     vols, total = [], 0

@@ -16,6 +16,8 @@ order of its pairs): the owner takes the first share, each replica the next, in 
 
 from collections.abc import Sequence
 
+__all__ = ["replica_plan", "rows_per_rank", "shares", "holders", "source_segments"]
+
 
 def _water_fill(rows: int, levels: Sequence[int]) -> list[int]:
     """Rows to add to each level (summing to `rows`) that raise the lowest levels to a common one; the

@@ -1,2 +1,8 @@
 """The main job (`dtensor-moe train`): model, data, optimizer, loop, metrics, checkpoints, export, and its
 configuration."""
+
+# Nothing is re-exported here: the public modules, each imported by its own name.
+__all__ = [
+    "checkpoint", "config", "data", "export", "hf_checkpoint", "hf_config", "loop", "metrics", "model", "optim",
+    "parallel", "supervision",
+]

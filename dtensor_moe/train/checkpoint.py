@@ -63,6 +63,8 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_moe.experts import gate_up_halves, gate_up_whole, split_gate_up
 
+__all__ = ["save", "load", "latest", "pick", "verify", "CheckpointError", "SaveError"]
+
 TRAIN_STATE = "train_state.pt"
 RUN_CHECKPOINTS = "checkpoints"  # RUN_DIR/checkpoints: where the main job saves
 MODEL_CONFIG = "model_config.json"

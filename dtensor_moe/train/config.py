@@ -11,6 +11,11 @@ from dtensor_moe.train.hf_config import check_hf_parallel, hf_model_fields
 from dtensor_moe.train.parallel.tp_plan import check_tp_heads, check_tp_untied
 from dtensor_moe.validate import Range, above, at_least, check_fields
 
+__all__ = [
+    "Config", "ModelConfig", "ParallelConfig", "TrainingConfig", "DataConfig", "load_config", "parse_overrides",
+    "read_toml",
+]
+
 BYTE_VOCAB = 256  # both data sources are byte-level (dtensor_moe.train.data.VOCAB_SIZE)
 OVERRIDE = re.compile(r"^([A-Za-z_]\w*)\.([A-Za-z_]\w*)=(.*)$", re.DOTALL)
 

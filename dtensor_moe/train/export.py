@@ -50,6 +50,8 @@ from dtensor_moe.train.checkpoint import (
     step_dir,
 )
 
+__all__ = ["export_checkpoint", "import_weights", "load_safetensors_into", "read_config", "WEIGHTS", "CONFIG"]
+
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 

@@ -11,6 +11,8 @@ from torch import nn
 from dtensor_moe.moe import MoE
 from dtensor_moe.train.config import ModelConfig
 
+__all__ = ["MoETransformer", "HFCausalLM", "MoEModel", "build_model"]
+
 
 def rope(x_BHLK: torch.Tensor, positions_L: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding on the last dim (K = head dim) at the given token positions."""

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+__all__ = ["build_optimizer", "build_scheduler", "clip_grad_norm_", "global_grad_norm"]
+
 
 def build_optimizer(model, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     # foreach kernels group tensors by device and dtype, not by mesh; per-parameter is mesh-safe.

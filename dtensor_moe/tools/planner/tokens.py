@@ -21,6 +21,8 @@ from dtensor_moe.tools.planner.skew import Balance, balance
 from dtensor_moe.tools.planner.workload import Workload, tokens_per_rank
 from dtensor_moe.tools.presets import ModelSpec
 
+__all__ = ["Rates", "rates", "distinct_ranks"]
+
 
 def distinct_ranks(num_experts: int, top_k: int, ep: int, groups: int = 1, limited: int = 1) -> float:
     """Expected EP ranks a token's top-k experts land on under uniform routing: the rows the

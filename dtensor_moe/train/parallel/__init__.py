@@ -1,2 +1,5 @@
 """The main job's dense parallelism (TP plan, CP attention, pipeline) and `parallelize_model`, which chains them
 with the library's expert parallelism over `dtensor_moe.train.model.MoETransformer`."""
+
+# Nothing is re-exported here: the public modules, each imported by its own name.
+__all__ = ["context_parallel", "parallelize", "pipeline", "tensor_parallel", "tp_plan"]

@@ -8,6 +8,8 @@ from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.train.parallel.context_parallel import apply_cp, check_cp_model
 from dtensor_moe.train.parallel.tensor_parallel import apply_tp, check_tp_model
 
+__all__ = ["parallelize_model"]
+
 
 def check_model_parallel(dims: MoEParallelDims, compile, prefix: str = ""):
     """What dense TP, CP and PP need of parallelize_model's other options, checked before any collective."""
