@@ -4,7 +4,8 @@ plus 64-row tail tiles beat torch._grouped_mm on ragged counts? One GPU, bf16, b
     python benchmarks/ragged_gemm_probe.py --out ragged_gemm_probe.json   # one H200, ~2 minutes
 
 torch._grouped_mm (CUTLASS on sm90) runs each expert's rows in fixed-height tiles: at 256 +- 15 rows per expert half
-the experts spill into a third tile and the forward loses ~27% (../shared/bench/README.md). Here two launches of one
+the experts spill into a third tile and the forward loses ~27% (measured on one H200: this probe's `exact` counts
+against its `topk` ones show it). Here two launches of one
 kernel: every expert's first 128 * floor(c / 128) rows in 128-row tiles, then the rest in 64-row tiles, so a tile
 wastes at most 63 rows. Tiles are scheduled from the device counts alone (no host read): program t of a launch
 belongs to the expert whose cumulative tile count first exceeds t (a binary search over E), programs past the last

@@ -1,9 +1,11 @@
-"""What git tracks stays small: no raw benchmark dumps, traces or other big files in the repository.
+"""What git tracks stays small: no raw benchmark dumps, traces or other big files in the repository. And it
+stands alone: no path outside the checkout, no lab notebook (sessions, issue numbers, commits) in the library.
 
 Sizes are those of the blobs in the index (what the next commit records), not of the working tree.
 """
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -68,3 +70,47 @@ def test_benchmark_results_hold_only_small_summaries():
         f"{RESULTS_DIR} tracks only summary .json files of at most {_kib(RESULTS_MAX_BYTES)}; raw per-run dumps "
         f"(logs, text captures, traces, full benchmark dumps) stay untracked:\n{listing}"
     )
+
+
+# The library states the why of its current design; the lab notebook (which session measured what, issue numbers,
+# commits) lives in git history and benchmarks/RESULTS.md. Ordinals too ("the fifth session").
+NOTEBOOK = re.compile(r"\b(?:session|issue) \d+|\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth)"
+                      r" session\b|\bcommit [0-9a-f]{7,40}\b", re.IGNORECASE)
+# A path outside the repository that no clone has (a scratch directory beside the checkout).
+OUTSIDE_PATH = re.compile(r"\.\./shared\b")
+
+
+def _listed_files() -> list[str]:
+    """Tracked files and untracked ones git does not ignore (what a commit could add), as paths under ROOT."""
+    if shutil.which("git") is None:
+        pytest.skip("git not installed")
+    ls = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                        capture_output=True, text=True)
+    if ls.returncode != 0:
+        pytest.skip(f"not a git checkout: {ls.stderr.strip()}")
+    return sorted({p for p in ls.stdout.split("\0") if p and os.path.isfile(os.path.join(ROOT, p))})
+
+
+def _matches(paths, pattern) -> list[str]:
+    hits = []
+    for path in paths:
+        with open(os.path.join(ROOT, path), encoding="utf-8", errors="replace") as f:
+            for n, line in enumerate(f, 1):
+                if pattern.search(line):
+                    hits.append(f"  {path}:{n}: {line.strip()[:160]}")
+    return hits
+
+
+def test_library_cites_no_sessions_issues_or_commits():
+    library = [p for p in _listed_files() if p.startswith("dtensor_moe/") and p.endswith((".py", ".md"))]
+    hits = _matches(library, NOTEBOOK)
+    assert not hits, ("dtensor_moe/ comments and docstrings cite sessions, issue numbers or commits; say what was "
+                      "measured (or point to benchmarks/) instead:\n" + "\n".join(hits))
+
+
+def test_no_paths_outside_the_repository():
+    text = [p for p in _listed_files() if p.endswith((".py", ".md", ".sh", ".toml", ".txt", ".cfg", ".yml", ".yaml"))
+            or "." not in os.path.basename(p)]
+    hits = _matches(text, OUTSIDE_PATH)
+    assert not hits, ("files cite the shared/ directory beside the checkout, which no clone has; say what was "
+                      "measured or point to what benchmarks/ holds:\n" + "\n".join(hits))

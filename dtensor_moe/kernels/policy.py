@@ -89,7 +89,7 @@ def weight_grad_accumulation(x_ND: torch.Tensor, half_shape, grouped: bool, host
 
 # The Triton weight-gradient kernel's tile config per measured (O, I, rows per expert): another than
 # wgrad.CONFIG only where benchmarks/wgrad_probe.py saw it >= 4% faster in every run (at least two) on
-# one H200 (RESULTS.md session 7; the spread between runs is about 4%).
+# one H200 (benchmarks/RESULTS.md; the spread between runs is about 4%).
 WGRAD_CONFIGS = os.path.join(os.path.dirname(__file__), "wgrad_configs.json")
 
 
@@ -159,10 +159,11 @@ def gemm_precision(precision: str, gemm: str, x: torch.Tensor, E: int, I: int, O
 def gate_up_fused(precision: str, gemm: str, x: torch.Tensor, E: int, I: int, O: int) -> bool:
     """Whether the experts' gate and up run as one bf16 GEMM over w13's [E, 2F, D] rather than one per half (I, O:
     one half's, as gemm_precision takes them), each half in the precision gemm_precision picks for it. One GEMM
-    unless the table measured the two halves faster in that precision (../shared/bench/fused_w13_probe.py on one
-    H200, RESULTS.md: the fused input gradient faster at every measured shape, forward and weight gradient even);
-    where it has no fused row, one GEMM in bf16 and the halves where FP8 runs them. Off CUDA the halves wherever
-    FP8 runs (CPU tests check FP8's numerics), as in a compiled graph, which cannot read the table (a file)."""
+    unless the table measured the two halves faster in that precision (benchmarks/expert_gemms.py times both). On
+    one H200 the fused input gradient ran faster than the two halves at every shape measured, the forward and the
+    weight gradient even, and the DeepSeek-like layer went 50.12 -> 49.31 ms (benchmarks/RESULTS.md). Where the
+    table has no fused row: one GEMM in bf16 and the halves where FP8 runs them. Off CUDA the halves wherever FP8
+    runs (CPU tests check FP8's numerics), as in a compiled graph, which cannot read the table (a file)."""
     half = gemm_precision(precision, gemm, x, E, I, O)
     if not x.is_cuda or torch.compiler.is_compiling():
         return half != "fp8"

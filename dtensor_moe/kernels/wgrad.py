@@ -6,23 +6,19 @@ read-add-write pass over the whole gradient (11 GB per rank at the DeepSeek-like
 orientation of w1/w3, cuBLAS picks a slow tile (benchmarks/RESULTS.md). This kernel reads each
 output tile once, adds the fp32 product, and writes it back: one launch per weight. Programs run
 expert by expert, so an expert's rows stay in L2 while all its output tiles read them.
-At few rows per expert the read of the output tile in the epilogue, which nothing overlaps, is what the
-kernel waits on (Nsight Compute, RESULTS.md session 7): there the `atomic` epilogue rounds the product to
-the gradient's dtype and adds it in L2, which rounds as autograd's `grad += new` does; each element gets
-one add, so the result does not depend on timing. The `tma` epilogue does that add as one bulk tensor
-reduction per tile (the tile goes through shared memory, the SM issues one instruction and moves on),
-which is what gained at 256 rows per expert (RESULTS.md, fifth session); `per_sm` makes the grid
-persistent, where the next tile's loop overlaps the last one's reduction (it paid only with the wide tile).
+At few rows per expert the kernel waits on the epilogue's read of the output tile, which nothing overlaps
+(Nsight Compute): the `atomic` epilogue instead rounds the product to the gradient's dtype and adds it in
+L2, which rounds as autograd's `grad += new` does; each element gets one add, so the result does not depend
+on timing. The `tma` epilogue does that add as one bulk tensor reduction per tile (the SM issues one
+instruction and moves on), which paid at 256 rows per expert; `per_sm` makes the grid persistent, so the
+next tile's loop overlaps the last one's reduction (it paid only with the wide tile). The variants that
+measured slower on H200 (the output tile loaded before the K loop, persistent read-add-write kernels,
+Triton's warp specialization of the K loop) are recorded in benchmarks/RESULTS.md.
+
 Launched by the `dtensor_moe::add_weight_grad_` op (grouped_mm.py) where policy.weight_grad_accumulation
 chooses it, with the tile config policy.wgrad_config picks for the shape; tests run it on CPU under
 TRITON_INTERPRET=1 (the interpreter has no tensor reductions: there `tma` runs the atomic epilogue;
-benchmarks/gpu_ops_check.py checks it on the GPU). Tried on H200 and slower at every shape (RESULTS.md
-session 7): loading the output tile before the K loop, TMA operand loads through per-expert tensor
-descriptors, and a persistent kernel with the read-add-write epilogue, both with a loop per tile and with
-one flat loop over all of a program's K steps; and (session 8, commit ff72408) Triton 3.6's warp
-specialization of the K loop over those TMA descriptors (`tl.range(..., warp_specialize=True)`, 4 or 8
-warps): 8.7-12.9 ms against 7.0 at DeepSeek's 256 rows per expert where it compiled; its pass
-(NVGPUWarpSpecialization) crashed on two of the four atomic configs.
+benchmarks/gpu_ops_check.py checks it on the GPU).
 """
 
 from typing import NamedTuple
@@ -48,8 +44,8 @@ class Config(NamedTuple):
     tma_loads: bool = False
 
 
-# Where policy.wgrad_config has no measurement: the best at the DeepSeek shape in session 4 (two
-# programs fit on an SM, so one's epilogue overlaps the other's loop), within 7% of the best at Qwen.
+# Where policy.wgrad_config has no measurement: the best measured at the DeepSeek-like shape (two
+# programs fit on an SM, so one's epilogue overlaps the other's loop), within 7% of the best at Qwen's.
 CONFIG = Config(128, 128, 64, 4, 3)
 
 
