@@ -237,12 +237,12 @@ def _hf(run_root: str, device: str, family: str, world: int) -> dict:
     import torch.distributed as dist
 
     from tests.harness import _free_port, run_on_ranks
-    from tests.hf_models import hf_model
+    from tests.hf_models import GPU_ATTENTION, hf_model
     from tests.test_hf_train import _batch, _load, _rel, _train, train_on_ranks
 
     ckpt = os.path.join(run_root, "hf", family)
     if not os.path.isdir(ckpt):
-        hf_model(family).float().save_pretrained(ckpt)
+        hf_model(family, **GPU_ATTENTION.get(family, {})).float().save_pretrained(ckpt)
     tokens_BL, probe_BL = _batch()
     ref = _load(ckpt).to(device)
     ref_losses = torch.stack(_train(ref, tokens_BL.to(device), lambda m, t: m(input_ids=t, labels=t).loss)).cpu()

@@ -8,7 +8,18 @@ EXPERTS = "eager"
 LIMIT = 1.0  # gpt-oss's swiglu_limit: small enough that both clamps bind at these weight scales
 
 
-def hf_config(model_type: str, top_k: int = 2):
+# Attention dims a GPU's SDPA kernels take: transformers' DeepSeek-V3 (MLA) at the dims below raised a CUDA
+# "misaligned address" inside scaled_dot_product_attention (torch 2.11, one H200); benchmarks/gpu_suite.py uses these.
+GPU_ATTENTION = {"deepseek_v3": dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16)}
+
+
+def hf_config(model_type: str, top_k: int = 2, **overrides):
+    """The family's tiny config; `overrides` replace its fields (e.g. GPU_ATTENTION[model_type])."""
+    config = _config(model_type, top_k)
+    return type(config)(**{**config.to_dict(), **overrides}) if overrides else config  # derived fields anew
+
+
+def _config(model_type: str, top_k: int):
     import transformers as tf
 
     attn = dict(vocab_size=32, hidden_size=8, num_hidden_layers=LAYERS, num_attention_heads=2)
@@ -28,13 +39,14 @@ def hf_config(model_type: str, top_k: int = 2):
                            num_experts_per_tok=top_k, swiglu_limit=LIMIT, layer_types=["full_attention"] * LAYERS)
 
 
-def hf_model(model_type: str, seed: int = 0, top_k: int = 2):
+def hf_model(model_type: str, seed: int = 0, top_k: int = 2, **overrides):
     """The model in float64 with every weight and buffer random (transformers zeroes biases and
-    the correction bias, which would leave their mapping untested)."""
+    the correction bias, which would leave their mapping untested); `overrides` as hf_config's."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(hf_config(model_type, top_k), experts_implementation=EXPERTS).double()
+    config = hf_config(model_type, top_k, **overrides)
+    model = tf.AutoModelForCausalLM.from_config(config, experts_implementation=EXPERTS).double()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         corrections = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
