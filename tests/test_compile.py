@@ -55,7 +55,7 @@ def test_compiled_block_has_no_graph_breaks_and_recompiles_at_most_once():
 GLOBAL_BATCH = 4  # sequences per step, split over the ranks: the same batches on 2 and 4 ranks
 
 
-def train_steps(rank, world_size, ep, compile, ac, steps=3):
+def train_steps(rank, world_size, ep, compile, ac, steps=3, layer=None):
     """Loss per step of parallelize_model(compile, ac) on the same global batches at any world size, and
     how many EP/ETP row movements each step ran."""
     import torch.nn.functional as F
@@ -65,7 +65,7 @@ def train_steps(rank, world_size, ep, compile, ac, steps=3):
     from dtensor_moe.train.parallel.parallelize import parallelize_model
 
     torch._dynamo.reset()
-    model = _model(load_balance="aux_free_bias")
+    model = _model(**{"load_balance": "aux_free_bias", **(layer or {})})
     parallelize_model(model, MoEParallelDims(world_size, ep=ep), device_type="cpu", compile=compile,
                       activation_checkpoint=ac)
     moved = mock.patch.object(dispatch._Topology, "there", autospec=True, side_effect=dispatch._Topology.there)
@@ -106,6 +106,18 @@ def test_ep2_training_compiled_and_checkpointed_matches_eager(compile, ac):
             assert m_g == m_e, (m_e, m_g)  # selective recomputation communicates nothing
         if ac == "full" and not compile:
             assert all(g > e for g, e in zip(m_g, m_e)), (m_e, m_g)  # full recomputation moves tokens again
+
+
+def test_selective_checkpointing_of_padded_dispatch_moves_no_row_again():
+    """pad_to_capacity moves rows by its own op (pair_move): selective recomputation must keep its output too, so
+    the checkpointed step exchanges exactly what the plain step does (full recomputation exchanges more)."""
+    padded = dict(capacity_factor=1.0, pad_to_capacity=True)
+    plain, selective, full = (run_on_ranks(2, train_steps, 2, False, ac, 2, padded)
+                              for ac in ("none", "selective", "full"))
+    for (l_p, m_p), (l_s, m_s), (_, m_f) in zip(plain, selective, full):
+        assert max(abs(a - b) for a, b in zip(l_p, l_s)) < 1e-10, (l_p, l_s)
+        assert m_s == m_p, (m_p, m_s)
+        assert all(f > p for f, p in zip(m_f, m_p)), (m_p, m_f)
 
 
 def test_training_compiled_with_experts_fsdp_sharded_matches_eager():

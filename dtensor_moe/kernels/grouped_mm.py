@@ -8,7 +8,7 @@ caller passes them as `host_counts` (known without a sync: the eager dispatcher'
 
 import torch
 
-from dtensor_moe.kernels import fp8, policy, wgrad
+from dtensor_moe.kernels import fp8, policy, recompute, wgrad
 
 
 def _blocks(offs_E: torch.Tensor, host_counts: list[int] | None = None) -> list[int]:
@@ -31,6 +31,9 @@ def grouped_mm(x_NI: torch.Tensor, w_EIO: torch.Tensor, offs_E: torch.Tensor,
 @grouped_mm.register_fake
 def _(x_NI, w_EIO, offs_E, host_counts=None):
     return x_NI.new_empty(x_NI.shape[0], w_EIO.shape[-1])
+
+
+recompute.keep(torch.ops.dtensor_moe.grouped_mm.default)  # the expert GEMM: the most FLOPs per byte kept
 
 
 @torch.library.custom_op("dtensor_moe::grouped_weight_grad", mutates_args=())

@@ -10,22 +10,21 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from dtensor_moe.kernels import grouped_mm  # noqa: F401  (registers the ops named below)
-from dtensor_moe.parallel import dispatch  # noqa: F401
+from dtensor_moe.kernels import recompute
 
 # The modes live in a torch-free module: train/config.py checks them before torch is imported.
 from dtensor_moe.parallel.activation_checkpoint import check_activation_checkpoint
 
-# Ops whose outputs selective checkpointing keeps: the expert-parallel exchange and the statistics'
-# all-reduce (so recomputation repeats no communication) and the expert GEMMs (the most FLOPs per byte kept).
-_SAVED_OPS = {torch.ops.dtensor_moe.ep_plan.default, torch.ops.dtensor_moe.ep_move.default,
-              torch.ops.c10d.allreduce_.default, torch.ops._c10d_functional.all_reduce.default,
-              torch.ops._c10d_functional.wait_tensor.default,
-              torch.ops.dtensor_moe.grouped_mm.default, torch.ops.aten.mm.default}
+# Selective checkpointing keeps the outputs of our ops that declare it (kernels/recompute.py: the expert-parallel
+# exchange, the expert GEMMs) and of torch's own: the statistics' all-reduce (so recomputation repeats no
+# communication) and the dense matmuls.
+_TORCH_KEPT = {torch.ops.c10d.allreduce_.default, torch.ops._c10d_functional.all_reduce.default,
+               torch.ops._c10d_functional.wait_tensor.default, torch.ops.aten.mm.default}
 
 
 def _selective_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    kept = op in _TORCH_KEPT or recompute.is_kept(op)
+    return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _keep_nothing(ctx, op, *args, **kwargs):

@@ -37,7 +37,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from dtensor_moe.kernels import fp8, policy
+from dtensor_moe.kernels import fp8, policy, recompute
 from dtensor_moe.moe import recomputing
 from dtensor_moe.parallel.replica_dispatch import Replicas
 from dtensor_moe.routing import ExpertInput, PaddedCopies, ScaleGrad, TokenCopies, gather_rows, inverse_permutation
@@ -181,6 +181,7 @@ def _move_backward(ctx, grads):
 
 
 ep_move.register_autograd(_move_backward, setup_context=_move_setup)
+recompute.keep(torch.ops.dtensor_moe.ep_move.default)  # communicates
 
 
 def _equal_rows(topo: _Topology, per_peer: int) -> _Rows:
@@ -216,6 +217,7 @@ def _pair_move_backward(ctx, grad):
 
 
 pair_move.register_autograd(_pair_move_backward, setup_context=_pair_move_setup)
+recompute.keep(torch.ops.dtensor_moe.pair_move.default)  # communicates
 
 
 def _gather_counts(counts_RE, topo: _Topology) -> torch.Tensor:
@@ -301,6 +303,9 @@ def ep_plan(counts_E: torch.Tensor, expert_N: torch.Tensor, pair_N: torch.Tensor
     cells = torch.full((sum(sz.rows.peer) * K,), -1, device=dev, dtype=row_k.dtype)
     row_readers = cells.scatter_(0, row_k, torch.arange(row_k.numel(), device=dev)).view(-1, K)
     return C_host, C_mine.sum((0, 1)), local_counts, idx, inv, send_token, token_rows, row_k // K, row_readers
+
+
+recompute.keep(torch.ops.dtensor_moe.ep_plan.default)  # communicates (the counts' all-gather, the row tables)
 
 
 @ep_plan.register_fake
