@@ -397,9 +397,9 @@ def bench_layer(name, mesh, mode, args, dev, world, rank, dtype, peak, precision
         progress(rank, *what, "profile")
         trace = f"{args.trace_dir}/{name}_{mesh}_{mode}_rank{rank}.json" if args.trace_dir and rank == 0 else None
         out["profile"] = profile_step(step, dev, barrier=not local, trace=trace)
-    dispatch.SENT_BYTES.clear()  # what one step's all-to-alls sent to the other ranks, as they counted it
-    step()
-    out["sent_bytes"] = {f"{kind} {direction}": n for (kind, direction), n in sorted(dispatch.SENT_BYTES.items())}
+    with dispatch.count_sent_bytes() as sent:  # what one step's all-to-alls sent to the other ranks
+        step()
+    out["sent_bytes"] = {f"{kind} {direction}": n for (kind, direction), n in sorted(sent.items())}
     moved_bytes = a2a_bytes_to_peer(mesh, experts_TK, E, D, x.element_size())
     if mesh in ("ep2", "etp2"):  # decided by the mesh, never by per-rank data: both ranks must enter
         a2a_ms = out["profile"]["all_to_all_ms"] if "profile" in out else 0

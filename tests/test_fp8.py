@@ -182,11 +182,11 @@ def fp8_payload_against_unquantized(rank, world_size, etp, pad=False):
             torch.nn.init.normal_(p, std=0.2)
         parallelize_moe(model.to(torch.bfloat16), MoEParallelDims(world_size, ep=2, etp=etp), device_type="cpu")
         x_r = x[lo:hi].clone().requires_grad_(True)
-        dispatch.SENT_BYTES.clear()
-        y = model(x_r)
-        forward = dict(dispatch.SENT_BYTES)
-        (y * dy[lo:hi]).sum().backward()
-        backward = {k: v - forward.get(k, 0) for k, v in dispatch.SENT_BYTES.items()}
+        with dispatch.count_sent_bytes() as forward:
+            y = model(x_r)
+        with dispatch.count_sent_bytes() as backward:
+            (y * dy[lo:hi]).sum().backward()
+        forward, backward = dict(forward), dict(backward)
         res.append(
             {"out": y.detach(), "grad:x": x_r.grad, **{n: p.grad.full_tensor() for n, p in model.named_parameters()}}
         )

@@ -30,13 +30,13 @@ def _balance(rank: int, world_size: int, case: Case):
     this one's), and the bytes the replica weights' all-to-alls sent from this rank."""
     import torch
 
-    from dtensor_moe.parallel.dispatch import SENT_BYTES
+    from dtensor_moe.parallel.dispatch import count_sent_bytes
 
     from .parity import _slice, build
 
-    before = dict(SENT_BYTES)
-    errs, model = parity_errors(rank, world_size, case)
-    sent = {k[1]: v - before.get(k, 0) for k, v in SENT_BYTES.items() if k[0] == "replica_weights"}
+    with count_sent_bytes() as counted:
+        errs, model = parity_errors(rank, world_size, case)
+    sent = {k[1]: v for k, v in counted.items() if k[0] == "replica_weights"}
     dispatcher = model.experts.expert_parallel.dispatcher
     rows = [dispatcher.rows_per_rank]
     _, dims, _, x_next, _ = build(replace(case, seed=case.seed + 1), world_size)

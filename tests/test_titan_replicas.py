@@ -57,14 +57,12 @@ def _run(rank: int, world: int, argv: list[str], fp32: bool, save_step0: bool = 
 
     from torchtitan.models.common.moe import GroupedExperts
 
-    from dtensor_moe.parallel.dispatch import SENT_BYTES
+    from dtensor_moe.parallel.dispatch import count_sent_bytes
 
-    key = ("replica_weights", "there")
-    before = SENT_BYTES[key]
     patch = mock.patch.object(GroupedExperts, "forward", _fp32_experts) if fp32 else contextlib.nullcontext()
-    with patch:
+    with patch, count_sent_bytes() as sent:
         out = _train(rank, world, argv, save_step0)
-    return {**out, "replica_bytes": SENT_BYTES[key] - before}
+    return {**out, "replica_bytes": sent[("replica_weights", "there")]}
 
 
 def _ep2(dump, *extra: str) -> list[str]:

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from dtensor_moe.kernels import wgrad
+from dtensor_moe.kernels import counters, wgrad
 
 
 @functools.cache
@@ -216,11 +216,20 @@ def rounding_backend(experts_TK: torch.Tensor) -> str | None:
     return None
 
 
-HOST_SYNCS = {"split_sizes": 0, "exact_loop": 0, "capacity_check": 0}
+def count_host_syncs():
+    """A context manager counting the host's waits for the device inside its block, by why ("split_sizes": the
+    dispatch's split sizes, "exact_loop": a per-expert loop's row counts, "capacity_check": the row cap): a
+    `collections.Counter`."""
+    return counters.count("host_syncs")
+
+
+def host_synced(why: str, device: torch.device) -> None:
+    """Counts one wait of the host for `device` under `why` (none on the CPU)."""
+    if device.type != "cpu":
+        counters.add("host_syncs", why)
 
 
 def host_list(t: torch.Tensor, why: str) -> list:
     """t.tolist(), counted under `why` when it waits for the device."""
-    if t.device.type != "cpu":
-        HOST_SYNCS[why] += 1
+    host_synced(why, t.device)
     return t.tolist()

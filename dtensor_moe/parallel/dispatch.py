@@ -30,19 +30,18 @@ sync), the same ETP gather / reduce-scatter, and the padded rows selected away i
 needs the same token count on every rank of the EP x ETP group (the static shape it exists for).
 """
 
-import collections
 import math
 import weakref
 
 import torch
 import torch.distributed as dist
 
-from dtensor_moe.kernels import fp8, policy, recompute
+from dtensor_moe.kernels import counters, fp8, policy, recompute
 from dtensor_moe.moe import recomputing
 from dtensor_moe.parallel.replica_dispatch import Replicas
 from dtensor_moe.routing import ExpertInput, PaddedCopies, ScaleGrad, TokenCopies, gather_rows, inverse_permutation
 
-__all__ = ["RowCapExceeded", "ExpertDispatcher", "SENT_BYTES", "ep_plan", "ep_move", "pair_move"]
+__all__ = ["RowCapExceeded", "ExpertDispatcher", "count_sent_bytes", "ep_plan", "ep_move", "pair_move"]
 
 _GROUPS: "weakref.WeakValueDictionary[str, dist.ProcessGroup]" = weakref.WeakValueDictionary()
 # torch 2.13 names all_gather_single in place of the deprecated all_gather_into_tensor (2.11 has only that).
@@ -54,13 +53,23 @@ def _name(group) -> str:
     return group.group_name
 
 
-# Bytes this rank's all-to-alls sent to other ranks, per (kind, direction) of ep_move ("plan" for
-# ep_plan's tables): what the tests and benchmarks read for the payload's size.
-SENT_BYTES: collections.Counter = collections.Counter()
+def count_sent_bytes():
+    """A context manager counting the bytes this rank's all-to-alls send to other ranks inside its block, per
+    (kind, direction) of ep_move ("plan" for ep_plan's tables, "replica_weights" for the replicas' copies): a
+    `collections.Counter`, what the tests and benchmarks read for the payload's size.
+
+    Example::
+
+        with count_sent_bytes() as sent:
+            model(x_BLD).sum().backward()
+        print(sent[("tokens", "there")])
+    """
+    return counters.count("sent_bytes")
 
 
 def _all_to_all(x, out_splits, in_splits, group, key):
-    SENT_BYTES[key] += (sum(in_splits) - in_splits[dist.get_rank(group)]) * math.prod(x.shape[1:]) * x.element_size()
+    sent = (sum(in_splits) - in_splits[dist.get_rank(group)]) * math.prod(x.shape[1:]) * x.element_size()
+    counters.add("sent_bytes", key, sent)
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
@@ -269,7 +278,7 @@ def ep_plan(counts_E: torch.Tensor, expert_N: torch.Tensor, pair_N: torch.Tensor
         rows_R = counts_E.view(ep, -1).sum(1)
     C_dev = _gather_counts(torch.cat([counts_E.view(ep, -1), rows_R[:, None]], 1), topo)
     C_host = C_dev.cpu()  # one host sync, one copy, for all split sizes of the step (fwd and bwd)
-    policy.HOST_SYNCS["split_sizes"] += dev.type != "cpu"
+    policy.host_synced("split_sizes", dev)
     sz = _Sizes(C_host.tolist(), topo.ep_rank, topo.etp_rank)
     C_mine = C_dev[:, :, topo.ep_rank, :-1]  # [etp, ep, E_local]: what this rank's ETP group receives
     idx = _expert_major_index(C_mine, sum(sz.pairs.peer))  # pair order -> expert-major
@@ -457,7 +466,7 @@ class ExpertDispatcher:
 
     def _host_counts(self, counts_1E: torch.Tensor) -> torch.Tensor:
         """counts_1E of every rank of the EP x ETP group, on the host: [etp, ep, 1, E]."""
-        policy.HOST_SYNCS["split_sizes"] += counts_1E.device.type != "cpu"  # the split of replicated experts
+        policy.host_synced("split_sizes", counts_1E.device)  # the split of replicated experts
         return _gather_counts(counts_1E, _Topology(*self.groups)).cpu()
 
     def _run_replicas(self, x_local: torch.Tensor, ex: _Exchange, experts, scale: float) -> ExpertInput:

@@ -4,10 +4,11 @@ Each forward: the EP x ETP group all-gathers its per-expert pair counts (one mor
 the same split of each replicated expert's pairs between owner and replicas (`source_segments`), and the pairs are
 re-labelled with virtual slots (a rank's owned experts, then its replica slots), so `ep_plan` and `ep_move` send
 them exactly as they send pairs by expert. Owners send their weight slices (this ETP rank's F slice, the biases
-too) to the replica slots over the EP group, one all-to-all (`SENT_BYTES[("replica_weights", "there")]`); the
-replica rows run through `grouped_swiglu` with those copies, at the same weight-gradient scale as the owner's rows,
-and the copies' gradients travel back the same way and add into the owner's gradient through autograd (the copies
-are views of the owner's parameters, never parameters themselves: state dicts and checkpoints hold owners only).
+too) to the replica slots over the EP group, one all-to-all (`count_sent_bytes` counts it under
+("replica_weights", "there")); the replica rows run through `grouped_swiglu` with those copies, at the same
+weight-gradient scale as the owner's rows, and the copies' gradients travel back the same way and add into the
+owner's gradient through autograd (the copies are views of the owner's parameters, never parameters themselves:
+state dicts and checkpoints hold owners only).
 Other experts (torchtitan's, under the hook) get their rows one per pair in expert order: those are sorted by virtual
 slot (`relabel_rows`, a stable permutation the combine undoes), and the replica rows run through the experts' own
 forward with the copies in place of their parameters (`run_foreign`), so they compute exactly as the owner's rows.
