@@ -32,6 +32,7 @@ needs the same token count on every rank of the EP x ETP group (the static shape
 
 import math
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from dtensor_moe.moe import recomputing
 from dtensor_moe.parallel.replica_dispatch import Replicas
 from dtensor_moe.routing import ExpertInput, PaddedCopies, ScaleGrad, TokenCopies, gather_rows, inverse_permutation
 
-__all__ = ["RowCapExceeded", "ExpertDispatcher", "count_sent_bytes", "ep_plan", "ep_move", "pair_move"]
+__all__ = ["RowCapExceeded", "ExpertDispatcher", "PlanTables", "count_sent_bytes", "ep_plan", "ep_move", "pair_move"]
 
 _GROUPS: "weakref.WeakValueDictionary[str, dist.ProcessGroup]" = weakref.WeakValueDictionary()
 # torch 2.13 names all_gather_single in place of the deprecated all_gather_into_tensor (2.11 has only that).
@@ -253,15 +254,26 @@ def _expert_major_index(C: torch.Tensor, total: int) -> torch.Tensor:
     return offset + torch.arange(total, device=C.device)
 
 
+class PlanTables(NamedTuple):
+    """`ep_plan`'s result: one step's exchange tables (a custom op returns a tuple; these are its fields)."""
+
+    C_host: torch.Tensor  # [etp, ep, ep, E_local + 1] on the host: every rank's rows per (ETP slice, source, dest)
+    local_counts_E: torch.Tensor  # rows per local expert this rank computes, on the device
+    local_counts_host: torch.Tensor  # the same on the host
+    idx: torch.Tensor  # received pair order -> expert-major order
+    inv: torch.Tensor  # its inverse, [P, 1]
+    send_token: torch.Tensor  # with copies: the token each sent row carries (empty without)
+    token_rows: torch.Tensor  # with copies: [T, ep] the send row of each (token, destination), -1 for none
+    row_idx: torch.Tensor  # with copies: the received row each expert-major pair reads
+    row_readers: torch.Tensor  # with copies: [rows, K] the expert-major pairs that read each received row
+
+
 @torch.library.custom_op("dtensor_moe::ep_plan", mutates_args=())
 def ep_plan(counts_E: torch.Tensor, expert_N: torch.Tensor, pair_N: torch.Tensor, num_tokens: int,
-            top_k: int, ep_group: str, etp_group: str) -> tuple[
-        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-        torch.Tensor]:
-    """One step's tables. counts_E: rows per global expert from this rank; with copies (top_k > 0)
-    expert_N / pair_N are TokenCopies' (tokens travel once per destination rank), else empty and
-    the rows are already one per (token, expert). Returns (C_host, local_counts_E, local_counts_host,
-    idx, inv, send_token, token_rows, row_idx, row_readers); the last four are empty without copies."""
+            top_k: int, ep_group: str, etp_group: str) -> tuple[(torch.Tensor,) * len(PlanTables._fields)]:
+    """One step's tables (`PlanTables`). counts_E: rows per global expert from this rank; with copies (top_k > 0)
+    expert_N / pair_N are TokenCopies' (tokens travel once per destination rank), else empty and the rows are
+    already one per (token, expert)."""
     topo = _Topology(ep_group, etp_group)
     ep, dev, T, K = topo.ep, counts_E.device, num_tokens, top_k
     counts_E = counts_E.to(torch.int64)
@@ -285,17 +297,8 @@ def ep_plan(counts_E: torch.Tensor, expert_N: torch.Tensor, pair_N: torch.Tensor
     inv = inverse_permutation(idx)[:, None]
     local_counts = torch.tensor(sz.local_counts, dtype=torch.int64)
     if not K:
-        return (
-            C_host,
-            C_mine.sum((0, 1)),
-            local_counts,
-            idx,
-            inv,
-            idx.new_empty(0),
-            idx.new_empty(0, 1),
-            idx.clone(),
-            inv.clone(),
-        )
+        return PlanTables(C_host, C_mine.sum((0, 1)), local_counts, idx, inv, idx.new_empty(0), idx.new_empty(0, 1),
+                          idx.clone(), inv.clone())
     n_send, n_pairs = sum(sz.rows.send), sum(sz.pairs.send)  # n_pairs: the kept pairs, which come first
     rank_N, cell_N, pair_N = rank_N[:n_pairs], cell_N[:n_pairs], pair_N[:n_pairs]
     # Non-needed cells land in a dummy slot past the end: a scatter, no sort.
@@ -311,7 +314,8 @@ def ep_plan(counts_E: torch.Tensor, expert_N: torch.Tensor, pair_N: torch.Tensor
     ).index_select(0, idx)
     cells = torch.full((sum(sz.rows.peer) * K,), -1, device=dev, dtype=row_k.dtype)
     row_readers = cells.scatter_(0, row_k, torch.arange(row_k.numel(), device=dev)).view(-1, K)
-    return C_host, C_mine.sum((0, 1)), local_counts, idx, inv, send_token, token_rows, row_k // K, row_readers
+    return PlanTables(C_host, C_mine.sum((0, 1)), local_counts, idx, inv, send_token, token_rows, row_k // K,
+                      row_readers)
 
 
 recompute.keep(torch.ops.dtensor_moe.ep_plan.default)  # communicates (the counts' all-gather, the row tables)
@@ -326,21 +330,24 @@ def _(counts_E, expert_N, pair_N, num_tokens, top_k, ep_group, etp_group):
     host = torch.empty(topo.etp, topo.ep, topo.ep, E_local + 1, dtype=torch.int64, device="cpu")
     i64 = counts_E.new_empty(0, dtype=torch.int64)
     if not top_k:
-        return (host, i64.new_empty(E_local), host.new_empty(E_local), i64.new_empty(P), i64.new_empty(P, 1),
-                i64.new_empty(0), i64.new_empty(0, 1), i64.new_empty(P), i64.new_empty(P, 1))
+        return PlanTables(host, i64.new_empty(E_local), host.new_empty(E_local), i64.new_empty(P), i64.new_empty(P, 1),
+                          i64.new_empty(0), i64.new_empty(0, 1), i64.new_empty(P), i64.new_empty(P, 1))
     S, R = ctx.new_dynamic_size(), ctx.new_dynamic_size()
-    return (host, i64.new_empty(E_local), host.new_empty(E_local), i64.new_empty(P), i64.new_empty(P, 1),
-            i64.new_empty(S), i64.new_empty(num_tokens, topo.ep), i64.new_empty(P), i64.new_empty(R, top_k))
+    return PlanTables(host, i64.new_empty(E_local), host.new_empty(E_local), i64.new_empty(P), i64.new_empty(P, 1),
+                      i64.new_empty(S), i64.new_empty(num_tokens, topo.ep), i64.new_empty(P),
+                      i64.new_empty(R, top_k))
 
 
 class _Exchange:
     """One step's tables, named: what `dispatch` leaves in ExpertInput.exchange for `combine`."""
 
     def __init__(self, tables, copies, out_shape, groups):
-        (self.C_host, self.local_counts_E, local_counts_host, self.idx, self.inv, self.send_token,
-         self.token_rows, self.row_idx, self.row_readers) = tables
+        t = PlanTables(*tables)
+        self.C_host, self.local_counts_E, self.idx, self.inv = t.C_host, t.local_counts_E, t.idx, t.inv
+        self.send_token, self.token_rows, self.row_idx, self.row_readers = (t.send_token, t.token_rows, t.row_idx,
+                                                                            t.row_readers)
         # The per-expert host counts serve only eager gradient accumulation; a compiled graph has none.
-        self.local_counts_host = None if torch.compiler.is_compiling() else local_counts_host.tolist()
+        self.local_counts_host = None if torch.compiler.is_compiling() else t.local_counts_host.tolist()
         self.copies, self.out_shape, self.groups = copies, out_shape, groups
         self.w_local = None  # with copies: the routing weights at the expert ranks, moved with the tokens
         self.y_replicas = None  # with replicas: the replica slots' outputs, after the experts' own rows
