@@ -192,7 +192,7 @@ def test_fullgraph_compile_of_parallelized_layers():
     ({}, r"needs dims \(a MoEParallelDims\) or meshes"),
     ({"dims": (4, 2)}, r"dims must be a MoEParallelDims, got tuple"),
     ({"meshes": "world"}, r"meshes must be the MoEMeshes of MoEParallelDims.build_meshes, got str"),
-    ({"tp_reduce": "max"}, r"tp_reduce must be one of \['sum', 'mean'\], got 'max'"),
+    ({"tp_grads": "max"}, r"tp_grads must be one of \['sum', 'mean'\], got 'max'"),
     ({"compile": "no_such_backend"}, r"compile must be True, False or a torch.compile backend name \[.*'aot_eager'"),
     ({"compile": 1.0}, r"compile must be True, False or a torch.compile backend name"),
     ({"fsdp": False, "mp_policy": object()}, r"mp_policy is the layer's FSDP2 units' and fsdp=False makes none"),
@@ -202,6 +202,17 @@ def test_bad_arguments_raise_at_construction(kwargs, match):
     kwargs = {"dims": MoEParallelDims(4, ep=2), **kwargs} if kwargs else kwargs
     with pytest.raises(ValueError, match=match):
         ExpertParallel(**kwargs)
+
+
+def test_tp_reduce_is_the_deprecated_name_of_tp_grads():
+    """The old keyword still works for one release, warning with the new call; its bad values are named as given."""
+    dims = MoEParallelDims(4, ep=2)
+    with pytest.warns(DeprecationWarning, match=r"ExpertParallel\(tp_reduce='mean'\) is deprecated.*"
+                                                 r"ExpertParallel\(\.\.\., tp_grads='mean'\)"):
+        style = ExpertParallel(dims, tp_reduce="mean")
+    assert style.tp_grads == "mean"
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"tp_reduce must be one of"):
+        ExpertParallel(dims, tp_reduce="max")
 
 
 @pytest.mark.parametrize(

@@ -76,7 +76,8 @@ def parallelize_hf_model(
     blocks swapped for our `MoE` (`swap_moe_blocks`, with `moe_options`), the experts sharded by the placement
     plan (EP, ETP, FSDP2 over EDP / HSDP), each decoder layer and the root one FSDP2 / HSDP unit on the
     data-parallel ranks (`parallelize_blocks`, activation checkpointing per layer). Dense tensor, context and
-    pipeline parallelism need the family's own plans: `dims` must have tp = cp = pp = 1."""
+    pipeline parallelism need the family's own plans: `dims` must have tp = cp = pp = 1 (so the tp gradient
+    convention, `tp_grads`, does not arise)."""
     bad = {a: getattr(dims, a) for a in ("tp", "cp", "pp") if getattr(dims, a) != 1}
     if bad:
         raise ValueError(f"parallelize_hf_model shards the experts (ep, etp, edp) and the dense weights (FSDP2 / "

@@ -8,7 +8,7 @@ from torch.distributed.fsdp import fully_shard
 
 from dtensor_moe.parallel.compile import apply_activation_checkpointing, apply_compile, check_compile
 from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
-from dtensor_moe.parallel.shard import dp_fsdp_mesh, fsdp_kwargs, moe_layers, shard_and_connect
+from dtensor_moe.parallel.shard import check_tp_grads, dp_fsdp_mesh, fsdp_kwargs, moe_layers, shard_and_connect
 
 __all__ = ["parallelize_blocks"]
 
@@ -24,6 +24,7 @@ def parallelize_blocks(
     compile: bool | str = False,
     activation_checkpoint: str = "none",
     dense: Callable[[MoEMeshes], None] | None = None,
+    tp_grads: str = "sum",
 ) -> nn.Module:
     """Expert sharding of every `MoE` in `model` (EP, ETP), then `dense(meshes)` (the model's own TP / CP, if
     any), then per block activation checkpointing ("none" | "full" | "selective"), compile (each block one
@@ -32,14 +33,16 @@ def parallelize_blocks(
     Eagerly each MoE is its own FSDP unit (experts over EDP, router and shared experts over the data-parallel
     ranks); compiled, the block's unit takes the MoE's dense weights too, so every FSDP hook runs outside the
     block's graph, and under EDP / HSDP the experts gather their weights inside it (see shard_moe_layer's
-    `experts_unit`)."""
+    `experts_unit`). `tp_grads` (dtensor_moe.parallel.shard.TP_GRADS): with `dims.tp > 1`, how the MoEs'
+    gradients combine over the tp ranks; "sum" (default) matches the dense TP weights' (the loss of a tp group)."""
     check_compile(activation_checkpoint, compile)
+    check_tp_grads(tp_grads)
     layers = moe_layers(model, dims)
     meshes = dims.build_meshes(device_type)
     unit_kwargs = fsdp_kwargs(mp_policy, reshard_after_forward)
     for m, moe_plans in layers:
         shard_and_connect(m, moe_plans, dims, meshes, None if compile else unit_kwargs, experts_unit=not compile,
-                          sum_over_tp=True)
+                          tp_grads=tp_grads)
     if dense is not None:
         dense(meshes)
     # Compiled experts are in no FSDP unit (eagerly the MoE's own units take care of them).

@@ -4,21 +4,27 @@
 whole module tree.
 """
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from dtensor_moe.moe import MoE
 from dtensor_moe.parallel.compile import apply_compile
 from dtensor_moe.parallel.mesh import DENSE_AXES, EXPERT_AXES, MoEMeshes, MoEParallelDims
-from dtensor_moe.parallel.shard import experts_fsdp_sharded, fsdp_kwargs, moe_layers, shard_and_connect
+from dtensor_moe.parallel.shard import (
+    check_tp_grads,
+    experts_fsdp_sharded,
+    fsdp_kwargs,
+    moe_layers,
+    shard_and_connect,
+)
 
 __all__ = ["ExpertParallel", "parallelize_moe"]
-
-TP_REDUCE = ("sum", "mean")
 
 
 class ExpertParallel(ParallelStyle):
@@ -36,8 +42,9 @@ class ExpertParallel(ParallelStyle):
     folds over the same ranks as the dense one, so no 1-D slice of either is enough; the style builds
     (or takes) both folded meshes and uses all of their axes. `src_data_rank` (`parallelize_module`'s,
     0 by default) is honoured as torch's styles honour it: every rank takes the layer's parameters from
-    that group rank on each axis of its pipeline stage (meta weights are not sent); None slices each
-    rank's own copy, so all ranks must hold the same weights (`parallelize_moe`'s behaviour).
+    that group rank on each axis of its pipeline stage (meta weights are not sent);
+    `parallelize_module(..., src_data_rank=None)` slices each rank's own copy, so all ranks must hold the
+    same weights (`parallelize_moe` applies the style so).
 
     Args:
         dims (MoEParallelDims | None): the degrees; or leave it None and pass `meshes`.
@@ -65,11 +72,13 @@ class ExpertParallel(ParallelStyle):
             each unit's own). `torch.compile` of the MoE itself compiles when its experts have no unit
             (no EDP / HSDP): a compiled module's own hooks run outside its graph. With `fsdp=False` no
             unit is in the way of any `fullgraph` compile. Default False.
-        tp_reduce (str): with `dims.tp > 1` (every TP rank holds its own slice of each sequence,
-            sequence parallelism): "sum" (default) sums the MoE's weight gradients over the tp ranks as
-            DTensor sums a TP-sharded weight's, so the whole plan follows one loss convention (the loss
-            of a tp group, averaged over the data-parallel groups by FSDP); "mean" averages over them as
-            over every data-parallel rank, each rank's loss its own (`parallelize_moe`'s convention).
+        tp_grads (str): how the gradients of the tp ranks' copies combine, with `dims.tp > 1` (every TP
+            rank holds its own slice of each sequence, sequence parallelism): "sum" (default) sums the MoE's
+            weight gradients over the tp ranks as DTensor sums a TP-sharded weight's, so the whole plan
+            follows one loss convention (the loss of a tp group, averaged over the data-parallel groups by
+            FSDP); "mean" averages over them as over every data-parallel rank, each rank's loss its own
+            (`parallelize_moe`'s default). `dtensor_moe.parallel.shard.TP_GRADS`.
+        tp_reduce (str | None): deprecated (one release): `tp_grads`, its old name; a DeprecationWarning.
 
     Returns:
         A `ParallelStyle` for a `parallelize_module` plan; applying it shards the layers in place.
@@ -96,7 +105,8 @@ class ExpertParallel(ParallelStyle):
         mp_policy=None,
         reshard_after_forward: bool = True,
         compile: bool | str = False,
-        tp_reduce: str = "sum",
+        tp_grads: str = "sum",
+        tp_reduce: str | None = None,
     ):
         super().__init__()
         if dims is not None and not isinstance(dims, MoEParallelDims):
@@ -115,8 +125,13 @@ class ExpertParallel(ParallelStyle):
         if dims is None:
             raise ValueError("ExpertParallel needs dims (a MoEParallelDims) or meshes (a MoEMeshes)")
         check_backend(compile, "ExpertParallel: ")
-        if tp_reduce not in TP_REDUCE:
-            raise ValueError(f"ExpertParallel: tp_reduce must be one of {list(TP_REDUCE)}, got {tp_reduce!r}")
+        if tp_reduce is not None:
+            warnings.warn(f"ExpertParallel(tp_reduce={tp_reduce!r}) is deprecated and will be removed in the next "
+                          f"release: use ExpertParallel(..., tp_grads={tp_reduce!r})", DeprecationWarning,
+                          stacklevel=2)
+            check_tp_grads(tp_reduce, "ExpertParallel: ", "tp_reduce")
+            tp_grads = tp_reduce
+        check_tp_grads(tp_grads, "ExpertParallel: ")
         if not fsdp and mp_policy is not None:
             raise ValueError("ExpertParallel: mp_policy is the layer's FSDP2 units' and fsdp=False makes none; "
                              "valid: fsdp=True with mp_policy, or mp_policy on your own fully_shard")
@@ -127,7 +142,7 @@ class ExpertParallel(ParallelStyle):
                              f"shared experts must be sharded over every rank with its own tokens, "
                              f"{dims.moe_dp_axis}); valid: fsdp=True, or tp=1")
         self.dims, self.meshes, self.device_type = dims, meshes, device_type
-        self.fsdp, self.compile, self.tp_reduce = fsdp, compile, tp_reduce
+        self.fsdp, self.compile, self.tp_grads = fsdp, compile, tp_grads
         self.unit_kwargs = fsdp_kwargs(mp_policy, reshard_after_forward) if fsdp else None
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
@@ -140,10 +155,7 @@ class ExpertParallel(ParallelStyle):
         if device_mesh is not None and device_mesh.device_type != device_type:
             raise ValueError(f"ExpertParallel: parallelize_module's mesh is on {device_mesh.device_type!r}, the "
                              f"expert meshes on {device_type!r}; valid: the same device type")
-        if self.compile and any(m.config.expert_replicas for m, _ in layers):
-            raise ValueError(f"ExpertParallel: compile={self.compile!r} with expert_replicas > 0 is not supported "
-                             "(the replicas' split needs the counts on the host, eagerly); valid: compile=False, or "
-                             "expert_replicas 0")
+        check_compilable(layers, self.compile, "ExpertParallel: ")
         meshes = self.meshes or self.dims.build_meshes(device_type)
         for moe, plans in layers:
             if self.src_data_rank is not None:
@@ -152,7 +164,7 @@ class ExpertParallel(ParallelStyle):
             # AsyncCollectiveTensor itself lost the MoE's input gradient (grad:x off by 0.6, torch 2.13).
             moe.register_forward_pre_hook(_plain_input)
             shard_and_connect(moe, plans, self.dims, meshes, self.unit_kwargs,
-                              experts_unit=self.fsdp and not self.compile, sum_over_tp=self.tp_reduce == "sum")
+                              experts_unit=self.fsdp and not self.compile, tp_grads=self.tp_grads)
             if self.compile:
                 apply_compile(moe, self.compile)
             refuse_tracing_fsdp_hooks(moe, experts_fsdp_sharded(self.dims))
@@ -177,6 +189,13 @@ def _plain_input(module, args):
 # would take the AsyncCollectiveTensor in: never a frame of its own (eager), still traced inside a larger graph.
 if hasattr(torch._dynamo.eval_frame, "skip_code"):
     torch._dynamo.eval_frame.skip_code(_plain_input.__code__)
+
+
+def check_compilable(layers, compile, prefix: str) -> None:
+    """What a compiled layer needs of `layers` (moe_layers'), checked before any collective."""
+    if compile and any(m.config.expert_replicas for m, _ in layers):
+        raise ValueError(f"{prefix}compile={compile!r} with expert_replicas > 0 is not supported (the replicas' "
+                         "split needs the counts on the host, eagerly); valid: compile=False, or expert_replicas 0")
 
 
 def meshes_dims(meshes: MoEMeshes) -> MoEParallelDims:
@@ -242,14 +261,15 @@ def parallelize_moe(
     mp_policy=None,
     reshard_after_forward: bool = True,
     compile: bool | str = False,
+    tp_grads: str = "mean",
 ) -> nn.Module:
     """Shard every `MoE` in `module` in place by its placement plan (EP, ETP, FSDP2 over EDP / HSDP).
 
-    The `ExpertParallel` style applied to the whole tree, each rank slicing its own copy of the weights
-    (no broadcast: every rank must hold the same weights, e.g. from the same seed) and the tp ranks
-    averaged like every data-parallel rank (`tp_reduce="mean"`). Dense parts outside the MoE layers are
-    left for the caller's own `fully_shard` (on `dims.build_meshes(...).dp`), as in torchtitan's
-    parallelize functions. Must run on every rank (it builds the meshes: a collective).
+    The `ExpertParallel` style applied to the whole tree by `parallelize_module(..., src_data_rank=None)`:
+    each rank slices its own copy of the weights (no broadcast: every rank must hold the same weights, e.g.
+    from the same seed). Dense parts outside the MoE layers are left for the caller's own `fully_shard` (on
+    `dims.build_meshes(...).dp`), as in torchtitan's parallelize functions. Must run on every rank (it builds
+    the meshes: a collective).
 
     Args:
         module (nn.Module): a model holding `MoE` layers, or an `MoE`; one with no MoE is returned as is.
@@ -263,6 +283,9 @@ def parallelize_moe(
             a string names the backend. This, not `torch.compile(..., fullgraph=True)` of a module holding
             the layer's FSDP2 units, is how a parallelized layer compiles (see `ExpertParallel`).
             Default False.
+        tp_grads (str): with `dims.tp > 1`, how the tp ranks' gradients combine (`ExpertParallel`'s
+            `tp_grads`): "mean" (default) averages over them like over every data-parallel rank, each rank's
+            loss its own; "sum" sums them as DTensor sums a TP-sharded weight's.
 
     Returns:
         nn.Module: `module`, its MoE layers sharded.
@@ -276,9 +299,13 @@ def parallelize_moe(
         parallelize_moe(model, dims, device_type="cuda")
         fully_shard(model, mesh=dims.build_meshes("cuda").dp)  # the dense rest
     """
-    style = ExpertParallel(dims, device_type=device_type, mp_policy=mp_policy,
-                           reshard_after_forward=reshard_after_forward, compile=compile, tp_reduce="mean")
-    style.src_data_rank = None
-    if any(isinstance(m, MoE) for m in module.modules()):
-        style._apply(module, None)
-    return module
+    check_backend(compile, "parallelize_moe: ")
+    check_tp_grads(tp_grads, "parallelize_moe: ")
+    layers = moe_layers(module, dims)
+    if not layers:
+        return module
+    check_compilable(layers, compile, "parallelize_moe: ")
+    meshes = dims.build_meshes(device_type)
+    style = ExpertParallel(meshes=meshes, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
+                           compile=compile, tp_grads=tp_grads)
+    return parallelize_module(module, meshes.tp, style, src_data_rank=None)

@@ -1,7 +1,9 @@
 """The mechanics of applying the placement plan to one MoE layer, in place: expert weights as DTensors, the
-dispatcher's hooks, FSDP2 units, the data-parallel statistics. `ExpertParallel` (parallelize.py), the main
-job's `parallelize_model` and the torchtitan hook all shard a layer through `shard_moe_layer` here."""
+dispatcher's hooks, FSDP2 units, the data-parallel statistics, and the tp gradient convention (`TP_GRADS`).
+`ExpertParallel` (parallelize.py), the main job's `parallelize_model` and the torchtitan hook all shard a layer
+through `shard_moe_layer` here."""
 
+import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -18,6 +20,24 @@ from dtensor_moe.parallel.dispatch import ExpertDispatcher
 from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
 from dtensor_moe.parallel.plan import WeightPlan, plan_moe
 from dtensor_moe.routing import ScaleGrad
+
+# `tp_grads`: how the gradients of the tp ranks' copies of an MoE's weights combine under sequence parallelism
+# (dims.tp > 1: every tp rank hands the layer its own slice of each sequence, so each holds a copy of the router
+# and shared experts and sends its own tokens to the experts). Every entry point takes this one argument:
+#   "sum":  summed over tp, as DTensor sums a TP-sharded weight's gradient: the loss of a tp group is one loss,
+#           replicated over its ranks (ExpertParallel's default, the main job's parallelize_model,
+#           parallelize_blocks, the torchtitan hook);
+#   "mean": averaged over tp like over every data-parallel rank: each rank's loss is its own (parallelize_moe's
+#           default).
+# With tp = 1 both are the same. Averaging over the data-parallel ranks is FSDP2's default reduction; callers whose
+# reductions sum instead (the torchtitan hook: `fsdp_sums`) sum over tp too.
+TP_GRADS = ("sum", "mean")
+
+
+def check_tp_grads(tp_grads, prefix: str = "", name: str = "tp_grads") -> None:
+    """ValueError unless `tp_grads` is one of TP_GRADS (`name`: the argument as the caller spells it)."""
+    if tp_grads not in TP_GRADS:
+        raise ValueError(f"{prefix}{name} must be one of {list(TP_GRADS)}, got {tp_grads!r}")
 
 
 @dataclass(frozen=True)
@@ -69,16 +89,22 @@ def shard_moe_layer(
     dims: MoEParallelDims,
     meshes: MoEMeshes,
     fsdp_kwargs: dict | None,
-    grad_divisor: float | None = None,
+    *,
+    tp_grads: str = "sum",
+    fsdp_sums: bool = False,
     experts_unit: bool = True,
     dispatch_precision: str = "bf16",
     dispatch_options: dict | None = None,
+    grad_divisor: float | None = None,
 ):
     """Apply `plans` (names relative to `moe`) to one MoE layer of any model family.
 
     Expert weights become DTensors on the (ep, etp) submesh (its axes of size > 1), the dispatcher wraps the module that
     owns them, and FSDP2 shards them over EDP (HSDP over dp_replicate) and the dense weights over
-    the data-parallel ranks, each along the plan's dim. `grad_divisor`: see ExpertDispatcher.
+    the data-parallel ranks, each along the plan's dim. `tp_grads`: TP_GRADS. `fsdp_sums`: the
+    data-parallel reductions sum instead of averaging (torchtitan's loss is a global sum and its FSDP2 units'
+    divide factor 1): the dispatcher then leaves the expert weight gradients sums (no EP*ETP division,
+    ExpertDispatcher), and the tp ranks' copies sum by those reductions themselves (`tp_grads` must be "sum").
     `fsdp_kwargs` None: no FSDP units here; the caller's unit around the layer takes its dense
     weights (compiled blocks, whose FSDP hooks must stay outside the graph). `experts_unit` False
     (compiled layers): no FSDP unit for the experts; under EDP / HSDP their weights are DTensors on the whole
@@ -86,7 +112,14 @@ def shard_moe_layer(
     DTensor redistributions inside the graph (experts.gather_for_compute). `dispatch_precision`:
     MoEConfig.dispatch_precision, the EP/ETP token payload's. `dispatch_options`: ExpertDispatcher's replica and
     row-cap arguments (`dispatch_options(moe)`; replicas run with our experts, or others given a `replica_forward`).
+    `grad_divisor` (deprecated, for one release): 1.0 is `fsdp_sums=True`, EP*ETP the default.
     """
+    if grad_divisor is not None:
+        fsdp_sums = _fsdp_sums_of(grad_divisor, dims)
+    check_tp_grads(tp_grads, "shard_moe_layer: ")
+    if fsdp_sums and tp_grads != "sum" and dims.tp > 1:
+        raise ValueError("shard_moe_layer: with fsdp_sums the tp ranks' gradients sum with every other rank's; "
+                         f"valid: tp_grads='sum', got {tp_grads!r}")
     experts_plans = tuple(wp for wp in plans if wp.role == "expert")
     dense_plans = tuple(wp for wp in plans if wp.role == "dense")
     owner_name = experts_plans[0].name.rsplit(".", 1)[0]
@@ -108,31 +141,44 @@ def shard_moe_layer(
         dt = distribute_tensor(param.data, weight_mesh, placements, src_data_rank=None)
         setattr(experts, attr, nn.Parameter(dt, requires_grad=param.requires_grad))
     if dims.ep * dims.etp > 1:
-        divisor = dims.ep * dims.etp if grad_divisor is None else grad_divisor
+        # Averaging reductions cover EDP x dp_replicate only: the EP*ETP peers' share is divided here.
+        divisor = 1.0 if fsdp_sums else dims.ep * dims.etp
         d = ExpertDispatcher(ep_etp.get_group("ep"), ep_etp.get_group("etp"), divisor, dispatch_precision,
                              **(dispatch_options or {}))
         pre, post = d.hooks(ours)
         experts.expert_parallel = ExpertParallelHooks(
             d, experts.register_forward_pre_hook(pre), experts.register_forward_hook(post))
-    if fsdp_kwargs is None:
-        return
-    # With no expert data-parallel axis every expert slice has one owner: FSDP on a 1-rank mesh
-    # would only copy the weights in and out around each use (~60 ms per step at DeepSeek scale).
-    ignored = set(experts.parameters()) if ours and (in_graph or not experts_fsdp_sharded(dims)) else None
-    if ignored is None:
+    if fsdp_kwargs is not None:
+        # With no expert data-parallel axis every expert slice has one owner: FSDP on a 1-rank mesh
+        # would only copy the weights in and out around each use (~60 ms per step at DeepSeek scale).
+        ignored = set(experts.parameters()) if ours and (in_graph or not experts_fsdp_sharded(dims)) else None
+        if ignored is None:
+            fully_shard(
+                experts,
+                mesh=_fsdp_mesh(meshes.expert, dims, "edp"),
+                shard_placement_fn=_placement_fn(moe, experts_plans),
+                **fsdp_kwargs,
+            )
         fully_shard(
-            experts,
-            mesh=_fsdp_mesh(meshes.expert, dims, "edp"),
-            shard_placement_fn=_placement_fn(moe, experts_plans),
+            moe,
+            mesh=_fsdp_mesh(meshes.moe_dp, dims, dims.moe_dp_axis),
+            shard_placement_fn=_placement_fn(moe, dense_plans),
+            ignored_params=ignored,
             **fsdp_kwargs,
         )
-    fully_shard(
-        moe,
-        mesh=_fsdp_mesh(meshes.moe_dp, dims, dims.moe_dp_axis),
-        shard_placement_fn=_placement_fn(moe, dense_plans),
-        ignored_params=ignored,
-        **fsdp_kwargs,
-    )
+    if tp_grads == "sum" and dims.tp > 1 and not fsdp_sums:
+        scale_moe_gradients(moe, dims.tp)
+
+
+def _fsdp_sums_of(grad_divisor: float, dims: MoEParallelDims) -> bool:
+    """shard_moe_layer's old `grad_divisor` as `fsdp_sums` (its two uses: 1.0, and None for EP*ETP)."""
+    warnings.warn("shard_moe_layer(grad_divisor=...) is deprecated and will be removed in the next release: "
+                  "use shard_moe_layer(..., fsdp_sums=True) for grad_divisor=1.0 (reductions that sum, "
+                  "torchtitan's), or leave it out for EP*ETP", DeprecationWarning, stacklevel=3)
+    if grad_divisor not in (1.0, dims.ep * dims.etp):
+        raise ValueError(f"shard_moe_layer: grad_divisor must be 1.0 (fsdp_sums=True) or ep*etp = "
+                         f"{dims.ep * dims.etp} (the default), got {grad_divisor!r}")
+    return grad_divisor == 1.0
 
 
 def dp_fsdp_mesh(meshes: MoEMeshes, dims: MoEParallelDims):
@@ -177,20 +223,18 @@ def fsdp_kwargs(mp_policy, reshard_after_forward: bool) -> dict:
 
 
 def scale_moe_gradients(moe: nn.Module, tp: int) -> None:
-    """Under sequence parallelism the loss is replicated over tp (each TP rank's loss is its data-parallel
-    group's loss), so TP-sharded weights sum their gradients over tp; an MoE treats the tp ranks as
-    data-parallel and averages over them, as over every rank with its own tokens. Its output gradient is
-    scaled by tp to match that convention, and its input gradient back by 1/tp."""
+    """`tp_grads="sum"` under averaging reductions: FSDP2 averages an MoE's gradients over every rank with its
+    own tokens, tp ranks included, while a TP-sharded weight's sum over tp (the loss is replicated over tp, each
+    TP rank's loss its data-parallel group's). The MoE's output gradient is scaled by tp, so its weight
+    gradients are sums over tp, and its input gradient back by 1/tp."""
     moe.register_forward_pre_hook(lambda _, args: (ScaleGrad.apply(args[0], 1.0 / tp), *args[1:]))
     moe.register_forward_hook(lambda _, args, out: ScaleGrad.apply(out, float(tp)))
 
 
 def shard_and_connect(moe: MoE, plans: tuple[WeightPlan, ...], dims: MoEParallelDims, meshes: MoEMeshes,
-                      unit_kwargs: dict | None, experts_unit: bool, sum_over_tp: bool) -> None:
-    """One `MoE` of this library: `shard_moe_layer`, its statistics over the data-parallel ranks and, with
-    `sum_over_tp` under tp > 1, its gradients summed over tp like a TP-sharded weight's."""
-    shard_moe_layer(moe, plans, dims, meshes, unit_kwargs, experts_unit=experts_unit,
+                      unit_kwargs: dict | None, experts_unit: bool, tp_grads: str) -> None:
+    """One `MoE` of this library: `shard_moe_layer` (`tp_grads`: TP_GRADS) and its statistics over the
+    data-parallel ranks."""
+    shard_moe_layer(moe, plans, dims, meshes, unit_kwargs, tp_grads=tp_grads, experts_unit=experts_unit,
                     dispatch_precision=moe.config.dispatch_precision, dispatch_options=dispatch_options(moe))
     moe.stats = DataParallelStats(meshes, dims)
-    if sum_over_tp and dims.tp > 1:
-        scale_moe_gradients(moe, dims.tp)

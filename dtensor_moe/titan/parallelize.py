@@ -98,10 +98,10 @@ def _apply_dense_tp(model, moes: list[MoE], parallel_dims) -> None:
     torchtitan's MoE sharding configs would shard the experts over tp (or over its own EP): they
     are dropped, so `Module.parallelize` leaves every MoE's weights plain for our plan. Each MoE
     then takes its TP rank's sequence slice of the sequence-parallel hidden states as a local
-    tensor and hands its output back as that slice. No gradient rescaling: torchtitan's loss is a
-    global sum and every FSDP reduction a sum, so each token's gradient is the same on whichever
-    rank holds it, and the MoE's weight gradients (summed over the ranks holding its tokens) are the
-    single-process ones."""
+    tensor and hands its output back as that slice. No gradient rescaling (`tp_grads="sum"` with
+    `fsdp_sums`, shard_moe_layer): torchtitan's loss is a global sum and every FSDP reduction a sum, so
+    each token's gradient is the same on whichever rank holds it, and the MoE's weight gradients (summed
+    over the ranks holding its tokens) are the single-process ones."""
     for moe in moes:
         for m in moe.modules():
             m._sharding_config = None
@@ -141,11 +141,13 @@ def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_co
         if rounding:  # --dtensor_moe.round_tokens_to (titan/token_rounding.py)
             round_titan_tokens(moe, moe_config(moe), rounding, dims.ep * dims.etp > 1)
         # torchtitan's loss is a global sum and its FSDP reductions sum (divide factor 1): expert
-        # weight gradients must stay sums too, so no EP*ETP division in the dispatcher.
+        # weight gradients must stay sums too (fsdp_sums: no EP*ETP division in the dispatcher), and the tp
+        # ranks' copies sum like torchtitan's TP weights' (tp_grads="sum", by those reductions themselves).
         fsdp_kwargs = {"mp_policy": mp_policy, "reshard_after_forward": reshard}
         # Replicas and the row cap (titan/replicas.py): --dtensor_moe.expert_replicas, max_rows_per_rank.
         options = dispatch_options(parallel_dims.options, f"MoE layer {names[moe]!r}", dims.etp)
-        shard_moe_layer(moe, moe_plans, dims, meshes, fsdp_kwargs, grad_divisor=1.0, dispatch_options=options)
+        shard_moe_layer(moe, moe_plans, dims, meshes, fsdp_kwargs, tp_grads="sum", fsdp_sums=True,
+                        dispatch_options=options)
         if is_gpt_oss(moe.routed_experts.inner_experts):
             finish_rows(moe.routed_experts.inner_experts, dims.etp)
 

@@ -55,6 +55,7 @@ def parallelize_model(
             apply_cp(model, meshes.dense["cp"])
 
     blocks = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    # The main job's loss is replicated over tp (its dense TP weights' gradients sum over tp): so do the MoEs'.
     return parallelize_blocks(model, blocks, dims, device_type=device_type, mp_policy=mp_policy,
                               reshard_after_forward=reshard_after_forward, compile=compile,
-                              activation_checkpoint=activation_checkpoint, dense=dense)
+                              activation_checkpoint=activation_checkpoint, dense=dense, tp_grads="sum")
