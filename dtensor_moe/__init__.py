@@ -2,7 +2,8 @@
 
 The layer: `MoE` (configured by `MoEConfig`; its parts `TopKRouter`, `GroupedExperts`, `grouped_swiglu`).
 Parallelizing it: `MoEParallelDims` (the degrees; `MoEMeshes` their meshes), then `ExpertParallel` in a
-`parallelize_module` plan or `parallelize_moe` over a module tree. The placement plan they follow:
+`parallelize_module` plan (with `compile_moe` and `fully_shard_moe` after it) or `parallelize_moe`, the three
+chained over a module tree. The placement plan they follow:
 `plan_moe` (`WeightPlan`, `ShardStep`), `owned_box`, `ownership` (`Ownership`). Routing replay:
 `record_routing`, `replay_routing` (`RoutingReplay`). Raised to be caught: `RowCapExceeded`.
 Subpackages: `dtensor_moe.hf` (Hugging Face weights and models), `dtensor_moe.titan` (the torchtitan hook),
@@ -15,6 +16,8 @@ import importlib
 
 _EXPORTS = {
     "ExpertParallel": "parallel.parallelize",
+    "compile_moe": "parallel.parallelize",
+    "fully_shard_moe": "parallel.parallelize",
     "GroupedExperts": "experts",
     "grouped_swiglu": "experts",
     "MoE": "moe",

@@ -1,20 +1,23 @@
 """ExpertParallel in one parallelize_module plan beside torch's TP styles, on a plain toy model, against the
-1-process float64 reference (outputs, input gradients, every parameter gradient, the aux loss); and
-torch.compile(fullgraph=True) of parallelized layers: the supported routes compile and match, the others
-raise the one error that names them."""
+1-process float64 reference (outputs, input gradients, every parameter gradient, the aux loss), with its own
+FSDP2 units or with compile_moe and fully_shard_moe after it; torch.compile(fullgraph=True) of parallelized
+layers: the supported routes compile and match, the others raise the one error that names them; the deprecated
+keywords warn, naming the new call, and keep their behaviour."""
+
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
-from dtensor_moe import ExpertParallel, MoE, MoEConfig, MoEParallelDims
+from dtensor_moe import ExpertParallel, MoE, MoEConfig, MoEParallelDims, compile_moe, fully_shard_moe
 
 from .harness import run_on_ranks
 
 D, H, V = 8, 8, 6  # model dim, wq's output features, head's output features
 B, L = 2, 4  # sequences per data-parallel group, their length (tp ranks take L / tp each)
 TOL = 1e-10
-ROUTE = "ExpertParallel(..., compile=True)"  # what the error must name
+ROUTE = "compile_moe(model) of layers placed with ExpertParallel(..., gather_in_forward=True)"  # what the error names
 CONFIG = MoEConfig(dim=D, hidden_dim=4, num_experts=4, top_k=2, num_shared_experts=1, load_balance="aux_loss",
                    aux_loss_coeff=0.1)
 
@@ -108,8 +111,9 @@ def _fullgraph_error(module: nn.Module, x) -> str:
 
 def tp_and_ep_plan(rank: int, world_size: int) -> dict:
     """tp=2, ep=2 on 4 ranks (edp=2: the experts are an FSDP2 unit), one parallelize_module call on the TP
-    mesh, then the user's fully_shard of the dense rest: eagerly, and with the MoE's forward compiled by the
-    style (the experts then gathered over EDP inside the graph); then fullgraph compile of the eager layer."""
+    mesh, then the user's fully_shard of the dense rest: eagerly, with the style's own units; compiled in
+    torchtitan's order (the style with the experts gathered over EDP inside the graph, compile_moe, then
+    fully_shard_moe); and compiled by the deprecated compile= keyword; then fullgraph compile of the eager layer."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -119,12 +123,18 @@ def tp_and_ep_plan(rank: int, world_size: int) -> dict:
     ref = Reference(dims)
     meshes = dims.build_meshes("cpu")
     out = {}
-    for name, style in (
-        ("eager", ExpertParallel(dims)),
-        ("compiled", ExpertParallel(meshes=meshes, compile="aot_eager")),
+    with pytest.warns(DeprecationWarning, match=r"ExpertParallel\(compile='aot_eager'\) is deprecated"):
+        deprecated = ExpertParallel(meshes=meshes, compile="aot_eager")
+    for name, style, backend in (
+        ("eager", ExpertParallel(dims), None),
+        ("compiled", ExpertParallel(meshes=meshes, fully_shard=False, gather_in_forward=True), "aot_eager"),
+        ("compiled_deprecated", deprecated, None),
     ):
         torch._dynamo.reset()
         model = parallelize_module(ref.copy(perturb_moe=rank > 0), meshes.tp, _tp_plan(style))
+        if backend:
+            compile_moe(model, backend)
+            fully_shard_moe(model)
         fully_shard(model, mesh=dp_fsdp_mesh(meshes, dims))
         out[name] = ref.errors(model, dims, rank)
         if name == "eager":
@@ -138,10 +148,10 @@ def tp_and_ep_plan(rank: int, world_size: int) -> dict:
 def test_expert_parallel_in_a_tp_plan_matches_the_reference():
     """Every output and gradient of the toy under TP x EP x EDP equals the reference's (a wrong tp gradient
     scale is off by 2, a wrong src_data_rank by the MoE's perturbation), eagerly and with the MoE's forward
-    compiled by the style; then torch.compile(layer, fullgraph=True) of the eager one stops at the experts'
-    FSDP2 unit with the error naming the supported route."""
+    compiled (compile_moe, or the deprecated compile= keyword); then torch.compile(layer, fullgraph=True) of the
+    eager one stops at the experts' FSDP2 unit with the error naming the supported route."""
     for r in run_on_ranks(4, tp_and_ep_plan):
-        for mode in ("eager", "compiled"):
+        for mode in ("eager", "compiled", "compiled_deprecated"):
             assert max(r[mode].values()) < TOL, (mode, r[mode])
             assert len(r[mode]) == 3 + 9, r[mode]  # wq, wo, head, router, shared w1/w2/w3, experts w13/w2
         assert ROUTE in r["fullgraph_layer"] and "experts are an FSDP2 unit" in r["fullgraph_layer"], r
@@ -150,9 +160,9 @@ def test_expert_parallel_in_a_tp_plan_matches_the_reference():
 
 def fullgraph_compiles(rank: int, world_size: int) -> dict:
     """torch.compile(..., fullgraph=True) by the user: of the MoE layer, whose experts have no FSDP2 unit
-    (tp=2, ep=2, etp=2: no EDP), in the TP toy; of the whole toy, once with ExpertParallel(fsdp=False) and
-    the user's FSDP2 root outside the graph (ep=2, edp=2: the experts gathered inside it), once with the
-    style's units nested in it (the error)."""
+    (tp=2, ep=2, etp=2: no EDP), in the TP toy; of the whole toy, once with the style's units nested in it (the
+    error), once placed by ExpertParallel(fully_shard=False, gather_in_forward=True) with the user's FSDP2 root
+    outside the graph (ep=2, edp=2: the experts gathered inside it)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -174,7 +184,7 @@ def fullgraph_compiles(rank: int, world_size: int) -> dict:
     torch._dynamo.reset()
     # Any mesh of the ranks does for the style (here the world's): it builds the expert meshes from dims.
     model = parallelize_module(ref.copy(perturb_moe=rank > 0), init_device_mesh("cpu", (world_size,)),
-                               {"moe": ExpertParallel(dims, fsdp=False)})
+                               {"moe": ExpertParallel(dims, fully_shard=False, gather_in_forward=True)})
     fully_shard(model, mesh=dp_fsdp_mesh(meshes, dims), ignored_params=ExpertParallel.expert_parameters(model))
     out["fsdp_false"] = ref.errors(torch.compile(model, fullgraph=True, backend="aot_eager"), dims, rank)
     return out
@@ -193,15 +203,61 @@ def test_fullgraph_compile_of_parallelized_layers():
     ({"dims": (4, 2)}, r"dims must be a MoEParallelDims, got tuple"),
     ({"meshes": "world"}, r"meshes must be the MoEMeshes of MoEParallelDims.build_meshes, got str"),
     ({"tp_grads": "max"}, r"tp_grads must be one of \['sum', 'mean'\], got 'max'"),
-    ({"compile": "no_such_backend"}, r"compile must be True, False or a torch.compile backend name \[.*'aot_eager'"),
-    ({"compile": 1.0}, r"compile must be True, False or a torch.compile backend name"),
-    ({"fsdp": False, "mp_policy": object()}, r"mp_policy is the layer's FSDP2 units' and fsdp=False makes none"),
-    ({"fsdp": False, "dims": MoEParallelDims(4, tp=2, ep=2)}, r"fsdp=False with tp=2 is not supported.*dp_shard_tp"),
 ])
 def test_bad_arguments_raise_at_construction(kwargs, match):
     kwargs = {"dims": MoEParallelDims(4, ep=2), **kwargs} if kwargs else kwargs
     with pytest.raises(ValueError, match=match):
         ExpertParallel(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"compile": "no_such_backend"}, r"compile must be True, False or a torch.compile backend name \[.*'aot_eager'"),
+    ({"compile": 1.0}, r"compile must be True, False or a torch.compile backend name"),
+    ({"fsdp": False, "mp_policy": object()}, r"mp_policy is the layer's FSDP2 units' and fsdp=False makes none"),
+    ({"fsdp": False, "dims": MoEParallelDims(4, tp=2, ep=2)}, r"fsdp=False with tp=2 is not supported.*dp_shard_tp"),
+])
+def test_deprecated_arguments_keep_their_checks(kwargs, match):
+    kwargs = {"dims": MoEParallelDims(4, ep=2), **kwargs}
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=match):
+        ExpertParallel(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,new,fully_shard,gather_in_forward,compile", [
+    ({"fsdp": True}, r"the default, fully_shard=True", True, False, False),
+    ({"fsdp": False}, r"ExpertParallel\(\.\.\., fully_shard=False, gather_in_forward=True\)", False, True, False),
+    ({"mp_policy": "bf16"}, r"fully_shard=False\) in the plan, then fully_shard_moe\(model, mp_policy=\.\.\.\)",
+     True, False, False),
+    ({"reshard_after_forward": False}, r"fully_shard_moe\(model, reshard_after_forward=\.\.\.\)", True, False, False),
+    ({"compile": "aot_eager"}, r"gather_in_forward=True\) in the plan, then compile_moe\(model, backend\)", True, True,
+     "aot_eager"),
+])
+def test_deprecated_arguments_warn_with_the_new_call(kwargs, new, fully_shard, gather_in_forward, compile):
+    """Each old keyword warns once, naming its replacement, and sets what it did before: the style's own units
+    (with the old unit options), the experts gathered in the forward, the compile after the units."""
+    with pytest.warns(DeprecationWarning, match=r"is deprecated and will be removed in the next release: use .*" + new):
+        style = ExpertParallel(MoEParallelDims(4, ep=2), **kwargs)
+    assert (style.fully_shard, style.gather_in_forward, style.compile) == (fully_shard, gather_in_forward, compile)
+    want = {"reshard_after_forward": kwargs.get("reshard_after_forward", True)}
+    want.update({"mp_policy": kwargs["mp_policy"]} if "mp_policy" in kwargs else {})
+    assert style.unit_kwargs == want
+
+
+def test_the_readme_spelling_warns_nothing():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        style = ExpertParallel(MoEParallelDims(4, ep=2, etp=2), device_type="cpu")
+    assert (style.fully_shard, style.gather_in_forward, style.compile, style.tp_grads) == (True, False, False, "sum")
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: compile_moe(MoE(CONFIG), "no_such_backend"), r"compile_moe: backend must be a torch.compile backend name"),
+    (lambda: compile_moe(nn.Sequential(MoE(CONFIG)), "aot_eager"), r"compile_moe: MoE layers \['0'\] are not placed"),
+    (lambda: fully_shard_moe(MoE(CONFIG)), r"fully_shard_moe: MoE layers \['MoE'\] are not placed yet; valid: "
+                                           r"ExpertParallel\(\.\.\., fully_shard=False\)"),
+])
+def test_compile_moe_and_fully_shard_moe_refuse_unplaced_layers(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
 
 
 def test_tp_reduce_is_the_deprecated_name_of_tp_grads():

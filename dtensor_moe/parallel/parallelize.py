@@ -1,7 +1,9 @@
-"""The library's two ways to parallelize MoE layers: `ExpertParallel`, the placement plan as a DTensor
-`ParallelStyle` that goes into a `parallelize_module` plan beside torch's ColwiseParallel / RowwiseParallel
-(torchtitan applies its own expert parallelism the same way), and `parallelize_moe`, that style applied to a
-whole module tree.
+"""The library's face for MoE layers, each step its own function, in torchtitan's order (tp -> ep -> ac ->
+compile -> fsdp): `ExpertParallel`, the placement plan as a DTensor `ParallelStyle` (partition and the
+dispatch / combine hooks) that goes into a `parallelize_module` plan beside torch's ColwiseParallel /
+RowwiseParallel (torchtitan applies its own expert parallelism the same way); `compile_moe`, each placed layer's
+forward one graph; `fully_shard_moe`, each placed layer's FSDP2 units; and `parallelize_moe`, the three chained
+over a whole module tree.
 """
 
 import warnings
@@ -20,11 +22,12 @@ from dtensor_moe.parallel.shard import (
     check_tp_grads,
     experts_fsdp_sharded,
     fsdp_kwargs,
+    fully_shard_layer,
     moe_layers,
-    shard_and_connect,
+    place_moe,
 )
 
-__all__ = ["ExpertParallel", "parallelize_moe"]
+__all__ = ["ExpertParallel", "compile_moe", "fully_shard_moe", "parallelize_moe"]
 
 
 class ExpertParallel(ParallelStyle):
@@ -32,10 +35,15 @@ class ExpertParallel(ParallelStyle):
     placement plan: key it in a `parallelize_module` plan beside torch's ColwiseParallel / RowwiseParallel.
 
     It applies to the MoE itself or to any module holding MoE layers (e.g. `"layers.*.moe"` or the whole
-    model), exactly as `parallelize_moe` does: expert weights become DTensors by the placement plan
-    (`plan_moe`: E over EP, F over ETP), `ExpertDispatcher` moves tokens around the experts,
-    load-balancing statistics reduce over every rank with its own tokens (`DataParallelStats`), and
-    FSDP2 shards the experts over EDP / HSDP and the router and shared experts over those ranks.
+    model), as torch's styles do: it partitions the layer's weights and hooks its forward. Expert weights
+    become DTensors by the placement plan (`plan_moe`: E over EP, F over ETP), `ExpertDispatcher` moves
+    tokens to the experts and back (dispatch / combine hooks), and load-balancing statistics reduce over
+    every rank with its own tokens (`DataParallelStats`). The plan's data-parallel steps, the experts over
+    EDP / HSDP and the router and shared experts over every rank with its own tokens, are FSDP2 units:
+    `fully_shard_moe`. With `fully_shard=True` (the default) the style makes them itself, with
+    `fully_shard_moe`'s defaults, so that a plan alone places the layer and a later `fully_shard` of the model
+    skips it; `fully_shard=False` leaves them to `fully_shard_moe` (after `compile_moe`, if the layer
+    compiles), as `parallelize_moe` does.
 
     The mesh `parallelize_module` hands every style in the plan (the dense TP mesh, or the world mesh)
     gives only the device type, when `device_type` is None: the expert mesh (dp_replicate, edp, ep, etp)
@@ -54,31 +62,32 @@ class ExpertParallel(ParallelStyle):
             Default None (the style builds them from `dims`).
         device_type (str | None): "cuda", "cpu", ...; None (default) takes the device type of the mesh
             `parallelize_module` passes.
-        fsdp (bool): True (default): the layer's FSDP2 units are made here, so a later `fully_shard` of
-            the model or of its blocks skips the MoE's parameters. False: no units here; the caller's
-            `fully_shard` around the layer takes its router and shared experts and must leave the
-            experts out (`ignored_params=ExpertParallel.expert_parameters(model)`): under EDP / HSDP
-            their weights are DTensors on the whole expert mesh, gathered over EDP inside the forward
-            and their gradients reduce-scattered back (`experts.gather_for_compute`). False needs
-            `dims.tp == 1`, where the caller's data-parallel mesh holds every rank with its own tokens.
-        mp_policy (MixedPrecisionPolicy | None): the layer's FSDP2 units' mixed precision (fsdp=True
-            only). Default None.
-        reshard_after_forward (bool): the layer's FSDP2 units' `reshard_after_forward`. Default True.
-        compile (bool | str): True, or a backend name: each MoE's forward compiles as one graph
-            (`fullgraph=True`) inside its FSDP2 unit's hooks, the experts then in no unit (gathered in
-            the graph, as above). This is the supported route to a compiled layer: FSDP2's hooks cannot
-            be traced (torch 2.11-2.13), so `torch.compile(m, fullgraph=True)` of a module `m` that
-            holds one of the layer's units fails, with an error that names this route (a hook ahead of
-            each unit's own). `torch.compile` of the MoE itself compiles when its experts have no unit
-            (no EDP / HSDP): a compiled module's own hooks run outside its graph. With `fsdp=False` no
-            unit is in the way of any `fullgraph` compile. Default False.
         tp_grads (str): how the gradients of the tp ranks' copies combine, with `dims.tp > 1` (every TP
             rank holds its own slice of each sequence, sequence parallelism): "sum" (default) sums the MoE's
             weight gradients over the tp ranks as DTensor sums a TP-sharded weight's, so the whole plan
             follows one loss convention (the loss of a tp group, averaged over the data-parallel groups by
             FSDP); "mean" averages over them as over every data-parallel rank, each rank's loss its own
             (`parallelize_moe`'s default). `dtensor_moe.parallel.shard.TP_GRADS`.
-        tp_reduce (str | None): deprecated (one release): `tp_grads`, its old name; a DeprecationWarning.
+        fully_shard (bool): True (default): the layer's FSDP2 units are made here, as `fully_shard_moe`
+            makes them with its defaults. False: partition and hooks only; call `fully_shard_moe(model, ...)`
+            after the plan (your `mp_policy`, `reshard_after_forward`), or, with `gather_in_forward=True` and
+            `dims.tp == 1`, your own `fully_shard` around the layer, which must leave the experts out
+            (`ignored_params=ExpertParallel.expert_parameters(model)`).
+        gather_in_forward (bool): under EDP / HSDP the experts' weights are DTensors on the whole expert mesh,
+            all-gathered over EDP inside the layer's forward and their gradients reduce-scattered back
+            (`experts.gather_for_compute`), with no FSDP2 unit of their own: what `compile_moe` needs, since
+            torch.compile cannot trace FSDP2's hooks (torch 2.11-2.13). Default False: the experts' own FSDP2
+            unit. Without EDP / HSDP the two are the same.
+        fsdp (bool | None): deprecated (one release; a DeprecationWarning): True is the default;
+            False is `fully_shard=False, gather_in_forward=True` (with `dims.tp == 1`).
+        mp_policy (MixedPrecisionPolicy | None): deprecated (one release; a DeprecationWarning): the units'
+            mixed precision; use `fully_shard=False`, then `fully_shard_moe(model, mp_policy=...)`.
+        reshard_after_forward (bool | None): deprecated (one release; a DeprecationWarning): use
+            `fully_shard=False`, then `fully_shard_moe(model, reshard_after_forward=...)`.
+        compile (bool | str | None): deprecated (one release; a DeprecationWarning): True or a backend name
+            compiles each layer after its units; use `gather_in_forward=True`, then `compile_moe(model, backend)`
+            (`parallelize_moe(..., compile=...)` chains both).
+        tp_reduce (str | None): deprecated (one release; a DeprecationWarning): `tp_grads`, its old name.
 
     Returns:
         A `ParallelStyle` for a `parallelize_module` plan; applying it shards the layers in place.
@@ -101,11 +110,13 @@ class ExpertParallel(ParallelStyle):
         *,
         meshes: MoEMeshes | None = None,
         device_type: str | None = None,
-        fsdp: bool = True,
-        mp_policy=None,
-        reshard_after_forward: bool = True,
-        compile: bool | str = False,
         tp_grads: str = "sum",
+        fully_shard: bool = True,
+        gather_in_forward: bool = False,
+        fsdp: bool | None = None,
+        mp_policy=None,
+        reshard_after_forward: bool | None = None,
+        compile: bool | str | None = None,
         tp_reduce: str | None = None,
     ):
         super().__init__()
@@ -124,26 +135,40 @@ class ExpertParallel(ParallelStyle):
             dims, device_type = built, meshes.dense.device_type
         if dims is None:
             raise ValueError("ExpertParallel needs dims (a MoEParallelDims) or meshes (a MoEMeshes)")
-        check_backend(compile, "ExpertParallel: ")
         if tp_reduce is not None:
-            warnings.warn(f"ExpertParallel(tp_reduce={tp_reduce!r}) is deprecated and will be removed in the next "
-                          f"release: use ExpertParallel(..., tp_grads={tp_reduce!r})", DeprecationWarning,
-                          stacklevel=2)
+            _deprecated(f"tp_reduce={tp_reduce!r}", f"ExpertParallel(..., tp_grads={tp_reduce!r})")
             check_tp_grads(tp_reduce, "ExpertParallel: ", "tp_reduce")
             tp_grads = tp_reduce
         check_tp_grads(tp_grads, "ExpertParallel: ")
-        if not fsdp and mp_policy is not None:
-            raise ValueError("ExpertParallel: mp_policy is the layer's FSDP2 units' and fsdp=False makes none; "
-                             "valid: fsdp=True with mp_policy, or mp_policy on your own fully_shard")
-        if not fsdp and dims.tp > 1:
+        if compile is not None:
+            _deprecated(f"compile={compile!r}", "ExpertParallel(..., gather_in_forward=True) in the plan, then "
+                        "compile_moe(model, backend) (parallelize_moe(..., compile=...) chains both)")
+            check_backend(compile, "ExpertParallel: ")
+            gather_in_forward = gather_in_forward or bool(compile)
+        off = "fully_shard=False"
+        if fsdp is not None:
+            _deprecated(f"fsdp={fsdp!r}", "the default, fully_shard=True" if fsdp else
+                        "ExpertParallel(..., fully_shard=False, gather_in_forward=True)")
+            if not fsdp:
+                fully_shard, gather_in_forward, off = False, True, "fsdp=False"
+        for name, value in (("mp_policy", mp_policy), ("reshard_after_forward", reshard_after_forward)):
+            if value is not None:
+                _deprecated(f"{name}=...", f"ExpertParallel(..., fully_shard=False) in the plan, then "
+                            f"fully_shard_moe(model, {name}=...)")
+        if not fully_shard and mp_policy is not None:
+            raise ValueError(f"ExpertParallel: mp_policy is the layer's FSDP2 units' and {off} makes none; "
+                             "valid: fully_shard_moe(model, mp_policy=...) after the plan, or mp_policy on your "
+                             "own fully_shard")
+        if off == "fsdp=False" and dims.tp > 1:
             # The router and shared experts see other tokens on every tp rank, so their gradients must
             # be reduced over tp too: a unit on the caller's data-parallel mesh (dp_shard) would miss it.
             raise ValueError(f"ExpertParallel: fsdp=False with tp={dims.tp} is not supported (the router and "
                              f"shared experts must be sharded over every rank with its own tokens, "
                              f"{dims.moe_dp_axis}); valid: fsdp=True, or tp=1")
-        self.dims, self.meshes, self.device_type = dims, meshes, device_type
-        self.fsdp, self.compile, self.tp_grads = fsdp, compile, tp_grads
-        self.unit_kwargs = fsdp_kwargs(mp_policy, reshard_after_forward) if fsdp else None
+        self.dims, self.meshes, self.device_type, self.tp_grads = dims, meshes, device_type, tp_grads
+        self.fully_shard, self.gather_in_forward = fully_shard, gather_in_forward
+        self.unit_kwargs = fsdp_kwargs(mp_policy, True if reshard_after_forward is None else reshard_after_forward)
+        self.compile = compile or False  # the deprecated keyword's backend
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         layers = moe_layers(module, self.dims, "ExpertParallel")
@@ -163,17 +188,24 @@ class ExpertParallel(ParallelStyle):
             # First of the layer's pre-hooks: under compile, the tp gradient scale's autograd node taken on the
             # AsyncCollectiveTensor itself lost the MoE's input gradient (grad:x off by 0.6, torch 2.13).
             moe.register_forward_pre_hook(_plain_input)
-            shard_and_connect(moe, plans, self.dims, meshes, self.unit_kwargs,
-                              experts_unit=self.fsdp and not self.compile, tp_grads=self.tp_grads)
-            if self.compile:
-                apply_compile(moe, self.compile)
-            refuse_tracing_fsdp_hooks(moe, experts_fsdp_sharded(self.dims))
+            place_moe(moe, plans, self.dims, meshes, tp_grads=self.tp_grads, gather_in_forward=self.gather_in_forward)
+        moes = [moe for moe, _ in layers]
+        if self.fully_shard:
+            _fully_shard_layers(moes, self.unit_kwargs)
+        if self.compile:
+            _compile_layers(moes, self.compile)
         return module
 
     @staticmethod
     def expert_parameters(module: nn.Module) -> set[nn.Parameter]:
-        """Every MoE's expert weights in `module`: `fully_shard(..., ignored_params=...)` with `fsdp=False`."""
+        """Every MoE's expert weights in `module`: `fully_shard(..., ignored_params=...)` of your own around
+        layers placed with `fully_shard=False, gather_in_forward=True`."""
         return {p for m in module.modules() if isinstance(m, MoE) for p in m.experts.parameters()}
+
+
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"ExpertParallel({old}) is deprecated and will be removed in the next release: use {new}",
+                  DeprecationWarning, stacklevel=3)
 
 
 def _plain_input(module, args):
@@ -211,6 +243,7 @@ def meshes_dims(meshes: MoEMeshes) -> MoEParallelDims:
 
 
 def check_backend(compile, prefix: str = ""):
+    """ValueError unless `compile` is True, False or a torch.compile backend name."""
     if isinstance(compile, bool):
         return
     valid = torch.compiler.list_backends(exclude_tags=())
@@ -241,16 +274,127 @@ def refuse_tracing_fsdp_hooks(moe: nn.Module, experts_sharded: bool):
         what = ("its experts are an FSDP2 unit over EDP / HSDP" if name and experts_sharded else
                 "it is an FSDP2 unit (the router and shared experts over the data-parallel ranks)")
         reason = (f"dtensor_moe: this MoE layer cannot be traced into a graph: {what}, and torch.compile cannot trace "
-                  "FSDP2's hooks. Supported: ExpertParallel(..., compile=True) or parallelize_moe(..., compile=True) "
-                  "(the layer's forward one fullgraph graph inside its FSDP2 hooks; a string names the backend); "
-                  "torch.compile of the MoE module itself when its experts have no EDP / HSDP unit; or "
-                  "ExpertParallel(..., fsdp=False) with your own FSDP2 units outside the compiled module")
+                  "FSDP2's hooks. Supported: parallelize_moe(..., compile=True), or compile_moe(model) of layers "
+                  "placed with ExpertParallel(..., gather_in_forward=True) (the layer's forward one fullgraph graph "
+                  "inside its FSDP2 hooks; a string names the backend); torch.compile of the MoE module itself "
+                  "when its experts have no EDP / HSDP unit; or ExpertParallel(..., fully_shard=False, "
+                  "gather_in_forward=True) with your own FSDP2 units outside the compiled module")
 
         def fsdp2_hooks_cannot_be_traced(module, args):
             return None
 
         unit.register_forward_pre_hook(torch.compiler.disable(fsdp2_hooks_cannot_be_traced, reason=reason),
                                        prepend=True)
+
+
+def _named_moes(module: nn.Module) -> dict[str, MoE]:
+    return {n or type(module).__name__: m for n, m in module.named_modules() if isinstance(m, MoE)}
+
+
+def _placed(module: nn.Module, caller: str) -> list[MoE]:
+    """Every MoE in `module`, each placed by ExpertParallel (or parallelize_moe), else ValueError."""
+    moes = _named_moes(module)
+    unplaced = [n for n, m in moes.items() if getattr(m, "placement", None) is None]
+    if unplaced:
+        raise ValueError(f"{caller}: MoE layers {unplaced} are not placed yet; valid: ExpertParallel(..., "
+                         "fully_shard=False) in a parallelize_module plan first (parallelize_moe chains both)")
+    return list(moes.values())
+
+
+def _fully_shard_layers(moes: list[MoE], unit_kwargs: dict) -> None:
+    for moe in moes:
+        fully_shard_layer(moe, unit_kwargs)
+        refuse_tracing_fsdp_hooks(moe, experts_fsdp_sharded(moe.placement.dims))
+
+
+def _compile_layers(moes: list[MoE], backend) -> None:
+    for moe in moes:
+        apply_compile(moe, backend)
+
+
+def fully_shard_moe(module: nn.Module, *, mp_policy=None, reshard_after_forward: bool = True) -> nn.Module:
+    """The FSDP2 units of every placed `MoE` in `module`, in place: the plan's data-parallel steps.
+
+    Each layer's experts become a unit over EDP (HSDP over dp_replicate), along the plan's dim, unless they
+    have no such axis (FSDP2 on one rank would only copy them around each use) or gather in the forward
+    (`ExpertParallel(..., gather_in_forward=True)`); the layer itself a unit of its router and shared
+    experts over every rank with its own tokens (`dims.moe_dp_axis`). Ahead of each unit's hooks one that
+    names the supported compile routes when torch.compile meets it (it cannot trace FSDP2's hooks). Run it
+    after the placement plan and after `compile_moe`, before your own `fully_shard` of the dense rest, which
+    then skips the layers (torchtitan's order: ... compile -> fsdp).
+
+    Args:
+        module (nn.Module): a model holding MoE layers placed by `ExpertParallel(..., fully_shard=False)`, or
+            one such MoE; one with no MoE is returned as is.
+
+    Keyword Args:
+        mp_policy (MixedPrecisionPolicy | None): the units' mixed precision. Default None.
+        reshard_after_forward (bool): the units' `reshard_after_forward`. Default True.
+
+    Returns:
+        nn.Module: `module`, its MoE layers FSDP2 units.
+
+    Raises:
+        ValueError: a layer not placed yet, or one that is an FSDP2 unit already (`ExpertParallel`'s default
+            `fully_shard=True` makes them), before any unit is made.
+
+    Example (under torchrun; docs/parallelism.md runs a complete one on 2 CPU ranks)::
+
+        parallelize_module(model, meshes.tp, {"layers.*.moe": ExpertParallel(dims, fully_shard=False)})
+        fully_shard_moe(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        fully_shard(model, mesh=meshes.dp)  # the dense rest
+    """
+    moes = _placed(module, "fully_shard_moe")
+    done = [n for n, m in _named_moes(module).items() if isinstance(m, FSDPModule)]
+    if done:
+        raise ValueError(f"fully_shard_moe: MoE layers {done} are FSDP2 units already (ExpertParallel's default "
+                         "fully_shard=True makes them); valid: ExpertParallel(..., fully_shard=False), then "
+                         "fully_shard_moe once")
+    _fully_shard_layers(moes, fsdp_kwargs(mp_policy, reshard_after_forward))
+    return module
+
+
+def compile_moe(module: nn.Module, backend: str = "inductor") -> nn.Module:
+    """Each placed `MoE`'s forward in `module` compiled as one graph (`fullgraph=True`), in place.
+
+    The layer's dispatch, experts and combine are one graph; module hooks (FSDP2's, made before or after
+    this call) run outside it. Under EDP / HSDP the experts must gather their weights inside the forward
+    (`ExpertParallel(..., gather_in_forward=True)`: torch.compile cannot trace FSDP2's hooks, torch
+    2.11-2.13). Run it after the placement plan and before `fully_shard_moe` (torchtitan's order).
+
+    Args:
+        module (nn.Module): a model holding placed MoE layers, or one such MoE; one with no MoE is returned
+            as is.
+        backend (str): the torch.compile backend: "inductor" (default) or another, e.g. "aot_eager" (the
+            same tracing, no codegen).
+
+    Returns:
+        nn.Module: `module`, its MoE layers' forwards compiled.
+
+    Raises:
+        ValueError: a bad backend, a layer not placed yet, one whose experts take EDP / HSDP from an FSDP2
+            unit, or one with `expert_replicas > 0` (their split needs the counts on the host, eagerly).
+
+    Example (under torchrun; `parallelize_moe(..., compile=...)` is this chain)::
+
+        parallelize_module(model, meshes.tp, {"layers.*.moe": ExpertParallel(dims, fully_shard=False,
+                                                                             gather_in_forward=True)})
+        compile_moe(model, "inductor")
+        fully_shard_moe(model)
+    """
+    if not isinstance(backend, str) or backend not in torch.compiler.list_backends(exclude_tags=()):
+        raise ValueError(f"compile_moe: backend must be a torch.compile backend name "
+                         f"{torch.compiler.list_backends(exclude_tags=())}, got {backend!r}")
+    moes = _placed(module, "compile_moe")
+    check_compilable([(m, None) for m in moes], backend, "compile_moe: ")
+    unit = [n for n, m in _named_moes(module).items()
+            if experts_fsdp_sharded(m.placement.dims) and not m.placement.gather_in_forward]
+    if unit:
+        raise ValueError(f"compile_moe: the experts of MoE layers {unit} take EDP / HSDP from an FSDP2 unit of their "
+                         "own, whose hooks torch.compile cannot trace; valid: place them with "
+                         "ExpertParallel(..., gather_in_forward=True), or parallelize_moe(..., compile=...)")
+    _compile_layers(moes, backend)
+    return module
 
 
 def parallelize_moe(
@@ -265,11 +409,13 @@ def parallelize_moe(
 ) -> nn.Module:
     """Shard every `MoE` in `module` in place by its placement plan (EP, ETP, FSDP2 over EDP / HSDP).
 
-    The `ExpertParallel` style applied to the whole tree by `parallelize_module(..., src_data_rank=None)`:
-    each rank slices its own copy of the weights (no broadcast: every rank must hold the same weights, e.g.
-    from the same seed). Dense parts outside the MoE layers are left for the caller's own `fully_shard` (on
-    `dims.build_meshes(...).dp`), as in torchtitan's parallelize functions. Must run on every rank (it builds
-    the meshes: a collective).
+    torchtitan's chain for the MoE layers: ep (the `ExpertParallel` style over the whole tree, by
+    `parallelize_module(..., src_data_rank=None)`) -> compile (`compile_moe`, with `compile`) -> fsdp
+    (`fully_shard_moe`). Each rank slices its own copy of the weights (no broadcast: every rank must hold the
+    same weights, e.g. from the same seed). A dense TP plan of yours goes before it (its own
+    `parallelize_module` call), activation checkpointing per block around it (`parallelize_blocks` does both
+    for a decoder), and the dense rest's `fully_shard` (on `dims.build_meshes(...).dp`) after it, as in
+    torchtitan's parallelize functions. Must run on every rank (it builds the meshes: a collective).
 
     Args:
         module (nn.Module): a model holding `MoE` layers, or an `MoE`; one with no MoE is returned as is.
@@ -281,7 +427,7 @@ def parallelize_moe(
         reshard_after_forward (bool): the layers' FSDP2 units' `reshard_after_forward`. Default True.
         compile (bool | str): each MoE's forward becomes one graph (its FSDP unit's hooks run around it);
             a string names the backend. This, not `torch.compile(..., fullgraph=True)` of a module holding
-            the layer's FSDP2 units, is how a parallelized layer compiles (see `ExpertParallel`).
+            the layer's FSDP2 units, is how a parallelized layer compiles (see `compile_moe`).
             Default False.
         tp_grads (str): with `dims.tp > 1`, how the tp ranks' gradients combine (`ExpertParallel`'s
             `tp_grads`): "mean" (default) averages over them like over every data-parallel rank, each rank's
@@ -306,6 +452,8 @@ def parallelize_moe(
         return module
     check_compilable(layers, compile, "parallelize_moe: ")
     meshes = dims.build_meshes(device_type)
-    style = ExpertParallel(meshes=meshes, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward,
-                           compile=compile, tp_grads=tp_grads)
-    return parallelize_module(module, meshes.tp, style, src_data_rank=None)
+    style = ExpertParallel(dims, meshes=meshes, tp_grads=tp_grads, fully_shard=False, gather_in_forward=bool(compile))
+    parallelize_module(module, meshes.tp, style, src_data_rank=None)
+    if compile:
+        compile_moe(module, "inductor" if compile is True else compile)
+    return fully_shard_moe(module, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)

@@ -1,7 +1,8 @@
 """The mechanics of applying the placement plan to one MoE layer, in place: expert weights as DTensors, the
 dispatcher's hooks, FSDP2 units, the data-parallel statistics, and the tp gradient convention (`TP_GRADS`).
-`ExpertParallel` (parallelize.py), the main job's `parallelize_model` and the torchtitan hook all shard a layer
-through `shard_moe_layer` here."""
+`ExpertParallel` and `fully_shard_moe` (parallelize.py) and the main job's `parallelize_model` place a layer of
+ours with `place_moe` and make its FSDP2 units with `fully_shard_layer`; the torchtitan hook does both at once
+with `shard_moe_layer`."""
 
 import warnings
 import weakref
@@ -38,6 +39,24 @@ def check_tp_grads(tp_grads, prefix: str = "", name: str = "tp_grads") -> None:
     """ValueError unless `tp_grads` is one of TP_GRADS (`name`: the argument as the caller spells it)."""
     if tp_grads not in TP_GRADS:
         raise ValueError(f"{prefix}{name} must be one of {list(TP_GRADS)}, got {tp_grads!r}")
+
+
+@dataclass(frozen=True)
+class MoEPlacement:
+    """Kept on a placed `MoE` as `placement` (`place_moe`): what its FSDP2 units and its compile read.
+
+    Attributes:
+        dims (MoEParallelDims): the degrees it was placed by.
+        meshes (MoEMeshes): the meshes it was placed on.
+        plans (tuple[WeightPlan, ...]): its plan (`plan_moe`).
+        gather_in_forward (bool): under EDP / HSDP the experts' weights are DTensors on the whole expert mesh,
+            gathered inside the forward (no FSDP2 unit for them: a compiled forward traces it).
+    """
+
+    dims: MoEParallelDims
+    meshes: MoEMeshes
+    plans: tuple[WeightPlan, ...]
+    gather_in_forward: bool
 
 
 @dataclass(frozen=True)
@@ -92,7 +111,7 @@ def shard_moe_layer(
     *,
     tp_grads: str = "sum",
     fsdp_sums: bool = False,
-    experts_unit: bool = True,
+    gather_in_forward: bool = False,
     dispatch_precision: str = "bf16",
     dispatch_options: dict | None = None,
     grad_divisor: float | None = None,
@@ -105,11 +124,11 @@ def shard_moe_layer(
     data-parallel reductions sum instead of averaging (torchtitan's loss is a global sum and its FSDP2 units'
     divide factor 1): the dispatcher then leaves the expert weight gradients sums (no EP*ETP division,
     ExpertDispatcher), and the tp ranks' copies sum by those reductions themselves (`tp_grads` must be "sum").
-    `fsdp_kwargs` None: no FSDP units here; the caller's unit around the layer takes its dense
-    weights (compiled blocks, whose FSDP hooks must stay outside the graph). `experts_unit` False
-    (compiled layers): no FSDP unit for the experts; under EDP / HSDP their weights are DTensors on the whole
-    expert mesh, gathered over EDP in the forward and their gradients reduce-scattered back, both
-    DTensor redistributions inside the graph (experts.gather_for_compute). `dispatch_precision`:
+    `fsdp_kwargs` None: no FSDP units here (`fully_shard_layer` makes them later, or the caller's unit around
+    the layer takes its dense weights: compiled blocks, whose FSDP hooks must stay outside the graph).
+    `gather_in_forward` (compiled layers): no FSDP unit for our experts; under EDP / HSDP their weights are
+    DTensors on the whole expert mesh, gathered over EDP in the forward and their gradients reduce-scattered
+    back, both DTensor redistributions inside the graph (experts.gather_for_compute). `dispatch_precision`:
     MoEConfig.dispatch_precision, the EP/ETP token payload's. `dispatch_options`: ExpertDispatcher's replica and
     row-cap arguments (`dispatch_options(moe)`; replicas run with our experts, or others given a `replica_forward`).
     `grad_divisor` (deprecated, for one release): 1.0 is `fsdp_sums=True`, EP*ETP the default.
@@ -120,10 +139,7 @@ def shard_moe_layer(
     if fsdp_sums and tp_grads != "sum" and dims.tp > 1:
         raise ValueError("shard_moe_layer: with fsdp_sums the tp ranks' gradients sum with every other rank's; "
                          f"valid: tp_grads='sum', got {tp_grads!r}")
-    experts_plans = tuple(wp for wp in plans if wp.role == "expert")
-    dense_plans = tuple(wp for wp in plans if wp.role == "dense")
-    owner_name = experts_plans[0].name.rsplit(".", 1)[0]
-    experts = moe.get_submodule(owner_name)
+    experts = _experts(moe, plans)
     ep_etp = meshes.expert["ep", "etp"]
     ours = isinstance(experts, GroupedExperts)  # takes ExpertInput and the weight-gradient scale
     options = dispatch_options or {}
@@ -131,9 +147,11 @@ def shard_moe_layer(
         raise ValueError(f"expert_replicas needs dtensor_moe's GroupedExperts (they run the replicas' rows) or a "
                          f"replica_forward for {type(experts).__name__} (the torchtitan hook's); valid: "
                          f"expert_replicas 0")
-    in_graph = ours and not experts_unit and experts_fsdp_sharded(dims)
+    in_graph = ours and gather_in_forward and experts_fsdp_sharded(dims)
     weight_mesh = meshes.expert_by_plan if in_graph else meshes.expert_weights
-    for wp in experts_plans:
+    for wp in plans:
+        if wp.role != "expert":
+            continue
         attr = wp.name.rsplit(".", 1)[1]
         param = getattr(experts, attr)
         placements = [Shard(s.dim) if s else Replicate() for s in map(wp.step_on, weight_mesh.mesh_dim_names)]
@@ -149,25 +167,40 @@ def shard_moe_layer(
         experts.expert_parallel = ExpertParallelHooks(
             d, experts.register_forward_pre_hook(pre), experts.register_forward_hook(post))
     if fsdp_kwargs is not None:
-        # With no expert data-parallel axis every expert slice has one owner: FSDP on a 1-rank mesh
-        # would only copy the weights in and out around each use (~60 ms per step at DeepSeek scale).
-        ignored = set(experts.parameters()) if ours and (in_graph or not experts_fsdp_sharded(dims)) else None
-        if ignored is None:
-            fully_shard(
-                experts,
-                mesh=_fsdp_mesh(meshes.expert, dims, "edp"),
-                shard_placement_fn=_placement_fn(moe, experts_plans),
-                **fsdp_kwargs,
-            )
-        fully_shard(
-            moe,
-            mesh=_fsdp_mesh(meshes.moe_dp, dims, dims.moe_dp_axis),
-            shard_placement_fn=_placement_fn(moe, dense_plans),
-            ignored_params=ignored,
-            **fsdp_kwargs,
-        )
+        _fully_shard(moe, plans, dims, meshes, fsdp_kwargs, gather_in_forward)
     if tp_grads == "sum" and dims.tp > 1 and not fsdp_sums:
         scale_moe_gradients(moe, dims.tp)
+
+
+def _experts(moe: nn.Module, plans: tuple[WeightPlan, ...]) -> nn.Module:
+    """The module that owns the layer's expert weights."""
+    return moe.get_submodule(next(wp for wp in plans if wp.role == "expert").name.rsplit(".", 1)[0])
+
+
+def _fully_shard(moe: nn.Module, plans: tuple[WeightPlan, ...], dims: MoEParallelDims, meshes: MoEMeshes,
+                 fsdp_kwargs: dict, gather_in_forward: bool) -> None:
+    """The layer's FSDP2 units: the experts over EDP (HSDP over dp_replicate), unless ours need none, and the
+    layer's dense weights (router, shared experts) over every rank with its own tokens, each along the plan's dim."""
+    experts = _experts(moe, plans)
+    # With no expert data-parallel axis every expert slice has one owner: FSDP on a 1-rank mesh
+    # would only copy the weights in and out around each use (~60 ms per step at DeepSeek scale).
+    # Gathered in the forward, they are sharded over EDP by their DTensor placements already.
+    ours = isinstance(experts, GroupedExperts)
+    ignored = set(experts.parameters()) if ours and (gather_in_forward or not experts_fsdp_sharded(dims)) else None
+    if ignored is None:
+        fully_shard(
+            experts,
+            mesh=_fsdp_mesh(meshes.expert, dims, "edp"),
+            shard_placement_fn=_placement_fn(moe, tuple(wp for wp in plans if wp.role == "expert")),
+            **fsdp_kwargs,
+        )
+    fully_shard(
+        moe,
+        mesh=_fsdp_mesh(meshes.moe_dp, dims, dims.moe_dp_axis),
+        shard_placement_fn=_placement_fn(moe, tuple(wp for wp in plans if wp.role == "dense")),
+        ignored_params=ignored,
+        **fsdp_kwargs,
+    )
 
 
 def _fsdp_sums_of(grad_divisor: float, dims: MoEParallelDims) -> bool:
@@ -231,10 +264,20 @@ def scale_moe_gradients(moe: nn.Module, tp: int) -> None:
     moe.register_forward_hook(lambda _, args, out: ScaleGrad.apply(out, float(tp)))
 
 
-def shard_and_connect(moe: MoE, plans: tuple[WeightPlan, ...], dims: MoEParallelDims, meshes: MoEMeshes,
-                      unit_kwargs: dict | None, experts_unit: bool, tp_grads: str) -> None:
-    """One `MoE` of this library: `shard_moe_layer` (`tp_grads`: TP_GRADS) and its statistics over the
-    data-parallel ranks."""
-    shard_moe_layer(moe, plans, dims, meshes, unit_kwargs, tp_grads=tp_grads, experts_unit=experts_unit,
+def place_moe(moe: MoE, plans: tuple[WeightPlan, ...], dims: MoEParallelDims, meshes: MoEMeshes, *,
+              tp_grads: str, gather_in_forward: bool) -> None:
+    """One `MoE` of this library placed by its plan, without FSDP2 units: `shard_moe_layer` (DTensor weights,
+    dispatcher hooks, `tp_grads`: TP_GRADS), its statistics over the data-parallel ranks, and its `placement`
+    (MoEPlacement) for `fully_shard_layer` and compile_moe. ExpertParallel and parallelize_blocks both call it."""
+    shard_moe_layer(moe, plans, dims, meshes, None, tp_grads=tp_grads, gather_in_forward=gather_in_forward,
                     dispatch_precision=moe.config.dispatch_precision, dispatch_options=dispatch_options(moe))
     moe.stats = DataParallelStats(meshes, dims)
+    moe.placement = MoEPlacement(dims, meshes, plans, gather_in_forward)
+
+
+def fully_shard_layer(moe: MoE, fsdp_kwargs: dict) -> None:
+    """A placed `MoE`'s FSDP2 units (`place_moe`; `fsdp_kwargs`: `fsdp_kwargs(...)`): its experts over EDP /
+    HSDP unless they gather in the forward or have no such axis, its router and shared experts over every
+    rank with its own tokens."""
+    p = moe.placement
+    _fully_shard(moe, p.plans, p.dims, p.meshes, fsdp_kwargs, p.gather_in_forward)
