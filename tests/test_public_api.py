@@ -19,7 +19,7 @@ PACKAGE = ROOT / "dtensor_moe"
 # Packages that hold data, not code.
 DATA_PACKAGES = {"dtensor_moe.corpus"}
 # Public modules without `__all__` yet: the torchtitan hook's package (its lazy `__getattr__` exports wrap_config).
-WITHOUT_ALL = {"dtensor_moe.titan"}
+WITHOUT_ALL: set[str] = set()
 
 
 def _parameters(obj) -> list[str]:

@@ -8,6 +8,8 @@ Imports nothing at import time: `dtensor_moe.titan.cpu_train` must import nothin
 switches torchtitan to the CPU, so `wrap_config` is looked up (and torchtitan imported) on first use.
 """
 
+__all__ = ["wrap_config"]
+
 
 def __getattr__(name: str):
     if name == "wrap_config":
