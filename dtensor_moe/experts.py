@@ -33,8 +33,8 @@ def _shard(w: torch.Tensor) -> torch.Tensor:
 
 
 def gather_for_compute(w: torch.Tensor) -> torch.Tensor:
-    """A weight on the whole expert mesh (compiled layers under EDP / HSDP: parallelize's
-    `experts_unit` False) as this rank's (ep, etp) slice: all-gathered over the data-parallel axes
+    """A weight on the whole expert mesh (compiled layers under EDP / HSDP: ExpertParallel's
+    `gather_in_forward`) as this rank's (ep, etp) slice: all-gathered over the data-parallel axes
     in the forward, its gradient summed over them and reduce-scattered back in the backward, both
     inside the graph (FSDP2 does the same with hooks that torch.compile cannot trace). FSDP2
     averages over those ranks; so does the gradient here. Other weights pass through."""

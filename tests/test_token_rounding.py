@@ -480,7 +480,7 @@ def _titan_ep(rank, world_size, M):
         want = ref(x)
     dims = MoEParallelDims(world_size, ep=2, etp=2)
     round_titan_tokens(moe, moe_config(moe), M, dispatched=True)
-    shard_moe_layer(moe, titan_plan(moe, dims), dims, dims.build_meshes("cpu"), None, grad_divisor=1.0)
+    shard_moe_layer(moe, titan_plan(moe, dims), dims, dims.build_meshes("cpu"), None, fsdp_sums=True)
     rows = _titan_rows(moe)
     with torch.no_grad():
         got = moe(x)

@@ -399,7 +399,8 @@ class ExpertDispatcher:
 
     Weight gradients: every rank's expert slice sees tokens from its whole EP x ETP group, and
     FSDP then averages over EDP x dp_replicate only, so the weight gradient must be divided by
-    EP*ETP to equal the gradient of the mean loss over all ranks. Our experts take that as
+    EP*ETP (`ep_etp_divisor`; 1 where the reductions sum, as under torchtitan) to equal the gradient of the mean
+    loss over all ranks. Our experts take that as
     ExpertInput.weight_grad_scale and apply it to the weight gradients alone; for any other module
     the activation gradient around it is scaled (and unscaled for its input).
 
@@ -411,10 +412,10 @@ class ExpertDispatcher:
     alike, naming `layer`, the forward and the rows (MoEConfig.max_rows_per_rank).
     """
 
-    def __init__(self, ep_group, etp_group, grad_divisor: float, dispatch_precision: str = "bf16",
+    def __init__(self, ep_group, etp_group, ep_etp_divisor: float, dispatch_precision: str = "bf16",
                  replicas: int = 0, replan_every: int = 100, max_rows_per_rank: int = 0, layer: str = "an MoE layer",
                  replica_forward=None):
-        self.grad_divisor = float(grad_divisor)
+        self.ep_etp_divisor = float(ep_etp_divisor)
         self.replica_forward = replica_forward
         self.replicas = Replicas(replicas, replan_every, ep_group, etp_group) if replicas else None
         self.max_rows_per_rank, self.layer = max_rows_per_rank, layer
@@ -437,7 +438,7 @@ class ExpertDispatcher:
         self.forwards += 1
         if isinstance(copies, PaddedCopies):
             return self._dispatch_padded(x, copies)
-        scale = 1.0 / self.grad_divisor
+        scale = 1.0 / self.ep_etp_divisor
         if copies is not None:
             x_TD = x.reshape(-1, x.shape[-1])
             expert_N, pair_N, weight_N = copies.expert_N, copies.pair_N, copies.weight_N
@@ -524,7 +525,8 @@ class ExpertDispatcher:
         x_local = x_recv.view(ex.sources, ex.experts, C, D).transpose(0, 1).reshape(-1, D)
         rows = ex.sources * C
         counts_E = torch.full((ex.experts,), rows, dtype=torch.int64, device=x.device)
-        return ExpertInput(x_local, counts_E, [rows] * ex.experts, 1.0 / self.grad_divisor, ex, self.adds_output_bias)
+        return ExpertInput(x_local, counts_E, [rows] * ex.experts, 1.0 / self.ep_etp_divisor, ex,
+                           self.adds_output_bias)
 
     def _check_equal_capacity(self, capacity: int, x: torch.Tensor) -> None:
         """The static splits assume every rank of the EP x ETP group has the same capacity (the same
@@ -580,13 +582,13 @@ class ExpertDispatcher:
             # Scaled at the senders' rows (the dispatch is linear), not on the dispatched ones: those are
             # also kept in `in_flight`, and a compiled frame that outputs a tensor and a view of it (ScaleGrad's)
             # rebuilds the view from the tensor outside the graph, without ScaleGrad's backward (torch 2.13).
-            inp = self.dispatch(ScaleGrad.apply(x, self.grad_divisor) if self.grad_divisor != 1 else x, counts_E,
-                                experts=module)
+            scaled = ScaleGrad.apply(x, self.ep_etp_divisor) if self.ep_etp_divisor != 1 else x
+            inp = self.dispatch(scaled, counts_E, experts=module)
             self.in_flight.append(inp)
             return inp.x_ND, inp.counts_E
 
         def post_foreign(module, args, out):
-            if self.grad_divisor != 1:
-                out = ScaleGrad.apply(out, 1.0 / self.grad_divisor)
+            if self.ep_etp_divisor != 1:
+                out = ScaleGrad.apply(out, 1.0 / self.ep_etp_divisor)
             return self.combine(out, self.in_flight.pop())
         return pre_foreign, post_foreign

@@ -4,7 +4,6 @@ dispatcher's hooks, FSDP2 units, the data-parallel statistics, and the tp gradie
 ours with `place_moe` and make its FSDP2 units with `fully_shard_layer`; the torchtitan hook does both at once
 with `shard_moe_layer`."""
 
-import warnings
 import weakref
 from dataclasses import dataclass
 
@@ -114,7 +113,6 @@ def shard_moe_layer(
     gather_in_forward: bool = False,
     dispatch_precision: str = "bf16",
     dispatch_options: dict | None = None,
-    grad_divisor: float | None = None,
 ):
     """Apply `plans` (names relative to `moe`) to one MoE layer of any model family.
 
@@ -131,10 +129,7 @@ def shard_moe_layer(
     back, both DTensor redistributions inside the graph (experts.gather_for_compute). `dispatch_precision`:
     MoEConfig.dispatch_precision, the EP/ETP token payload's. `dispatch_options`: ExpertDispatcher's replica and
     row-cap arguments (`dispatch_options(moe)`; replicas run with our experts, or others given a `replica_forward`).
-    `grad_divisor` (deprecated, for one release): 1.0 is `fsdp_sums=True`, EP*ETP the default.
     """
-    if grad_divisor is not None:
-        fsdp_sums = _fsdp_sums_of(grad_divisor, dims)
     check_tp_grads(tp_grads, "shard_moe_layer: ")
     if fsdp_sums and tp_grads != "sum" and dims.tp > 1:
         raise ValueError("shard_moe_layer: with fsdp_sums the tp ranks' gradients sum with every other rank's; "
@@ -201,17 +196,6 @@ def _fully_shard(moe: nn.Module, plans: tuple[WeightPlan, ...], dims: MoEParalle
         ignored_params=ignored,
         **fsdp_kwargs,
     )
-
-
-def _fsdp_sums_of(grad_divisor: float, dims: MoEParallelDims) -> bool:
-    """shard_moe_layer's old `grad_divisor` as `fsdp_sums` (its two uses: 1.0, and None for EP*ETP)."""
-    warnings.warn("shard_moe_layer(grad_divisor=...) is deprecated and will be removed in the next release: "
-                  "use shard_moe_layer(..., fsdp_sums=True) for grad_divisor=1.0 (reductions that sum, "
-                  "torchtitan's), or leave it out for EP*ETP", DeprecationWarning, stacklevel=3)
-    if grad_divisor not in (1.0, dims.ep * dims.etp):
-        raise ValueError(f"shard_moe_layer: grad_divisor must be 1.0 (fsdp_sums=True) or ep*etp = "
-                         f"{dims.ep * dims.etp} (the default), got {grad_divisor!r}")
-    return grad_divisor == 1.0
 
 
 def dp_fsdp_mesh(meshes: MoEMeshes, dims: MoEParallelDims):
