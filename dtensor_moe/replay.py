@@ -168,15 +168,12 @@ def replay_routing(model: nn.Module, recorded: RoutingReplay) -> Iterator[None]:
         ValueError: the model has no MoE layer, a layer has no recording or the recording names layers
             the model lacks, or a recorded experts_TK has the wrong shape, dtype or expert ids.
 
-    Example:
-        >>> import torch
-        >>> from dtensor_moe import MoE, MoEConfig, record_routing, replay_routing
-        >>> moe = MoE(MoEConfig(dim=8, hidden_dim=16, num_experts=4, top_k=2))
-        >>> x_BLD = torch.randn(2, 3, 8)
-        >>> with record_routing(moe) as recorded:
-        ...     y_BLD = moe(x_BLD)
-        >>> with replay_routing(moe, recorded):
-        ...     moe(x_BLD).sum().backward()
+    Example (an RL step: the rollout's choices, recorded without gradients, replayed in training)::
+
+        with torch.no_grad(), record_routing(model) as rollout:
+            samples = generate(model, prompts)
+        with replay_routing(model, rollout):
+            loss_fn(model(samples)).backward()
     """
     layers = moe_layers(model)
     _check(layers, recorded)
