@@ -145,20 +145,23 @@ def _checked(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout
 
 
-def _main_job(run_root: str, device: str, name: str, nproc: int, overrides: list[str], tol: float,
-              config: str = "configs/tiny_cpu.toml") -> dict:
+def _backend(device: str, ranks: int) -> str:
+    """One rank on the GPU talks NCCL; several share it over gloo (NCCL refuses two ranks on one GPU)."""
+    return "nccl" if device == "cuda" and ranks == 1 else "gloo"
+
+
+def _main_job(run_root: str, device: str, name: str, nproc: int, overrides: list[str], tol: float) -> dict:
     run = os.path.join(run_root, name)
-    backend = "nccl" if device == "cuda" and nproc == 1 else "gloo"
-    _checked(_cli(["train", "--config", config, "--steps", "6", "--nproc", str(nproc), "--run-dir", run, "--parity",
-                   f"parallel.device={device}", f"parallel.backend={backend}", f"training.parity_tolerance={tol}",
-                   *overrides]))
+    _checked(_cli(["train", "--config", "configs/tiny_cpu.toml", "--steps", "6", "--nproc", str(nproc), "--run-dir",
+                   run, "--parity", f"parallel.device={device}", f"parallel.backend={_backend(device, nproc)}",
+                   f"training.parity_tolerance={tol}", *overrides]))
     report = json.load(open(os.path.join(run, "parity.json")))
     return {"max_abs_dloss": report["max_abs_delta"], "max_rel_err": report["max_abs_delta"], "tol": tol}
 
 
 def main_cases(device: str, run_root: str) -> list[SuiteCase]:
     def job(name, covers, nproc, overrides, tol=1e-4):
-        return SuiteCase(f"main_{name}", covers, nproc, "nccl" if device == "cuda" and nproc == 1 else "gloo",
+        return SuiteCase(f"main_{name}", covers, nproc, _backend(device, nproc),
                          lambda: _main_job(run_root, device, name, nproc, overrides, tol))
 
     return [
@@ -228,7 +231,7 @@ def hf_cases(device: str, run_root: str) -> list[SuiteCase]:
                                "gloo", lambda f=family: _hf(run_root, device, f, 2), isolated=True))
         cases.append(SuiteCase(f"hf_{family}_1rank", f"parallelize_hf_model({family}) on one rank over "
                                f"{'NCCL' if device == 'cuda' else 'gloo'}, saved by save_hf and loaded by "
-                               "from_pretrained", 1, "nccl" if device == "cuda" else "gloo",
+                               "from_pretrained", 1, _backend(device, 1),
                                lambda f=family: _hf(run_root, device, f, 1), isolated=True))
     return cases
 
@@ -252,7 +255,7 @@ def _hf(run_root: str, device: str, family: str, world: int) -> dict:
     if world == 1:  # this process: a one-rank group on the GPU's own backend
         if not dist.is_initialized():
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
-            dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+            dist.init_process_group(_backend(device, 1), rank=0, world_size=1)
         ours = train_on_ranks(0, 1, ckpt, out, 1, 1, tokens_BL, probe_BL, device)
     else:
         ours = run_on_ranks(world, train_on_ranks, ckpt, None, 2, 1, tokens_BL, probe_BL, device)[0]
@@ -274,7 +277,7 @@ def titan_cases(device: str, run_root: str) -> list[SuiteCase]:
                          backend,
                          lambda: _titan(run_root, nproc, backend))
 
-    return [titan(1, "nccl" if device == "cuda" else "gloo"), titan(2, "gloo")]
+    return [titan(1, _backend(device, 1)), titan(2, _backend(device, 2))]
 
 
 def _titan(run_root: str, nproc: int, backend: str) -> dict:
