@@ -27,6 +27,7 @@ import fnmatch
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -344,6 +345,9 @@ def main() -> int:
     ap.add_argument("--run-root", default=None, help="the cases' run directories (default: a temporary one)")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # one isolated case, its row written to --out
     args = ap.parse_args()
+    # A scheduler's SIGTERM unwinds like Ctrl-C: subprocess.run kills the case's process (the launcher it started
+    # stops its ranks), and the harness's pools end with this process.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_suite.py: no CUDA device here; --device cpu runs the CPU smoke")
     if args.device == "cuda":  # workers forked from the harness's forkserver cannot initialize CUDA
