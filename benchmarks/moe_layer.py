@@ -20,7 +20,7 @@ max/mean, over every rank's tokens). Two timings per layer:
          gradient is its GEMM's output, nothing added), and where experts are FSDP-sharded (EDP)
          FSDP's all-gather in forward and backward and gradient reduce-scatter.
 `--dispatch-precision fp8` sends the parallel layers' token payload in e4m3 (MoEConfig.dispatch_precision);
-each row records the bytes one step's all-to-alls sent (`sent_bytes`, counted by parallel/dispatch.py).
+each row records the bytes one step's all-to-alls sent (`sent_bytes`, counted by parallel/exchange.py).
 In the same run: the ceilings (dense bf16 matmul, the grouped SwiGLU alone at each per-rank shape,
 equal-split all_to_all at each dispatch size), a numerics check of the benchmarked path against an
 fp32 reference, and one profiled step per layer (where the time goes). Baseline numbers come from
@@ -59,7 +59,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, grouped_swiglu, parallelize_moe
 from dtensor_moe.kernels import policy
-from dtensor_moe.parallel import dispatch
+from dtensor_moe.parallel import exchange
 from dtensor_moe.router import Routing, combine_weights_TE
 from dtensor_moe.token_rounding import round_tokens
 from dtensor_moe.train.metrics import write_json
@@ -397,7 +397,7 @@ def bench_layer(name, mesh, mode, args, dev, world, rank, dtype, peak, precision
         progress(rank, *what, "profile")
         trace = f"{args.trace_dir}/{name}_{mesh}_{mode}_rank{rank}.json" if args.trace_dir and rank == 0 else None
         out["profile"] = profile_step(step, dev, barrier=not local, trace=trace)
-    with dispatch.count_sent_bytes() as sent:  # what one step's all-to-alls sent to the other ranks
+    with exchange.count_sent_bytes() as sent:  # what one step's all-to-alls sent to the other ranks
         step()
     out["sent_bytes"] = {f"{kind} {direction}": n for (kind, direction), n in sorted(sent.items())}
     moved_bytes = a2a_bytes_to_peer(mesh, experts_TK, E, D, x.element_size())

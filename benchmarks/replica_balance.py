@@ -10,8 +10,8 @@ benchmarks/routing.py's skewed routing (the tests' Case.zipf: a seeded shuffle o
 features whose chosen experts stand far above the rest, so it picks exactly those. Each rank holds two layers
 with the same weights, one without replicas and one with `--replicas` slots re-placed every training forward
 (replica_replan_every 1): batch 0 runs with slots placed from its own counts, every later batch with slots placed
-from the previous batch's. Rows per EP rank are the dispatcher's `rows_per_rank` after each forward; parity is the
-max |difference| of the output, the input gradient and every parameter gradient (each rank's shard against its
+from the previous batch's. Rows per EP rank are the layer's `expert_parallel.load.last` after each forward; parity is
+the max |difference| of the output, the input gradient and every parameter gradient (each rank's shard against its
 box of the reference gradient), over the ranks. The planner's figure is `planner.balance` on the same E, top_k,
 ep, tokens per EP group and zipf: the expected counts, replicas placed from them (the measurement samples the
 counts and places from the previous batch's).
@@ -92,7 +92,7 @@ def measure_rank(rank: int, world: int, args, K: int) -> list[dict]:
                 errs.append(_err(p.grad.to_local(), ref.get_parameter(name).grad[owned_box(planned[name], dims, rank)]))
             worst = torch.tensor(errs, dtype=torch.float64)
             dist.all_reduce(worst, dist.ReduceOp.MAX)
-            rows = layer.experts.expert_parallel.dispatcher.rows_per_rank
+            rows = layer.experts.expert_parallel.load.last
             out.append({"replicas": r, "batch": batch, "rows_per_rank": rows,
                         "max_abs_err_out": worst[0].item(), "max_abs_err_grad": worst[1:].max().item()})
     return out

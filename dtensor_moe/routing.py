@@ -159,7 +159,7 @@ class ExpertInput:
     x_ND: this rank's rows, grouped by local expert (counts_E[e] rows for local expert e, on the
     device); host_counts: the same counts on the host when the dispatcher has them without a sync
     (eager mode), else None; weight_grad_scale: multiplies only the weight gradients (see
-    ExpertDispatcher); exchange: the dispatcher's tables for this step, read back by its combine;
+    parallel/dispatch.py); exchange: the strategy's tables for this step, read back by its combine;
     adds_output_bias: whether these experts add their output (w2) bias: the dispatcher sums the
     partial outputs of an ETP group, so exactly one of its ranks adds it.
     """

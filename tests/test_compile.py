@@ -61,14 +61,14 @@ def train_steps(rank, world_size, ep, compile, ac, steps=3, layer=None):
     import torch.nn.functional as F
 
     from dtensor_moe import MoEParallelDims
-    from dtensor_moe.parallel import dispatch
+    from dtensor_moe.parallel import exchange
     from dtensor_moe.train.parallel.parallelize import parallelize_model
 
     torch._dynamo.reset()
     model = _model(**{"load_balance": "aux_free_bias", **(layer or {})})
     parallelize_model(model, MoEParallelDims(world_size, ep=ep), device_type="cpu", compile=compile,
                       activation_checkpoint=ac)
-    moved = mock.patch.object(dispatch._Topology, "there", autospec=True, side_effect=dispatch._Topology.there)
+    moved = mock.patch.object(exchange._Topology, "there", autospec=True, side_effect=exchange._Topology.there)
     losses, moves = [], []
     with moved as there, inductor_settings(compile):
         for step in range(steps):
@@ -132,11 +132,11 @@ def test_training_compiled_with_experts_fsdp_sharded_matches_eager():
 def opcheck_dispatch_ops(rank, world_size):
     """torch.library.opcheck of the dispatcher's ops on a real EP group, with and without copies."""
     from dtensor_moe import MoEParallelDims
-    from dtensor_moe.parallel.dispatch import _name, ep_move, ep_plan, pair_move
+    from dtensor_moe.parallel.exchange import ep_move, ep_plan, group_name, pair_move
     from dtensor_moe.routing import TokenCopies, expert_major
 
     meshes = MoEParallelDims(world_size, ep=world_size).build_meshes("cpu")
-    groups = (_name(meshes.expert["ep"].get_group()), _name(meshes.expert["etp"].get_group()))
+    groups = (group_name(meshes.expert["ep"].get_group()), group_name(meshes.expert["etp"].get_group()))
     torch.manual_seed(rank)
     T, K, E = 3, 2, 4
     experts_TK = torch.stack([torch.randperm(E)[:K] for _ in range(T)])

@@ -49,7 +49,7 @@ def _batch(rank: int, step: int):
 
 
 def compiled_plain_experts(rank: int, world_size: int):
-    """EP over every rank, ExpertDispatcher's hooks for foreign experts, and no-op compiler-disabled hooks
+    """EP over every rank, ExpertOrderDispatch's hooks for foreign experts, and no-op compiler-disabled hooks
     where FSDP2's sit (before ours and after ours: they split the block into frames, as the experts' FSDP2
     unit does under the hook); the block compiled by apply_compile(fullgraph=False), the hook's call.
     Returns the graph breaks and backend failures naming a dtensor_moe op, the others, the compiled
@@ -58,15 +58,15 @@ def compiled_plain_experts(rank: int, world_size: int):
 
     from dtensor_moe import MoEParallelDims
     from dtensor_moe.parallel.compile import apply_compile
-    from dtensor_moe.parallel.dispatch import ExpertDispatcher
+    from dtensor_moe.parallel.dispatch import DispatchGroup, ExpertOrderDispatch, RowLoad, dispatch_hooks
 
     meshes = MoEParallelDims(world_size, ep=world_size).build_meshes("cpu")
     w_EDD = torch.randn(E, D, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     E_local = E // world_size
     experts = PlainExperts(w_EDD[rank * E_local:(rank + 1) * E_local].clone())
     # The dispatcher's weight-gradient convention (a mean loss over ranks); the hook's is 1 (sums).
-    dispatcher = ExpertDispatcher(meshes.expert["ep"].get_group(), meshes.expert["etp"].get_group(), world_size)
-    pre, post = dispatcher.hooks(ours=False)
+    group = DispatchGroup(meshes.expert["ep"].get_group(), meshes.expert["etp"].get_group(), world_size)
+    pre, post = dispatch_hooks(ExpertOrderDispatch(group), RowLoad(), ours=False)
     experts.register_forward_pre_hook(torch.compiler.disable(lambda m, a: None))
     experts.register_forward_pre_hook(pre)
     experts.register_forward_hook(post)
@@ -105,7 +105,7 @@ def test_dispatch_around_plain_experts_compiles_without_break():
     ep_plan ("Dynamic shape operator") and the post-hook's frame ran eagerly ("Backend compiler aot_eager
     failed with dtensor_moe.ep_move.default": its backward, the movement "there", makes a row count). With
     them captured but the activation gradient scaled on the dispatched rows, the input gradient was 0.37-0.45
-    off (see ExpertDispatcher.hooks)."""
+    off (see dispatch.dispatch_hooks)."""
     for breaks, others, moves, worst in run_on_ranks(2, compiled_plain_experts):
         assert not breaks, breaks
         assert any("torch.compiler.disable" in r for r in others), others  # the frames split as under the hook

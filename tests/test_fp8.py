@@ -10,7 +10,7 @@ import torch
 
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
 from dtensor_moe.kernels import fp8
-from dtensor_moe.parallel import dispatch
+from dtensor_moe.parallel import exchange
 
 from .harness import run_on_ranks
 
@@ -182,9 +182,9 @@ def fp8_payload_against_unquantized(rank, world_size, etp, pad=False):
             torch.nn.init.normal_(p, std=0.2)
         parallelize_moe(model.to(torch.bfloat16), MoEParallelDims(world_size, ep=2, etp=etp), device_type="cpu")
         x_r = x[lo:hi].clone().requires_grad_(True)
-        with dispatch.count_sent_bytes() as forward:
+        with exchange.count_sent_bytes() as forward:
             y = model(x_r)
-        with dispatch.count_sent_bytes() as backward:
+        with exchange.count_sent_bytes() as backward:
             (y * dy[lo:hi]).sum().backward()
         forward, backward = dict(forward), dict(backward)
         res.append(

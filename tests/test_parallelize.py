@@ -54,21 +54,21 @@ def _dispatch_rows(rank: int, world_size: int, etp: int) -> list:
     from unittest import mock
 
     from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
-    from dtensor_moe.parallel import dispatch
+    from dtensor_moe.parallel import exchange
 
     torch.manual_seed(0)
     cfg = MoEConfig(dim=16, hidden_dim=8, num_experts=4, top_k=4)
     model = MoE(cfg)
     parallelize_moe(model, MoEParallelDims(world_size, ep=world_size // etp, etp=etp), device_type="cpu")
     rows = []
-    real = dispatch._all_to_all
+    real = exchange.all_to_all_rows
 
     def spy(x, *args, **kwargs):
         if x.dim() == 2 and x.shape[1] == cfg.dim:
             rows.append(x.shape[0])
         return real(x, *args, **kwargs)
 
-    with mock.patch.object(dispatch, "_all_to_all", spy):
+    with mock.patch.object(exchange, "all_to_all_rows", spy):
         model(torch.randn(1, 5, cfg.dim))
     return rows
 

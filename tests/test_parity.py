@@ -173,7 +173,6 @@ def rows_the_experts_receive(rank, world_size):
 
     from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
     from dtensor_moe.capacity import kept_pairs
-    from dtensor_moe.parallel.dispatch import _GROUPS
 
     cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, capacity_factor=0.5, drop_policy="probs")
     torch.manual_seed(0)
@@ -188,7 +187,7 @@ def rows_the_experts_receive(rank, world_size):
     got = []
     moe.experts.register_forward_pre_hook(lambda m, args: got.append(args[0].counts_E.tolist()))
     moe(x).sum().backward()
-    ep_rank = dist.get_rank(_GROUPS[moe.experts.expert_parallel.dispatcher.groups[0]])
+    ep_rank = dist.get_rank(moe.experts.expert_parallel.dispatcher.group.ep_group)
     for t in (kept_E, routed_E):
         dist.all_reduce(t)
     return got[0], kept_E[2 * ep_rank: 2 * ep_rank + 2].tolist(), routed_E[2 * ep_rank: 2 * ep_rank + 2].tolist()
@@ -251,7 +250,7 @@ def _padded_step(rank: int, world_size: int, pad: bool):
           mock.patch.object(experts_mod, "grouped_swiglu", record_blocks),
           mock.patch.object(dispatch, "ep_plan", wraps=dispatch.ep_plan) as plans):
         moe(x).sum().backward()
-    groups = moe.experts.expert_parallel.dispatcher.groups if world_size > 1 else ()
+    groups = moe.experts.expert_parallel.dispatcher.group.names if world_size > 1 else ()
     return splits, reads, plans.call_count, blocks, groups
 
 

@@ -30,19 +30,19 @@ def _balance(rank: int, world_size: int, case: Case):
     this one's), and the bytes the replica weights' all-to-alls sent from this rank."""
     import torch
 
-    from dtensor_moe.parallel.dispatch import count_sent_bytes
+    from dtensor_moe.parallel.exchange import count_sent_bytes
 
     from .parity import _slice, build
 
     with count_sent_bytes() as counted:
         errs, model = parity_errors(rank, world_size, case)
     sent = {k[1]: v for k, v in counted.items() if k[0] == "replica_weights"}
-    dispatcher = model.experts.expert_parallel.dispatcher
-    rows = [dispatcher.rows_per_rank]
+    load = model.experts.expert_parallel.load
+    rows = [load.last]
     _, dims, _, x_next, _ = build(replace(case, seed=case.seed + 1), world_size)
     with torch.no_grad():
         model(x_next[_slice(case, dims, rank)])
-    return errs, [*rows, dispatcher.rows_per_rank], sent
+    return errs, [*rows, load.last], sent
 
 
 SKEWED = dict(ep=8, zipf=1.2, batch_per_rank=(4,) * 8, seq_len=32)  # 128 tokens a rank, K=2: 256 pairs a rank
@@ -120,7 +120,7 @@ def test_water_fill():
 
 def _hot_expert_grads(rank: int, world_size: int, case: Case):
     errs, model = parity_errors(rank, world_size, case)
-    return errs, model.experts.expert_parallel.dispatcher.rows_per_rank, sorted(model.state_dict())
+    return errs, model.experts.expert_parallel.load.last, sorted(model.state_dict())
 
 
 def test_replica_gradients_land_in_the_owner():
@@ -213,7 +213,7 @@ def _capped_forward(rank: int, world_size: int, cap: int):
     x[..., 0] = 1.0
     for _ in range(2):
         model.block.moe(x)
-    return model.block.moe.experts.expert_parallel.dispatcher.rows_per_rank
+    return model.block.moe.experts.expert_parallel.load.last
 
 
 def test_row_cap_raises_on_every_rank():
@@ -274,7 +274,7 @@ def _adam_steps(rank: int, world_size: int):
             opt.zero_grad()
         moments = [t.to_local() for s in opt.state.values() for k, t in sorted(s.items()) if k != "step"]
         out.append(([p.to_local() for p in model.parameters()] + moments, sorted(model.state_dict()),
-                    model.experts.expert_parallel.dispatcher.rows_per_rank))
+                    model.experts.expert_parallel.load.last))
     (a, keys_a, rows_a), (b, keys_b, rows_b) = out
     return max((x - y).abs().max().item() for x, y in zip(a, b)), keys_a == keys_b, (rows_a, rows_b)
 

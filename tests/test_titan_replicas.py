@@ -57,7 +57,7 @@ def _run(rank: int, world: int, argv: list[str], fp32: bool, save_step0: bool = 
 
     from torchtitan.models.common.moe import GroupedExperts
 
-    from dtensor_moe.parallel.dispatch import count_sent_bytes
+    from dtensor_moe.parallel.exchange import count_sent_bytes
 
     patch = mock.patch.object(GroupedExperts, "forward", _fp32_experts) if fp32 else contextlib.nullcontext()
     with patch, count_sent_bytes() as sent:

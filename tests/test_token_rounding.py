@@ -336,7 +336,6 @@ def _rows_at_the_experts(rank, world_size, M):
     rank's tokens sends to this rank's experts)."""
     import torch.distributed as dist
 
-    from dtensor_moe.parallel.dispatch import _GROUPS
 
     cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, round_tokens_to=M)
     torch.manual_seed(0)
@@ -348,7 +347,7 @@ def _rows_at_the_experts(rank, world_size, M):
     got = []
     moe.experts.register_forward_pre_hook(lambda m, args: got.append(args[0].counts_E.tolist()))
     moe(xs[rank]).sum().backward()
-    ep_rank = dist.get_rank(_GROUPS[moe.experts.expert_parallel.dispatcher.groups[0]])
+    ep_rank = dist.get_rank(moe.experts.expert_parallel.dispatcher.group.ep_group)
     # Under ETP each rank runs the rows of its whole ETP group: both ranks' tokens of each EP source.
     return got[0], sent_E[2 * ep_rank: 2 * ep_rank + 2].tolist()
 

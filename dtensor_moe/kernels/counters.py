@@ -1,6 +1,6 @@
 """Instrumentation as context managers: what a block of code sent, or how often it waited for the device.
 
-    with count("sent_bytes") as sent:   # dispatch.count_sent_bytes()
+    with count("sent_bytes") as sent:   # exchange.count_sent_bytes()
         model(x).sum().backward()
     sent[("tokens", "there")]           # bytes this rank's all-to-alls sent to other ranks in that block
 
@@ -27,7 +27,7 @@ def count(kind: str):
     """Counts what `add(kind, ...)` records while the block runs.
 
     Args:
-        kind (str): what is counted, e.g. "sent_bytes" (parallel/dispatch.py) or "host_syncs" (kernels/policy.py).
+        kind (str): what is counted, e.g. "sent_bytes" (parallel/exchange.py) or "host_syncs" (kernels/policy.py).
 
     Returns:
         collections.Counter: filled as the block runs, kept after it.

@@ -36,7 +36,7 @@ class ExpertParallel(ParallelStyle):
 
     It applies to the MoE itself or to any module holding MoE layers (e.g. `"layers.*.moe"` or the whole
     model), as torch's styles do: it partitions the layer's weights and hooks its forward. Expert weights
-    become DTensors by the placement plan (`plan_moe`: E over EP, F over ETP), `ExpertDispatcher` moves
+    become DTensors by the placement plan (`plan_moe`: E over EP, F over ETP), a dispatch strategy moves
     tokens to the experts and back (dispatch / combine hooks), and load-balancing statistics reduce over
     every rank with its own tokens (`DataParallelStats`). The plan's data-parallel steps, the experts over
     EDP / HSDP and the router and shared experts over every rank with its own tokens, are FSDP2 units:

@@ -13,6 +13,9 @@ Other experts (torchtitan's, under the hook) get their rows one per pair in expe
 slot (`relabel_rows`, a stable permutation the combine undoes), and the replica rows run through the experts' own
 forward with the copies in place of their parameters (`run_foreign`), so they compute exactly as the owner's rows.
 
+`ReplicaDispatch` wraps the dropless or expert-order strategy (dispatch.py) with this: the relabel before its plan,
+the replica rows' run after its move, their outputs back beside the owned rows' before its combine.
+
 Placement (which expert each slot holds) changes only every `replan_every` training forwards, from the counts
 summed since the last change, and only while no training forward awaits its backward: activation checkpointing
 and pipeline schedules recompute a forward with the slots it ran with. The split follows each forward's own
@@ -25,22 +28,25 @@ from torch.distributed.tensor import DTensor
 
 from dtensor_moe.experts import GroupedExperts, gather_for_compute, grouped_swiglu
 from dtensor_moe.moe import recomputing
+from dtensor_moe.parallel.dispatch import DroplessDispatch, ExpertOrderDispatch, Pairs
+from dtensor_moe.parallel.exchange import all_to_all_rows, gather_host_counts, group_name
 from dtensor_moe.parallel.replicas import replica_plan, source_segments
-from dtensor_moe.routing import ScaleGrad, gather_rows, inverse_permutation
+from dtensor_moe.routing import ExpertInput, ScaleGrad, TokenCopies, gather_rows, inverse_permutation
 
 
 class _AllToAll(torch.autograd.Function):
     """Rows over the EP group (split sizes known on the host); the gradient goes back the same way."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, move):
-        ctx.splits, ctx.group, ctx.move = (in_splits, out_splits), group, move
-        return move(x, out_splits, in_splits, group, ("replica_weights", "there"))
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (in_splits, out_splits), group
+        return all_to_all_rows(x, out_splits, in_splits, group, ("replica_weights", "there"))
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        return ctx.move(grad.contiguous(), out_splits, in_splits, ctx.group, ("replica_weights", "back")), *[None] * 4
+        return all_to_all_rows(grad.contiguous(), out_splits, in_splits, ctx.group, ("replica_weights", "back")), \
+            *[None] * 3
 
 
 class _Landmark(torch.autograd.Function):
@@ -73,6 +79,7 @@ class Replicas:
     def __init__(self, r: int, replan_every: int, ep_group, etp_group):
         self.r, self.replan_every = r, replan_every
         self.ep_group = ep_group
+        self.names = (group_name(ep_group), group_name(etp_group))  # for the counts' all-gather
         self.ep, self.ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
         self.etp, self.etp_rank = dist.get_world_size(etp_group), dist.get_rank(etp_group)
         self.slots: tuple[tuple[int, ...], ...] | None = None
@@ -82,9 +89,9 @@ class Replicas:
         self.slots_now: tuple[tuple[int, ...], ...] = ()  # this forward's, and whether it counts as a new one
         self.counting = False
 
-    def _group_counts(self, counts_E: torch.Tensor, gather) -> list[list[int]]:
+    def _group_counts(self, counts_E: torch.Tensor) -> list[list[int]]:
         """[sources][E] pair counts of the EP x ETP group, ETP slice major (one host sync)."""
-        stacked = gather(counts_E.to(torch.int64).view(1, -1))
+        stacked = gather_host_counts(counts_E.to(torch.int64).view(1, -1), *self.names)
         return stacked.reshape(self.etp * self.ep, -1).tolist()
 
     def _placement(self, load_E: list[int], training: bool) -> tuple[tuple[int, ...], ...]:
@@ -98,9 +105,9 @@ class Replicas:
             self.forwards += 1
         return self.slots
 
-    def _segments(self, counts_E: torch.Tensor, gather, training: bool) -> tuple[list[tuple[int, int]], int]:
+    def _segments(self, counts_E: torch.Tensor, training: bool) -> tuple[list[tuple[int, int]], int]:
         """(this rank's (virtual slot, pairs) segments in the order of its expert-major pairs, the virtual slots)."""
-        counts_RE = self._group_counts(counts_E, gather)
+        counts_RE = self._group_counts(counts_E)
         # A recomputation (activation checkpointing) is no new forward: it must run with its forward's slots.
         self.counting = training and not recomputing()
         slots = self._placement([sum(c[e] for c in counts_RE) for e in range(len(counts_RE[0]))], self.counting)
@@ -120,23 +127,23 @@ class Replicas:
         slot_N, order_N = torch.sort(torch.repeat_interleave(v.to(dev), n.to(dev), output_size=N), stable=True)
         return slot_counts, slot_N, order_N
 
-    def relabel(self, copies, counts_E: torch.Tensor, gather, training: bool):
+    def relabel(self, copies, counts_E: torch.Tensor, training: bool):
         """(slot_counts, slot_N, pair_N, weight_N): the pairs by virtual slot, in slot-major order (capacity-dropped
         pairs, id E, last with id n_virtual), for ep_plan as if they were pairs by expert."""
-        mine, n_virtual = self._segments(counts_E, gather, training)
+        mine, n_virtual = self._segments(counts_E, training)
         slot_counts, slot_N, order_N = self._slot_order(mine, n_virtual, copies.pair_N.shape[0], copies.pair_N.device)
         inv_N = inverse_permutation(order_N)[:, None]
         weight_N = gather_rows(copies.weight_N[:, None], order_N, inv_N)[:, 0]
         return slot_counts, slot_N, copies.pair_N.index_select(0, order_N), weight_N
 
-    def relabel_rows(self, counts_E: torch.Tensor, N: int, gather, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def relabel_rows(self, counts_E: torch.Tensor, N: int, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot_counts, order_N) for N rows given one per pair in expert order (counts_E per expert: torchtitan's
         experts' input): the stable order that groups them by virtual slot, for ep_plan as rows by expert."""
-        mine, n_virtual = self._segments(counts_E, gather, training)
+        mine, n_virtual = self._segments(counts_E, training)
         slot_counts, _, order_N = self._slot_order(mine, n_virtual, N, counts_E.device)
         return slot_counts, order_N
 
-    def weights(self, experts, names, dtype: torch.dtype | None, move) -> list[torch.Tensor | None]:
+    def weights(self, experts, names, dtype: torch.dtype | None) -> list[torch.Tensor | None]:
         """The replica slots' copies of the experts' parameters `names` ([r, ...] each, None for an absent one, e.g.
         our experts' biases), this ETP rank's slices, from their owners over the EP group, in `dtype` (our experts:
         the compute dtype, as they cast the owners' weights, so the copies round as they do; None: the parameters'
@@ -157,7 +164,7 @@ class Replicas:
         dev = owned_flat.device
         sent = gather_rows(owned_flat, torch.tensor(send_idx, dtype=torch.int64, device=dev),
                            _readers(send_idx, E_local).to(dev))
-        got = _AllToAll.apply(sent, [len(b) for b in recv], [len(b) for b in send], self.ep_group, move)
+        got = _AllToAll.apply(sent, [len(b) for b in recv], [len(b) for b in send], self.ep_group)
         got = torch.cat([got, got.new_zeros(1, got.shape[1])])  # empty slots read this zero row
         source = [len(recv_slot)] * self.r
         for i, j in enumerate(recv_slot):
@@ -175,18 +182,73 @@ class Replicas:
         it = iter(out)
         return [None if p is None else next(it) for p in params]
 
-    def run(self, experts: GroupedExperts, x_ND, counts_E, host_counts, weight_grad_scale, adds_output_bias, move):
+    def run(self, experts: GroupedExperts, x_ND, counts_E, host_counts, weight_grad_scale, adds_output_bias):
         """The replica slots' rows through the owners' weights."""
-        w13, w2, b13, b2 = self.weights(experts, ("w13", "w2", "b13", "b2"), x_ND.dtype, move)
+        w13, w2, b13, b2 = self.weights(experts, ("w13", "w2", "b13", "b2"), x_ND.dtype)
         biases = None if b13 is None else (b13, b2)
         return grouped_swiglu(x_ND, counts_E, w13, w2, weight_grad_scale=weight_grad_scale,
                               host_counts=host_counts, biases=biases, clamp=experts.clamp, add_b2=adds_output_bias,
                               precision=experts.precision)
 
-    def run_foreign(self, experts, forward, x_RD, counts_E, weight_grad_scale: float, move):
+    def run_foreign(self, experts, forward, x_RD, counts_E, weight_grad_scale: float):
         """The replica slots' rows through other experts (torchtitan's): `forward(experts, x_RD, counts_E, weights)`
         runs them with `weights` (a copy of each of the module's own parameters, by name) in place of the owned
-        ones. Their gradient is scaled as the dispatcher scales the owned rows' output gradient (`hooks`)."""
+        ones. Their gradient is scaled as the hooks scale the owned rows' output gradient (`dispatch_hooks`)."""
         names = [n for n, _ in experts.named_parameters(recurse=False)]
-        y_RD = forward(experts, x_RD, counts_E, dict(zip(names, self.weights(experts, names, None, move))))
+        y_RD = forward(experts, x_RD, counts_E, dict(zip(names, self.weights(experts, names, None))))
         return y_RD if weight_grad_scale == 1 else ScaleGrad.apply(y_RD, weight_grad_scale)
+
+
+class _ReplicaExchange:
+    """The inner strategy's exchange, the replica slots' outputs, and (expert-order rows) the sort to undo."""
+
+    def __init__(self, inner, y_replicas: torch.Tensor, unsort):
+        self.inner, self.y_replicas, self.unsort = inner, y_replicas, unsort
+        self.rows_per_rank = inner.rows_per_rank
+
+
+class ReplicaDispatch:
+    """Hot-expert replica slots (MoEConfig.expert_replicas) over a dropless or expert-order strategy.
+
+    Args:
+        inner (DroplessDispatch | ExpertOrderDispatch): the strategy the relabelled pairs travel by.
+        replicas (Replicas): the slots and their placement.
+        replica_forward: for other experts (expert-order rows), `replica_forward(experts, x_RD, counts_E, weights)`
+            runs their own math with `weights` (copies of their parameters, by name); None for ours.
+    """
+
+    def __init__(self, inner: DroplessDispatch | ExpertOrderDispatch, replicas: Replicas, replica_forward=None):
+        self.inner, self.replicas, self.replica_forward = inner, replicas, replica_forward
+        self.group = inner.group
+
+    def dispatch(self, x: torch.Tensor, counts_E: torch.Tensor, copies=None, experts=None) -> ExpertInput:
+        if torch.compiler.is_compiling():
+            raise ValueError("expert_replicas > 0 runs eagerly only (its split needs the counts on the host); "
+                             "valid: expert_replicas 0 with torch.compile, or an eager layer")
+        g = self.group
+        unsort = None
+        if isinstance(self.inner, DroplessDispatch):
+            if not isinstance(copies, TokenCopies):
+                raise TypeError(f"ReplicaDispatch over DroplessDispatch moves TokenCopies, got {type(copies).__name__}")
+            counts, expert_N, pair_N, weight_N = self.replicas.relabel(copies, counts_E, experts.training)
+            inp = self.inner.send(x, counts, Pairs(expert_N, pair_N, weight_N, copies.weight_TK.shape[1]))
+        else:  # the rows sorted by virtual slot (the combine sorts them back)
+            counts, order = self.replicas.relabel_rows(counts_E, x.shape[0], experts.training)
+            inv = inverse_permutation(order)
+            inp = self.inner.send(gather_rows(x, order, inv[:, None]), counts)
+            unsort = (inv, order[:, None])
+        # The replica slots' rows come after the owned experts' rows; they run here, the experts get their own.
+        host = inp.host_counts
+        E_local = len(host) - self.replicas.r
+        n_own = sum(host[:E_local])
+        x_rep, counts_rep, scale = inp.x_ND[n_own:], inp.counts_E[E_local:], g.weight_grad_scale
+        if isinstance(self.inner, ExpertOrderDispatch):  # other experts: their own forward on the copies
+            y = self.replicas.run_foreign(experts, self.replica_forward, x_rep, counts_rep, scale)
+        else:
+            y = self.replicas.run(experts, x_rep, counts_rep, host[E_local:], scale, g.adds_output_bias)
+        return ExpertInput(inp.x_ND[:n_own], inp.counts_E[:E_local], host[:E_local], scale,
+                           _ReplicaExchange(inp.exchange, y, unsort), g.adds_output_bias)
+
+    def combine(self, y_local: torch.Tensor, ex: _ReplicaExchange) -> torch.Tensor:
+        y = self.inner.combine(torch.cat([y_local, ex.y_replicas]), ex.inner)
+        return y if ex.unsort is None else gather_rows(y, *ex.unsort)

@@ -16,9 +16,18 @@ from torch.utils.hooks import RemovableHandle
 
 from dtensor_moe.experts import GroupedExperts
 from dtensor_moe.moe import LocalStats, MoE
-from dtensor_moe.parallel.dispatch import ExpertDispatcher
+from dtensor_moe.parallel.dispatch import (
+    DispatchGroup,
+    DroplessDispatch,
+    ExpertOrderDispatch,
+    PaddedDispatch,
+    RowCap,
+    RowLoad,
+    dispatch_hooks,
+)
 from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
 from dtensor_moe.parallel.plan import WeightPlan, plan_moe
+from dtensor_moe.parallel.replica_dispatch import ReplicaDispatch, Replicas
 from dtensor_moe.routing import ScaleGrad
 
 # `tp_grads`: how the gradients of the tp ranks' copies of an MoE's weights combine under sequence parallelism
@@ -60,9 +69,11 @@ class MoEPlacement:
 
 @dataclass(frozen=True)
 class ExpertParallelHooks:
-    """Kept on a parallelized experts module as `expert_parallel`: its dispatcher and hook handles."""
+    """Kept on a parallelized experts module as `expert_parallel`: its dispatch strategy (dispatch.py), the rows
+    its forwards computed per EP rank (`load`, read by the main job's metrics), and the hook handles."""
 
-    dispatcher: ExpertDispatcher
+    dispatcher: object
+    load: RowLoad
     pre_handle: RemovableHandle
     post_handle: RemovableHandle
 
@@ -121,14 +132,15 @@ def shard_moe_layer(
     the data-parallel ranks, each along the plan's dim. `tp_grads`: TP_GRADS. `fsdp_sums`: the
     data-parallel reductions sum instead of averaging (torchtitan's loss is a global sum and its FSDP2 units'
     divide factor 1): the dispatcher then leaves the expert weight gradients sums (no EP*ETP division,
-    ExpertDispatcher), and the tp ranks' copies sum by those reductions themselves (`tp_grads` must be "sum").
+    dispatch.py), and the tp ranks' copies sum by those reductions themselves (`tp_grads` must be "sum").
     `fsdp_kwargs` None: no FSDP units here (`fully_shard_layer` makes them later, or the caller's unit around
     the layer takes its dense weights: compiled blocks, whose FSDP hooks must stay outside the graph).
     `gather_in_forward` (compiled layers): no FSDP unit for our experts; under EDP / HSDP their weights are
     DTensors on the whole expert mesh, gathered over EDP in the forward and their gradients reduce-scattered
     back, both DTensor redistributions inside the graph (experts.gather_for_compute). `dispatch_precision`:
-    MoEConfig.dispatch_precision, the EP/ETP token payload's. `dispatch_options`: ExpertDispatcher's replica and
-    row-cap arguments (`dispatch_options(moe)`; replicas run with our experts, or others given a `replica_forward`).
+    MoEConfig.dispatch_precision, the EP/ETP token payload's. `dispatch_options`:
+    `make_dispatcher`'s strategy, replica and row-cap arguments (`dispatch_options(moe)`; replicas run with our
+    experts, or others given a `replica_forward`).
     """
     check_tp_grads(tp_grads, "shard_moe_layer: ")
     if fsdp_sums and tp_grads != "sum" and dims.tp > 1:
@@ -156,15 +168,30 @@ def shard_moe_layer(
     if dims.ep * dims.etp > 1:
         # Averaging reductions cover EDP x dp_replicate only: the EP*ETP peers' share is divided here.
         divisor = 1.0 if fsdp_sums else dims.ep * dims.etp
-        d = ExpertDispatcher(ep_etp.get_group("ep"), ep_etp.get_group("etp"), divisor, dispatch_precision,
-                             **(dispatch_options or {}))
-        pre, post = d.hooks(ours)
+        group = DispatchGroup(ep_etp.get_group("ep"), ep_etp.get_group("etp"), divisor, dispatch_precision)
+        d, load = make_dispatcher(group, ours, **options), RowLoad()
+        pre, post = dispatch_hooks(d, load, ours)
         experts.expert_parallel = ExpertParallelHooks(
-            d, experts.register_forward_pre_hook(pre), experts.register_forward_hook(post))
+            d, load, experts.register_forward_pre_hook(pre), experts.register_forward_hook(post))
     if fsdp_kwargs is not None:
         _fully_shard(moe, plans, dims, meshes, fsdp_kwargs, gather_in_forward)
     if tp_grads == "sum" and dims.tp > 1 and not fsdp_sums:
         scale_moe_gradients(moe, dims.tp)
+
+
+def make_dispatcher(group: DispatchGroup, ours: bool, *, padded: bool = False, replicas: int = 0,
+                    replan_every: int = 100, max_rows_per_rank: int = 0, layer: str = "an MoE layer",
+                    replica_forward=None):
+    """The dispatch strategy for one layer (dispatch.py): padded for pad_to_capacity, dropless for our experts,
+    expert order for others; hot-expert replicas (`replicas` slots per EP rank, re-placed every `replan_every`
+    training forwards) wrap the last two; `max_rows_per_rank` / `layer`: the row cap (RowCap)."""
+    if padded:
+        return PaddedDispatch(group)
+    cap = RowCap(max_rows_per_rank, layer)
+    inner = DroplessDispatch(group, cap) if ours else ExpertOrderDispatch(group, cap)
+    if not replicas:
+        return inner
+    return ReplicaDispatch(inner, Replicas(replicas, replan_every, group.ep_group, group.etp_group), replica_forward)
 
 
 def _experts(moe: nn.Module, plans: tuple[WeightPlan, ...]) -> nn.Module:
@@ -226,9 +253,9 @@ _LAYER_NAMES: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDicti
 
 
 def dispatch_options(moe: MoE) -> dict:
-    """An MoE's ExpertDispatcher options from its config: replica slots and the row cap, named for errors."""
+    """An MoE's `make_dispatcher` options from its config: padding, replica slots and the row cap, named for errors."""
     cfg = moe.config
-    return dict(replicas=cfg.expert_replicas, replan_every=cfg.replica_replan_every,
+    return dict(padded=cfg.pad_to_capacity, replicas=cfg.expert_replicas, replan_every=cfg.replica_replan_every,
                 max_rows_per_rank=cfg.max_rows_per_rank, layer=f"MoE layer {_LAYER_NAMES.get(moe, '')!r}")
 
 

@@ -7,7 +7,7 @@ gathered over cp (context_parallel.py); torchtitan shards the batches, so each c
 its own part of the sequence. Dense TP with sequence parallelism is torchtitan's own
 (`Module.parallelize`, its sharding configs for attention, dense FFN, embeddings, norms and head)
 with the MoEs left out: every torchtitan `MoE` gets dtensor_moe's placement plan instead. Expert
-weights become DTensors on our expert mesh (EP splits experts, ETP splits F), the `ExpertDispatcher`
+weights become DTensors on our expert mesh (EP splits experts, ETP splits F), the expert-order dispatch
 moves tokens around torchtitan's grouped-GEMM experts, and FSDP2 shards the experts over EDP and the
 router/shared experts over every rank with its own tokens (dp_shard * cp * tp: under sequence
 parallelism each TP rank hands its MoE its own slice of the sequence), each with the plan's shard

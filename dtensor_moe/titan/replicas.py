@@ -31,7 +31,7 @@ def replica_forward(experts: nn.Module, x_RD, counts_E, weights: dict, etp: int)
 
 
 def dispatch_options(config, layer: str, etp: int) -> dict:
-    """ExpertDispatcher's replica and row-cap arguments from the hook's `ExpertParallelConfig` (None: defaults)."""
+    """`make_dispatcher`'s replica and row-cap arguments from the hook's `ExpertParallelConfig` (None: defaults)."""
     if config is None:
         return {}
     return dict(replicas=config.expert_replicas, replan_every=config.replica_replan_every,

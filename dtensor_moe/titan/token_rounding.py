@@ -28,7 +28,7 @@ from dtensor_moe.token_rounding import round_tokens_compiled
 
 def round_titan_tokens(moe: nn.Module, cfg: MoEConfig, multiple: int, dispatched: bool) -> None:
     """Rounds every forward's pairs of torchtitan MoE `moe` (whose routing `cfg` describes) to multiples of
-    `multiple`; `dispatched`: our ExpertDispatcher runs its experts (ep * etp > 1)."""
+    `multiple`; `dispatched`: our dispatch strategy runs its experts (ep * etp > 1)."""
     if type(moe).forward is not MoE.forward:  # its steps are the ones repeated below
         raise ValueError(f"--dtensor_moe.round_tokens_to is not supported for {type(moe).__name__}, which has its "
                          f"own forward; valid: torchtitan's MoE and its subclasses that keep MoE.forward")

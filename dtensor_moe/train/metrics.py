@@ -99,7 +99,7 @@ class ExpertLoad:
         counts = torch.stack([m.tokens_per_expert for m in moes])
         E = counts.shape[1]
         if self.replicas:
-            computed = [m.experts.expert_parallel.dispatcher.take_rows() or [0] * self.ep for m in moes]
+            computed = [m.experts.expert_parallel.load.take() or [0] * self.ep for m in moes]
             counts = torch.cat([counts.double(), torch.tensor(computed, dtype=torch.float64, device=counts.device)
                                 / self.group_size], 1)
         # Every layer's stats sum over the same ranks: one all-reduce for all of them.
