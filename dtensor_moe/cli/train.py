@@ -79,6 +79,7 @@ def run(args) -> int:
         _check(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun else cfg.parallel.nproc)
         if under_torchrun and args.parity:
             raise ValueError("--parity needs the local launcher: run `dtensor-moe train` without torchrun")
+        _check_data(cfg)
         resume = args.resume is not None and not under_torchrun
         # A run dir that does not exist yet has nothing to lock: a missing checkpoint is refused without making it.
         target = _resume_target(args, cfg, run_dir) if resume and not os.path.isdir(run_dir) else None
@@ -245,6 +246,16 @@ def _check(cfg: Config, world: int):
     check_pipeline(dims, p.pp_schedule, p.num_microbatches, m.n_layers, m.tie_embeddings)
     # CP and TP ranks split each sequence; the other ranks read different sequences.
     check_global_batch(cfg.training.global_batch, dims.dp_replicate * dims.dp_shard, p.num_microbatches)
+
+
+def _check_data(cfg: Config):
+    """data.source = 'files': the files found, read and tokenized into the token cache (once; a progress bar),
+    then checked against the config (vocabulary, a global batch of tokens, the held-out split): bad data is one
+    line before any rank starts, and the ranks only memory-map the cache."""
+    if cfg.data.source == "files":
+        from dtensor_moe.train.token_cache import prepare
+
+        prepare(cfg)
 
 
 def parity(cfg: Config, run_dir: str) -> tuple[int, str]:

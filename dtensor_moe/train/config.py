@@ -16,7 +16,7 @@ __all__ = [
     "read_toml",
 ]
 
-BYTE_VOCAB = 256  # both data sources are byte-level (dtensor_moe.train.data.VOCAB_SIZE)
+BYTE_VOCAB = 256  # corpus, synthetic and the byte tokenizer (dtensor_moe.train.data.VOCAB_SIZE)
 OVERRIDE = re.compile(r"^([A-Za-z_]\w*)\.([A-Za-z_]\w*)=(.*)$", re.DOTALL)
 
 
@@ -172,12 +172,70 @@ class TrainingConfig:
                      parity_tolerance=at_least(0))
 
 
+DATA_SOURCES = ("corpus", "synthetic", "files")
+# [data] keys that only data.source = "files" reads.
+FILE_KEYS = ("paths", "eval_paths", "text_field", "tokenizer", "cache_dir")
+
+
+def _globs(value, name: str) -> tuple[str, ...]:
+    """A list of glob strings (one string is a list of one: `data.paths=a.jsonl` on the command line)."""
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise ValueError(f"data.{name} must be a list of file paths or glob patterns (non-empty strings), e.g. "
+                         f'["data/*.jsonl"], got {value!r}')
+    return tuple(value)
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "corpus"  # corpus | synthetic
+    """Where the tokens come from. corpus and synthetic are byte-level and built in; files reads the user's
+    .txt / .jsonl / .parquet files (or .npy token shards) with a tokenizer into a token cache (token_cache.py)."""
+
+    source: str = "corpus"  # DATA_SOURCES
+    paths: tuple = ()  # globs of the training files (source = "files")
+    eval_paths: tuple = ()  # globs of held-out files; or eval_fraction
+    text_field: str = "text"  # the JSONL field / Parquet column holding each document's text
+    # "byte" (UTF-8 bytes, ids 0..255) or a Hugging Face tokenizer directory; "" is model.hf_path's own tokenizer
+    # (the checkpoint directory), or "byte" for a model of 256 tokens.
+    tokenizer: str = ""
+    eval_fraction: float = 0.0  # the last fraction of the token stream held out for evaluation
+    eval_every: int = 0  # evaluate every N steps (and after the last one); 0: after the last step only
+    eval_batches: int = 4  # global batches of held-out sequences per evaluation (fewer when it has fewer)
+    cache_dir: str = ""  # "": $DTENSOR_MOE_CACHE, else $XDG_CACHE_HOME/dtensor_moe (~/.cache/dtensor_moe)
 
     def __post_init__(self):
-        check_fields(self, "data.", source=("corpus", "synthetic"))
+        for name in ("paths", "eval_paths"):
+            object.__setattr__(self, name, _globs(getattr(self, name), name) if getattr(self, name) else ())
+        check_fields(self, "data.", source=DATA_SOURCES, eval_fraction=Range(0, 1), eval_every=at_least(0),
+                     eval_batches=at_least(1))
+        if self.eval_fraction >= 1:
+            raise ValueError(f"data.eval_fraction ({self.eval_fraction}) must be < 1: the held-out split would leave "
+                             "no training data; valid: 0 <= eval_fraction < 1, e.g. 0.05")
+        if self.source != "files":
+            given = [k for k in FILE_KEYS if getattr(self, k) != getattr(DataConfig, k, ())]
+            if given:
+                raise ValueError(f"data.{given[0]} is read only with data.source = 'files', got data.source = "
+                                 f"{self.source!r}; valid: data.source = 'files', or drop data.{given[0]}")
+            return
+        if not self.paths:
+            raise ValueError('data.source = \'files\' needs data.paths: a list of files or glob patterns, e.g. '
+                             'paths = ["data/*.jsonl"] (.txt, .jsonl, .parquet or .npy token shards)')
+        if not self.text_field.strip():
+            raise ValueError("data.text_field must name the JSONL field / Parquet column of the text, e.g. 'text'; "
+                             "got ''")
+        if self.eval_paths and self.eval_fraction:
+            raise ValueError(f"data.eval_paths and data.eval_fraction ({self.eval_fraction}) both choose the held-out "
+                             "split; give one of them")
+
+    @property
+    def has_eval(self) -> bool:
+        """Whether the run holds data out for an evaluation loss."""
+        return bool(self.eval_fraction or self.eval_paths)
+
+    def resolved_tokenizer(self, hf_path: str) -> str:
+        """The tokenizer data.source = 'files' reads text with: data.tokenizer, else model.hf_path's, else byte."""
+        return self.tokenizer or hf_path or "byte"
 
 
 @dataclass(frozen=True)
@@ -207,9 +265,20 @@ class Config:
                              f"({p.cp}*{p.tp}): every CP rank holds an equal part of each sequence and every TP rank "
                              f"an equal slice of that; e.g. seq_len {[p.cp * p.tp * k for k in (8, 16, 32)]}")
         check_tp_untied(m.tie_embeddings, p.tp, "parallel.")
-        if m.vocab_size < BYTE_VOCAB:
+        self._check_data()
+
+    def _check_data(self):
+        """The static part of the data's checks; the files and the tokenizer are checked before launch too
+        (token_cache.prepare)."""
+        m, d = self.model, self.data
+        if d.eval_every and not d.has_eval:
+            raise ValueError(f"data.eval_every ({d.eval_every}) needs a held-out split: data.eval_fraction > 0 "
+                             "(e.g. 0.05) or data.eval_paths")
+        byte = d.source != "files" or d.resolved_tokenizer(m.hf_path) == "byte"
+        if byte and m.vocab_size < BYTE_VOCAB:
+            what = f"data.source={d.source!r}" if d.source != "files" else "data.tokenizer='byte'"
             raise ValueError(
-                f"model.vocab_size ({m.vocab_size}) must be >= {BYTE_VOCAB}: data.source={self.data.source!r} "
+                f"model.vocab_size ({m.vocab_size}) must be >= {BYTE_VOCAB}: {what} "
                 f"is byte-level (token ids 0..{BYTE_VOCAB - 1})"
             )
 

@@ -40,7 +40,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     from dtensor_moe.parallel.dispatch import RowCapExceeded
     from dtensor_moe.parallel.plan import plan_moe
     from dtensor_moe.train.checkpoint import SaveError
-    from dtensor_moe.train.data import Batches, load_tokens
+    from dtensor_moe.train.data import load_data, rank_batches
     from dtensor_moe.train.metrics import ExpertLoad, RunWriter, load_summary, local_state_bytes, peak_memory_bytes
     from dtensor_moe.train.model import build_model
     from dtensor_moe.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
@@ -107,12 +107,10 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     load = ExpertLoad(parts, dims, cfg.model, device)
     optimizer = build_optimizer(model, t.lr, t.weight_decay)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
-    # TP ranks read the same sequences (the embedding splits them); CP ranks each their part of them;
-    # pipeline stages the same as every other stage.
-    coords = dims.dense_coords(rank)
-    batches = Batches(load_tokens(cfg.data.source, t.seed), t.seq_len, t.global_batch, t.seed,
-                      coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"], dims.dp_replicate * dims.dp_shard,
-                      cp_rank=coords["cp"], cp=dims.cp, microbatches=p.num_microbatches)
+    train_tokens, held_tokens, data_info = load_data(cfg)
+    batches, eval_batches = rank_batches(cfg, dims, rank, train_tokens, held_tokens)
+    evaluate = None if eval_batches is None else _evaluator(parts, pipe if p.pp > 1 else None, eval_batches,
+                                                            p.num_microbatches, dims, device)
 
     ckpt = _checkpointing(args, run_dir, t.steps)
     start = ckpt.resume(model, optimizer, scheduler)
@@ -157,6 +155,8 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
         optimizer.zero_grad(set_to_none=True)
         load.update_expert_bias()
         dt = time.perf_counter() - t0
+        # The weights after this step's update, on the same held-out sequences each time.
+        eval_loss = evaluate() if evaluate and _eval_due(step + 1, cfg) else None
         if writer:
             writer.step({
                 "step": step + 1, "loss": per_stage[-1, :, 0].mean().item(),
@@ -165,6 +165,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
                 "tokens_per_s": tokens_per_step / dt, "step_time_s": dt,
                 "peak_mem_per_rank_gib": (per_rank[:, 2] / 2**30).tolist(),
                 **load.row(per_stage[:, 0, 4:]),  # a stage's ranks hold the same sums
+                **({} if eval_loss is None else {"eval_loss": eval_loss}),
             })
         stop = bool(per_rank[:, 3].max())  # some rank got a stop signal: every rank saves this step and stops
         try:
@@ -197,6 +198,9 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
                 },
                 "placement_plan": [asdict(wp) for wp in plan_moe(cfg.model.moe_config(), dims)],
                 "final_loss": rows[-1]["loss"] if rows else None,
+                "data": {**data_info, **({} if eval_batches is None else
+                                         {"eval_tokens_per_eval": eval_batches.tokens_per_eval})},
+                "eval": _eval_summary(rows),
                 "median_tokens_per_s": statistics.median(steady) if steady else None,
                 "median_tokens_per_s_per_rank": statistics.median(steady) / world if steady else None,
                 "peak_mem_per_rank_gib": max((r["peak_mem_per_rank_gib"] for r in rows), key=max, default=None),
@@ -213,6 +217,53 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
         )
     dist.barrier()  # no rank tears down gloo while a peer still talks to it
     dist.destroy_process_group()
+
+
+def _eval_due(step: int, cfg: Config) -> bool:
+    """After every data.eval_every-th step and the last one."""
+    every = cfg.data.eval_every
+    return step == cfg.training.steps or (every > 0 and step % every == 0)
+
+
+def _eval_summary(rows: list[dict]) -> dict | None:
+    """summary.json's `eval`: the last evaluation's loss and step, and the best one's."""
+    evals = [(r["eval_loss"], r["step"]) for r in rows if "eval_loss" in r]
+    if not evals:
+        return None
+    best = min(evals)
+    return {"loss": evals[-1][0], "step": evals[-1][1], "best_loss": best[0], "best_step": best[1],
+            "evaluations": len(evals)}
+
+
+def _evaluator(parts, pipe, eval_batches, microbatches: int, dims, device):
+    """A function of no argument: the mean cross-entropy over the held-out batches (every rank gets it). Eval
+    forwards without gradients: the MoE layers count no load and the aux-free bias does not move. Ranks hold
+    equal shares, so the mean of the ranks' means (the last stage's under PP) is the global mean."""
+    import torch
+    import torch.distributed as dist
+
+    from dtensor_moe.train.parallel.pipeline import cross_entropy
+
+    def evaluate() -> float:
+        for part in parts:
+            part.eval()
+        total = 0.0
+        with torch.no_grad():
+            for inputs_BL, targets_BL in eval_batches:
+                inputs_BL, targets_BL = inputs_BL.to(device), targets_BL.to(device)
+                if pipe is not None:
+                    total += pipe.evaluate(inputs_BL, targets_BL)
+                    continue
+                for x_BL, y_BL in zip(inputs_BL.tensor_split(microbatches), targets_BL.tensor_split(microbatches)):
+                    total += float(cross_entropy(parts[0](x_BL), y_BL)) / microbatches
+        for part in parts:
+            part.train()
+        local = torch.tensor([total / eval_batches.batches], dtype=torch.float64, device=device)
+        gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, local)
+        return torch.cat(gathered).cpu().view(dims.pp, dims.stage_size)[-1].mean().item()
+
+    return evaluate
 
 
 def _divergence(losses, grad_norm: float) -> str | None:

@@ -173,6 +173,8 @@ class RunWriter:
         self.metrics = open(path, "w")
         for row in self.rows:
             self.metrics.write(json.dumps(row) + "\n")
+        # The last evaluation's loss stays on the progress bar until the next one.
+        self.eval_loss = next((r["eval_loss"] for r in reversed(self.rows) if "eval_loss" in r), None)
         from tqdm import tqdm
 
         self.bar = tqdm(total=total_steps, initial=resumed_at, desc=label, unit="step", dynamic_ncols=True)
@@ -182,8 +184,12 @@ class RunWriter:
         self.metrics.write(json.dumps(row) + "\n")
         self.metrics.flush()
         mem = row["peak_mem_per_rank_gib"]
+        if "eval_loss" in row:
+            self.eval_loss = row["eval_loss"]
+        held = {} if self.eval_loss is None else {"eval": f"{self.eval_loss:.4f}"}
         self.bar.set_postfix(
-            loss=f"{row['loss']:.4f}", tok_s=f"{row['tokens_per_s']:.0f}", mem_gib=f"{min(mem):.2f}-{max(mem):.2f}"
+            loss=f"{row['loss']:.4f}", **held, tok_s=f"{row['tokens_per_s']:.0f}",
+            mem_gib=f"{min(mem):.2f}-{max(mem):.2f}",
         )
         self.bar.update(1)
 
@@ -235,9 +241,13 @@ def _save(fig, path: str):
 
 def plot_loss(rows: list[dict], path: str):
     fig, ax = _pyplot().subplots(figsize=(6, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="training")
+    evals = [r for r in rows if "eval_loss" in r]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held out")
+        ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
     _save(fig, path)
 
@@ -297,8 +307,18 @@ def summary_lines(summary: dict, run_dir: str, parity_line: str | None = None) -
         f"{pp}experts {hsdp}EDP{mesh['edp']} x EP{mesh['ep']} x "
         f"ETP{mesh['etp']}, dense weights {hsdp}{dense}"
     )
+    data = summary.get("data") or {}
+    if data.get("source") == "files":
+        held = f", {_si(data['eval_tokens'])} held out" if data["eval_tokens"] else ""
+        lines.append(f"data     {data['files']} files, {data['documents']:,} documents: {_si(data['train_tokens'])} "
+                     f"training tokens{held}; tokenizer {data['tokenizer']}")
     if summary["final_loss"] is not None:
         lines.append(f"loss     {summary['final_loss']:.4f} after step {t['steps']}")
+        ev = summary.get("eval")
+        if ev:
+            best = f" (best {ev['best_loss']:.4f} at step {ev['best_step']})" if ev["best_step"] != ev["step"] else ""
+            lines.append(f"eval     {ev['loss']:.4f} held-out loss after step {ev['step']} on "
+                         f"{_si(data.get('eval_tokens_per_eval', 0))} tokens{best}")
         per_rank = summary["median_tokens_per_s_per_rank"]
         lines.append(f"speed    {summary['median_tokens_per_s']:,.0f} tokens/s median ({per_rank:,.0f} per rank)")
         peak = max(summary["peak_mem_per_rank_gib"])

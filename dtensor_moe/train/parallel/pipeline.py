@@ -125,6 +125,13 @@ class Pipeline:
         self.schedule.eval(inputs_BL.contiguous() if self.has_first else None,
                            target=targets_BL.contiguous() if self.has_last else None)
 
+    def evaluate(self, inputs_BL: torch.Tensor, targets_BL: torch.Tensor) -> float:
+        """This rank's mean cross-entropy over the microbatches of a held-out batch (the last stage's; else 0)."""
+        losses: list[torch.Tensor] = []
+        self.schedule.eval(inputs_BL.contiguous() if self.has_first else None,
+                           target=targets_BL.contiguous() if self.has_last else None, losses=losses)
+        return sum(float(x) for x in losses) / self.microbatches if self.has_last else 0.0
+
 
 def stage_view(parts: list[nn.Module]) -> nn.Module:
     """One module over this rank's stages with the whole model's parameter names (for the optimizer
