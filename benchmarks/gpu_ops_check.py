@@ -11,7 +11,7 @@ from dtensor_moe.kernels import grouped_mm as M
 from dtensor_moe.kernels import policy
 from dtensor_moe.kernels import swiglu as S
 from dtensor_moe.kernels import wgrad as W
-from dtensor_moe.routing import gather_rows
+from dtensor_moe.routing.tables import gather_rows
 
 
 def main():

@@ -60,8 +60,8 @@ from torch.profiler import ProfilerActivity, profile
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, grouped_swiglu, parallelize_moe
 from dtensor_moe.kernels import policy
 from dtensor_moe.parallel import exchange
-from dtensor_moe.router import Routing, combine_weights_TE
-from dtensor_moe.token_rounding import round_tokens
+from dtensor_moe.routing.router import Routing, combine_weights_TE
+from dtensor_moe.routing.token_rounding import round_tokens
 from dtensor_moe.train.metrics import write_json
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when run through runpy

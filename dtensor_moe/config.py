@@ -46,7 +46,7 @@ MOE_RULES = dict(
     replica_replan_every=at_least(1),
     # A dropless forward in which an EP rank would compute more expert rows raises, naming them; 0: no cap.
     max_rows_per_rank=at_least(0),
-    # Tile-aware token rounding (token_rounding.py): each expert's pairs on a rank a multiple of this; 0: off.
+    # Tile-aware token rounding (routing/token_rounding.py): each expert's pairs on a rank a multiple of this; 0: off.
     round_tokens_to=at_least(0),
 )
 
@@ -160,7 +160,7 @@ class MoEConfig:
             expert rows than this raises `RowCapExceeded` (a ValueError) on every rank, naming the layer,
             the forward and the rows per rank, rather than running out of memory at an unknown step;
             0 is no cap. Default 0.
-        round_tokens_to (int): > 0: tile-aware token rounding (token_rounding.py; docs/routing.md,
+        round_tokens_to (int): > 0: tile-aware token rounding (routing/token_rounding.py; docs/routing.md,
             "Token rounding"): after the router and any capacity dropping, each expert's pairs of one
             forward on one rank are rounded to a multiple of this (the grouped GEMMs' row tile, 128 on
             Hopper) by dropping its lowest-weight pairs or adding the next-best experts of tokens that

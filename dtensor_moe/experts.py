@@ -12,18 +12,41 @@ between this layout and torchtitan's names (w1, w3, b1, b3) for exports and adap
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from dtensor_moe.grad_scale import ScaleGrad
 from dtensor_moe.kernels import policy
 from dtensor_moe.kernels.grouped_mm import add_weight_grad_, mm, weight_grad
 from dtensor_moe.kernels.segment_sum import expand_rows, segment_sum
 from dtensor_moe.kernels.swiglu import clamped_swiglu, clamped_swiglu_backward, swiglu, swiglu_backward
-from dtensor_moe.routing import ExpertInput, PaddedCopies, ScaleGrad, TokenCopies
+from dtensor_moe.routing.tables import PaddedCopies, TokenCopies
 
 __all__ = ["GroupedExperts", "grouped_swiglu", "split_gate_up", "join_gate_up"]
+
+
+@dataclass(frozen=True)
+class ExpertInput:
+    """What the experts receive from the expert-parallel dispatcher; they return one output row per input row, in
+    the same order.
+
+    x_ND: this rank's rows, grouped by local expert (counts_E[e] rows for local expert e, on the
+    device); host_counts: the same counts on the host when the dispatcher has them without a sync
+    (eager mode), else None; weight_grad_scale: multiplies only the weight gradients (see
+    parallel/dispatch.py); exchange: the strategy's tables for this step, read back by its combine;
+    adds_output_bias: whether these experts add their output (w2) bias: the dispatcher sums the
+    partial outputs of an ETP group, so exactly one of its ranks adds it.
+    """
+
+    x_ND: torch.Tensor
+    counts_E: torch.Tensor
+    host_counts: list[int] | None = None
+    weight_grad_scale: float = 1.0
+    exchange: Any = None
+    adds_output_bias: bool = True
 
 
 def _shard(w: torch.Tensor) -> torch.Tensor:

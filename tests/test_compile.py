@@ -133,7 +133,7 @@ def opcheck_dispatch_ops(rank, world_size):
     """torch.library.opcheck of the dispatcher's ops on a real EP group, with and without copies."""
     from dtensor_moe import MoEParallelDims
     from dtensor_moe.parallel.exchange import ep_move, ep_plan, group_name, pair_move
-    from dtensor_moe.routing import TokenCopies, expert_major
+    from dtensor_moe.routing.tables import TokenCopies, expert_major
 
     meshes = MoEParallelDims(world_size, ep=world_size).build_meshes("cpu")
     groups = (group_name(meshes.expert["ep"].get_group()), group_name(meshes.expert["etp"].get_group()))

@@ -12,7 +12,7 @@ from dtensor_moe.cli import explain as X
 from dtensor_moe.cli import main
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.parallel.plan import owned_box, plan_moe
+from dtensor_moe.parallel.placement import owned_box, plan_moe
 
 ROOT = Path(__file__).resolve().parents[1]
 README_ARGS = ["explain", "--world", "8", "--ep", "2", "--etp", "2", "--experts", "4", "--dim", "8", "--hidden-dim", "8", "--shared-experts", "1"]  # noqa: E501

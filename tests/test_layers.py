@@ -2,7 +2,7 @@
 
 A layer may import only the layers below it (every import counts, also those inside functions):
 
-    core      validate, config, capacity, router, routing, experts, moe, kernels/  the MoE layer, no parallelism
+    core      validate, config, routing/, experts, grad_scale, moe, kernels/  the MoE layer, no parallelism
     parallel  parallel/   meshes, the placement plan, dispatch, ExpertParallel, parallelize_moe
     hf        hf/         Hugging Face MoE layers <-> ours
     tools     tools/      the planner and its model presets (torch-free)

@@ -28,7 +28,7 @@ SHAPE = ["training.global_batch=4", "training.seq_len=48"]
 
 @contextlib.contextmanager
 def _forced_routing():
-    from dtensor_moe.router import TopKRouter
+    from dtensor_moe.routing.router import TopKRouter
     from dtensor_moe.train.model import MoETransformer
 
     route, build = TopKRouter.forward, MoETransformer.__init__

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dtensor_moe import MoEConfig, MoEParallelDims, owned_box, ownership, plan_moe
 from dtensor_moe.parallel.mesh import divisors
-from dtensor_moe.parallel.plan import ShardStep, WeightPlan, _tiles
+from dtensor_moe.parallel.placement import ShardStep, WeightPlan, _tiles
 
 
 def test_dp_shard_is_rest_of_world_and_edp_folds():

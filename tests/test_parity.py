@@ -172,7 +172,7 @@ def rows_the_experts_receive(rank, world_size):
     import torch.distributed as dist
 
     from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
-    from dtensor_moe.capacity import kept_pairs
+    from dtensor_moe.routing.capacity import kept_pairs
 
     cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, capacity_factor=0.5, drop_policy="probs")
     torch.manual_seed(0)

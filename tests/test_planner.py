@@ -15,7 +15,7 @@ import pytest
 
 from dtensor_moe.cli.plan import resolve
 from dtensor_moe.parallel.mesh import EXPERT_AXES, PP_STAGES_PER_RANK, MoEParallelDims
-from dtensor_moe.parallel.plan import plan_moe, rank_coords
+from dtensor_moe.parallel.placement import plan_moe, rank_coords
 from dtensor_moe.tools import planner as P
 from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, spec_from_model_config
 
@@ -443,7 +443,7 @@ def _fake_pg_main(rank: int):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from dtensor_moe.parallel.plan import ownership
+    from dtensor_moe.parallel.placement import ownership
 
     world = 16384
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)

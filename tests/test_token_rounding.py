@@ -1,4 +1,4 @@
-"""Tile-aware token rounding (MoEConfig.round_tokens_to, dtensor_moe/token_rounding.py): round_tokens against a
+"""Tile-aware token rounding (MoEConfig.round_tokens_to, dtensor_moe/routing/token_rounding.py): round_tokens against a
 plain Python loop over experts and tokens that follows docs/routing.md's rule, on random draws (ties, capacity-
 dropped pairs, groups); the layer's invariants on random configs (every expert's rows a multiple of M, at most K
 distinct experts a token, the added pairs weighted by the router's formula, deterministic); statistics and
@@ -14,9 +14,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe, record_routing, replay_routing, token_rounding
-from dtensor_moe.router import combine_weights_TE
-from dtensor_moe.token_rounding import CANDIDATES, ROUNDS, round_tokens
+from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe, record_routing, replay_routing
+from dtensor_moe.routing import token_rounding
+from dtensor_moe.routing.router import combine_weights_TE
+from dtensor_moe.routing.token_rounding import CANDIDATES, ROUNDS, round_tokens
 
 from .harness import run_on_ranks
 from .parity import Case, moe_config

@@ -17,7 +17,7 @@ import sys
 
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.parallel.plan import WeightPlan, owned_box, plan_moe, rank_coords
+from dtensor_moe.parallel.placement import WeightPlan, owned_box, plan_moe, rank_coords
 from dtensor_moe.train.parallel.tp_plan import TP_BLOCK_PLAN, TP_ROOT_PLAN
 from dtensor_moe.validate import check_int
 

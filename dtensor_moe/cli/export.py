@@ -41,7 +41,7 @@ def _export(args) -> Path:
     if args.titan_config is not None:
         if args.hf is None or args.out is not None or args.model_type is not None:
             raise ValueError("--titan-config goes with --hf alone: export CKPT --hf OUT_DIR --titan-config NAME")
-        from dtensor_moe.titan.export import export_checkpoint_hf
+        from dtensor_moe.titan.hf_export import export_checkpoint_hf
 
         return export_checkpoint_hf(args.ckpt, args.hf, args.titan_config, args.force)
     if _torchtitan_checkpoint(Path(args.ckpt)):

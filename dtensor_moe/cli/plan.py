@@ -9,7 +9,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims, divisors
-from dtensor_moe.parallel.plan import check_pipeline
+from dtensor_moe.parallel.placement import check_pipeline
 from dtensor_moe.tools.planner.report import candidate_dict, explain_choice, table
 from dtensor_moe.tools.planner.search import TP_NOTE, pipeline_degrees, plan
 from dtensor_moe.tools.planner.workload import COMPUTE_BYTES, OPTIMIZER_MOMENTS, RECOMPUTE, Hardware, Workload

@@ -14,7 +14,7 @@ from dtensor_moe.hf.families import Family
 from dtensor_moe.hf.layout import GptOss, PerExpert, full_box
 from dtensor_moe.moe import MoE
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.parallel.plan import owned_box, plan_moe
+from dtensor_moe.parallel.placement import owned_box, plan_moe
 
 
 def layer_prefix(keys: set[str], fam: Family, layer: int) -> str:

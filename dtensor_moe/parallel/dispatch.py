@@ -31,11 +31,13 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from dtensor_moe.experts import ExpertInput
+from dtensor_moe.grad_scale import ScaleGrad
 from dtensor_moe.kernels import policy
 from dtensor_moe.kernels.gather_sum import gather_sum
 from dtensor_moe.moe import recomputing
 from dtensor_moe.parallel.exchange import PlanTables, all_gather, ep_move, ep_plan, group_name, pair_move
-from dtensor_moe.routing import ExpertInput, PaddedCopies, ScaleGrad, TokenCopies, gather_rows
+from dtensor_moe.routing.tables import PaddedCopies, TokenCopies, gather_rows
 
 __all__ = ["DispatchGroup", "DroplessDispatch", "ExpertOrderDispatch", "PaddedDispatch", "Pairs", "RowCap",
            "RowCapExceeded", "RowLoad", "dispatch_hooks"]

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dtensor_moe.kernels import counters, fp8, policy, recompute
-from dtensor_moe.routing import inverse_permutation
+from dtensor_moe.routing.tables import inverse_permutation
 
 __all__ = ["PlanTables", "all_gather", "all_to_all_rows", "count_sent_bytes", "ep_move", "ep_plan",
            "gather_host_counts", "group_name", "pair_move"]

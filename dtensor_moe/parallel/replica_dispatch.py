@@ -26,12 +26,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtensor_moe.experts import GroupedExperts, gather_for_compute, grouped_swiglu
+from dtensor_moe.experts import ExpertInput, GroupedExperts, gather_for_compute, grouped_swiglu
+from dtensor_moe.grad_scale import ScaleGrad
 from dtensor_moe.moe import recomputing
 from dtensor_moe.parallel.dispatch import DroplessDispatch, ExpertOrderDispatch, Pairs
 from dtensor_moe.parallel.exchange import all_to_all_rows, gather_host_counts, group_name
 from dtensor_moe.parallel.replicas import replica_plan, source_segments
-from dtensor_moe.routing import ExpertInput, ScaleGrad, TokenCopies, gather_rows, inverse_permutation
+from dtensor_moe.routing.tables import TokenCopies, gather_rows, inverse_permutation
 
 
 class _AllToAll(torch.autograd.Function):

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.utils.hooks import RemovableHandle
 
 from dtensor_moe.experts import GroupedExperts
+from dtensor_moe.grad_scale import ScaleGrad
 from dtensor_moe.moe import LocalStats, MoE
 from dtensor_moe.parallel.dispatch import (
     DispatchGroup,
@@ -26,9 +27,8 @@ from dtensor_moe.parallel.dispatch import (
     dispatch_hooks,
 )
 from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
-from dtensor_moe.parallel.plan import WeightPlan, plan_moe
+from dtensor_moe.parallel.placement import WeightPlan, plan_moe
 from dtensor_moe.parallel.replica_dispatch import ReplicaDispatch, Replicas
-from dtensor_moe.routing import ScaleGrad
 
 # `tp_grads`: how the gradients of the tp ranks' copies of an MoE's weights combine under sequence parallelism
 # (dims.tp > 1: every tp rank hands the layer its own slice of each sequence, so each holds a copy of the router

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 
-from dtensor_moe.parallel.plan import WeightPlan
+from dtensor_moe.parallel.placement import WeightPlan
 
 # Plan names (dtensor_moe's MoE) -> gpt-oss's, relative to the experts module; w3 and b3 are mlp1's odd rows.
 _NAMES = {"experts.w1": "mlp1_weight_EGD", "experts.b1": "mlp1_bias_EG", "experts.w2": "mlp2_weight_EDF",

@@ -32,7 +32,7 @@ from torchtitan.tools.utils import device_type
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.parallel.compile import apply_compile
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.parallel.plan import WeightPlan, plan_moe, split_gate_up_plans
+from dtensor_moe.parallel.placement import WeightPlan, plan_moe, split_gate_up_plans
 from dtensor_moe.parallel.shard import shard_moe_layer
 
 from .context_parallel import apply_cp

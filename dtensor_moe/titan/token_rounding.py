@@ -1,5 +1,5 @@
 """`--dtensor_moe.round_tokens_to M`: tile-aware token rounding (MoEConfig.round_tokens_to,
-dtensor_moe/token_rounding.py) for torchtitan's MoE, the same rule on each rank's tokens as our layer's.
+dtensor_moe/routing/token_rounding.py) for torchtitan's MoE, the same rule on each rank's tokens as our layer's.
 
 torchtitan's MoE routes, counts (its `tokens_per_expert_E`, which steers the aux-loss-free bias: the router's
 choices, before rounding, as ours) and hands the choices to `routed_experts`. The rounding needs the router's full
@@ -21,9 +21,9 @@ from torch import nn
 from torchtitan.models.common.moe import MoE
 
 from dtensor_moe.config import MoEConfig
-from dtensor_moe.router import combine_weights_TE
-from dtensor_moe.routing import expert_major
-from dtensor_moe.token_rounding import round_tokens_compiled
+from dtensor_moe.routing.router import combine_weights_TE
+from dtensor_moe.routing.tables import expert_major
+from dtensor_moe.routing.token_rounding import round_tokens_compiled
 
 
 def round_titan_tokens(moe: nn.Module, cfg: MoEConfig, multiple: int, dispatched: bool) -> None:

@@ -3,7 +3,7 @@
 
 A `ModelSpec` lists the shapes of the weights *outside* the MoE modules (attention, norms, dense
 FFN layers, embeddings) and the `MoEConfig` of the MoE layers; the placement of the MoE weights
-always comes from `dtensor_moe.parallel.plan.plan_moe`. Published dims (the hyphenated names) are from
+always comes from `dtensor_moe.parallel.placement.plan_moe`. Published dims (the hyphenated names) are from
 each model's released config.json (Hugging Face), with the main job's attention weights. The names with
 underscores are the torchtitan hook's `--config` names (dtensor_moe/titan/config_registry.py): torchtitan
 0.3.0's models as that hook trains them (torchtitan's fused wqkv, its routing), kept here so that the

@@ -13,7 +13,7 @@ the one with the most memory and the slowest one's traffic (it sets the pipeline
 from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK
-from dtensor_moe.parallel.plan import rank_layers
+from dtensor_moe.parallel.placement import rank_layers
 from dtensor_moe.tools.planner.workload import Workload
 from dtensor_moe.tools.presets import ModelSpec
 

@@ -14,7 +14,7 @@ import gc
 from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import MoEParallelDims, divisors
-from dtensor_moe.parallel.plan import check_pipeline
+from dtensor_moe.parallel.placement import check_pipeline
 from dtensor_moe.tools.planner.cache import PlanCache
 from dtensor_moe.tools.planner.memory import Memory, rank_activations
 from dtensor_moe.tools.planner.pipeline import PipelineRank, StageShare, bubble_fraction, pipeline_ranks

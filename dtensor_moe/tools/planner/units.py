@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.parallel.plan import ShardStep, WeightPlan, axis_sizes, owned_box, plan_moe
+from dtensor_moe.parallel.placement import ShardStep, WeightPlan, axis_sizes, owned_box, plan_moe
 from dtensor_moe.tools.planner.cache import PlanCache
 from dtensor_moe.tools.planner.pipeline import StageShare
 from dtensor_moe.tools.presets import ModelSpec

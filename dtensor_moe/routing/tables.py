@@ -1,13 +1,11 @@
-"""Token tables of one routing decision, and the contract between the dispatcher and the experts.
+"""Token tables of one routing decision: where each token's copies go and how they come back.
 
 `TokenCopies`: where each token's top-k copies go and how they come back; the layer (local experts)
 and the expert-parallel dispatcher both read it. `PaddedCopies`: the same for pad_to_capacity, every
-expert a block of exactly its capacity in rows. `ExpertInput`: what experts receive from the
-dispatcher; they return one output row per input row, in the same order.
+expert a block of exactly its capacity in rows.
 """
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -150,36 +148,3 @@ class PaddedCopies:
         y_QD = torch.where(real_Q[:, None], y_QD, 0)
         return gather_sum(y_QD, self.slot_TK.view(*out_shape[:-1], self.slot_TK.shape[1]),
                           torch.where(real_Q, self.token_Q, 0), self.weight_Q)
-
-
-@dataclass(frozen=True)
-class ExpertInput:
-    """What the experts receive from the expert-parallel dispatcher.
-
-    x_ND: this rank's rows, grouped by local expert (counts_E[e] rows for local expert e, on the
-    device); host_counts: the same counts on the host when the dispatcher has them without a sync
-    (eager mode), else None; weight_grad_scale: multiplies only the weight gradients (see
-    parallel/dispatch.py); exchange: the strategy's tables for this step, read back by its combine;
-    adds_output_bias: whether these experts add their output (w2) bias: the dispatcher sums the
-    partial outputs of an ETP group, so exactly one of its ranks adds it.
-    """
-
-    x_ND: torch.Tensor
-    counts_E: torch.Tensor
-    host_counts: list[int] | None = None
-    weight_grad_scale: float = 1.0
-    exchange: Any = None
-    adds_output_bias: bool = True
-
-
-class ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient scaled (the loss conventions of two parallel groups differ)."""
-
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
