@@ -234,7 +234,7 @@ def _resume_target(args, cfg: Config, run_dir: str):
 def _check(cfg: Config, world: int):
     """Every config error, raised before any process group or collective exists."""
     from dtensor_moe.parallel.compile import check_compile
-    from dtensor_moe.parallel.plan import check_pipeline, plan_moe
+    from dtensor_moe.parallel.placement import check_pipeline, plan_moe
     from dtensor_moe.train.data import check_global_batch
     from dtensor_moe.train.parallel.parallelize import check_model_parallel
 

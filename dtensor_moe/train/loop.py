@@ -38,7 +38,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from dtensor_moe.parallel.dispatch import RowCapExceeded
-    from dtensor_moe.parallel.plan import plan_moe
+    from dtensor_moe.parallel.placement import plan_moe
     from dtensor_moe.train.checkpoint import SaveError
     from dtensor_moe.train.data import load_data, rank_batches
     from dtensor_moe.train.metrics import ExpertLoad, RunWriter, load_summary, local_state_bytes, peak_memory_bytes
@@ -52,7 +52,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     # Under TP the logits are the head's replicated DTensor output as a local view; only the loss reads them.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPMoETransformer\) returned a view tensor")
     # Inductor advises TF32 for every float32 matmul it compiles. A float32 job asked for float32, and in a bf16 job
-    # the one float32 matmul is the router's gate, kept so on purpose (router.py): TF32 would round the routing.
+    # the one float32 matmul is the router's gate, kept so on purpose (routing/router.py): TF32 would round the routing.
     warnings.filterwarnings("ignore", message="TensorFloat32 tensor cores for float32 matrix multiplication")
     p, t = cfg.parallel, cfg.training
     backend = p.resolved_backend
@@ -314,7 +314,7 @@ def _replaying(parts, rollout, forward_backward):
 
     import torch
 
-    from dtensor_moe.replay import record_routing, replay_routing
+    from dtensor_moe.routing.replay import record_routing, replay_routing
 
     def step(inputs_BL, targets_BL) -> tuple[float, float]:
         with ExitStack() as stack, torch.no_grad():

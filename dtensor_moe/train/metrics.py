@@ -39,7 +39,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 def expert_ep_ranks(config: MoEConfig, dims) -> list[int]:
     """The EP rank that owns each expert: the placement plan's EP split of the expert weights (its later ETP and
     EDP splits cut inside an EP rank's experts)."""
-    from dtensor_moe.parallel.plan import owned_box, plan_moe, rank_coords
+    from dtensor_moe.parallel.placement import owned_box, plan_moe, rank_coords
 
     w2 = next(wp for wp in plan_moe(config, dims) if wp.name == "experts.w2")
     ep = w2.step_on("ep")

@@ -21,7 +21,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from dtensor_moe.moe import MoE, recomputing
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK as STAGES_PER_RANK
-from dtensor_moe.parallel.plan import stage_layers
+from dtensor_moe.parallel.placement import stage_layers
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
