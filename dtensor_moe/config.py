@@ -14,6 +14,7 @@ LOAD_BALANCE = ("none", "aux_loss", "aux_free_bias")
 DROP_POLICIES = ("probs", "position")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 EXPERT_PRECISIONS = ("bf16", "fp8")
+ACTIVATION_MEMORY = ("standard", "minimal")
 DISPATCH_PRECISIONS = ("bf16", "fp8")
 
 # Shared with train.config.ModelConfig, whose expert hidden dim is called moe_hidden_dim.
@@ -38,6 +39,8 @@ MOE_RULES = dict(
     swiglu_limit=above(0),
     # The routed experts' GEMMs: "fp8" runs them in FP8 e4m3 where it is faster (kernels/fp8.py, policy.py).
     expert_precision=EXPERT_PRECISIONS,
+    # What the routed experts keep for their backward (experts.py: _GroupedSwiGLU, _PairSwiGLU).
+    activation_memory=ACTIVATION_MEMORY,
     # The EP all-to-all's forward token payload: "fp8" sends e4m3 rows + one fp32 scale each
     # (parallel/dispatch.py); gradients travel in the activations' dtype either way.
     dispatch_precision=DISPATCH_PRECISIONS,
@@ -147,6 +150,11 @@ class MoEConfig:
         swiglu_limit (float): clamped_swiglu's limit (read only with that activation); > 0. Default 7.0.
         expert_precision (str): the routed experts' GEMMs: "bf16", or "fp8" (e4m3 where the measured
             policy picks it, kernels/fp8.py; docs/fp8.md). Default "bf16".
+        activation_memory (str): what the routed experts keep for the backward: "standard" (the pair-order copy
+            of the tokens, the gate / up output, the SwiGLU output and the expert outputs) or "minimal" (the
+            token rows once, under EP the received rows, and the gate / up pre-activation; the rest recomputed
+            or, for the routing weights' gradient, derived from the down projection's input gradient).
+            Dropless routing only: pad_to_capacity and expert_replicas run "standard". Default "standard".
         dispatch_precision (str): the dispatched tokens' payload under EP / ETP: "bf16" (the activations'
             dtype), or "fp8" (e4m3 rows with one fp32 scale each; gradients travel unquantized).
             Default "bf16".
@@ -197,6 +205,7 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     expert_precision: str = "bf16"
+    activation_memory: str = "standard"
     dispatch_precision: str = "bf16"
     expert_replicas: int = 0
     replica_replan_every: int = 100

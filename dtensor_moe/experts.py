@@ -23,7 +23,7 @@ from dtensor_moe.kernels import policy
 from dtensor_moe.kernels.grouped_mm import add_weight_grad_, mm, weight_grad
 from dtensor_moe.kernels.segment_sum import expand_rows, segment_sum
 from dtensor_moe.kernels.swiglu import clamped_swiglu, clamped_swiglu_backward, swiglu, swiglu_backward
-from dtensor_moe.routing.tables import PaddedCopies, TokenCopies
+from dtensor_moe.routing.tables import PaddedCopies, PairRows, TokenCopies
 
 __all__ = ["GroupedExperts", "grouped_swiglu", "split_gate_up", "join_gate_up"]
 
@@ -38,7 +38,9 @@ class ExpertInput:
     (eager mode), else None; weight_grad_scale: multiplies only the weight gradients (see
     parallel/dispatch.py); exchange: the strategy's tables for this step, read back by its combine;
     adds_output_bias: whether these experts add their output (w2) bias: the dispatcher sums the
-    partial outputs of an ETP group, so exactly one of its ranks adds it.
+    partial outputs of an ETP group, so exactly one of its ranks adds it; pairs: None where x_ND holds one row
+    per pair, else x_ND holds each token once and `pairs` the expert-major pairs over it (counts_E and
+    host_counts count pairs): the experts then return each row's routing-weighted sum of its pairs' outputs.
     """
 
     x_ND: torch.Tensor
@@ -47,6 +49,7 @@ class ExpertInput:
     weight_grad_scale: float = 1.0
     exchange: Any = None
     adds_output_bias: bool = True
+    pairs: PairRows | None = None
 
 
 def _shard(w: torch.Tensor) -> torch.Tensor:
@@ -140,6 +143,86 @@ class _SwiGLUOptions:
     precision: str
 
 
+def _weights(w13, w2, b13, b2, dtype):
+    """The experts' local shards in the compute dtype."""
+    w13_E2FD, w2_EDF = (_shard(w).to(dtype) for w in (w13, w2))
+    b13_E2F, b2_ED = (None if b is None else _shard(b).to(dtype) for b in (b13, b2))
+    return w13_E2FD, w2_EDF, b13_E2F, b2_ED
+
+
+def _pre_activation(x_ND, w13_E2FD, b13_E2F, offs_E, opts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a_NF, b_NF): the gate and up outputs, one fused GEMM (views of one [N, 2F] tensor) or one per half."""
+    precision, host = opts.precision, opts.host_counts
+    E, _, F_, D = w13_E2FD.shape
+    if policy.gate_up_fused(precision, "fwd", x_ND, E, D, F_):
+        ab_N2F = mm(x_ND, _gate_up(w13_E2FD).transpose(-2, -1), offs_E, host_counts=host)
+        if b13_E2F is not None:
+            ab_N2F = _with_bias(ab_N2F, b13_E2F.reshape(E, 2 * F_), offs_E)
+        return ab_N2F.chunk(2, dim=-1)
+    # two tensors, which the gate reads as they are
+    return tuple(_with_bias(mm(x_ND, w13_E2FD[:, i].transpose(-2, -1), offs_E, precision, host_counts=host),
+                            None if b13_E2F is None else b13_E2F[:, i], offs_E) for i in (0, 1))
+
+
+def _activation(a_NF, b_NF, opts):
+    return swiglu(a_NF, b_NF) if opts.clamp is None else clamped_swiglu(a_NF, b_NF, *opts.clamp)
+
+
+def _activation_backward(dh_NF, a_NF, b_NF, opts):
+    if opts.clamp is None:
+        return swiglu_backward(dh_NF, a_NF, b_NF)
+    return clamped_swiglu_backward(dh_NF, a_NF, b_NF, *opts.clamp)
+
+
+def _down(h_NF, w2_EDF, b2_ED, offs_E, opts):
+    return _with_bias(mm(h_NF, w2_EDF.transpose(-2, -1), offs_E, opts.precision, host_counts=opts.host_counts),
+                      b2_ED if opts.add_b2 else None, offs_E)
+
+
+def _input_grad(dab_N2F, w13_E2FD, offs_E, opts):
+    """dx_ND from the gate / up pre-activations' gradient."""
+    precision, host = opts.precision, opts.host_counts
+    E, _, F_, D = w13_E2FD.shape
+    if policy.gate_up_fused(precision, "dgrad", dab_N2F, E, F_, D):
+        return mm(dab_N2F, _gate_up(w13_E2FD), offs_E, host_counts=host)
+    da_NF, db_NF = dab_N2F.chunk(2, dim=-1)
+    return (mm(da_NF, w13_E2FD[:, 0], offs_E, precision, "dgrad", host)
+            + mm(db_NF, w13_E2FD[:, 1], offs_E, precision, "dgrad", host))
+
+
+def _parameter_grads(ctx, opts, offs_E, w13_E2FD, w2_EDF, dab_N2F, x_ND, dy_ND, h_NF, dy_bias_ND):
+    """(dw13, dw2, db13, db2), each the gradient of its parameter, or None where it was added into .grad in place.
+
+    The weight gradients are dw13 = dab^T x and dw2 = dy^T h per expert; the bias gradients the per-expert sums of
+    dab and dy_bias (the down projection's output gradient where dy is another factorization of it)."""
+    scale, precision, host = opts.weight_grad_scale, opts.precision, opts.host_counts
+    E, _, F_, D = w13_E2FD.shape
+    dbs = [None if p is None else _like_param(segment_sum(g, offs_E).view(shape) * scale, p)
+           for g, p, shape in zip((dab_N2F, dy_bias_ND), ctx.biases, ((E, 2, F_), (E, D)))]
+    grads = _existing_grads(ctx, (w13_E2FD, w2_EDF)) if opts.accumulate is not None else None
+    if grads is not None:
+        # The method as measured per weight: gate / up by one half's shape.
+        for out, g, x, shape in zip((_gate_up(grads[0]), grads[1]), (dab_N2F, dy_ND), (x_ND, h_NF),
+                                    ((E, F_, D), grads[1].shape)):
+            add_weight_grad_(out, g, x, offs_E, scale, host, opts.accumulate(shape))
+        return None, None, *dbs
+    if scale != 1:  # on whichever operand of each weight-gradient GEMM is smaller
+        if 2 * F_ <= D:
+            dab_N2F = dab_N2F * scale
+        else:
+            x_ND = x_ND * scale
+        if F_ <= D:
+            h_NF = h_NF * scale
+        else:
+            dy_ND = dy_ND * scale
+    dw2 = weight_grad(dy_ND, h_NF, offs_E, precision, host)
+    if policy.gate_up_fused(precision, "wgrad", x_ND, E, D, F_):
+        dw13 = weight_grad(dab_N2F, x_ND, offs_E, host_counts=host).view(E, 2, F_, D)
+    else:
+        dw13 = torch.stack([weight_grad(g, x_ND, offs_E, precision, host) for g in dab_N2F.chunk(2, dim=-1)], 1)
+    return *(_like_param(dw, p) for dw, p in zip((dw13, dw2), ctx.params)), *dbs
+
+
 class _GroupedSwiGLU(torch.autograd.Function):
     """y = (gate(x W1^T + b1, x W3^T + b3)) W2^T + b2 per expert, with a hand-ordered backward.
 
@@ -157,21 +240,10 @@ class _GroupedSwiGLU(torch.autograd.Function):
     def forward(ctx, x_ND, w13, w2, b13, b2, offs_E, opts: _SwiGLUOptions):
         # The parameters themselves are the inputs (not their to_local() views): this backward owns
         # their gradients, and a view's backward may turn a skipped gradient into zeros to add.
-        w13_E2FD, w2_EDF = (_shard(w).to(x_ND.dtype) for w in (w13, w2))
-        b13_E2F, b2_ED = (None if b is None else _shard(b).to(x_ND.dtype) for b in (b13, b2))
-        precision, host = opts.precision, opts.host_counts
-        E, _, F_, D = w13_E2FD.shape
-        if policy.gate_up_fused(precision, "fwd", x_ND, E, D, F_):
-            ab_N2F = mm(x_ND, _gate_up(w13_E2FD).transpose(-2, -1), offs_E, host_counts=host)
-            if b13_E2F is not None:
-                ab_N2F = _with_bias(ab_N2F, b13_E2F.reshape(E, 2 * F_), offs_E)
-            a_NF, b_NF = ab_N2F.chunk(2, dim=-1)
-        else:  # two tensors, which the gate reads as they are
-            a_NF, b_NF = (_with_bias(mm(x_ND, w13_E2FD[:, i].transpose(-2, -1), offs_E, precision, host_counts=host),
-                                     None if b13_E2F is None else b13_E2F[:, i], offs_E) for i in (0, 1))
-        h_NF = swiglu(a_NF, b_NF) if opts.clamp is None else clamped_swiglu(a_NF, b_NF, *opts.clamp)
-        y_ND = _with_bias(mm(h_NF, w2_EDF.transpose(-2, -1), offs_E, precision, host_counts=host),
-                          b2_ED if opts.add_b2 else None, offs_E)
+        w13_E2FD, w2_EDF, b13_E2F, b2_ED = _weights(w13, w2, b13, b2, x_ND.dtype)
+        a_NF, b_NF = _pre_activation(x_ND, w13_E2FD, b13_E2F, offs_E, opts)
+        h_NF = _activation(a_NF, b_NF, opts)
+        y_ND = _down(h_NF, w2_EDF, b2_ED, offs_E, opts)
         # What autograd would keep but silu(a), which the backward recomputes.
         ctx.save_for_backward(x_ND, a_NF, b_NF, h_NF, w13_E2FD, w2_EDF, offs_E)
         ctx.opts = opts
@@ -182,44 +254,58 @@ class _GroupedSwiGLU(torch.autograd.Function):
     def backward(ctx, dy_ND):
         x_ND, a_NF, b_NF, h_NF, w13_E2FD, w2_EDF, offs_E = ctx.saved_tensors
         opts = ctx.opts
-        scale, precision, host = opts.weight_grad_scale, opts.precision, opts.host_counts
-        E, _, F_, D = w13_E2FD.shape
         dy_ND = dy_ND.contiguous()
-        dh_NF = mm(dy_ND, w2_EDF, offs_E, precision, "dgrad", host)
-        if opts.clamp is None:
-            dab_N2F = swiglu_backward(dh_NF, a_NF, b_NF)
-        else:
-            dab_N2F = clamped_swiglu_backward(dh_NF, a_NF, b_NF, *opts.clamp)
-        if policy.gate_up_fused(precision, "dgrad", x_ND, E, F_, D):
-            dx_ND = mm(dab_N2F, _gate_up(w13_E2FD), offs_E, host_counts=host)
-        else:
-            da_NF, db_NF = dab_N2F.chunk(2, dim=-1)
-            dx_ND = (mm(da_NF, w13_E2FD[:, 0], offs_E, precision, "dgrad", host)
-                     + mm(db_NF, w13_E2FD[:, 1], offs_E, precision, "dgrad", host))
-        dbs = [None if p is None else _like_param(segment_sum(g, offs_E).view(shape) * scale, p)
-               for g, p, shape in zip((dab_N2F, dy_ND), ctx.biases, ((E, 2, F_), (E, D)))]
-        grads = _existing_grads(ctx, (w13_E2FD, w2_EDF)) if opts.accumulate is not None else None
-        if grads is not None:
-            # The method as measured per weight: gate / up by one half's shape.
-            for out, g, x, shape in zip((_gate_up(grads[0]), grads[1]), (dab_N2F, dy_ND), (x_ND, h_NF),
-                                        ((E, F_, D), grads[1].shape)):
-                add_weight_grad_(out, g, x, offs_E, scale, host, opts.accumulate(shape))
-            return dx_ND, None, None, *dbs, None, None
-        if scale != 1:  # on whichever operand of each weight-gradient GEMM is smaller
-            if 2 * F_ <= D:
-                dab_N2F = dab_N2F * scale
-            else:
-                x_ND = x_ND * scale
-            if F_ <= D:
-                h_NF = h_NF * scale
-            else:
-                dy_ND = dy_ND * scale
-        dw2 = weight_grad(dy_ND, h_NF, offs_E, precision, host)
-        if policy.gate_up_fused(precision, "wgrad", x_ND, E, D, F_):
-            dw13 = weight_grad(dab_N2F, x_ND, offs_E, host_counts=host).view(E, 2, F_, D)
-        else:
-            dw13 = torch.stack([weight_grad(g, x_ND, offs_E, precision, host) for g in dab_N2F.chunk(2, dim=-1)], 1)
-        return dx_ND, *(_like_param(dw, p) for dw, p in zip((dw13, dw2), ctx.params)), *dbs, None, None
+        dh_NF = mm(dy_ND, w2_EDF, offs_E, opts.precision, "dgrad", opts.host_counts)
+        dab_N2F = _activation_backward(dh_NF, a_NF, b_NF, opts)
+        dx_ND = _input_grad(dab_N2F, w13_E2FD, offs_E, opts)
+        grads = _parameter_grads(ctx, opts, offs_E, w13_E2FD, w2_EDF, dab_N2F, x_ND, dy_ND, h_NF, dy_ND)
+        return dx_ND, *grads, None, None
+
+
+class _PairSwiGLU(torch.autograd.Function):
+    """The minimal-memory path (MoEConfig.activation_memory = "minimal"): the rows x_RD, each token once, in;
+    each row's routing-weighted sum of its pairs' expert outputs out, z_r = sum_n weight_n y_n over the pairs n
+    that read row r (`PairRows`). The same math as expand -> _GroupedSwiGLU -> combine, keeping less.
+
+    Kept for the backward: x_RD (the caller's tensor: the layer's input, or under EP the received rows), the
+    gate / up pre-activation [N, 2F] and the O(N) tables; not the pair-order copy of x (re-gathered), the
+    SwiGLU output (recomputed from the pre-activation) or the expert outputs y (the routing weights' gradient
+    <dz_r, y_n> is computed as <dz_r W2, h_n> + <dz_r, b2>, from the down projection's input gradient before it
+    is weighted, as SonicMoE does). The weight_N input stays differentiable (it trains the router).
+    """
+
+    @staticmethod
+    def forward(ctx, x_RD, w13, w2, b13, b2, weight_N, row_N, readers_RK, offs_E, opts: _SwiGLUOptions):
+        w13_E2FD, w2_EDF, b13_E2F, b2_ED = _weights(w13, w2, b13, b2, x_RD.dtype)
+        x_ND = x_RD.index_select(0, row_N)
+        a_NF, b_NF = _pre_activation(x_ND, w13_E2FD, b13_E2F, offs_E, opts)
+        y_ND = _down(_activation(a_NF, b_NF, opts), w2_EDF, b2_ED, offs_E, opts)
+        z_RD = torch.ops.dtensor_moe.gather_sum(y_ND, readers_RK, row_N, weight_N)
+        ctx.save_for_backward(x_RD, a_NF, b_NF, weight_N, row_N, readers_RK, w13_E2FD, w2_EDF, b2_ED, offs_E)
+        ctx.opts = opts
+        ctx.params, ctx.biases = (w13, w2), (b13, b2)
+        return z_RD
+
+    @staticmethod
+    def backward(ctx, dz_RD):
+        x_RD, a_NF, b_NF, weight_N, row_N, readers_RK, w13_E2FD, w2_EDF, b2_ED, offs_E = ctx.saved_tensors
+        opts = ctx.opts
+        acc = torch.promote_types(dz_RD.dtype, torch.float32)
+        g_ND = dz_RD.reshape(-1, dz_RD.shape[-1]).index_select(0, row_N)  # dz at each pair: dy / weight
+        du_NF = mm(g_ND, w2_EDF, offs_E, opts.precision, "dgrad", opts.host_counts)  # dh / weight
+        h_NF = _activation(a_NF, b_NF, opts)
+        dweight_N = (du_NF.to(acc) * h_NF.to(acc)).sum(-1)
+        if b2_ED is not None and opts.add_b2:
+            dweight_N = dweight_N + (g_ND.to(acc) * expand_rows(b2_ED, offs_E, g_ND.shape[0]).to(acc)).sum(-1)
+        w_N1 = weight_N.to(du_NF.dtype)[:, None]
+        dab_N2F = _activation_backward(du_NF * w_N1, a_NF, b_NF, opts)
+        dx_RD = torch.ops.dtensor_moe.gather_sum(_input_grad(dab_N2F, w13_E2FD, offs_E, opts),
+                                                  readers_RK.reshape(-1, readers_RK.shape[-1]), row_N, None)
+        # dw2 = dy^T h = g^T (weight * h): the weight on the F-wide operand, no [N, D] dy kept beside g.
+        dy_bias_ND = None if ctx.biases[1] is None else g_ND * w_N1.to(g_ND.dtype)
+        grads = _parameter_grads(ctx, opts, offs_E, w13_E2FD, w2_EDF, dab_N2F, x_RD.index_select(0, row_N), g_ND,
+                                 h_NF * w_N1.to(h_NF.dtype), dy_bias_ND)
+        return dx_RD, *grads, dweight_N.to(weight_N.dtype), None, None, None, None
 
 
 def grouped_swiglu(
@@ -270,6 +356,32 @@ def grouped_swiglu(
         >>> torch.allclose(y_ND[2], (torch.nn.functional.silu(gate) * up) @ w2_EDF[1].T, atol=1e-5)
         True
     """
+    w13_E2FD, w2_EDF, biases, offs_E, opts = _prepare(x_ND, counts_E, w13_E2FD, w2_EDF, biases, weight_grad_scale,
+                                                      host_counts, clamp, add_b2, precision)
+    return _GroupedSwiGLU.apply(x_ND, w13_E2FD, w2_EDF, *(biases or (None, None)), offs_E, opts)
+
+
+def grouped_swiglu_pairs(x_RD, pairs: PairRows, counts_E, w13_E2FD, w2_EDF, weight_grad_scale: float = 1.0,
+                         host_counts: list[int] | None = None, biases: tuple | None = None,
+                         clamp: tuple[float, float] | None = None, add_b2: bool = True,
+                         precision: str = "bf16") -> torch.Tensor:
+    """`pairs.combine(grouped_swiglu(pairs.expand(x_RD), counts_E, ...))` keeping only x_RD, the gate / up
+    pre-activation and O(pairs) tables for the backward (`_PairSwiGLU`; MoEConfig.activation_memory "minimal").
+
+    Args: x_RD [R, D] rows, each token once; pairs (PairRows): the expert-major pairs over them, counts_E [E]
+    of them per expert; the rest as `grouped_swiglu`'s. Returns: [*pairs.readers_RK.shape[:-1], D], each row's
+    routing-weighted sum of its pairs' outputs.
+    """
+    # The GEMMs' rows are the pairs: the policy reads their count, dtype and device off a stand-in of that shape.
+    rows_ND = x_RD.new_empty(1, 1).expand(pairs.row_N.shape[0], x_RD.shape[1])
+    w13_E2FD, w2_EDF, biases, offs_E, opts = _prepare(rows_ND, counts_E, w13_E2FD, w2_EDF, biases, weight_grad_scale,
+                                                      host_counts, clamp, add_b2, precision)
+    return _PairSwiGLU.apply(x_RD, w13_E2FD, w2_EDF, *(biases or (None, None)), pairs.weight_N, pairs.row_N,
+                             pairs.readers_RK, offs_E, opts)
+
+
+def _prepare(x_ND, counts_E, w13_E2FD, w2_EDF, biases, weight_grad_scale, host_counts, clamp, add_b2, precision):
+    """The experts' weights as the GEMMs take them, offs_E and the options, for GEMMs over x_ND's rows."""
     w13_E2FD, w2_EDF = (gather_for_compute(w) for w in (w13_E2FD, w2_EDF))
     if biases is not None:
         biases = tuple(None if b is None else gather_for_compute(b) for b in biases)
@@ -282,7 +394,7 @@ def grouped_swiglu(
         accumulate = policy.weight_grad_accumulation(x_ND, (E, F_, D), grouped, host_counts is not None, precision)
     opts = _SwiGLUOptions(weight_grad_scale=weight_grad_scale, accumulate=accumulate, host_counts=host_counts,
                           clamp=clamp, add_b2=add_b2, precision=precision)
-    return _GroupedSwiGLU.apply(x_ND, w13_E2FD, w2_EDF, *(biases or (None, None)), offs_E, opts)
+    return w13_E2FD, w2_EDF, biases, offs_E, opts
 
 
 def gate_up_halves(key: str) -> tuple[str, str] | None:
@@ -345,6 +457,8 @@ class GroupedExperts(nn.Module):
             SwiGLU. Default None.
         precision (str): the GEMMs' precision, `MoEConfig.expert_precision`: "bf16" or "fp8".
             Default "bf16".
+        activation_memory (str): what the backward keeps, `MoEConfig.activation_memory`: "standard" (every
+            intermediate) or "minimal" (the token rows once and the gate / up pre-activation). Default "standard".
 
     Forward: `experts(x, counts_E, copies)` copies tokens x [..., D] into expert order by their routing
     `copies` (`routing.TokenCopies` / `PaddedCopies`), runs them and combines the outputs into x's shape;
@@ -362,8 +476,10 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, biases: bool = False,
-                 clamp: tuple[float, float] | None = None, precision: str = "bf16"):
+                 clamp: tuple[float, float] | None = None, precision: str = "bf16",
+                 activation_memory: str = "standard"):
         super().__init__()
+        self.activation_memory = activation_memory
         self.num_experts = num_experts
         self.clamp = clamp
         self.precision = precision
@@ -379,24 +495,36 @@ class GroupedExperts(nn.Module):
     def from_config(cls, config) -> "GroupedExperts":
         clamp = (config.swiglu_alpha, config.swiglu_limit) if config.activation == "clamped_swiglu" else None
         return cls(config.dim, config.hidden_dim, config.num_experts, config.expert_biases, clamp,
-                   config.expert_precision)
+                   config.expert_precision, config.activation_memory)
 
     def forward(self, x: torch.Tensor | ExpertInput, counts_E: torch.Tensor | None = None,
                 copies: TokenCopies | PaddedCopies | None = None) -> torch.Tensor:
         """Tokens x with their routing `copies`: copied into expert order, run, combined back into
         x's shape. Or, from the expert-parallel dispatcher, an `ExpertInput` (rows already grouped
         by local expert): returns one output row per input row."""
-        ws = (self.w13, self.w2)
-        biases = None if self.b13 is None else (self.b13, self.b2)
         if isinstance(x, ExpertInput):
-            return grouped_swiglu(x.x_ND, x.counts_E, *ws, weight_grad_scale=x.weight_grad_scale,
-                                  host_counts=x.host_counts, biases=biases, clamp=self.clamp,
-                                  add_b2=x.adds_output_bias, precision=self.precision)
-        x_ND = copies.expand(x)
+            opts = dict(weight_grad_scale=x.weight_grad_scale, host_counts=x.host_counts, add_b2=x.adds_output_bias)
+            if x.pairs is None:
+                return grouped_swiglu(x.x_ND, x.counts_E, self.w13, self.w2, **opts, **self._kernel_options())
+            return self._pairs(x.x_ND, x.pairs, x.counts_E, **opts)
         counts_E, host_counts = copies.expert_blocks(counts_E)
-        y_ND = grouped_swiglu(x_ND, counts_E, *ws, host_counts=host_counts, biases=biases, clamp=self.clamp,
-                              precision=self.precision)
+        if isinstance(copies, TokenCopies):
+            return self._pairs(x.reshape(-1, x.shape[-1]), copies.pair_rows(x.shape), counts_E, host_counts=host_counts)
+        y_ND = grouped_swiglu(copies.expand(x), counts_E, self.w13, self.w2, host_counts=host_counts,
+                              **self._kernel_options())
         return copies.combine(y_ND, x.shape)
+
+    def _kernel_options(self) -> dict:
+        biases = None if self.b13 is None else (self.b13, self.b2)
+        return dict(biases=biases, clamp=self.clamp, precision=self.precision)
+
+    def _pairs(self, x_RD, pairs: PairRows, counts_E, **opts) -> torch.Tensor:
+        """Each row's weighted sum of its pairs' outputs: the pairs copied, run and summed (standard), or
+        grouped_swiglu_pairs (minimal)."""
+        if self.activation_memory == "minimal":
+            return grouped_swiglu_pairs(x_RD, pairs, counts_E, self.w13, self.w2, **opts, **self._kernel_options())
+        return pairs.combine(grouped_swiglu(pairs.expand(x_RD), counts_E, self.w13, self.w2, **opts,
+                                            **self._kernel_options()))
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02):

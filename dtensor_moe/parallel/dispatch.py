@@ -37,7 +37,7 @@ from dtensor_moe.kernels import policy
 from dtensor_moe.kernels.gather_sum import gather_sum
 from dtensor_moe.moe import recomputing
 from dtensor_moe.parallel.exchange import PlanTables, all_gather, ep_move, ep_plan, group_name, pair_move
-from dtensor_moe.routing.tables import PaddedCopies, TokenCopies, gather_rows
+from dtensor_moe.routing.tables import PaddedCopies, PairRows, TokenCopies, gather_rows
 
 __all__ = ["DispatchGroup", "DroplessDispatch", "ExpertOrderDispatch", "PaddedDispatch", "Pairs", "RowCap",
            "RowCapExceeded", "RowLoad", "dispatch_hooks"]
@@ -160,7 +160,6 @@ class _Exchange:
         # The per-expert host counts serve only eager gradient accumulation; a compiled graph has none.
         self.local_counts_host = None if torch.compiler.is_compiling() else t.local_counts_host.tolist()
         self.out_shape, self.groups, self.rows_per_rank = out_shape, groups, rows_per_rank
-        self.w_local = None  # dropless: the routing weights at the expert ranks, moved with the tokens
 
     def move(self, xs, kinds, direction, lengths=None):
         """lengths: the senders' row counts, for "back" (for "there" they are xs')."""
@@ -198,14 +197,14 @@ class DroplessDispatch:
         x_send = gather_rows(x_TD, ex.send_token, ex.token_rows)
         # The routing weights go where the sums are (autograd: they train the router).
         x_recv, w_sent = ex.move([x_send, pairs.weight_N[:, None]], f"rows{g.payload},pairs", "there")
-        ex.w_local = gather_rows(w_sent, ex.idx, ex.inv)[:, 0]
-        x_local = gather_rows(x_recv, ex.row_idx, ex.row_readers)
-        return ExpertInput(x_local, ex.local_counts_E, ex.local_counts_host, g.weight_grad_scale, ex,
-                           g.adds_output_bias)
+        # Each received token once, with its pairs here: the experts copy, run and sum them (GroupedExperts).
+        pairs = PairRows(ex.row_idx, ex.row_readers, gather_rows(w_sent, ex.idx, ex.inv)[:, 0])
+        return ExpertInput(x_recv, ex.local_counts_E, ex.local_counts_host, g.weight_grad_scale, ex,
+                           g.adds_output_bias, pairs)
 
-    def combine(self, y_local: torch.Tensor, ex: _Exchange) -> torch.Tensor:
-        """The experts' output rows -> each token's weighted sum, summed at the expert ranks first."""
-        z_rows = gather_sum(y_local, ex.row_readers, ex.row_idx, ex.w_local)
+    def combine(self, z_rows: torch.Tensor, ex: _Exchange) -> torch.Tensor:
+        """Each received token's weighted sum over its experts here (the experts' output) -> each token's sum
+        over the ranks it went to."""
         z_back = ex.move([z_rows], "rows", "back", [ex.send_token.shape[0]])[0]
         token_rows = ex.token_rows.view(*ex.out_shape[:-1], ex.token_rows.shape[1])
         return gather_sum(z_back, token_rows, ex.send_token, None)

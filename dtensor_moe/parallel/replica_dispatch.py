@@ -201,10 +201,11 @@ class Replicas:
 
 
 class _ReplicaExchange:
-    """The inner strategy's exchange, the replica slots' outputs, and (expert-order rows) the sort to undo."""
+    """The inner strategy's exchange, the replica slots' outputs, and the pairs to sum (dropless) or the sort to
+    undo (expert-order rows)."""
 
-    def __init__(self, inner, y_replicas: torch.Tensor, unsort):
-        self.inner, self.y_replicas, self.unsort = inner, y_replicas, unsort
+    def __init__(self, inner, y_replicas: torch.Tensor, pairs, unsort):
+        self.inner, self.y_replicas, self.pairs, self.unsort = inner, y_replicas, pairs, unsort
         self.rows_per_rank = inner.rows_per_rank
 
 
@@ -238,18 +239,21 @@ class ReplicaDispatch:
             inv = inverse_permutation(order)
             inp = self.inner.send(gather_rows(x, order, inv[:, None]), counts)
             unsort = (inv, order[:, None])
-        # The replica slots' rows come after the owned experts' rows; they run here, the experts get their own.
+        # The replica slots' pairs come after the owned experts' pairs; they run here, the experts get their own,
+        # so the pairs are copied out here (the experts' minimal path does not apply).
+        x_pairs = inp.x_ND if inp.pairs is None else inp.pairs.expand(inp.x_ND)
         host = inp.host_counts
         E_local = len(host) - self.replicas.r
         n_own = sum(host[:E_local])
-        x_rep, counts_rep, scale = inp.x_ND[n_own:], inp.counts_E[E_local:], g.weight_grad_scale
+        x_rep, counts_rep, scale = x_pairs[n_own:], inp.counts_E[E_local:], g.weight_grad_scale
         if isinstance(self.inner, ExpertOrderDispatch):  # other experts: their own forward on the copies
             y = self.replicas.run_foreign(experts, self.replica_forward, x_rep, counts_rep, scale)
         else:
             y = self.replicas.run(experts, x_rep, counts_rep, host[E_local:], scale, g.adds_output_bias)
-        return ExpertInput(inp.x_ND[:n_own], inp.counts_E[:E_local], host[:E_local], scale,
-                           _ReplicaExchange(inp.exchange, y, unsort), g.adds_output_bias)
+        return ExpertInput(x_pairs[:n_own], inp.counts_E[:E_local], host[:E_local], scale,
+                           _ReplicaExchange(inp.exchange, y, inp.pairs, unsort), g.adds_output_bias)
 
     def combine(self, y_local: torch.Tensor, ex: _ReplicaExchange) -> torch.Tensor:
-        y = self.inner.combine(torch.cat([y_local, ex.y_replicas]), ex.inner)
+        y_pairs = torch.cat([y_local, ex.y_replicas])
+        y = self.inner.combine(y_pairs if ex.pairs is None else ex.pairs.combine(y_pairs), ex.inner)
         return y if ex.unsort is None else gather_rows(y, *ex.unsort)

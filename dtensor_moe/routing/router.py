@@ -23,6 +23,27 @@ class Routing:
     logits_TE: torch.Tensor
 
 
+class _Gate(torch.autograd.Function):
+    """logits = x W^T + b computed in `dtype` (>= float32), keeping x in its own dtype for the backward: a
+    bf16 layer's input is not kept a second time as a float32 copy ([T, D] float32: at DeepSeek-V3's shape
+    almost half of what the experts' minimal path keeps); the backward casts it again."""
+
+    @staticmethod
+    def forward(ctx, x_TD, weight_ED, bias_E, dtype):
+        ctx.save_for_backward(x_TD, weight_ED)
+        ctx.dtype, ctx.bias_dtype = dtype, None if bias_E is None else bias_E.dtype
+        return F.linear(x_TD.to(dtype), weight_ED.to(dtype), None if bias_E is None else bias_E.to(dtype))
+
+    @staticmethod
+    def backward(ctx, dlogits_TE):
+        x_TD, weight_ED = ctx.saved_tensors
+        dx_TD = (dlogits_TE @ weight_ED.to(ctx.dtype)).to(x_TD.dtype)
+        dlogits_NE = dlogits_TE.reshape(-1, dlogits_TE.shape[-1])
+        dweight_ED = dlogits_NE.T @ x_TD.reshape(-1, x_TD.shape[-1]).to(ctx.dtype)
+        dbias_E = None if ctx.bias_dtype is None else dlogits_NE.sum(0).to(ctx.bias_dtype)
+        return dx_TD, dweight_ED.to(weight_ED.dtype), dbias_E, None
+
+
 def limit_groups(select_TE: torch.Tensor, num_groups: int, num_limited: int) -> torch.Tensor:
     """DeepSeek-V3's group limit: a group's score is the sum of its top-2 selection scores; experts
     outside the num_limited best groups become unselectable (-inf, since biased scores may be < 0)."""
@@ -88,8 +109,7 @@ class TopKRouter(nn.Module):
         # Routing decisions are sensitive to rounding: the gate runs in >= float32 even for bf16
         # activations, so a bf16 model routes like its float32 upcast (and like every other mesh).
         dtype = torch.promote_types(x_TD.dtype, torch.float32)
-        bias = None if self.gate.bias is None else self.gate.bias.to(dtype)
-        logits_TE = F.linear(x_TD.to(dtype), self.gate.weight.to(dtype), bias)
+        logits_TE = _Gate.apply(x_TD, self.gate.weight, self.gate.bias, dtype)
         if cfg.score_func == "sigmoid":
             scores_TE = torch.sigmoid(logits_TE)
         else:

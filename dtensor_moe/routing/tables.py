@@ -81,8 +81,9 @@ class TokenCopies:
         weight_N = gather_rows(weight_TK.reshape(-1, 1), pair_N, row_TK.reshape(-1, 1)).view(-1)
         return cls(pair_N, expert_N, weight_TK, row_TK, pair_N // weight_TK.shape[1], weight_N)
 
-    def expand(self, x: torch.Tensor) -> torch.Tensor:
-        return gather_rows(x.reshape(-1, x.shape[-1]), self.token_N, self.row_TK)
+    def pair_rows(self, out_shape) -> "PairRows":
+        """These pairs over the token rows, the combine's output shaped out_shape ([..., D])."""
+        return PairRows(self.token_N, self.row_TK.view(*out_shape[:-1], self.row_TK.shape[1]), self.weight_N)
 
     def expert_blocks(self, counts_E: torch.Tensor) -> tuple[torch.Tensor, None]:
         """The experts' row blocks over expand()'s rows, and their sizes on the host (unknown here).
@@ -90,9 +91,23 @@ class TokenCopies:
         would need their number on the host. The expert-parallel dispatcher leaves them out."""
         return torch.cat([counts_E[:-1], counts_E[-1:] + (self.pair_N.shape[0] - counts_E.sum())]), None
 
-    def combine(self, y_ND: torch.Tensor, out_shape) -> torch.Tensor:
-        """Token t's output: sum_k weight_TK[t, k] * y_ND[row_TK[t, k]], shaped out_shape."""
-        return gather_sum(y_ND, self.row_TK.view(*out_shape[:-1], self.row_TK.shape[1]), self.token_N, self.weight_N)
+
+@dataclass(frozen=True)
+class PairRows:
+    """Expert-major pairs over rows that hold each token once: pair n reads row row_N[n] and weighs its output
+    by weight_N[n]; row r is read by the pairs readers_RK[r, :] (-1: none). The layer's own tokens
+    (`TokenCopies.pair_rows`) or the rows an expert-parallel rank received (each token once per rank).
+    `expand` copies the rows into pair order, `combine` sums each row's weighted outputs back."""
+
+    row_N: torch.Tensor
+    readers_RK: torch.Tensor  # leading dims: the combine's output rows
+    weight_N: torch.Tensor
+
+    def expand(self, x_RD: torch.Tensor) -> torch.Tensor:
+        return gather_rows(x_RD, self.row_N, self.readers_RK.reshape(-1, self.readers_RK.shape[-1]))
+
+    def combine(self, y_ND: torch.Tensor) -> torch.Tensor:
+        return gather_sum(y_ND, self.readers_RK, self.row_N, self.weight_N)
 
 
 @dataclass(frozen=True)
