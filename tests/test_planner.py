@@ -853,3 +853,21 @@ def test_plan_cli_skew_and_replicas():
     assert _cli([*base, "--skew", "0"])[1].splitlines()[2:] == flat[2:]  # all but the planning time
     rc, out, _ = _cli([*base, "--skew", "1.2"])
     assert rc == 0 and "| rows max/mean |" in out and "with r=" not in out and "replica slot" not in out
+
+
+@pytest.mark.parametrize("ep,etp", [(1, 1), (8, 1), (4, 2)])
+def test_minimal_activation_memory_prices_pre_activations_and_received_rows(ep, etp):
+    """activation_memory "minimal": per token the MoE layer's routed experts keep top_k * 2F (the gate / up
+    pre-activation) plus, under EP x ETP, each received token row once (etp * D per EP rank it reaches), where
+    "standard" keeps top_k * (2 etp D + 3F); everything else in the layer is unchanged."""
+    spec = PRESETS["deepseek-v3-671b"]
+    minimal = replace(spec, moe=replace(spec.moe, activation_memory="minimal"))
+    dims, work = MoEParallelDims(64, ep=ep, etp=etp), P.Workload(seq_len=4096, recompute="none")
+    T, b, k, D, F = 4096, 2, spec.moe.top_k, spec.dim, spec.moe.hidden_dim
+    routing = spec.moe.num_experts, k, ep, spec.moe.num_expert_groups, spec.moe.num_limited_groups
+    received = 0 if ep * etp == 1 else etp * D * P.distinct_ranks(*routing)
+    per_layer = P.rates(spec, dims, work).moe_layer - P.rates(minimal, dims, work).moe_layer
+    assert per_layer == pytest.approx(T * b * (k * (2 * etp * D + 3 * F) - (k * 2 * F + received)))
+    # The whole model's estimate drops by that much per MoE layer, nothing else.
+    drop = P.activation_bytes(spec, dims, work) - P.activation_bytes(minimal, dims, work)
+    assert drop == pytest.approx(spec.n_moe_layers * per_layer)

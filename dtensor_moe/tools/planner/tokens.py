@@ -76,6 +76,20 @@ class Rates(NamedTuple):
     replica_sent: int  # the busiest EP rank's replica weight copies per MoE layer per step, both ways (bytes)
 
 
+def expert_activations(moe, dims: MoEParallelDims, ranks_per_token: float) -> float:
+    """Elements the routed experts keep for the backward per token of a rank (MoEConfig.activation_memory;
+    docs/parallelism.md, "Activation memory"). After the ETP gather a rank holds etp * top_k pairs per token of
+    F/etp-wide hidden activations, so those parts do not depend on etp. standard: per pair the token's copy and
+    the expert's output (D each, etp of them) and three F-wide tensors; minimal: per pair the gate / up
+    pre-activation (2F), and each token row received once per EP rank it reaches (etp of them; without EP x ETP
+    the rows are the layer's own input)."""
+    k, D, F = moe.top_k, moe.dim, moe.hidden_dim
+    if moe.activation_memory == "minimal" and not moe.pad_to_capacity and not moe.expert_replicas:
+        received = 0 if dims.ep * dims.etp == 1 else dims.etp * D * ranks_per_token
+        return k * 2 * F + received
+    return k * (2 * dims.etp * D + 3 * F)
+
+
 def rates(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node: int = 8,
           cache: PlanCache | None = None) -> Rates:
     G, b, M, moe = gpus_per_node, work.compute_bytes, work.microbatches, spec.moe
@@ -88,14 +102,15 @@ def rates(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node:
     skewed = None if not work.skew else balance(moe.num_experts, k, dims.ep, dims.ep * dims.etp * T, work.skew,
                                                 moe.expert_replicas, cache)
     straggler = 1 if skewed is None else skewed.replica_imbalance  # an int 1 keeps the balanced bytes exact
-    experts = k * (2 * dims.etp * D + 3 * F) * straggler + 3 * F * moe.num_shared_experts
     # A replica slot holds this ETP rank's F slice of w13 (two) and w2 (and of b13, with all of b2).
     slot = 3 * (F // dims.etp) * D + (2 * (F // dims.etp) + D) * moe.expert_biases
     # Dispatch and combine (a token once per rank holding one of its experts, each way) in forward,
     # their reverses in backward, forward again when recomputing.
     routing = moe.num_experts, k, dims.ep, moe.num_expert_groups, moe.num_limited_groups
-    rows = 2 * (distinct_ranks(*routing) if cache is None
-                else cache.distinct_ranks.get_or_make(routing, lambda: distinct_ranks(*routing)))
+    ranks_per_token = (distinct_ranks(*routing) if cache is None
+                       else cache.distinct_ranks.get_or_make(routing, lambda: distinct_ranks(*routing)))
+    rows = 2 * ranks_per_token
+    experts = expert_activations(moe, dims, ranks_per_token) * straggler + 3 * F * moe.num_shared_experts
     # (size, stride) of the groups as mesh_geometry has them (etp innermost, then ep; tp innermost,
     # then cp; stages outermost), without building it: a search has one Rates per rates_key.
     return Rates(
