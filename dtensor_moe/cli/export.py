@@ -2,12 +2,23 @@
 (dtensor_moe.train.export), or its MoE layers under a Hugging Face family's keys with `--hf`
 (dtensor_moe.train.hf_checkpoint, docs/hf.md). Bad input is one line on stderr and rc 2."""
 
+import importlib.util
 import sys
 from pathlib import Path
 
 from dtensor_moe.train.checkpoint import MANIFEST
-from dtensor_moe.train.export import CONFIG, WEIGHTS, export_checkpoint, import_weights
-from dtensor_moe.train.hf_checkpoint import export_hf, import_hf
+
+# train.export's names, spelled here: that module needs safetensors, which is checked before it is imported.
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+# What each optional package is for, and how to install it.
+EXTRAS = {"safetensors": "pip install safetensors (or pip install 'dtensor_moe[train]')",
+          "torchtitan": "pip install 'dtensor_moe[titan]' (torchtitan 0.3.0, torch >= 2.13)"}
+
+
+def require(module: str, what: str) -> None:
+    """A ValueError naming `what` needs `module` and how to install it, where it is not installed."""
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"{what} needs {module}, which is not installed: {EXTRAS[module]}")
 
 
 def add_export_arguments(parser):
@@ -38,9 +49,14 @@ def _one_line_errors(command: str, fn) -> int:
 
 
 def _export(args) -> Path:
+    require("safetensors", "dtensor-moe export")
+    from dtensor_moe.train.export import export_checkpoint
+    from dtensor_moe.train.hf_checkpoint import export_hf
+
     if args.titan_config is not None:
         if args.hf is None or args.out is not None or args.model_type is not None:
             raise ValueError("--titan-config goes with --hf alone: export CKPT --hf OUT_DIR --titan-config NAME")
+        require("torchtitan", "export --titan-config (a torchtitan checkpoint)")
         from dtensor_moe.titan.hf_export import export_checkpoint_hf
 
         return export_checkpoint_hf(args.ckpt, args.hf, args.titan_config, args.force)
@@ -77,6 +93,10 @@ def add_import_arguments(parser):
 
 
 def _import(args) -> Path:
+    require("safetensors", "dtensor-moe import")
+    from dtensor_moe.train.export import import_weights
+    from dtensor_moe.train.hf_checkpoint import import_hf
+
     if args.hf is not None:
         if args.safetensors is None or args.out_ckpt is not None or args.step:
             raise ValueError("import --hf HF_DIR takes exactly one positional, the output directory, and no --step")

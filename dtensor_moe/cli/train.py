@@ -76,6 +76,9 @@ def run(args) -> int:
     try:
         cfg, run_dir = _resolve(args)
         _check_run_args(args, cfg, run_dir)  # torch-free: a bad flag is reported before torch is imported
+        from dtensor_moe.train.prelaunch import check_before_launch
+
+        check_before_launch(run_dir, args.resume)  # the installed extras, --resume's checkpoint root
         _check(cfg, int(os.environ["WORLD_SIZE"]) if under_torchrun else cfg.parallel.nproc)
         if under_torchrun and args.parity:
             raise ValueError("--parity needs the local launcher: run `dtensor-moe train` without torchrun")

@@ -23,8 +23,9 @@ def layer_prefix(keys: set[str], fam: Family, layer: int) -> str:
         prefix = f"model.layers.{layer}.{block}."
         if any(k.startswith(prefix) for k in keys):
             return prefix
-    raise ValueError(f"no MoE block of layer {layer} in the Hugging Face weights (looked for "
-                     f"{[f'model.layers.{layer}.{b}.' for b in fam.blocks]})")
+    raise ValueError(f"no MoE block of layer {layer} in the Hugging Face weights; expected keys under "
+                     f"{' or '.join(f'model.layers.{layer}.{b}.' for b in fam.blocks)} ({fam.model_type}'s config "
+                     "says that layer is an MoE layer)")
 
 
 def _tensors(moe: MoE) -> dict[str, torch.Tensor]:
@@ -55,17 +56,24 @@ def check_tensors(have: dict[str, tuple], want: dict[str, tuple], mismatch: str)
         raise ValueError(f"{mismatch}: {problems[0]}{more}")
 
 
+def check_hf_layer(have: dict[str, tuple], fam: Family, prefix: str, shapes: dict[str, tuple]) -> None:
+    """A ValueError naming the first key under `prefix` of `have` (key -> shape, a checkpoint's) that is missing,
+    unexpected or of another shape than the layer of our tensors `shapes` (name -> global shape) in the family's
+    layout the keys use."""
+    layout = fam.layout(set(have), prefix, shapes["experts.w13"][2])
+    with torch.device("meta"):
+        want = _their_tensors({n: torch.empty(s) for n, s in shapes.items()}, fam, layout, prefix)
+    check_tensors({k: s for k, s in have.items() if k.startswith(prefix)}, {k: tuple(t.shape) for k, t in want.items()},
+                  f"the Hugging Face weights under {prefix!r} are not a {fam.model_type} MoE layer of this config")
+
+
 def read_hf_moe(reader, fam: Family, prefix: str, shapes: dict[str, tuple], boxes: dict | None = None) -> dict:
     """Our tensors (name -> global shape in `shapes`) of the layer under `prefix`, each only its box
     in `boxes` (whole where absent), in the checkpoint's dtype. First every key under `prefix` and its
     shape are checked (a box would silently cut a larger tensor): a ValueError names the first that
     differs."""
+    check_hf_layer({k: reader.shape(k) for k in reader.keys() if k.startswith(prefix)}, fam, prefix, shapes)
     layout = fam.layout(reader.keys(), prefix, shapes["experts.w13"][2])
-    with torch.device("meta"):
-        want = _their_tensors({n: torch.empty(s) for n, s in shapes.items()}, fam, layout, prefix)
-    check_tensors({k: reader.shape(k) for k in reader.keys() if k.startswith(prefix)},
-                  {k: tuple(t.shape) for k, t in want.items()},
-                  f"the Hugging Face weights under {prefix!r} are not a {fam.model_type} MoE layer of this config")
     boxes = boxes or {}
     return {
         name: _read(reader, fam, layout, prefix, name, boxes.get(name, full_box(shape)))

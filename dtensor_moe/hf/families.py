@@ -6,6 +6,8 @@ Keys are relative to the MoE block (`model.layers.{i}.mlp.` on disk; Mixtral's c
 Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, DeepseekV3MoE, GptOssMLP.
 """
 
+import math
+import re
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -43,7 +45,11 @@ def _silu(get, model_type: str):
 def _qwen3_experts(get) -> int:
     # The Hub's config.json says num_experts; transformers 5 writes its alias num_local_experts.
     n = get("num_experts", None)
-    return get("num_local_experts") if n is None else n
+    n = get("num_local_experts", None) if n is None else n
+    if n is None:
+        raise ValueError("the Hugging Face config (config.json) has no 'num_experts' (qwen3_moe's routed experts; "
+                         "transformers 5 also writes it as 'num_local_experts'); expected an int")
+    return n
 
 
 def _qwen3(get) -> MoEConfig:
@@ -160,25 +166,87 @@ def family(model_type: str) -> Family:
     return FAMILIES[model_type]
 
 
+# config.json's keys we read, each with the JSON type it must hold ("number": an int or a finite float); a key
+# given null reads as absent where it has a default.
+KEY_TYPES = {
+    "model_type": str, "hidden_act": str, "hidden_size": int, "moe_intermediate_size": int, "intermediate_size": int,
+    "num_experts": int, "num_local_experts": int, "n_routed_experts": int, "num_experts_per_tok": int,
+    "norm_topk_prob": bool, "routed_scaling_factor": "number", "n_shared_experts": int, "n_group": int,
+    "topk_group": int, "swiglu_alpha": "number", "swiglu_limit": "number", "router_jitter_noise": "number",
+    "num_hidden_layers": int, "decoder_sparse_step": int, "first_k_dense_replace": int, "mlp_only_layers": list,
+    "vocab_size": int, "num_attention_heads": int, "tie_word_embeddings": bool, "max_position_embeddings": int,
+    "rms_norm_eps": "number",
+}
+_WHAT = {int: "an int", bool: "a bool (true or false)", str: "a string", list: "a list of layer numbers",
+         "number": "a finite number"}
+
+
+def _typed(kind, v) -> bool:
+    if kind == "number":
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if kind is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if kind is list:
+        return isinstance(v, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+    return isinstance(v, kind)
+
+
 def getter(hf_config) -> Callable:
-    """get(field, default) over a transformers config object or config.json's dict; a missing
-    field without a default is a ValueError naming it."""
+    """get(key, default) over a transformers config object or config.json's dict, each value checked against its
+    JSON type (KEY_TYPES): a missing key without a default, or a value of another type, is a ValueError naming
+    config.json's key (the one the user edits) and what it must hold."""
+    if isinstance(hf_config, (str, bytes, list, tuple, int, float)) or hf_config is None:
+        raise TypeError(f"a Hugging Face config is a transformers config object or config.json's dict (a JSON "
+                        f"object); got {type(hf_config).__name__}")
     missing = object()
 
     def get(name, default=missing):
         v = hf_config.get(name, default) if isinstance(hf_config, dict) else getattr(hf_config, name, default)
-        if v is missing:
-            raise ValueError(f"Hugging Face config has no {name!r}")
+        if v is None and default is not missing:
+            v = default
+            if v is None:
+                return None
+        kind = KEY_TYPES.get(name)
+        if v is missing or (v is None and kind is not None):
+            want = f"; expected {_WHAT[kind]}" if kind else ""
+            raise ValueError(f"the Hugging Face config (config.json) has no {name!r}{want}")
+        if kind is not None and v is not None and not _typed(kind, v):
+            raise ValueError(f"config.json's {name!r} must be {_WHAT[kind]}, got {v!r} ({type(v).__name__})")
         return v
     return get
 
 
+class _Names:
+    """Stands in for a MoEConfig whose every field is its own name: `fam.fields(_Names())` maps their config keys to
+    our field names."""
+
+    def __getattr__(self, name):
+        return name
+
+
+def _renamed(message: str, fam: "Family") -> str:
+    """A MoEConfig error in their words: each of our field names that the family reads from a config key, as that
+    key ("MoEConfig.top_k ... num_experts" -> "config.json's 'num_experts_per_tok' ... 'n_routed_experts'")."""
+    ours = {field: key for key, field in fam.fields(_Names()).items() if isinstance(field, str)}
+    message = re.sub(r"MoEConfig\.(\w+)", lambda m: f"config.json's {ours.get(m.group(1), m.group(1))!r}", message)
+    word = r"(?<!')\b(" + "|".join(map(re.escape, ours)) + r")\b(?!')"
+    return re.sub(word, lambda m: repr(ours[m.group(1)]), message)
+
+
 def moe_config_from_hf(hf_config) -> MoEConfig:
-    """The `MoEConfig` of one MoE layer of a transformers config (object or config.json dict)."""
+    """The `MoEConfig` of one MoE layer of a transformers config (object or config.json dict); a ValueError names
+    the config.json key to edit."""
     get = getter(hf_config)
-    return family(get("model_type")).config(get)
-
-
+    fam = family(get("model_type"))
+    try:
+        return fam.config(get)
+    except ValueError as e:
+        message = str(e)
+        if "config.json" in message:
+            raise
+        message = _renamed(message, fam)
+        where = "" if "config.json" in message else " config.json"
+        raise ValueError(f"{fam.model_type}{where}: {message}") from None
 # What a layer computes; the balancing fields (aux loss, bias update rate) are training choices.
 ARCHITECTURE = ("dim", "hidden_dim", "num_experts", "top_k", "score_func", "route_norm", "route_scale",
                         "num_shared_experts", "num_expert_groups", "num_limited_groups", "router_bias",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -78,6 +79,12 @@ def parallelize_hf_model(
     data-parallel ranks (`parallelize_blocks`, activation checkpointing per layer). Dense tensor, context and
     pipeline parallelism need the family's own plans: `dims` must have tp = cp = pp = 1 (so the tp gradient
     convention, `tp_grads`, does not arise)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallelize_hf_model takes a transformers causal LM (an nn.Module), got "
+                        f"{type(model).__name__}")
+    if not isinstance(dims, MoEParallelDims):
+        raise TypeError(f"parallelize_hf_model's dims must be a MoEParallelDims (e.g. MoEParallelDims(world_size, "
+                        f"ep=2)), got {type(dims).__name__} {dims!r}")
     bad = {a: getattr(dims, a) for a in ("tp", "cp", "pp") if getattr(dims, a) != 1}
     if bad:
         raise ValueError(f"parallelize_hf_model shards the experts (ep, etp, edp) and the dense weights (FSDP2 / "
@@ -112,7 +119,8 @@ def hf_state_dict(state: dict[str, torch.Tensor], model_type: str, tied: bool = 
 
 
 def checked_output_dir(out_dir, force: bool) -> Path:
-    """`out_dir` as a Path, refused (ValueError) if it is a file, or holds our files and not `force`."""
+    """`out_dir` as a Path, refused (ValueError) if it is a file, holds our files and not `force`, or cannot be
+    written (read-only)."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {str(out)!r} is a file; give a directory for {WEIGHTS} and {CONFIG}")
@@ -122,31 +130,79 @@ def checked_output_dir(out_dir, force: bool) -> Path:
     return out
 
 
-def write_hf_dir(out_dir, tensors: dict[str, torch.Tensor], hf_config: dict, force: bool = False) -> Path:
-    """`out_dir`/model.safetensors and config.json (its dtype the tensors'), written to a temporary directory
-    beside it and moved into place: an interrupted write leaves no half directory. Existing files are replaced
-    only with `force`."""
+def _existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def _reason(e: Exception) -> str:
+    """The OS's words for a failed write (safetensors wraps them: '... I/O error: No space left on device (os error
+    28) ...')."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    m = re.search(r"(?:I/O error|IoError)[:(]\s*(.*?)(?: \(os error \d+\)|$)", str(e))
+    return m.group(1) if m else " ".join(str(e).split())
+
+
+def write_files(out: Path, writers: dict, need_bytes: int = 0) -> Path:
+    """Each `writers[name](path)` writes one file into a temporary directory beside `out`; then every file is moved
+    into `out` (made if absent): an interrupted write leaves no half directory and no half file. A directory that
+    cannot hold `need_bytes` more is refused before anything is written; a fault while writing (a full or
+    read-only disk, an I/O error) is a ValueError naming `out` and the OS's reason, the temporary directory gone."""
+    free = shutil.disk_usage(_existing(out.parent)).free
+    if need_bytes > free:
+        raise ValueError(f"cannot write {out}: it needs about {need_bytes / 2**20:.1f} MiB, its disk has "
+                         f"{free / 2**20:.1f} MiB free; free space or choose another directory")
+    tmp = None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        for name, write in writers.items():
+            write(tmp / name)
+        out.mkdir(exist_ok=True)
+        for name in writers:
+            os.replace(tmp / name, out / name)
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"cannot write {out}: {_reason(e)}; free space, make it writable, or choose another "
+                         "directory") from None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def tensor_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def write_hf_dir(out_dir, tensors: dict[str, torch.Tensor], hf_config: dict, force: bool = False,
+                 companions: list[Path] = ()) -> Path:
+    """`out_dir`/model.safetensors and config.json (its dtype the tensors'), and a copy of each file in `companions`
+    (a tokenizer, generation_config.json), written by `write_files`. Existing files are replaced only with
+    `force`."""
     out = checked_output_dir(out_dir, force)
     dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()}
     config = {**hf_config, "dtype": dtypes.pop() if len(dtypes) == 1 else hf_config.get("dtype")}
     config.pop("torch_dtype", None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
-        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        out.mkdir(exist_ok=True)
-        for name in (WEIGHTS, CONFIG):
-            os.replace(tmp / name, out / name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    copies = {c.name: lambda p, c=c: shutil.copyfile(c, p) for c in companions}
+    return write_files(out, {WEIGHTS: lambda p: save_file(tensors, p, metadata={"format": "pt"}),
+                             CONFIG: lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n"),
+                             **copies}, tensor_bytes(tensors) + sum(c.stat().st_size for c in companions))
 
 
 def save_hf(model: nn.Module, out_dir, force: bool = False) -> Path | None:
     """Writes a swapped (and possibly parallelized) transformers model as a directory `from_pretrained` loads:
     the full weights under the family's keys and its config.json. A collective when parallelized (every rank
     calls it, rank 0 writes and returns the path; the others None)."""
+    if not isinstance(model, nn.Module) or getattr(model, "config", None) is None:
+        raise TypeError(f"save_hf takes a transformers causal LM (an nn.Module with .config), got "
+                        f"{type(model).__name__}")
+    if not any(isinstance(m, MoE) for m in model.modules()):
+        raise ValueError(f"save_hf writes a model whose sparse blocks were swapped for our MoE (parallelize_hf_model "
+                         f"or swap_moe_blocks); this {type(model).__name__} has none: save a plain transformers "
+                         "model with its own model.save_pretrained(dir)")
     cfg = model.config
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.is_initialized() and dist.get_rank() != 0:

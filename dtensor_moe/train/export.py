@@ -25,7 +25,6 @@ With `--hf` both commands move MoE layers between Hugging Face checkpoints and o
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -37,10 +36,12 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from dtensor_moe.experts import join_gate_up, split_gate_up
+from dtensor_moe.hf.model import tensor_bytes, write_files
 from dtensor_moe.train.checkpoint import (
     MODEL_CONFIG,
     TRAIN_STATE,
     CheckpointError,
+    SaveError,
     describe_config_diff,
     describe_mismatch,
     holds_optimizer,
@@ -79,12 +80,11 @@ def export_checkpoint(ckpt, out_dir) -> Path:
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"export output {str(out)!r} is a file; give a directory for {WEIGHTS} and {CONFIG}")
-    out.mkdir(parents=True, exist_ok=True)
-    # Written under temporary names and renamed: an interrupted export leaves no half file behind.
-    save_file(tensors, out / f".{WEIGHTS}.tmp", metadata={"format": "pt", "step": str(step)})
-    (out / f".{CONFIG}.tmp").write_text((ckpt / MODEL_CONFIG).read_text())
-    os.replace(out / f".{WEIGHTS}.tmp", out / WEIGHTS)
-    os.replace(out / f".{CONFIG}.tmp", out / CONFIG)
+    # Written into a temporary directory and moved into place: an interrupted export leaves no half file behind, a
+    # full or read-only disk is one line naming OUT.
+    config = (ckpt / MODEL_CONFIG).read_text()
+    write_files(out, {WEIGHTS: lambda p: save_file(tensors, p, metadata={"format": "pt", "step": str(step)}),
+                      CONFIG: lambda p: p.write_text(config)}, tensor_bytes(tensors))
     return out / WEIGHTS
 
 
@@ -160,7 +160,11 @@ def import_weights(safetensors, out_ckpt, step: int = 0, force: bool = False) ->
         replaced_optimizer = full
     model = build_model(ModelConfig.from_dict(read_config(safetensors)))
     load_safetensors_into(model, safetensors)
-    path = save(out_ckpt, step, model, keep_last=None)
+    try:
+        path = save(out_ckpt, step, model, keep_last=None)
+    except (SaveError, OSError) as e:  # a full or read-only disk: save leaves no temporary directory behind
+        raise ValueError(f"cannot write {target}: {' '.join(str(e).split())}; free space, make it writable, or "
+                         "choose another OUT_CKPT") from None
     if replaced_optimizer:
         print(f"replaced {path}: its optimizer state is deleted; resuming it starts AdamW fresh", file=sys.stderr)
     return path

@@ -16,9 +16,7 @@ write under temporary names renamed into place.
 import dataclasses
 import hashlib
 import json
-import os
 import re
-import shutil
 from pathlib import Path
 
 from safetensors import safe_open
@@ -26,10 +24,11 @@ from safetensors.torch import load_file, save_file
 
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.experts import gate_up_whole
+from dtensor_moe.hf.checkpoint import read_hf_config
 from dtensor_moe.hf.convert import check_tensors, layer_prefix, moe_shapes, read_hf_moe, to_hf
 from dtensor_moe.hf.families import FAMILIES, family, getter, hf_fields, moe_config_from_hf
-from dtensor_moe.hf.model import checked_output_dir, hf_state_dict, write_hf_dir
-from dtensor_moe.hf.reader import SafetensorsReader
+from dtensor_moe.hf.model import checked_output_dir, hf_state_dict, tensor_bytes, write_files, write_hf_dir
+from dtensor_moe.hf.reader import SafetensorsReader, read_header
 from dtensor_moe.train.config import ModelConfig
 from dtensor_moe.train.export import export_checkpoint, read_json
 
@@ -44,23 +43,27 @@ def _sha256(path: Path) -> str:
 def _json(path: Path) -> dict:
     if not path.is_file():
         raise ValueError(f"no {path.name} in {path.parent}")
-    return read_json(path)
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}; expected an object of config fields")
+    return config
 
 
 def _write(out_dir, tensors: dict, config: dict, force: bool) -> Path:
+    """OUT/model.safetensors and its config.json (with the file's sha256), through `write_files`: atomic, and a full
+    or read-only disk is one ValueError that leaves nothing behind."""
+    def config_json(path: Path):
+        path.write_text(json.dumps({**config, "sha256": _sha256(path.with_name(WEIGHTS))}, indent=2) + "\n")
+
     out = checked_output_dir(out_dir, force)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / f".{WEIGHTS}.tmp", metadata={"format": "pt"})
-    config = {**config, "sha256": _sha256(out / f".{WEIGHTS}.tmp")}
-    (out / f".{CONFIG}.tmp").write_text(json.dumps(config, indent=2) + "\n")
-    os.replace(out / f".{WEIGHTS}.tmp", out / WEIGHTS)
-    os.replace(out / f".{CONFIG}.tmp", out / CONFIG)
+    write_files(out, {WEIGHTS: lambda p: save_file(tensors, p, metadata={"format": "pt"}), CONFIG: config_json},
+                tensor_bytes(tensors))
     return out / WEIGHTS
 
 
 def import_hf(hf_dir, out_dir, force: bool = False) -> Path:
     hf_dir = Path(hf_dir)
-    hf_config = _json(hf_dir / CONFIG)
+    hf_config = read_hf_config(hf_dir)
     get = getter(hf_config)
     fam = family(get("model_type"))
     config = moe_config_from_hf(hf_config)
@@ -111,6 +114,7 @@ def export_hf(src, out_dir, model_type: str | None = None, force: bool = False) 
     fam = family(model_type)
     fields = hf_fields(fam, config, layers, num_hidden_layers)
     out = {}
+    read_header(src / WEIGHTS)  # a damaged file is named before safetensors reads it
     with safe_open(src / WEIGHTS, framework="pt") as f:
         have = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if re.match(r"layers\.\d+\.moe\.", k)}
         # The main job's export holds the experts' gate and up as its checkpoints do, torchtitan's w1 / w3 (b1 / b3);
@@ -137,9 +141,7 @@ def _export_hf_model(src: Path, out_dir, model_type: str | None, force: bool) ->
     hf_config = json.loads(model.hf_config)
     if model_type not in (None, hf_config["model_type"]):
         raise ValueError(f"{src} holds a {hf_config['model_type']} model; --model-type {model_type} differs")
+    read_header(src / WEIGHTS)
     tensors = hf_state_dict(load_file(src / WEIGHTS), hf_config["model_type"], model.tie_embeddings)
-    out = write_hf_dir(out_dir, tensors, hf_config, force)
-    for name in _COMPANIONS:
-        if (Path(model.hf_path) / name).is_file():
-            shutil.copyfile(Path(model.hf_path) / name, out / name)
-    return out / WEIGHTS
+    companions = [Path(model.hf_path) / name for name in _COMPANIONS if (Path(model.hf_path) / name).is_file()]
+    return write_hf_dir(out_dir, tensors, hf_config, force, companions) / WEIGHTS

@@ -6,7 +6,6 @@ training choices of the MoE (balance losses, capacity, FP8, ...). Torch is impor
 
 import importlib.util
 import json
-import struct
 from pathlib import Path
 
 # ModelConfig's dense fields -> their config.json field (and its default where transformers has one).
@@ -31,15 +30,23 @@ def hf_model_fields(values: dict, moe_renamed: dict) -> dict:
     """[model]'s `values` (with hf_path) completed from the checkpoint's config.json (`moe_renamed`: MoEConfig's
     field -> [model]'s where they differ): a ValueError names a given field the checkpoint fixes otherwise, or a
     training choice the family cannot save back."""
-    from dtensor_moe.config import MoEConfig
-    from dtensor_moe.hf.families import ARCHITECTURE, family, getter, moe_config_from_hf, with_training_options
     path = values["hf_path"]
-    if importlib.util.find_spec("transformers") is None:
-        raise ValueError(f"model.hf_path {path!r} needs transformers (>= 5): pip install 'dtensor_moe[hf]'")
+    missing = [m for m in ("transformers", "safetensors") if importlib.util.find_spec(m) is None]
+    if missing:  # checked before dtensor_moe.hf, which imports them, is
+        raise ValueError(f"model.hf_path {path!r} needs {' and '.join(missing)} (transformers >= 5), not installed "
+                         "here: pip install 'dtensor_moe[hf]'")
+    from dtensor_moe.config import MoEConfig
+    from dtensor_moe.hf.checkpoint import check_hf_checkpoint
+    from dtensor_moe.hf.families import ARCHITECTURE, family, getter, moe_config_from_hf, with_training_options
+
     hf, text = _read_config(path)
-    get = getter(hf)
-    moe = moe_config_from_hf(hf)
-    fixed = {name: get(*field) for name, field in _DENSE.items()}
+    try:
+        get = getter(hf)
+        moe = moe_config_from_hf(hf)
+        fixed = {name: get(*field) for name, field in _DENSE.items()}
+        check_hf_checkpoint(path, hf)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"model.hf_path {path!r}: {e}") from None
     arch = [*ARCHITECTURE, *(("load_balance",) if moe.load_balance == "aux_free_bias" else ())]
     fixed.update({moe_renamed.get(n, n): getattr(moe, n) for n in arch})
     fixed["hf_config"] = text
@@ -72,16 +79,14 @@ def check_hf_parallel(path: str, parallel, training) -> None:
 
 
 def checkpoint_numel(path: str) -> int:
-    """Elements of every tensor in the directory's safetensors files, from their headers alone."""
+    """Elements of every tensor of the checkpoint directory (its index's, else its safetensors files'), from their
+    headers alone."""
+    from dtensor_moe.hf.reader import checkpoint_files
+
     total = 0
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for key, info in header.items():
-            if key != "__metadata__":
-                count = 1
-                for d in info["shape"]:
-                    count *= d
-                total += count
+    for entry in checkpoint_files(path).values():
+        count = 1
+        for d in entry.shape:
+            count *= d
+        total += count
     return total
