@@ -208,7 +208,7 @@ def test_export_hf_refused_before_writing_when_the_disk_is_too_small(ckpts, tmp_
     capsys.readouterr()
     monkeypatch.setattr(sh, "disk_usage", lambda p: sh._ntuple_diskusage(1 << 20, 1 << 20, 1000))
     assert cli.main(["export", str(tmp_path / "ours"), "--hf", str(tmp_path / "out")]) == 2
-    assert "MiB free; free space or choose another directory" in _one_line(capsys, "export")
+    assert "its disk has 1000 bytes free; free space or choose another directory" in _one_line(capsys, "export")
     assert not (tmp_path / "out").exists()
 
 

@@ -146,6 +146,13 @@ def _reason(e: Exception) -> str:
     return m.group(1) if m else " ".join(str(e).split())
 
 
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
 def write_files(out: Path, writers: dict, need_bytes: int = 0) -> Path:
     """Each `writers[name](path)` writes one file into a temporary directory beside `out`; then every file is moved
     into `out` (made if absent): an interrupted write leaves no half directory and no half file. A directory that
@@ -153,8 +160,8 @@ def write_files(out: Path, writers: dict, need_bytes: int = 0) -> Path:
     read-only disk, an I/O error) is a ValueError naming `out` and the OS's reason, the temporary directory gone."""
     free = shutil.disk_usage(_existing(out.parent)).free
     if need_bytes > free:
-        raise ValueError(f"cannot write {out}: it needs about {need_bytes / 2**20:.1f} MiB, its disk has "
-                         f"{free / 2**20:.1f} MiB free; free space or choose another directory")
+        raise ValueError(f"cannot write {out}: it needs about {_size(need_bytes)}, its disk has {_size(free)} free; "
+                         "free space or choose another directory")
     tmp = None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
