@@ -13,7 +13,7 @@ from dtensor_moe.parallel.placement import check_pipeline
 from dtensor_moe.tools.planner.report import candidate_dict, explain_choice, table
 from dtensor_moe.tools.planner.search import TP_NOTE, pipeline_degrees, plan
 from dtensor_moe.tools.planner.workload import COMPUTE_BYTES, OPTIMIZER_MOMENTS, RECOMPUTE, Hardware, Workload
-from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, ModelSpec, spec_from_model_config
+from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, ModelSpec, spec_from_hf_config, spec_from_model_config
 from dtensor_moe.validate import check_int, check_positive
 
 PUBLISHED = sorted(set(PRESETS) - set(TITAN_MODELS))  # the other presets: published models
@@ -24,13 +24,25 @@ def _config_dirs() -> list[Path]:
 
 
 def load_config(path: Path) -> ModelSpec:
-    from dtensor_moe.train.config import ModelConfig, read_toml
+    """The model a training config trains: the built-in model of its [model] fields, or with `hf_path` the
+    checkpoint's own architecture (its config.json, read as the main job reads it; [model] adds training choices)."""
+    from dtensor_moe.train.config import MOE_RENAMED, ModelConfig, read_toml
 
     data = read_toml(str(path))  # a malformed file is named, with tomllib's line
     if "model" not in data:
         raise ValueError(
             f"{path}: a training config needs a [model] table (fields of dtensor_moe.train.model.ModelConfig)"
         )
+    if data["model"].get("hf_path"):
+        import json
+
+        from dtensor_moe.train.hf_config import hf_model_fields
+
+        try:
+            cfg = ModelConfig.from_dict(hf_model_fields(data["model"], MOE_RENAMED))
+            return spec_from_hf_config(json.loads(cfg.hf_config), cfg.moe_config(), name=path.stem)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
     return spec_from_model_config(ModelConfig.from_dict(data["model"]), name=path.stem)
 
 
@@ -126,6 +138,13 @@ def run(args) -> int:
         print(f"dtensor-moe plan: {e}", file=sys.stderr)
         return 2
     cands = plan(spec, work, hw, args.pp or None)
+    if spec.moe.expert_replicas and not cands:
+        # plan_moe refuses replicas on ep 1, so no folding of this world was left to rank.
+        print(f"dtensor-moe plan: --replicas {spec.moe.expert_replicas} needs ep > 1 (a replica slot holds another "
+              f"EP rank's expert), and no folding of --gpus {hw.gpus} has ep > 1 for {spec.name} "
+              f"({spec.moe.num_experts} experts); valid: --replicas 0, or --gpus 2 or more (ep must divide the "
+              f"experts)", file=sys.stderr)
+        return 2
     fitting = [c for c in cands if c.fits]
     elapsed = time.perf_counter() - t0
     tried = [args.pp] if args.pp else pipeline_degrees(hw.gpus, spec, work, hw.gpus_per_node)

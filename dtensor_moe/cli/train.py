@@ -12,7 +12,14 @@ import sys
 from dataclasses import asdict, replace
 
 from dtensor_moe.cli.launch import RunDirLock, Supervisor, clear_run_state
-from dtensor_moe.train.config import Config, is_override, load_config, parse_overrides
+from dtensor_moe.train.config import (
+    Config,
+    check_rounding_reachable,
+    check_row_cap,
+    is_override,
+    load_config,
+    parse_overrides,
+)
 from dtensor_moe.train.loop import parallel_dims, train_ranks
 from dtensor_moe.train.supervision import LAUNCHED, describe_stop, read_stopped
 
@@ -249,6 +256,15 @@ def _check(cfg: Config, world: int):
     check_pipeline(dims, p.pp_schedule, p.num_microbatches, m.n_layers, m.tie_embeddings)
     # CP and TP ranks split each sequence; the other ranks read different sequences.
     check_global_batch(cfg.training.global_batch, dims.dp_replicate * dims.dp_shard, p.num_microbatches)
+    check_row_cap(m.max_rows_per_rank, dims.ep, dims.etp)
+    dp = dims.dp_replicate * dims.dp_shard
+    tokens = cfg.training.global_batch // (dp * p.num_microbatches) * (cfg.training.seq_len // (dims.cp * dims.tp))
+    check_rounding_reachable(
+        m.round_tokens_to, tokens, m.top_k, m.num_experts, m.capacity_factor,
+        f"each rank's MoE per forward: training.global_batch {cfg.training.global_batch} / {dp} data-parallel ranks"
+        + (f" / {p.num_microbatches} microbatches" if p.num_microbatches > 1 else "")
+        + f" x training.seq_len {cfg.training.seq_len}" + (f" / cp*tp {dims.cp * dims.tp}" if dims.cp * dims.tp > 1
+                                                            else ""))
 
 
 def _check_data(cfg: Config):

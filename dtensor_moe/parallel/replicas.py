@@ -14,9 +14,10 @@ common level. Then the expert's rows are cut in source order (ETP slice, then EP
 order of its pairs): the owner takes the first share, each replica the next, in rank order.
 """
 
+import math
 from collections.abc import Sequence
 
-__all__ = ["replica_plan", "rows_per_rank", "shares", "holders", "source_segments"]
+__all__ = ["replica_plan", "rows_per_rank", "shares", "holders", "source_segments", "check_slots"]
 
 
 def _water_fill(rows: int, levels: Sequence[int]) -> list[int]:
@@ -81,6 +82,7 @@ def replica_plan(load_E: Sequence[int], ep: int, r: int, candidates: int = 4) ->
     loaded rank": that rule spends the slots of the loaded ranks (which cannot shed rows by taking copies) and
     stalls above the mean when top_k > 2 spreads the hot rows over several experts. Each trial re-fills only its
     expert (O(holders)), so a plan costs O(ep * r * candidates^3 + ep * r * E)."""
+    _check_plan_args(load_E, ep, r, candidates)
     E = len(load_E)
     if E % ep:
         raise ValueError(f"replica_plan: the experts ({E}) must split evenly over ep ({ep})")
@@ -116,6 +118,33 @@ def replica_plan(load_E: Sequence[int], ep: int, r: int, candidates: int = 4) ->
         e, q = best
         slots[q][slots[q].index(-1)] = e
     return tuple(tuple(row) for row in slots)
+
+
+def check_slots(replicas: int, num_experts: int, name: str = "expert_replicas", experts: str = "num_experts",
+                valid: str = "") -> None:
+    """Replica slots per EP rank within 0..num_experts (MoEConfig.expert_replicas' range), named as the caller's
+    user wrote them: the main job's MoEConfig checks it so, the torchtitan hook and the planner through this."""
+    if not 0 <= replicas <= num_experts:
+        raise ValueError(f"{name} ({replicas}) must be in 0..{experts} ({num_experts}): each slot holds a copy of "
+                         f"one expert, and more slots than experts have nothing to hold; valid: {name} "
+                         f"0..{num_experts}{valid}")
+
+
+def _check_plan_args(load_E, ep, r, candidates) -> None:
+    """replica_plan's arguments by name: a NaN, infinite or negative load would place copies by garbage (NaN
+    compares false both ways), a negative slot count would place none without saying so."""
+    for name, value, low in (("ep", ep, 1), ("r", r, 0), ("candidates", candidates, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"replica_plan: {name} must be an int >= {low}, got {value!r}")
+    if isinstance(load_E, (str, bytes)) or not isinstance(load_E, Sequence):
+        raise ValueError(f"replica_plan: load_E must be a sequence of per-expert rows (numbers >= 0), got "
+                         f"{type(load_E).__name__}")
+    bad = [(e, v) for e, v in enumerate(load_E)
+           if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0)]
+    if bad:
+        e, v = bad[0]
+        raise ValueError(f"replica_plan: load_E must be finite numbers >= 0 (rows per expert), got load_E[{e}] = "
+                         f"{v!r}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else ""))
 
 
 def source_segments(counts_RE: Sequence[Sequence[int]], ep: int,

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dtensor_moe.moe import MoE, recomputing
@@ -59,10 +60,16 @@ class LayerReplay:
     position: the main job's compiled blocks and parallelize_moe(compile=...)'s compiled layer forward, both
     inside those hooks, compile one graph for every microbatch (traced, the position would be a guard, and
     fullgraph compilation fails past the recompile limit). A recomputation (eager activation checkpointing: it
-    runs inside backward, maybe without its parent's hooks) replays in the layer's forward instead."""
+    runs inside backward, maybe without its parent's hooks) replays in the layer's forward instead.
 
-    def __init__(self, name: str, entries: list[torch.Tensor], replaying: bool):
-        self.name, self.entries, self.replaying = name, entries, replaying
+    A recording that does not fit the forward (another token count, a forward it lacks) on one rank of the layer's
+    expert-parallel group raises the same ValueError on all of them: an eager replayed forward agrees on it with
+    one small all-reduce over the group before its dispatch, the first collective that would otherwise hang or die
+    on the ranks that found nothing wrong."""
+
+    def __init__(self, name: str, entries: list[torch.Tensor], replaying: bool, moe: MoE | None = None):
+        self.name, self.entries, self.replaying, self.moe = name, entries, replaying, moe
+        self.missing: str | None = None  # why this forward has no entry to replay (raised once the group agrees)
         self.current: torch.Tensor | None = None  # the experts_TK the running forward replays
         self.chosen: torch.Tensor | None = None  # the experts_TK the running forward chose
         self.position = 0  # the entry the next forward replays
@@ -76,10 +83,15 @@ class LayerReplay:
             return
         i = self.position
         if i >= len(self.entries):
-            raise ValueError(f"routing replay: MoE layer {self.name!r} has {len(self.entries)} recorded "
-                             f"forward(s); this is forward {i + 1} of the replay (one recorded forward per "
-                             "replayed one: record every microbatch, in the order the replay runs them)")
-        self.position, self.current = i + 1, self.entries[i]
+            missing = (f"routing replay: MoE layer {self.name!r} has {len(self.entries)} recorded forward(s); this "
+                       f"is forward {i + 1} of the replay (one recorded forward per replayed one: record every "
+                       "microbatch, in the order the replay runs them)")
+            if not self._groups():
+                raise ValueError(missing)
+            # The layer's forward says so, on every rank of its group at once (replayed, _agree).
+            self.position, self.current, self.missing = i + 1, None, missing
+            return
+        self.position, self.current, self.missing = i + 1, self.entries[i], None
         if torch.is_grad_enabled():
             self.awaiting_recompute.append(self.current)
 
@@ -102,15 +114,72 @@ class LayerReplay:
                 raise ValueError(f"routing replay: MoE layer {self.name!r} is recomputed (activation checkpointing) "
                                  "but no replayed forward awaits its recomputation")
             self.current = self.awaiting_recompute.pop(0)
-        if self.current is None:
-            raise ValueError(f"routing replay: MoE layer {self.name!r} ran outside its parent module's forward; "
-                             "record and replay follow each layer's parent module's forwards")
-        if self.current.shape[0] != num_tokens:
-            raise ValueError(f"routing replay: MoE layer {self.name!r}, replayed forward {self.position} has "
-                             f"{num_tokens} tokens on this rank but its recording has {self.current.shape[0]} "
-                             f"(experts_TK of shape {tuple(self.current.shape)}); replay the recorded tokens, on the "
-                             "recording's mesh")
+        error = None  # (code, message): _CODES
+        if self.missing is not None:
+            error = (1, self.missing)
+        elif self.current is None:
+            error = (2, f"routing replay: MoE layer {self.name!r} ran outside its parent module's forward; "
+                        "record and replay follow each layer's parent module's forwards")
+        elif self.current.shape[0] != num_tokens:
+            error = (3, f"routing replay: MoE layer {self.name!r}, replayed forward {self.position} has "
+                        f"{num_tokens} tokens on this rank but its recording has {self.current.shape[0]} "
+                        f"(experts_TK of shape {tuple(self.current.shape)}); replay the recorded tokens, on the "
+                        "recording's mesh")
+        if recomputation:  # inside backward, in the order every rank's forwards ran: nothing to agree on
+            if error:
+                raise ValueError(error[1])
+        else:
+            self._agree(error, num_tokens)
+        self.missing = None
         return self.current
+
+    def _groups(self) -> list:
+        """The process groups this layer's forward exchanges tokens over (its EP and ETP groups of more than one
+        rank), the first collective after the replay's checks; [] for a layer without a dispatch."""
+        hooks = getattr(getattr(self.moe, "experts", None), "expert_parallel", None)
+        if hooks is None or not dist.is_initialized():
+            return []
+        g = hooks.dispatcher.group
+        return [x for x in (g.ep_group, g.etp_group) if dist.get_world_size(x) > 1]
+
+    def _agree(self, error: tuple[int, str] | None, num_tokens: int) -> None:
+        """Raises on every rank of the layer's group if the replay does not fit on any of them: one all-reduce
+        (MAX) of a [world, 3] table (code, tokens, recorded tokens) per group, eagerly; compiled code (the
+        main job's compiled blocks) raises on the rank that found it, as does a layer without a dispatch."""
+        groups = [] if torch.compiler.is_compiling() else self._groups()
+        if not groups:
+            if error:
+                raise ValueError(error[1])
+            return
+        device = next(self.moe.parameters()).device
+        table = torch.zeros(dist.get_world_size(), 3, dtype=torch.int64, device=device)
+        if error:
+            recorded = len(self.entries) if error[0] == 1 else (
+                self.current.shape[0] if self.current is not None else 0)
+            table[dist.get_rank()] = torch.tensor([error[0], num_tokens, recorded])
+        for g in groups:
+            dist.all_reduce(table, op=dist.ReduceOp.MAX, group=g)
+        rows = table.tolist()
+        bad = [(rank, row) for rank, row in enumerate(rows) if row[0]]
+        if not bad:
+            return
+        what = "; ".join(f"rank {rank}: " + _CODES[code].format(tokens=tokens, recorded=recorded,
+                                                                 forward=self.position)
+                         for rank, (code, tokens, recorded) in bad)
+        summary = (f"routing replay: MoE layer {self.name!r}, replayed forward {self.position} does not match the "
+                   f"recording on rank(s) {[rank for rank, _ in bad]} of its expert-parallel group ({what}); every "
+                   "rank of the group stops here, before the dispatch; replay the recorded tokens on the recording's "
+                   "mesh, one recorded forward per replayed one")
+        self.current = self.missing = None
+        raise ValueError(f"{error[1]}. {summary}" if error else summary)
+
+
+# What _agree's codes say about a rank's forward.
+_CODES = {
+    1: "no recorded forward {forward} ({recorded} recorded)",
+    2: "the layer ran outside its parent module's forward",
+    3: "{tokens} tokens, its recording {recorded}",
+}
 
 
 def moe_layers(model: nn.Module) -> dict[str, MoE]:
@@ -143,6 +212,9 @@ def record_routing(model: nn.Module, into: RoutingReplay | None = None) -> Itera
     """
     recorded = RoutingReplay() if into is None else into
     layers = moe_layers(model)
+    if not layers:
+        raise ValueError(f"record_routing: {type(model).__name__} has no MoE layer (dtensor_moe.MoE) to record; "
+                         "valid: a model holding MoE layers (an empty recording would replay nothing)")
     with _attached(model, layers, {n: LayerReplay(n, recorded.experts.setdefault(n, []), False) for n in layers}):
         yield recorded
 
@@ -154,8 +226,10 @@ def replay_routing(model: nn.Module, recorded: RoutingReplay) -> Iterator[None]:
     them, so the gate still gets its gradient).
 
     Every check that needs no forward runs on entry, before any collective; a forward whose token count
-    differs from its recording's raises ValueError. Replay on the recording's mesh with the same per-rank
-    batches (docs/routing.md, "Routing replay").
+    differs from its recording's, or that the recording lacks, raises ValueError, on every rank of the layer's
+    expert-parallel group alike when an eager forward finds it on one of them (one small all-reduce before the
+    dispatch; the message names the ranks). Replay on the recording's mesh with the same per-rank batches
+    (docs/routing.md, "Routing replay").
 
     Args:
         model (nn.Module): the model that recorded (the same MoE layer names).
@@ -177,7 +251,7 @@ def replay_routing(model: nn.Module, recorded: RoutingReplay) -> Iterator[None]:
     """
     layers = moe_layers(model)
     _check(layers, recorded)
-    with _attached(model, layers, {n: LayerReplay(n, recorded.experts[n], True) for n in layers}):
+    with _attached(model, layers, {n: LayerReplay(n, recorded.experts[n], True, moe) for n, moe in layers.items()}):
         yield
 
 

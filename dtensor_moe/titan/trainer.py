@@ -23,8 +23,11 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.linear import ScaledBiasRowwiseLinear
 from torchtitan.trainer import Trainer as TitanTrainer
 
+from dtensor_moe.parallel.dispatch import RowCapExceeded
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.train.supervision import INTERRUPTED_RC, PREEMPTED_RC, StopRequests
+from dtensor_moe.parallel.replicas import check_slots
+from dtensor_moe.train.config import check_rounding_reachable, check_row_cap
+from dtensor_moe.train.supervision import INTERRUPTED_RC, PREEMPTED_RC, ROW_CAP_RC, StopRequests
 
 from . import compat
 from .hf import check_hf_export, check_hf_keys, check_hf_load, check_hf_quantized, with_hf_adapter, write_hf_config
@@ -141,8 +144,42 @@ class Trainer(TitanTrainer):
         dist.destroy_process_group()  # torchtitan's main would; SystemExit skips it
         raise SystemExit(INTERRUPTED_RC if self.stopped_by == "SIGINT" else PREEMPTED_RC)
 
-    # Our parameters live on more meshes than torchtitan's clipping can norm: its train_step, clipping per mesh.
-    train_step = compat.train_step_clipping_by_mesh(TitanTrainer.train_step)
+    def train_step(self, *args, **kwargs):
+        """torchtitan's step, clipping per mesh (our parameters live on more meshes than its clipping can norm); a
+        row cap exceeded ends the job as the main job's does: one line, exit status ROW_CAP_RC, no traceback."""
+        try:
+            return _clipping_train_step(self, *args, **kwargs)
+        except RowCapExceeded as e:
+            _stop_on_row_cap(self, e)
+
+
+_clipping_train_step = compat.train_step_clipping_by_mesh(TitanTrainer.train_step)
+
+
+def _stop_on_row_cap(trainer: Trainer, error: RowCapExceeded) -> None:
+    """Every rank of the EP x ETP group that exceeded the cap raises alike (parallel/dispatch.py); its first rank
+    says so in one line and leaves at once, the others wait for torchrun to stop them (as _refuse's do), and so do
+    the ranks of other groups, waiting in a collective that will not complete. No destroy_process_group: a peer
+    may be inside a collective."""
+    first = True
+    for part in trainer.model_parts:
+        hooks = next((m.expert_parallel for m in part.modules() if hasattr(m, "expert_parallel")), None)
+        if hooks is not None:
+            g = hooks.dispatcher.group
+            first = dist.get_rank(g.ep_group) == 0 and dist.get_rank(g.etp_group) == 0
+            break
+    if first:
+        print(f"dtensor_moe.titan: {' '.join(str(error).split())}; the run stopped in step {trainer.step} (no "
+              "checkpoint of it)", file=sys.stderr, flush=True)
+    _exit(ROW_CAP_RC, wait=not first)
+
+
+def _exit(code: int, wait: bool) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if wait:
+        time.sleep(REFUSE_WAIT_S)
+    os._exit(code)
 
 
 def _check_config(config: Trainer.Config) -> None:
@@ -284,6 +321,11 @@ def _check_replicas(config: Trainer.Config) -> None:
             raise ValueError(f"dtensor_moe.{name}={value!r} is not supported with --module dtensor_moe.titan; "
                              f"valid: an integer >= {low}")
     r = ours.expert_replicas
+    check_row_cap(ours.max_rows_per_rank, ours.ep, ours.etp,
+                  ("--dtensor_moe.max_rows_per_rank", "--dtensor_moe.ep", "--dtensor_moe.etp"))
+    experts = [m.num_experts for m in _moes(config.model_spec.model)]
+    if experts:  # the main job's MoEConfig range, 0..num_experts (the fewest experts of any layer)
+        check_slots(r, min(experts), "--dtensor_moe.expert_replicas", "num_experts")
     if r and ours.ep == 1:
         raise ValueError(f"--dtensor_moe.expert_replicas {r} needs --dtensor_moe.ep > 1 (a replica holds another "
                          "EP rank's expert), got ep 1; valid: --dtensor_moe.expert_replicas 0, or --dtensor_moe.ep 2 "
@@ -306,6 +348,23 @@ def _check_rounding(config: Trainer.Config) -> None:
         # The replicas' split of torchtitan's rows by virtual slot has not been checked with dropped rows.
         raise ValueError(f"--dtensor_moe.round_tokens_to {M} with --dtensor_moe.expert_replicas "
                          f"{ours.expert_replicas} is not supported; valid: one of them 0")
+    if M:
+        p, t = config.parallelism, config.training
+        pp = p.pipeline_parallel_degree > 1
+        batch = p.pipeline_parallel_microbatch_size if pp else t.local_batch_size
+        split = p.context_parallel_degree * p.tensor_parallel_degree
+        flag = "parallelism.pipeline_parallel_microbatch_size" if pp else "training.local_batch_size"
+        where = (f"each rank's MoE per forward: --{flag} {batch} x --training.seq_len {t.seq_len}"
+                 + (f" / cp*tp {split}" if split > 1 else ""))
+        for m in _moes(config.model_spec.model):
+            check_rounding_reachable(M, batch * (t.seq_len // split), m.router.top_k, m.num_experts, None, where,
+                                     "--dtensor_moe.round_tokens_to")
+
+
+def _moes(model) -> list:
+    """The model config's MoE layer configs (decoder layers, then multi-token-prediction layers)."""
+    layers = [*(getattr(model, "layers", None) or []), *(getattr(model, "mtp_layers", None) or [])]
+    return [layer.moe for layer in layers if getattr(layer, "moe", None) is not None]
 
 
 def _check_cp(config: Trainer.Config, cp: int) -> None:

@@ -234,3 +234,28 @@ def spec_from_model_config(cfg, name: str = "config") -> ModelSpec:
         kv_width=2 * D,
         tie_embeddings=cfg.tie_embeddings,
     )
+
+
+def spec_from_hf_config(hf: dict, moe: MoEConfig, name: str = "config") -> ModelSpec:
+    """The shapes of a Hugging Face MoE checkpoint's model from its config.json (`hf`), its MoE layers `moe` (the
+    family's MoEConfig with the training choices given beside hf_path). The dense layers (qwen3_moe's mlp_only_layers,
+    deepseek_v3's first_k_dense_replace) count as leading ones, the planner's one layout: the same weights and
+    activations per layer."""
+    from dtensor_moe.hf.families import family, getter
+
+    get = getter(hf)
+    kind, D, n_layers = get("model_type"), get("hidden_size"), get("num_hidden_layers")
+    heads = get("num_attention_heads")
+    kv_heads = get("num_key_value_heads", None) or heads
+    head_dim = get("head_dim", None) or D // heads
+    if kind == "deepseek_v3":
+        attention = _mla(D, heads, q_lora=get("q_lora_rank", None) or 0, kv_lora=get("kv_lora_rank"),
+                         nope=get("qk_nope_head_dim"), rope=get("qk_rope_head_dim"), v=get("v_head_dim"))
+    elif kind == "gpt_oss":
+        attention = _gpt_oss_attention(D, heads, kv_heads, head_dim)
+    else:  # qwen3_moe (its q/k norms), mixtral
+        attention = _gqa(D, heads, kv_heads, head_dim, qk_norm=kind == "qwen3_moe")
+    n_dense = n_layers - len(family(kind).moe_layers(get))
+    return _preset(name, vocab_size=get("vocab_size"), n_layers=n_layers, n_dense_layers=n_dense,
+                   dense_hidden_dim=get("intermediate_size") if n_dense else 0, moe=moe, attention=attention,
+                   tie_embeddings=bool(get("tie_word_embeddings", False)))
