@@ -195,7 +195,7 @@ def test_parallel_dims_types(args, kwargs, message):
             dict(activation_checkpoint=1),
             "training.activation_checkpoint must be one of ['none', 'full', 'selective'], got 1",
         ),
-        (DataConfig, dict(source="web"), "data.source must be one of ['corpus', 'synthetic'], got 'web'"),
+        (DataConfig, dict(source="web"), "data.source must be one of ['corpus', 'synthetic', 'files'], got 'web'"),
     ],
 )
 def test_training_config_types_and_ranges(cls, kwargs, message):

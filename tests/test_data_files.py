@@ -121,8 +121,8 @@ def test_each_format_trains_with_falling_loss_and_an_eval_loss(fmt, tmp_path, to
     assert rows[-1]["eval_loss"] < rows[4]["eval_loss"] < rows[0]["loss"]
     out = capsys.readouterr().out.splitlines()
     data = next(line for line in out if line.startswith("data "))
-    documents = len(DOCS) if fmt != "txt" else len(DOCS) // 20  # a text file is one document
-    assert f"files, {documents} documents:" in data and f"tokenizer {tok}" in data
+    files = "1 file, 240 documents" if fmt == "parquet" else "12 files, 12 documents"  # a text file is a document
+    assert data.startswith(f"data     {files}: ") and data.endswith(f"; tokenizer {tok}"), data
     assert any(line.startswith(f"eval     {rows[-1]['eval_loss']:.4f} held-out loss after step 10") for line in out)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["eval"]["loss"] == rows[-1]["eval_loss"] and summary["data"]["source"] == "files"
@@ -143,6 +143,20 @@ def test_jsonl_on_ep2_etp2_matches_one_process(tmp_path, tok, capsys, monkeypatc
     assert ours[-1]["loss"] < ours[0]["loss"]
     assert [r["step"] for r in ours if "eval_loss" in r] == [3, 6]
     assert max(abs(a["eval_loss"] - b["eval_loss"]) for a, b in zip(ours, ref) if "eval_loss" in a) <= 1e-4
+
+
+def test_pipeline_evaluates_like_one_process(tmp_path, capsys, monkeypatch):
+    """PP2 x EP2: the held-out loss comes from the last stage through the schedule's eval (Pipeline.evaluate);
+    it equals the 1-process run's. The corpus source holds its tail out the same way (data.eval_fraction)."""
+    _ranks_in_pools(monkeypatch)
+    run = tmp_path / "run"
+    assert main(["train", "--config", TINY, "--steps", "2", "--run-dir", str(run), "--parity", "parallel.nproc=4",
+                 "parallel.pp=2", "parallel.ep=2", "parallel.etp=1", "data.eval_fraction=0.05",
+                 "data.eval_every=1"]) == 0
+    assert ": pass" in capsys.readouterr().out
+    ours, ref = _rows(run), _rows(run / "reference_1proc")
+    assert len([r for r in ours if "eval_loss" in r]) == 2
+    assert all(abs(a["eval_loss"] - b["eval_loss"]) <= 1e-6 for a, b in zip(ours, ref))
 
 
 def test_batches_equal_on_one_process_and_on_ep2_etp2(tmp_path, tok):
@@ -362,3 +376,15 @@ def test_parquet_without_pyarrow_is_refused_with_an_install_hint(tmp_path, tok, 
                  *_files(tmp_path, tok, [parquet])]) == 2
     assert capsys.readouterr().err == (f"dtensor-moe train: data.paths: reading Parquet ('{parquet}') needs pyarrow: "
                                        "pip install pyarrow (or pip install 'dtensor_moe[data]')\n")
+
+
+def test_data_read_benchmark_runs(tmp_path):
+    """benchmarks/data_read.py's code paths at a tiny size (nothing timed is checked)."""
+    from benchmarks import data_read
+
+    out = tmp_path / "data_read.json"
+    assert data_read.main(["--tokens", "20000", "--steps", "3", "--paced-steps", "3", "--ranks", "1", "2",
+                           "--seq-len", "64", "--global-batch", "4", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["dtype"], r["ranks"]) for r in rows] == [("uint16", 1), ("uint16", 2), ("int32", 1), ("int32", 2)]
+    assert all(v > 0 for r in rows for v in r["tokens_per_s_per_rank"].values())

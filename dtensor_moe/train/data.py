@@ -77,10 +77,13 @@ class Batches:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         return torch.randint(0, self.tokens.numel() - self.seq_len - 1, (self.global_batch,), generator=g)
 
+    def rank_starts(self, step: int) -> torch.Tensor:
+        """The first token of each of this rank's sequences at `step`: its slice of every microbatch."""
+        return self.starts(step).view(self.microbatches, self.dp_size, -1)[:, self.dp_rank].flatten()
+
     def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs_BL, targets_BL) of this rank at `step`."""
-        starts = self.starts(step).view(self.microbatches, self.dp_size, -1)[:, self.dp_rank].flatten()
-        idx_BL = starts[:, None] + torch.arange(self.seq_len + 1)
+        idx_BL = self.rank_starts(step)[:, None] + torch.arange(self.seq_len + 1)
         seq = self.tokens[idx_BL].long()  # a token cache stores uint16 or int32
         return seq[:, :-1][:, self.cols], seq[:, 1:][:, self.cols]
 
@@ -93,8 +96,11 @@ class PackedBatches(Batches):
     SLACK = 0
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int, dp_rank: int, dp_size: int,
-                 cp_rank: int = 0, cp: int = 1, microbatches: int = 1):
+                 cp_rank: int = 0, cp: int = 1, microbatches: int = 1, prefetch=None):
         super().__init__(tokens, seq_len, global_batch, seed, dp_rank, dp_size, cp_rank, cp, microbatches)
+        # prefetch(starts, length): asks for the next step's tokens while this step trains (token_cache.prefetcher),
+        # so a cache that is not in memory costs the step no disk reads.
+        self.prefetch = prefetch
         self.n_seq = (tokens.numel() - 1) // seq_len
         if self.n_seq < global_batch:
             raise ValueError(f"{tokens.numel()} training tokens hold {self.n_seq} sequences of training.seq_len "
@@ -117,6 +123,12 @@ class PackedBatches(Batches):
             sel = epoch == e
             seq[sel] = self._perm(e)[i[sel]]
         return seq * self.seq_len
+
+    def __call__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = super().__call__(step)
+        if self.prefetch is not None:
+            self.prefetch(self.rank_starts(step + 1), self.seq_len + 1)
+        return batch
 
     def epoch(self, step: int) -> float:
         """Epochs of training data read after `step` steps."""
@@ -162,14 +174,20 @@ def load_data(cfg) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
                          "eval_tokens": 0 if held is None else held.numel()}
 
 
-def rank_batches(cfg, dims, rank: int, train: torch.Tensor, held: torch.Tensor | None):
+def rank_batches(cfg, dims, rank: int, train: torch.Tensor, held: torch.Tensor | None, cache: str | None = None):
     """(this rank's training batches, its held-out batches or None). TP ranks read the same sequences (the
-    embedding splits them); CP ranks each their part of them; pipeline stages the same as every other stage."""
+    embedding splits them); CP ranks each their part of them; pipeline stages the same as every other stage.
+    `cache`: the token cache directory `train` maps (load_data's info), whose next-step pages are prefetched."""
     t, coords = cfg.training, dims.dense_coords(rank)
     dp_rank, dp_size = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"], dims.dp_replicate * dims.dp_shard
     split = dict(cp_rank=coords["cp"], cp=dims.cp, microbatches=cfg.parallel.num_microbatches)
-    cls = PackedBatches if cfg.data.source == "files" else Batches
-    batches = cls(train, t.seq_len, t.global_batch, t.seed, dp_rank, dp_size, **split)
+    if cfg.data.source == "files":
+        from dtensor_moe.train.token_cache import prefetcher
+
+        batches = PackedBatches(train, t.seq_len, t.global_batch, t.seed, dp_rank, dp_size, **split,
+                                prefetch=prefetcher(cache, train.element_size()) if cache else None)
+    else:
+        batches = Batches(train, t.seq_len, t.global_batch, t.seed, dp_rank, dp_size, **split)
     evals = None if held is None else EvalBatches(held, t.seq_len, t.global_batch, cfg.data.eval_batches, dp_rank,
                                                    dp_size, **split)
     return batches, evals

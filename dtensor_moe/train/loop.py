@@ -108,7 +108,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     optimizer = build_optimizer(model, t.lr, t.weight_decay)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
     train_tokens, held_tokens, data_info = load_data(cfg)
-    batches, eval_batches = rank_batches(cfg, dims, rank, train_tokens, held_tokens)
+    batches, eval_batches = rank_batches(cfg, dims, rank, train_tokens, held_tokens, data_info.get("cache"))
     evaluate = None if eval_batches is None else _evaluator(parts, pipe if p.pp > 1 else None, eval_batches,
                                                             p.num_microbatches, dims, device)
 

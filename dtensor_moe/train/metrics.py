@@ -310,7 +310,8 @@ def summary_lines(summary: dict, run_dir: str, parity_line: str | None = None) -
     data = summary.get("data") or {}
     if data.get("source") == "files":
         held = f", {_si(data['eval_tokens'])} held out" if data["eval_tokens"] else ""
-        lines.append(f"data     {data['files']} files, {data['documents']:,} documents: {_si(data['train_tokens'])} "
+        files = f"{data['files']} file{'s' if data['files'] != 1 else ''}"
+        lines.append(f"data     {files}, {data['documents']:,} documents: {_si(data['train_tokens'])} "
                      f"training tokens{held}; tokenizer {data['tokenizer']}")
     if summary["final_loss"] is not None:
         lines.append(f"loss     {summary['final_loss']:.4f} after step {t['steps']}")
