@@ -22,7 +22,13 @@ from dtensor_moe.grad_scale import ScaleGrad
 from dtensor_moe.kernels import policy
 from dtensor_moe.kernels.grouped_mm import add_weight_grad_, mm, weight_grad
 from dtensor_moe.kernels.segment_sum import expand_rows, segment_sum
-from dtensor_moe.kernels.swiglu import clamped_swiglu, clamped_swiglu_backward, swiglu, swiglu_backward
+from dtensor_moe.kernels.swiglu import (
+    clamped_swiglu,
+    clamped_swiglu_backward,
+    swiglu,
+    swiglu_backward,
+    weighted_gate_backward,
+)
 from dtensor_moe.routing.tables import PaddedCopies, PairRows, TokenCopies
 
 __all__ = ["GroupedExperts", "grouped_swiglu", "split_gate_up", "join_gate_up"]
@@ -290,21 +296,20 @@ class _PairSwiGLU(torch.autograd.Function):
     def backward(ctx, dz_RD):
         x_RD, a_NF, b_NF, weight_N, row_N, readers_RK, w13_E2FD, w2_EDF, b2_ED, offs_E = ctx.saved_tensors
         opts = ctx.opts
-        acc = torch.promote_types(dz_RD.dtype, torch.float32)
         g_ND = dz_RD.reshape(-1, dz_RD.shape[-1]).index_select(0, row_N)  # dz at each pair: dy / weight
         du_NF = mm(g_ND, w2_EDF, offs_E, opts.precision, "dgrad", opts.host_counts)  # dh / weight
-        h_NF = _activation(a_NF, b_NF, opts)
-        dweight_N = (du_NF.to(acc) * h_NF.to(acc)).sum(-1)
+        # One pass: SwiGLU recomputed, the weighted gate's gradient, weight * h for dw2, <du, h> for the weights.
+        dab_N2F, hw_NF, dweight_N = weighted_gate_backward(du_NF, a_NF, b_NF, weight_N, opts.clamp is not None,
+                                                           *(opts.clamp or (1.0, 0.0)))
         if b2_ED is not None and opts.add_b2:
+            acc = dweight_N.dtype
             dweight_N = dweight_N + (g_ND.to(acc) * expand_rows(b2_ED, offs_E, g_ND.shape[0]).to(acc)).sum(-1)
-        w_N1 = weight_N.to(du_NF.dtype)[:, None]
-        dab_N2F = _activation_backward(du_NF * w_N1, a_NF, b_NF, opts)
         dx_RD = torch.ops.dtensor_moe.gather_sum(_input_grad(dab_N2F, w13_E2FD, offs_E, opts),
                                                   readers_RK.reshape(-1, readers_RK.shape[-1]), row_N, None)
         # dw2 = dy^T h = g^T (weight * h): the weight on the F-wide operand, no [N, D] dy kept beside g.
-        dy_bias_ND = None if ctx.biases[1] is None else g_ND * w_N1.to(g_ND.dtype)
+        dy_bias_ND = None if ctx.biases[1] is None else g_ND * weight_N.to(g_ND.dtype)[:, None]
         grads = _parameter_grads(ctx, opts, offs_E, w13_E2FD, w2_EDF, dab_N2F, x_RD.index_select(0, row_N), g_ND,
-                                 h_NF * w_N1.to(h_NF.dtype), dy_bias_ND)
+                                 hw_NF, dy_bias_ND)
         return dx_RD, *grads, dweight_N.to(weight_N.dtype), None, None, None, None
 
 

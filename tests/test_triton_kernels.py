@@ -112,6 +112,15 @@ for shape in [(0, 4), (7,), (50, 100)]:
     torch.testing.assert_close(swiglu_kernel.triton_forward(a, b, (1.702, 2.0)), h, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(swiglu_kernel.triton_backward(dh, a, b, (1.702, 2.0)),
                                swiglu_kernel.torch_clamped_backward(dh, a, b, 1.702, 2.0), rtol=1e-5, atol=1e-6)
+# The minimal-memory experts' weighted gate backward (a row per program, F looped in blocks: F 2500 takes three)
+# against its torch path, both gates, a and b the strided halves of one [N, 2F] output.
+for N, F_ in [(0, 8), (9, 100), (3, 2500)]:
+    ab, du, w = torch.randn(N, 2 * F_) * 3, torch.randn(N, F_), torch.rand(N)
+    for clamp in (None, (1.702, 2.0)):
+        got = swiglu_kernel.triton_weighted_backward(du, *ab.chunk(2, dim=-1), w, clamp)
+        want = swiglu_kernel.torch_weighted_backward(du, *ab.chunk(2, dim=-1), w, clamp)
+        for g, t in zip(got, want):
+            torch.testing.assert_close(g, t, rtol=1e-5, atol=1e-4)
 # fp8: the two quantization kernels' indexing, padding and scales against the torch path. The values
 # are e4m3 codes with amax 448 per scaled span, so no rounding happens: the interpreter rounds
 # float32 -> e4m3 wrongly at exponent carries (126.8 -> 64); CUDA's rounding is checked on the GPU.
