@@ -60,16 +60,16 @@ def hook_refused(tour: Tour, tried: str, argv, fields, world: int = 1) -> Result
     return tour.add(r)
 
 
-def api_refused(tour: Tour, tried: str, fn, fields) -> Result:
-    """Want: fn() raises ValueError naming `fields` (in process: the planner and record_routing are torch-light)."""
+def api_refused(tour: Tour, tried: str, fn, fields, exc: type = ValueError) -> Result:
+    """Want: fn() raises `exc` naming `fields` (in process: the planner and record_routing are torch-light)."""
     r, t0 = Result(AREA, f"API: {tried}"), time.perf_counter()
     try:
         fn()
         r.outcome, r.verdict, r.why = "accepted", "silent", "no exception"
     except Exception as e:  # noqa: BLE001 - judged below
         r.outcome, r.message = type(e).__name__, (str(e).splitlines() or [""])[0]
-        if not isinstance(e, ValueError):
-            r.verdict, r.why = "unclear", f"{type(e).__name__}, not ValueError"
+        if not isinstance(e, exc):
+            r.verdict, r.why = "unclear", f"{type(e).__name__}, not {exc.__name__}"
         else:
             r.why = names_missing(str(e), fields, True)
             r.verdict = "unclear" if r.why else "clear"
@@ -160,12 +160,18 @@ def hook_cases(tour: Tour) -> list[Result]:
 def api_cases(tour: Tour) -> list[Result]:
     import torch
 
-    from dtensor_moe import record_routing
+    from dtensor_moe import MoE, MoEConfig, record_routing, replay_routing
     from dtensor_moe.parallel.replicas import replica_plan
 
     def record_linear():
         with record_routing(torch.nn.Linear(4, 4)):
             pass
+
+    def replay(recorded):
+        def run():
+            with replay_routing(MoE(MoEConfig(dim=8, hidden_dim=4, num_experts=4, top_k=2)), recorded):
+                pass
+        return run
 
     return [
         api_refused(tour, "replica_plan with a NaN load", lambda: replica_plan([1.0, math.nan, 2.0, 3.0], 2, 1),
@@ -175,6 +181,11 @@ def api_cases(tour: Tour) -> list[Result]:
         api_refused(tour, "replica_plan with r = -1", lambda: replica_plan([1, 2, 3, 4], 2, -1), ["r must"]),
         api_refused(tour, "replica_plan with ep = 0", lambda: replica_plan([1, 2, 3, 4], 0, 1), ["ep must"]),
         api_refused(tour, "record_routing of a tree without an MoE layer", record_linear, ["no MoE layer"]),
+        # Want: the type replay_routing takes, named (TypeError), not an AttributeError from inside.
+        api_refused(tour, "replay_routing given a dict", replay({"moe": [torch.zeros(3, 2, dtype=torch.long)]}),
+                    ["RoutingReplay", "dict"], TypeError),
+        api_refused(tour, "replay_routing given nested lists", replay([[0, 1], [2, 3]]), ["RoutingReplay", "list"],
+                    TypeError),
     ]
 
 

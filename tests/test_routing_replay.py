@@ -380,3 +380,19 @@ def test_replay_under_pipeline_matches_one_process(schedule, n_layers):
         bad = {k: v for k, v in r.items() if not v <= TOL}
         assert not bad, bad
         assert any(k.startswith("grad:layers") for k in r) and any(k.startswith("replayed:") for k in r)
+
+
+@pytest.mark.parametrize("recorded", [{"moe": [torch.zeros(3, 2, dtype=torch.long)]}, [[0, 1], [2, 3]]],
+                         ids=["dict", "nested_lists"])
+def test_replay_names_the_type_it_wants(recorded):
+    moe = MoE(MoEConfig(dim=8, hidden_dim=4, num_experts=4, top_k=2))
+    with pytest.raises(TypeError, match="recorded must be a RoutingReplay"):
+        with replay_routing(moe, recorded):
+            pass
+
+
+@pytest.mark.parametrize("experts", [[("moe", [])], {"moe": torch.zeros(3, 2, dtype=torch.long)}, {"moe": [[0, 1]]}],
+                         ids=["pairs", "one_tensor", "nested_lists"])
+def test_recording_names_the_layout_it_wants(experts):
+    with pytest.raises(TypeError, match="RoutingReplay"):
+        RoutingReplay(experts)

@@ -48,6 +48,14 @@ class RoutingReplay:
     """
 
     def __init__(self, experts: Mapping[str, Sequence[torch.Tensor]] | None = None):
+        if experts is not None and not isinstance(experts, Mapping):
+            raise TypeError(f"RoutingReplay(experts) takes a mapping of MoE layer name -> list of int64 experts_TK "
+                            f"tensors, got {type(experts).__name__}")
+        for name, v in (experts or {}).items():
+            if isinstance(v, torch.Tensor) or not all(isinstance(t, torch.Tensor) for t in v):
+                got = type(v).__name__ if isinstance(v, torch.Tensor) else sorted({type(t).__name__ for t in v})
+                raise TypeError(f"RoutingReplay(experts)[{name!r}] must be a list of int64 experts_TK tensors (one "
+                                f"per recorded forward), got {got}")
         self.experts: dict[str, list[torch.Tensor]] = {name: list(v) for name, v in (experts or {}).items()}
 
 
@@ -239,6 +247,7 @@ def replay_routing(model: nn.Module, recorded: RoutingReplay) -> Iterator[None]:
         Iterator[None]: a context manager; nothing is yielded.
 
     Raises:
+        TypeError: `recorded` is not a RoutingReplay.
         ValueError: the model has no MoE layer, a layer has no recording or the recording names layers
             the model lacks, or a recorded experts_TK has the wrong shape, dtype or expert ids.
 
@@ -249,6 +258,10 @@ def replay_routing(model: nn.Module, recorded: RoutingReplay) -> Iterator[None]:
         with replay_routing(model, rollout):
             loss_fn(model(samples)).backward()
     """
+    if not isinstance(recorded, RoutingReplay):
+        hint = " (wrap it: RoutingReplay(your_dict))" if isinstance(recorded, Mapping) else ""
+        raise TypeError(f"replay_routing(model, recorded): recorded must be a RoutingReplay, e.g. from "
+                        f"record_routing, got {type(recorded).__name__}{hint}")
     layers = moe_layers(model)
     _check(layers, recorded)
     with _attached(model, layers, {n: LayerReplay(n, recorded.experts[n], True, moe) for n, moe in layers.items()}):
