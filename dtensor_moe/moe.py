@@ -5,6 +5,7 @@ data-parallel ranks and wraps `experts` with the expert-parallel dispatcher.
 """
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ from dtensor_moe.experts import GroupedExperts
 from dtensor_moe.routing.capacity import capacity, kept_pairs
 from dtensor_moe.routing.router import TopKRouter, combine_weights_TE
 from dtensor_moe.routing.tables import PaddedCopies, TokenCopies, expert_major
-from dtensor_moe.routing.token_rounding import round_tokens_compiled
+from dtensor_moe.routing.token_rounding import check_rounding_reachable, round_tokens_compiled
 
 __all__ = ["MoE"]
 
@@ -163,6 +164,8 @@ class MoE(nn.Module):
         if cfg.round_tokens_to:  # after capacity, and after the statistics too (docs/routing.md, "Token rounding")
             C = None if cfg.capacity_factor is None else capacity(len(x_TD), cfg.top_k, cfg.num_experts,
                                                                    cfg.capacity_factor)
+            if not torch.compiler.is_compiling():
+                _warn_unreachable_rounding(cfg, len(x_TD))
             experts_TK, weights_TK = round_tokens_compiled(
                 r.experts_TK, experts_TK, weights_TK, combine_weights_TE(cfg, r.scores_TE, r.logits_TE, r.experts_TK),
                 cfg.round_tokens_to, C, cfg.num_expert_groups)
@@ -240,3 +243,13 @@ class MoE(nn.Module):
             tpe = (self.global_tokens_per_expert() if global_counts_E is None else global_counts_E).float()
             self.expert_bias += self.config.bias_update_rate * torch.sign(tpe.mean() - tpe)
         self.tokens_per_expert.zero_()
+
+
+def _warn_unreachable_rounding(cfg: MoEConfig, tokens: int) -> None:
+    """A forward too small for round_tokens_to rounds every pair away: warned, not raised, since under EP another
+    rank with more tokens may be inside a collective already (the main job and the hook refuse it before launch)."""
+    try:
+        check_rounding_reachable(cfg.round_tokens_to, tokens, cfg.top_k, cfg.num_experts, cfg.capacity_factor,
+                                 "this forward's", "MoEConfig.round_tokens_to")
+    except ValueError as e:
+        warnings.warn(str(e), stacklevel=3)

@@ -521,3 +521,11 @@ def test_titan_flag_reaches_parallelize():
     config = ConfigManager().parse_args(_argv("deepseek_v3_debugmodel_cpu", "/unused",
                                               "--dtensor_moe.round_tokens_to", "128"))
     assert config.dtensor_moe.round_tokens_to == 128
+
+
+def test_a_forward_too_small_for_the_multiple_warns_once_it_rounds_every_pair_away():
+    """MoE(...) used directly: 5 tokens cannot fill a tile of 8 for any expert, so every pair would be rounded
+    away and the experts compute nothing: a warning naming the field (the main job and the hook refuse it)."""
+    moe = MoE(MoEConfig(dim=8, hidden_dim=4, num_experts=4, top_k=2, round_tokens_to=8))
+    with pytest.warns(UserWarning, match=r"MoEConfig.round_tokens_to \(8\) is more than any expert can hold"):
+        moe(torch.randn(1, 5, 8))

@@ -12,9 +12,9 @@ import sys
 from dataclasses import asdict, replace
 
 from dtensor_moe.cli.launch import RunDirLock, Supervisor, clear_run_state
+from dtensor_moe.routing.token_rounding import check_rounding_reachable
 from dtensor_moe.train.config import (
     Config,
-    check_rounding_reachable,
     check_row_cap,
     is_override,
     load_config,

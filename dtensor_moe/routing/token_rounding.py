@@ -34,6 +34,7 @@ import functools
 import torch
 
 from dtensor_moe.kernels import policy
+from dtensor_moe.routing.capacity import capacity
 
 # Matching rounds of step 3, measured on uniform routing at M=128: at T=4096, E=64, K=6, 29 of the 30 experts of U
 # round up after 4 rounds (25 after 3, still 29 after 8); at T=16384, E=256, K=8, 129 of 139 (132 after 8). Each
@@ -157,3 +158,24 @@ def round_tokens_compiled(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     eager, its ~100 small ops cost more than the rounded GEMMs gain); inside a compiled graph it is traced with it."""
     backend = policy.rounding_backend(args[1])
     return (round_tokens if backend is None else _compiled(backend))(*args, **kwargs)
+
+
+def check_rounding_reachable(multiple: int, tokens: int, top_k: int, num_experts: int, capacity_factor, where: str,
+                             name: str = "model.round_tokens_to"):
+    """round_tokens_to above what any expert can hold in one forward on one rank (each token's experts differ, so
+    at most `tokens` pairs; with a capacity factor at most its capacity, routing/capacity.py's ceil formula) rounds
+    every expert's pairs down to 0: the experts would compute nothing and the run end with rc 0. `where` says how
+    `tokens` (each rank's MoE tokens per forward) follows from the config."""
+    if not multiple:
+        return
+    most, why = tokens, f"{tokens} tokens ({where}), and no expert takes a token twice"
+    if capacity_factor is not None:
+        cap = capacity(tokens, top_k, num_experts, capacity_factor)
+        if cap < most:
+            most, why = cap, (f"the capacity ceil({tokens} tokens * top_k {top_k} / {num_experts} experts * "
+                              f"capacity_factor {capacity_factor}) = {cap} pairs ({tokens} tokens: {where})")
+    if multiple > most:
+        raise ValueError(f"{name} ({multiple}) is more than any expert can hold in one forward on one rank: at most "
+                         f"{most}, {why}; every expert's pairs would be rounded down to 0 and the experts compute "
+                         f"nothing; valid: {name} 1..{most} (the grouped GEMMs' row tile, e.g. "
+                         f"{min(128, most)}), or 0 (off)")

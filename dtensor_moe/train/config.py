@@ -1,6 +1,5 @@
 """Training configuration: TOML file sections plus `section.key=value` command-line overrides."""
 
-import math
 import re
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
@@ -14,7 +13,7 @@ from dtensor_moe.validate import Range, above, at_least, check_fields
 
 __all__ = [
     "Config", "ModelConfig", "ParallelConfig", "TrainingConfig", "DataConfig", "load_config", "parse_overrides",
-    "read_toml", "check_row_cap", "check_rounding_reachable",
+    "read_toml", "check_row_cap",
 ]
 
 BYTE_VOCAB = 256  # corpus, synthetic and the byte tokenizer (dtensor_moe.train.data.VOCAB_SIZE)
@@ -296,27 +295,6 @@ def check_row_cap(max_rows: int, ep: int, etp: int, names=("model.max_rows_per_r
         raise ValueError(f"{cap} ({max_rows}) needs {ep_name} > 1 (or {etp_name} > 1): the cap is read in the "
                          f"expert-parallel dispatch, which a mesh without expert axes does not run, so it would never "
                          f"act; valid: {cap} 0 (no cap), or {ep_name} 2 or more")
-
-
-def check_rounding_reachable(multiple: int, tokens: int, top_k: int, num_experts: int, capacity_factor, where: str,
-                             name: str = "model.round_tokens_to"):
-    """round_tokens_to above what any expert can hold in one forward on one rank (each token's experts differ, so
-    at most `tokens` pairs; with a capacity factor at most its capacity, routing/capacity.py's ceil formula) rounds
-    every expert's pairs down to 0: the experts would compute nothing and the run end with rc 0. `where` says how
-    `tokens` (each rank's MoE tokens per forward) follows from the config."""
-    if not multiple:
-        return
-    most, why = tokens, f"{tokens} tokens ({where}), and no expert takes a token twice"
-    if capacity_factor is not None:
-        cap = math.ceil(tokens * top_k / num_experts * capacity_factor)
-        if cap < most:
-            most, why = cap, (f"the capacity ceil({tokens} tokens * top_k {top_k} / {num_experts} experts * "
-                              f"capacity_factor {capacity_factor}) = {cap} pairs ({tokens} tokens: {where})")
-    if multiple > most:
-        raise ValueError(f"{name} ({multiple}) is more than any expert can hold in one forward on one rank: at most "
-                         f"{most}, {why}; every expert's pairs would be rounded down to 0 and the experts compute "
-                         f"nothing; valid: {name} 1..{most} (the grouped GEMMs' row tile, e.g. "
-                         f"{min(128, most)}), or 0 (off)")
 
 
 SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig, "data": DataConfig}
