@@ -47,6 +47,8 @@ ERROR_GRACE_S = float(os.environ.get("DTENSOR_MOE_TEST_ERROR_GRACE", "120"))
 # How many pools (distinct world sizes) stay alive at once; the least recently used one is closed
 # when a new one would exceed it. Idle workers cost no CPU but ~0.4 GB of memory each.
 MAX_POOLS = int(os.environ.get("DTENSOR_MOE_TEST_MAX_POOLS", "5"))
+# How often a call waiting for results checks that its workers are still alive.
+_ALIVE_CHECK_S = 2.0
 
 
 # Workers fork from a forkserver that imported torch once (a pool of 8 starts in seconds instead of
@@ -267,15 +269,30 @@ class RankPool:
     def _collect(self, timeout: float, what: str):
         out, errors = [None] * self.world_size, {}
         deadline = time.monotonic() + timeout
+        reported = set()
         for _ in range(self.world_size):
-            try:
-                rank, ok, payload = self.results.get(timeout=max(deadline - time.monotonic(), 0.01))
-            except queue.Empty:
-                self.kill()
-                raise RankFailure(
-                    f"{what}: timeout after {timeout}s on {self.world_size} ranks (DTENSOR_MOE_TEST_TIMEOUT / "
-                    f"DTENSOR_MOE_TEST_START_TIMEOUT raise it); rank errors so far: {_fmt(errors)}"
-                ) from None
+            while True:
+                try:  # in slices: a worker that died (killed, out of memory) fails the call now, not at the timeout
+                    rank, ok, payload = self.results.get(timeout=min(max(deadline - time.monotonic(), 0.01),
+                                                                     _ALIVE_CHECK_S))
+                    break
+                except queue.Empty:
+                    dead = {r: p.exitcode for r, p in enumerate(self.procs) if r not in reported and not p.is_alive()}
+                    if dead:  # what a worker put before exiting (a start-up error) is in the pipe by now
+                        try:
+                            rank, ok, payload = self.results.get(timeout=1.0)
+                            break
+                        except queue.Empty:
+                            pass
+                    elif time.monotonic() < deadline:
+                        continue
+                    self.kill()
+                    why = (f"rank(s) {sorted(dead)} died (exit codes {list(dead.values())}, a negative one the signal "
+                           f"that ended it)" if dead else
+                           f"timeout after {timeout}s on {self.world_size} ranks (DTENSOR_MOE_TEST_TIMEOUT / "
+                           f"DTENSOR_MOE_TEST_START_TIMEOUT raise it)")
+                    raise RankFailure(f"{what}: {why}; rank errors so far: {_fmt(errors)}") from None
+            reported.add(rank)
             if ok:
                 out[rank] = payload
             else:
