@@ -157,6 +157,12 @@ MUTATIONS = (
              'if os.environ.get(ALLOW_UNVERIFIED) != "1":', "if False:",
              (f"{CHECKPOINT}::test_checkpoint_without_manifest_is_refused_unless_allowed",),
              "a checkpoint without a manifest loads unverified"),
+    # `dtensor-moe train --parity` against its 1-process reference (which goes without replicas): a correct run passes.
+    Mutation("parity_flag_replica_grad_scale", "dtensor_moe/parallel/replica_dispatch.py",
+             "counts_rep, host[E_local:], scale, g.adds_output_bias)",
+             "counts_rep, host[E_local:], 1.0, g.adds_output_bias)",
+             ("tests/test_parity_flag.py::test_parity_passes_a_correct_run[replicas_ep2]",),
+             "replica slots' weight gradients not divided by EP*ETP: --parity must read FAIL"),
 )
 
 

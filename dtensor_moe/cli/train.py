@@ -284,12 +284,9 @@ def parity(cfg: Config, run_dir: str) -> tuple[int, str]:
     # The reference is the plain eager single process: no compile, no activation checkpointing.
     # It accumulates gradients over the same microbatches (each MoE's load-balancing loss is per microbatch).
     # One rank has no GPU to share: it takes the device's own backend (nccl on cuda, gloo on cpu) whatever the job's.
-    ref_cfg = replace(cfg, parallel=replace(cfg.parallel, nproc=1, dp_replicate=1, ep=1, etp=1, tp=1, cp=1, pp=1,
-                                            microbatches=cfg.parallel.num_microbatches, backend="auto"),
-                      training=replace(cfg.training, compile=False, activation_checkpoint="none"))
     ref_dir = os.path.join(run_dir, "reference_1proc")
-    cmd = [*_TORCHRUN, "--nproc-per-node=1"]
-    cmd += ["-m", "dtensor_moe.train.loop", json.dumps(ref_cfg.to_dict()), ref_dir]
+    ref = json.dumps(_reference_config(cfg).to_dict())
+    cmd = [*_TORCHRUN, "--nproc-per-node=1", "-m", "dtensor_moe.train.loop", ref, ref_dir, *_reference_slices(cfg)]
     clear_run_state(ref_dir)  # a previous reference's stop note must not decide this one's exit code
     rc = _launch(cmd, dict(os.environ), ref_dir, 1, cfg.parallel.timeout_s)
     if rc != 0:
@@ -308,6 +305,28 @@ def parity(cfg: Config, run_dir: str) -> tuple[int, str]:
     line = (f"max |dloss| vs 1 process over {len(deltas)} steps = {max(deltas):.1e} (tolerance {tol:g}): "
             f"{'pass' if ok else 'FAIL'}")
     return (0 if ok else 1), line
+
+
+def _reference_config(cfg: Config) -> Config:
+    """The run's config on one process. Replicas and the row cap act only on an EP mesh, and change no math (where
+    an expert's rows are computed; a refusal past a bound): the reference goes without them."""
+    return replace(cfg, parallel=replace(cfg.parallel, nproc=1, dp_replicate=1, ep=1, etp=1, tp=1, cp=1, pp=1,
+                                         microbatches=cfg.parallel.num_microbatches, backend="auto"),
+                   model=replace(cfg.model, expert_replicas=0, max_rows_per_rank=0),
+                   training=replace(cfg.training, compile=False, activation_checkpoint="none"))
+
+
+def _reference_slices(cfg: Config) -> list[str]:
+    """[DP, SEQ] for the reference where the MoE's math depends on the tokens one forward sees together (a capacity
+    factor drops and round_tokens_to rounds each rank's own pairs): its MoE layers then run each of the run's
+    data-parallel ranks' share of a microbatch (DP groups of sequences), under cp / tp each rank's part of them (SEQ
+    parts of each sequence), on its own (train/reference.py); [] otherwise."""
+    m = cfg.model
+    if m.capacity_factor is None and not m.round_tokens_to:
+        return []
+    dims = parallel_dims(cfg, cfg.parallel.nproc)
+    dp, seq = dims.dp_replicate * dims.dp_shard, dims.cp * dims.tp
+    return [] if dp * seq == 1 else [str(dp), str(seq)]
 
 
 def _losses(run_dir: str) -> list[float]:

@@ -25,14 +25,17 @@ def parallel_dims(cfg: Config, world: int):
     return MoEParallelDims(world, dp_replicate=p.dp_replicate, cp=p.cp, tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp)
 
 
-def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train") -> None:
+def train_ranks(cfg: Config, run_dir: str, args=None, label: str = "train", moe_slices: tuple[int, int] | None = None
+                ) -> None:
     """The training loop, run by every rank (environment set by torchrun). A stop signal ends it after the step
-    every rank agrees on, saved; a non-finite loss or gradient norm before that step's update (supervision.py)."""
+    every rank agrees on, saved; a non-finite loss or gradient norm before that step's update (supervision.py).
+    `moe_slices` (dp, seq): the parity reference's MoE layers run the run's per-rank slices (train/reference.py)."""
     with RankSupervision(run_dir, int(os.environ.get("RANK", 0))) as supervision:
-        _train(cfg, run_dir, args, label, supervision)
+        _train(cfg, run_dir, args, label, supervision, moe_slices)
 
 
-def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervision) -> None:
+def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervision,
+           moe_slices: tuple[int, int] | None = None) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -97,6 +100,10 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
         parts, forward_backward, rollout = pipe.parts, pipe.step, pipe.rollout
     else:
         parallelize(model)
+        if moe_slices is not None:
+            from dtensor_moe.train.reference import slice_moe_layers
+
+            slice_moe_layers(model, *moe_slices)
         parts, forward_backward = [model], _accumulating(model, p.num_microbatches, cross_entropy)
         rollout = _rollout(model, p.num_microbatches)
     if t.routing_replay:
@@ -377,10 +384,11 @@ def _checkpointing(args, run_dir: str, total_steps: int) -> _Checkpointing:
     return _Checkpointing(os.path.join(run_dir, "checkpoints"), every, keep_last, resume, total_steps)
 
 
-if __name__ == "__main__":  # the 1-process parity reference: python -m dtensor_moe.train.loop CONFIG_JSON RUN_DIR
+if __name__ == "__main__":  # the parity reference: python -m dtensor_moe.train.loop CONFIG_JSON RUN_DIR [DP SEQ]
     from dtensor_moe.train.config import DataConfig, ModelConfig, ParallelConfig, TrainingConfig
 
     raw = json.loads(sys.argv[1])
     ref = Config(ModelConfig(**raw["model"]), ParallelConfig(**raw["parallel"]), TrainingConfig(**raw["training"]),
                  DataConfig(**raw["data"]))
-    train_ranks(ref, sys.argv[2], label="1-process reference")
+    slices = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 3 else None
+    train_ranks(ref, sys.argv[2], label="1-process reference", moe_slices=slices)
