@@ -198,3 +198,67 @@ def test_readme_shows_current_output():
     assert out.getvalue().strip() in doc
     assert "dtensor-moe " + " ".join(README_ARGS) in doc
     assert (ROOT / "docs" / "explain_edp2_ep2_etp2.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _listed(text: str) -> dict[str, dict[int, str]]:
+    """weight name -> {rank: slice} from the listed-ranks tables (`--ranks`, or a stage past LIST_LIMIT)."""
+    out, name = {}, None
+    for line in text.splitlines():
+        if m := re.match(r"^(\S+) \((expert|dense)\) global", line):
+            name = m.group(1)
+            out[name] = {}
+        elif name and (m := re.match(r"^\s+(\d+)  (\[[0-9:, ]+\])$", line)):
+            out[name][int(m.group(1))] = m.group(2)
+    return out
+
+
+def test_huge_world_lists_a_few_ranks_quickly():
+    """Issue 40: --world 1000000000 ran for minutes (a line per rank, every rank's slice walked). Past LIST_LIMIT
+    ranks a stage the text lists the first ranks and the last, each with its own slices: bounded lines and time."""
+    import time
+
+    argv = ["explain", "--world", "1000000000", "--pp", "2", "--tp", "2", "--ep", "2", "--etp", "2", "--experts", "4",
+            "--shared-experts", "1"]
+    t0 = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(argv) == 0
+    took = time.perf_counter() - t0
+    print(f"explain --world 1e9: {took:.3f} s")  # ~0.01 s on the 2-core machine (was minutes)
+    text = out.getvalue()
+    assert len(text.splitlines()) < 150
+    dims = MoEParallelDims(10**9, pp=2, tp=2, ep=2, etp=2)
+    last = dims.stage_size - 1
+    assert f"(ranks 0-7,{last} of {dims.stage_size} listed: a stage of more than {X.LIST_LIMIT} ranks" in text
+    assert "\n  groups 0,500000000 1,500000001 " in text
+    listed = _listed(text)
+    for wp in plan_moe(README_CONFIG, dims):
+        assert listed[wp.name] == {r: X.fmt_box(tuple((s.start, s.stop) for s in owned_box(wp, dims, r)))
+                                   for r in [*range(8), last]}, wp.name
+
+
+@pytest.mark.parametrize("config,dims", CASES)
+def test_ranks_flag_lists_those_ranks_slices(config, dims):
+    ranks = [1, dims.stage_size - 2, dims.stage_size - 1]
+    text = X.describe(config, dims, ranks)
+    rows = [int(line.split()[0]) for line in text.splitlines() if re.match(r"^\s+\d+ \|", line)]
+    assert rows == ranks
+    listed = _listed(text)
+    for wp in plan_moe(config, dims):
+        assert listed[wp.name] == {r: X.fmt_box(tuple((s.start, s.stop) for s in owned_box(wp, dims, r)))
+                                   for r in ranks}
+
+
+@pytest.mark.parametrize("extra,said", [
+    (["--ranks", "3-9"], "--ranks '3-9': '3-9' is not within the stage's ranks; valid: stage-local ranks 0..7"),
+    (["--ranks", "x"], "--ranks 'x': 'x' is not a rank or a range A-B; valid: stage-local ranks 0..7"),
+    (["--world", "4096", "--ranks", "0-300"], "--ranks '0-300' names more than 256 ranks"),
+    (["--world", "1000000", "--png", "grid.png"], "--png draws a cell per rank: at most 4096 ranks a stage, this one "
+                                                  "has 1000000"),
+])
+def test_ranks_and_png_bounds_refused_in_one_line(tmp_path, monkeypatch, extra, said):
+    monkeypatch.chdir(tmp_path)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main([*README_ARGS, *extra]) == 2
+    assert err.getvalue().startswith(f"dtensor-moe explain: {said}") and err.getvalue().count("\n") == 1
+    assert out.getvalue() == "" and not any(tmp_path.iterdir())

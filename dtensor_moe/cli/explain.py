@@ -10,6 +10,9 @@ Under pp > 1 (outermost) the tables and grids are one pipeline stage's (stage-lo
 stage places its own layers the same way); the text lists the stages and the pipeline groups, and a
 last panel draws the stages (rows) over their ranks.
 Without matplotlib, `--png` prints a one-line note on stderr and the text alone (exit status 0).
+Up to LIST_LIMIT ranks a stage the text lists every rank; `--ranks` (or a larger stage: its first ranks and its
+last) lists only those ranks, each with its slice of every weight, so the output and the time stay bounded at any
+world size. `--png` draws every rank: at most PNG_LIMIT a stage.
 """
 
 import os
@@ -22,6 +25,9 @@ from dtensor_moe.train.parallel.tp_plan import TP_BLOCK_PLAN, TP_ROOT_PLAN
 from dtensor_moe.validate import check_int
 
 Box = tuple[tuple[int, int], ...]
+LIST_LIMIT = 256  # ranks a stage whose every rank the text lists (and each slice's holders); beyond: listed ones only
+DEFAULT_LISTED = 8  # a larger stage's listed ranks without --ranks: these first ones and its last
+PNG_LIMIT = 4096  # ranks a stage --png draws (a cell each)
 
 
 def _box(wp: WeightPlan, dims: MoEParallelDims, rank: int) -> Box:
@@ -62,8 +68,48 @@ def fmt_ranks(ranks: list[int]) -> str:
     return ",".join(runs)
 
 
-def describe(config: MoEConfig, dims: MoEParallelDims) -> str:
+def parse_ranks(text: str, stage_size: int) -> list[int]:
+    """--ranks '0-3,8' -> [0, 1, 2, 3, 8] (stage-local ranks, each in range; at most LIST_LIMIT of them)."""
+    ranks: set[int] = set()
+    valid = f"valid: stage-local ranks 0..{stage_size - 1}, e.g. '0-3,{stage_size - 1}'"
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if dash else int(lo)
+        except ValueError:
+            raise ValueError(f"--ranks {text!r}: {part.strip()!r} is not a rank or a range A-B; {valid}") from None
+        if not 0 <= first <= last < stage_size:
+            raise ValueError(f"--ranks {text!r}: {part.strip()!r} is not within the stage's ranks; {valid}")
+        if last - first + 1 + len(ranks) > LIST_LIMIT:
+            raise ValueError(f"--ranks {text!r} names more than {LIST_LIMIT} ranks; list fewer (the text lists each)")
+        ranks.update(range(first, last + 1))
+    return sorted(ranks)
+
+
+def _progression(first: int, step: int, n: int) -> str:
+    """n ranks first, first + step, ...: all of them up to 4, else the first two, '...' and the last."""
+    items = [first + i * step for i in range(n)] if n <= 4 else [first, first + step, "...", first + (n - 1) * step]
+    return ",".join(map(str, items))
+
+
+def describe(config: MoEConfig, dims: MoEParallelDims, ranks: list[int] | None = None) -> str:
+    """The text; `ranks` (stage-local) lists only those ranks, each with its slices. Without it a stage of more than
+    LIST_LIMIT ranks lists its first DEFAULT_LISTED ranks and its last."""
     plans = plan_moe(config, dims)
+    S = dims.stage_size
+    every, asked = ranks is None and S <= LIST_LIMIT, ranks is not None
+    if ranks is None:
+        ranks = list(range(S)) if every else sorted({*range(min(DEFAULT_LISTED, S)), S - 1})
+    coords = {r: rank_coords(dims, r) for r in ranks}
+    # Columns as wide as their header, or their widest listed value (a stage of millions of ranks).
+    widths = {k: max(w, *(len(str(c[k])) for c in coords.values()))
+              for k, w in (("dp_replicate", 12), ("edp", 4), ("ep", 4), ("etp", 4), ("dp_shard", 8), ("cp", 3),
+                           ("tp", 3))}
+    rw = max(5, len(str(ranks[-1])))
+
+    def row(rank, c) -> str:
+        return (f"{rank:>{rw}} | " + " ".join(f"{c[k]:>{widths[k]}}" for k in ("dp_replicate", "edp", "ep", "etp"))
+                + " | " + " ".join(f"{c[k]:>{widths[k]}}" for k in ("dp_shard", "cp", "tp")))
     lines = [
         *(
             [
@@ -81,20 +127,23 @@ def describe(config: MoEConfig, dims: MoEParallelDims) -> str:
         f"MoE: {config.num_experts} experts, dim {config.dim}, hidden {config.hidden_dim}, "
         f"{config.num_shared_experts} shared expert(s). ETP ranks are consecutive, then EP, then EDP.",
         "",
-        f"{'rank':>5} | {'dp_replicate':>12} {'edp':>4} {'ep':>4} {'etp':>4} | {'dp_shard':>8} {'cp':>3} {'tp':>3}",
+        row("rank", {k: k for k in widths}),
+        *(row(r, c) for r, c in coords.items()),
     ]
-    for r in range(dims.stage_size):
-        c = rank_coords(dims, r)
-        lines.append(f"{r:>5} | {c['dp_replicate']:>12} {c['edp']:>4} {c['ep']:>4} {c['etp']:>4} | {c['dp_shard']:>8} "
-                     f"{c['cp']:>3} {c['tp']:>3}")
+    if asked:
+        lines.append(f"(ranks {fmt_ranks(ranks)} of {S} listed, as --ranks asked)")
+    elif not every:
+        lines.append(f"(ranks {fmt_ranks(ranks)} of {S} listed: a stage of more than {LIST_LIMIT} ranks lists its "
+                     f"first {DEFAULT_LISTED} and last; --ranks A-B,C lists others)")
     if dims.pp > 1:
-        groups = [list(range(r, dims.world_size, dims.stage_size)) for r in range(dims.stage_size)]
+        groups = [_progression(r, S, dims.pp) for r in ranks]
         lines += ["", f"pipeline (pp={dims.pp}, outermost): each stage runs its own layers; neighbouring stages send "
                       "hidden states forward and their gradients back within a group of one rank per stage:",
-                  "  groups " + " ".join(",".join(map(str, g)) for g in groups)]
+                  "  groups " + " ".join(groups) + ("" if every else " (the listed ranks' groups)")]
     if dims.tp > 1:
-        groups = [list(range(g, g + dims.tp)) for g in range(0, dims.stage_size, dims.tp)]
-        lines += ["", f"dense TP (sequence-parallel between blocks), groups {' '.join(fmt_ranks(g) for g in groups)}:",
+        starts = sorted({r // dims.tp * dims.tp for r in ranks})
+        groups = " ".join(fmt_ranks(list(range(g, g + dims.tp))) for g in starts) + ("" if every else " ...")
+        lines += ["", f"dense TP (sequence-parallel between blocks), groups {groups}:",
                   "  " + ", ".join(f"{m}={s}" for m, s in TP_ROOT_PLAN),
                   "  per block: " + ", ".join(f"{m}={s}" for m, s in TP_BLOCK_PLAN),
                   f"  each MoE takes its rank's sequence slice; its dense weights shard over {dims.moe_dp_axis}"]
@@ -106,6 +155,11 @@ def describe(config: MoEConfig, dims: MoEParallelDims) -> str:
             + (" (FSDP pads the last shards)" if wp.padded else ""),
             f"  placements: {placements}",
         ]
+        if not every:  # each listed rank's slice: no walk over every rank
+            boxes = {r: fmt_box(_box(wp, dims, r)) for r in ranks}
+            lines.append(f"  {'rank':>{rw}}  slice")
+            lines += [f"  {r:>{rw}}  {b}" for r, b in boxes.items()]
+            continue
         holders = slice_holders(wp, dims)
         width = max(len(fmt_box(b)) for b in holders)
         lines.append(f"  {'slice':<{width}}  ranks")
@@ -208,6 +262,9 @@ def add_arguments(p):
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--hidden-dim", type=int, default=8, help="expert hidden dim F")
     p.add_argument("--shared-experts", type=int, default=0)
+    p.add_argument("--ranks", metavar="A-B,C",
+                   help=f"list only these stage-local ranks, each with its slices (default: every rank up to "
+                        f"{LIST_LIMIT} a stage, else the first {DEFAULT_LISTED} and the last)")
     p.add_argument("--png", metavar="FILE", help="also draw the rank grid coloured by slice held, as FILE (PNG)")
 
 
@@ -246,7 +303,11 @@ def run(args) -> int:
         dims = MoEParallelDims(
             args.world, dp_replicate=args.dp_replicate, cp=args.cp, tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp
         )
-        print(describe(config, dims))
+        if args.png and dims.stage_size > PNG_LIMIT:
+            raise ValueError(f"--png draws a cell per rank: at most {PNG_LIMIT} ranks a stage, this one has "
+                             f"{dims.stage_size}; leave --png out (the text lists the ranks --ranks names)")
+        ranks = None if getattr(args, "ranks", None) is None else parse_ranks(args.ranks, dims.stage_size)
+        print(describe(config, dims, ranks))
     except ValueError as e:
         print(f"dtensor-moe explain: {e}", file=sys.stderr)
         return 2
