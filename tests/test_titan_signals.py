@@ -1,7 +1,9 @@
 """The torchtitan hook under a scheduler: SIGTERM to torchrun mid-run stops every rank after the same step, saves
 that step in full (not at the checkpoint interval) and exits 75 with one line (torchrun itself then ends with its
 own SignalException report, which no rank can change); the same command resumes from it.
-One real torchrun of 2 CPU ranks (EP2) and one resumed run, so this costs what the launcher test costs, twice."""
+One real torchrun of 2 CPU ranks (EP2) and one resumed run. They are also the test of the documented launcher
+(torchrun + dtensor_moe.titan.cpu_train, docs/titan.md): its steps log falling losses and a run that reaches its last
+step exits 0 (a launch of its own cost what this test's two cost, twice)."""
 
 import os
 import re
@@ -23,9 +25,13 @@ def _torchrun(dump: Path, *extra: str, log: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _steps(log: Path) -> list[int]:
+def _losses(log: Path) -> dict[int, float]:
     text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text())
-    return [int(s) for s in re.findall(r"step:\s+(\d+)\s+loss:", text)]
+    return {int(s): float(v) for s, v in re.findall(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)", text)}
+
+
+def _steps(log: Path) -> list[int]:
+    return sorted(_losses(log))
 
 
 def test_sigterm_saves_the_step_and_the_same_command_resumes(tmp_path):
@@ -43,6 +49,8 @@ def test_sigterm_saves_the_step_and_the_same_command_resumes(tmp_path):
     step, path = int(found[0][0]), Path(found[0][1])
     assert path.name == f"step-{step}" and (path / ".metadata").is_file(), text[-3000:]
     assert max(_steps(log)) == step  # no step ran after the saved one
+    losses = _losses(log)  # the documented launcher trains: every step up to the saved one logged, the loss falls
+    assert sorted(losses) == list(range(1, step + 1)) and losses[2] < losses[1], text[-3000:]
     resumed_log = tmp_path / "resumed.log"
     resumed = _torchrun(dump, "--training.steps", str(step + 1), log=resumed_log)
     assert resumed.wait(LAUNCHER_TIMEOUT_S) == 0, resumed_log.read_text()[-3000:]
