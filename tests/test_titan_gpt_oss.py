@@ -42,12 +42,18 @@ def _gpt_oss(dump, ep: int, etp: int, *extra: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("titan_gpt_oss")
-    # The seed from one rank (the module docstring says why); 1 step, as torchtitan trains at least one.
-    run_on_ranks(1, _train, _gpt_oss(root / "seed", 1, 1, "--training.steps", "1", "--checkpoint.enable",
+def seed(tmp_path_factory):
+    """The step-0 checkpoint every run of this module starts from, written once: from one rank (the module
+    docstring says why); 1 step, as torchtitan trains at least one. The flags that load it."""
+    root = tmp_path_factory.mktemp("titan_gpt_oss_seed")
+    run_on_ranks(1, _train, _gpt_oss(root, 1, 1, "--training.steps", "1", "--checkpoint.enable",
                                      "--checkpoint.last_save_model_only"), True)
-    seed = ("--checkpoint.initial_load_path", str(root / "seed" / "checkpoint" / "step-0"), *_LOAD_ONLY)
+    return ("--checkpoint.initial_load_path", str(root / "checkpoint" / "step-0"), *_LOAD_ONLY)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, seed):
+    root = tmp_path_factory.mktemp("titan_gpt_oss")
     return {
         "reference": run_on_ranks(WORLD, _train, _gpt_oss(root / "ref", 1, 1, *seed))[0],
         "ep2": run_on_ranks(WORLD, _train, _gpt_oss(root / "ep2", 2, 1, *seed))[0],
@@ -93,13 +99,10 @@ _PP = ("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_pa
 
 
 @pytest.fixture(scope="module")
-def folded(tmp_path_factory):
+def folded(tmp_path_factory, seed):
     """torchtitan's PP=2 (1F1B) with our EP=2 on 4 ranks, against our hook at degree 1 on 2 ranks (data-parallel
-    degree 2 in both: the same batches), from a one-rank seed."""
+    degree 2 in both: the same batches), from the one-rank seed."""
     root = tmp_path_factory.mktemp("titan_gpt_oss_folded")
-    run_on_ranks(1, _train, _gpt_oss(root / "seed", 1, 1, "--training.steps", "1", "--checkpoint.enable",
-                                     "--checkpoint.last_save_model_only"), True)
-    seed = ("--checkpoint.initial_load_path", str(root / "seed" / "checkpoint" / "step-0"), *_LOAD_ONLY)
     return {
         "reference": run_on_ranks(2, _train, _gpt_oss(root / "ref", 1, 1, *seed))[0],
         "pp2_ep2": run_on_ranks(WORLD, _train, _gpt_oss(root / "pp2", 2, 1, *seed, *_PP)),
