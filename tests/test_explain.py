@@ -252,8 +252,8 @@ def test_ranks_flag_lists_those_ranks_slices(config, dims):
     (["--ranks", "3-9"], "--ranks '3-9': '3-9' is not within the stage's ranks; valid: stage-local ranks 0..7"),
     (["--ranks", "x"], "--ranks 'x': 'x' is not a rank or a range A-B; valid: stage-local ranks 0..7"),
     (["--world", "4096", "--ranks", "0-300"], "--ranks '0-300' names more than 256 ranks"),
-    (["--world", "1000000", "--png", "grid.png"], "--png draws a cell per rank: at most 4096 ranks a stage, this one "
-                                                  "has 1000000"),
+    (["--world", "1000000", "--png", "grid.png"], "--png draws a cell per rank, valid up to 4096 ranks a stage; "
+                                                  "this one has 1000000"),
 ])
 def test_ranks_and_png_bounds_refused_in_one_line(tmp_path, monkeypatch, extra, said):
     monkeypatch.chdir(tmp_path)

@@ -81,7 +81,8 @@ def parse_ranks(text: str, stage_size: int) -> list[int]:
         if not 0 <= first <= last < stage_size:
             raise ValueError(f"--ranks {text!r}: {part.strip()!r} is not within the stage's ranks; {valid}")
         if last - first + 1 + len(ranks) > LIST_LIMIT:
-            raise ValueError(f"--ranks {text!r} names more than {LIST_LIMIT} ranks; list fewer (the text lists each)")
+            raise ValueError(f"--ranks {text!r} names more than {LIST_LIMIT} ranks; valid: at most {LIST_LIMIT} "
+                             "(the text lists each)")
         ranks.update(range(first, last + 1))
     return sorted(ranks)
 
@@ -304,8 +305,8 @@ def run(args) -> int:
             args.world, dp_replicate=args.dp_replicate, cp=args.cp, tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp
         )
         if args.png and dims.stage_size > PNG_LIMIT:
-            raise ValueError(f"--png draws a cell per rank: at most {PNG_LIMIT} ranks a stage, this one has "
-                             f"{dims.stage_size}; leave --png out (the text lists the ranks --ranks names)")
+            raise ValueError(f"--png draws a cell per rank, valid up to {PNG_LIMIT} ranks a stage; this one has "
+                             f"{dims.stage_size}: leave --png out (the text lists the ranks --ranks names)")
         ranks = None if getattr(args, "ranks", None) is None else parse_ranks(args.ranks, dims.stage_size)
         print(describe(config, dims, ranks))
     except ValueError as e:
