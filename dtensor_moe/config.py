@@ -154,7 +154,8 @@ class MoEConfig:
             of the tokens, the gate / up output, the SwiGLU output and the expert outputs) or "minimal" (the
             token rows once, under EP the received rows, and the gate / up pre-activation; the rest recomputed
             or, for the routing weights' gradient, derived from the down projection's input gradient).
-            Dropless routing only: pad_to_capacity and expert_replicas run "standard". Default "standard".
+            Dropless routing only: pad_to_capacity and expert_replicas run "standard". Default "minimal" (on one
+            H200 within 3% of "standard"'s layer time at four EP-rank shapes; benchmarks/RESULTS.md).
         dispatch_precision (str): the dispatched tokens' payload under EP / ETP: "bf16" (the activations'
             dtype), or "fp8" (e4m3 rows with one fp32 scale each; gradients travel unquantized).
             Default "bf16".
@@ -205,7 +206,7 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     expert_precision: str = "bf16"
-    activation_memory: str = "standard"
+    activation_memory: str = "minimal"
     dispatch_precision: str = "bf16"
     expert_replicas: int = 0
     replica_replan_every: int = 100

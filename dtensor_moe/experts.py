@@ -463,7 +463,7 @@ class GroupedExperts(nn.Module):
         precision (str): the GEMMs' precision, `MoEConfig.expert_precision`: "bf16" or "fp8".
             Default "bf16".
         activation_memory (str): what the backward keeps, `MoEConfig.activation_memory`: "standard" (every
-            intermediate) or "minimal" (the token rows once and the gate / up pre-activation). Default "standard".
+            intermediate) or "minimal" (the token rows once and the gate / up pre-activation). Default "minimal".
 
     Forward: `experts(x, counts_E, copies)` copies tokens x [..., D] into expert order by their routing
     `copies` (`routing.TokenCopies` / `PaddedCopies`), runs them and combines the outputs into x's shape;
@@ -482,7 +482,7 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, biases: bool = False,
                  clamp: tuple[float, float] | None = None, precision: str = "bf16",
-                 activation_memory: str = "standard"):
+                 activation_memory: str = "minimal"):
         super().__init__()
         self.activation_memory = activation_memory
         self.num_experts = num_experts

@@ -136,11 +136,11 @@ def cases(draw, world_size: int):
     # forwards replay what a no-grad eval rollout of the same tokens recorded, so nothing may change.
     if not case.compile and coins.random() < 1 / 5:
         case = replace(case, replay=True)
-    # The minimal-memory experts one case in three (after the other coins); the reference runs "standard" (but
-    # with FP8 experts, tests/parity.build), so the two paths meet in every folding, padded and replica cases
-    # included (which run "standard" there anyway).
+    # The standard experts one case in three (after the other coins), the default minimal-memory ones otherwise;
+    # the reference runs "standard" (but with FP8 experts, tests/parity.build), so the two paths meet in every
+    # folding, padded and replica cases included (which run "standard" there anyway).
     if coins.random() < 1 / 3:
-        case = replace(case, moe=replace(case.moe, activation_memory="minimal"))
+        case = replace(case, moe=replace(case.moe, activation_memory="standard"))
     return case
 
 

@@ -108,6 +108,19 @@ def test_ep2_training_compiled_and_checkpointed_matches_eager(compile, ac):
             assert all(g > e for g, e in zip(m_g, m_e)), (m_e, m_g)  # full recomputation moves tokens again
 
 
+@pytest.mark.parametrize("ac", ["selective", "full"])
+def test_standard_activation_memory_checkpointed_matches_eager(ac):
+    """activation_memory "standard" under selective / full recomputation: the eager layer's losses (the default
+    minimal experts; float64), and selective recomputation still moves no row again. (Compiled, both paths run
+    in the parity draw and tests/test_parity.COMPILED.)"""
+    eager = _eager_ep2()
+    got = run_on_ranks(2, train_steps, 2, False, ac, 3, {"activation_memory": "standard"})
+    for (l_e, m_e), (l_g, m_g) in zip(eager, got):
+        assert max(abs(a - b) for a, b in zip(l_e, l_g)) < 1e-10, (l_e, l_g)
+        if ac == "selective":
+            assert m_g == m_e, (m_e, m_g)
+
+
 def test_selective_checkpointing_of_padded_dispatch_moves_no_row_again():
     """pad_to_capacity moves rows by its own op (pair_move): selective recomputation must keep its output too, so
     the checkpointed step exchanges exactly what the plain step does (full recomputation exchanges more)."""
@@ -171,12 +184,16 @@ def test_expert_gate_and_bias_ops_pass_opcheck():
     """opcheck (fake impl, autograd registration, schema) and gradcheck of the clamped SwiGLU and the
     per-expert bias gradient (segment_sum), empty experts included."""
     from dtensor_moe.kernels.segment_sum import segment_sum
-    from dtensor_moe.kernels.swiglu import clamped_swiglu
+    from dtensor_moe.kernels.swiglu import clamped_swiglu, weighted_gate_backward
 
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(6, 5, dtype=torch.float64, generator=g).mul(2).requires_grad_() for _ in range(2))
     torch.library.opcheck(clamped_swiglu, (a, b, 1.702, 1.5))
     torch.autograd.gradcheck(lambda a, b: clamped_swiglu(a, b, 1.702, 1.5), (a, b))
+    # The minimal-memory experts' fused gate backward (a backward itself: schema and fake impl), both gates.
+    du, w = torch.randn(6, 5, dtype=torch.float64, generator=g), torch.rand(6, dtype=torch.float64, generator=g)
+    for clamped in (False, True):
+        torch.library.opcheck(weighted_gate_backward, (du, a.detach(), b.detach(), w, clamped, 1.702, 1.5))
     offs_E = torch.tensor([2, 2, 6], dtype=torch.int32)
     torch.library.opcheck(segment_sum, (a, offs_E))
     torch.autograd.gradcheck(lambda a: segment_sum(a, offs_E), (a,))

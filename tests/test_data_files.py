@@ -16,6 +16,7 @@ import torch
 
 from dtensor_moe.cli import main
 from dtensor_moe.cli import train as train_cli
+from dtensor_moe.titan_data.make import _sentence
 from dtensor_moe.train import token_cache
 from dtensor_moe.train.config import load_config
 from dtensor_moe.train.data import PackedBatches, load_data, rank_batches
@@ -29,26 +30,11 @@ TINY = str(ROOT / "configs" / "tiny_cpu.toml")
 SMALL = ["parallel.nproc=1", "parallel.ep=1", "parallel.etp=1", "training.seq_len=32", "training.global_batch=8",
          "training.warmup_steps=2"]
 
-NUMBERS = "zero one two three four five six seven eight nine ten eleven twelve".split()
-ANIMALS = "cat dog fox owl bee ant cow hen".split()
-
-
 def _documents(n: int, seed: int = 0) -> list[str]:
-    """Templated English-like documents: learnable, so the loss falls within a few steps."""
+    """Templated English-like documents (the torchtitan corpus's sentences): learnable, so the loss falls within a
+    few steps."""
     rng = random.Random(seed)
-
-    def sentence():
-        kind = rng.randrange(3)
-        if kind == 0:
-            a, b = rng.randrange(7), rng.randrange(6)
-            return f"{NUMBERS[a]} plus {NUMBERS[b]} is {NUMBERS[a + b]}."
-        if kind == 1:
-            start = rng.randrange(8)
-            return "counting: " + " ".join(NUMBERS[start:start + 5]) + "."
-        a, b = rng.sample(ANIMALS, 2)
-        return f"the {a} sees the {b}."
-
-    return [" ".join(sentence() for _ in range(rng.randrange(3, 9))) for _ in range(n)]
+    return [" ".join(_sentence(rng) for _ in range(rng.randrange(3, 9))) for _ in range(n)]
 
 
 DOCS = _documents(240)

@@ -75,20 +75,19 @@ NAMED = {
                                               score_func="topk_softmax", router_bias=True))),
     "edp2_ep2_etp2_accumulate": (8, Case(ep=2, etp=2, moe=moe_config(num_experts=4, top_k=2),
                                          batch_per_rank=(2, 1, 0, 3, 1, 2, 1, 1), microbatches=3)),
-    # FP8 experts (CPU emulation): pure EP quantizes exactly the reference's rows and expert blocks; the
-    # minimal-memory experts recompute in FP8 what the reference keeps.
+    # FP8 experts (CPU emulation): pure EP quantizes exactly the reference's rows and expert blocks; here the
+    # standard experts (ep4_fp8: the default minimal ones), each against a reference of its own path.
     "ep2_fp8_accumulate": (2, Case(ep=2, moe=moe_config(num_experts=4, top_k=2, expert_precision="fp8",
-                                                        activation_memory="minimal"),
+                                                        activation_memory="standard"),
                                    batch_per_rank=(2, 1), microbatches=2)),
     "ep4_fp8": (4, Case(ep=4, batch_per_rank=(2, 1, 0, 3),
                         moe=moe_config(num_experts=8, top_k=2, dim=16, hidden_dim=32, load_balance="aux_loss",
                                        expert_biases=True, expert_precision="fp8"))),
-    # gpt-oss experts: b1/b3 F-sharded on ETP, b2 replicated there and added by one ETP rank; minimal memory (the
-    # routing weights' gradient from ETP partials, b2's term on the one rank that adds it).
+    # gpt-oss experts: b1/b3 F-sharded on ETP, b2 replicated there and added by one ETP rank; the minimal-memory
+    # routing weights' gradient from ETP partials, b2's term on the one rank that adds it.
     "gpt_oss_experts_edp2_ep2_etp2": (8, Case(ep=2, etp=2, batch_per_rank=(2, 1, 0, 3, 1, 2, 1, 1), microbatches=2,
                                               moe=moe_config(num_experts=4, top_k=2, expert_biases=True,
-                                                             activation="clamped_swiglu",
-                                                             activation_memory="minimal"))),
+                                                             activation="clamped_swiglu"))),
 }
 
 
@@ -146,7 +145,7 @@ COMPILED = {
     "compiled_gpt_oss_experts_ep2_etp2": (4, Case(ep=2, etp=2, batch_per_rank=(2, 1, 0, 3), compile="aot_eager",
                                                   moe=moe_config(num_experts=4, top_k=2, load_balance="aux_free_bias",
                                                                  expert_biases=True, activation="clamped_swiglu",
-                                                                 activation_memory="minimal"))),
+                                                                 activation_memory="standard"))),
     # Experts sharded over EDP / replicated over HSDP: gathered and reduce-scattered inside the graph.
     "compiled_edp2_ep2": (4, Case(ep=2, moe=moe_config(num_experts=4, top_k=2, load_balance="aux_loss"),
                                   batch_per_rank=(2, 1, 0, 3), microbatches=2, compile="aot_eager")),
@@ -221,7 +220,9 @@ def _padded_step(rank: int, world_size: int, pad: bool):
     from dtensor_moe.kernels import policy
     from dtensor_moe.parallel import dispatch
 
-    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, capacity_factor=0.5, pad_to_capacity=pad)
+    # Standard activations: the unpadded experts then run grouped_swiglu too, whose row counts are recorded.
+    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, capacity_factor=0.5, pad_to_capacity=pad,
+                    activation_memory="standard")
     torch.manual_seed(0)
     moe = MoE(cfg).double()
     with torch.no_grad():

@@ -793,8 +793,10 @@ def test_skew_prices_the_busiest_ep_rank():
     times max / mean rows per EP rank, and the step is slower; replicas bring the rows back near the mean at the
     price of their weight copies (sent to the slots each forward and again when recomputing, their gradients
     back; held with the layer's activations, their gradients while it runs backward), and the step is faster."""
-    flat, skewed, replicas = _skewed(0, 0), _skewed(1.2, 0), _skewed(1.2, 2)
-    assert flat == P.evaluate(DSV3_16B, MoEParallelDims(64, ep=8), P.Workload(), P.Hardware(64, 8, 80))
+    # The standard experts' activations, which replicas keep (expert_activations): the same formula both ways.
+    standard = replace(DSV3_16B, moe=replace(DSV3_16B.moe, activation_memory="standard"))
+    flat, skewed, replicas = (_skewed(s, r, spec=standard) for s, r in ((0, 0), (1.2, 0), (1.2, 2)))
+    assert flat == P.evaluate(standard, MoEParallelDims(64, ep=8), P.Workload(), P.Hardware(64, 8, 80))
     assert flat.balance is None and "replica_weights" not in flat.comm
     b = skewed.balance
     assert b.imbalance == b.replica_imbalance > 2.5
@@ -812,7 +814,7 @@ def test_skew_prices_the_busiest_ep_rank():
         routed * (replicas.balance.replica_imbalance - 1) + 2 * moe.expert_replicas * slot + 2 * 2 * slot)
     assert flat.comm_time_s < replicas.comm_time_s < skewed.comm_time_s
     # Slots without skew: held (the dispatcher allocates them), never filled under balanced routing.
-    assert _skewed(0, 2).comm["replica_weights"] == P.Traffic(0, 0)
+    assert _skewed(0, 2, spec=standard).comm["replica_weights"] == P.Traffic(0, 0)
 
 
 def test_skewed_search_is_never_faster():
@@ -860,8 +862,8 @@ def test_minimal_activation_memory_prices_pre_activations_and_received_rows(ep, 
     """activation_memory "minimal": per token the MoE layer's routed experts keep top_k * 2F (the gate / up
     pre-activation) plus, under EP x ETP, each received token row once (etp * D per EP rank it reaches), where
     "standard" keeps top_k * (2 etp D + 3F); everything else in the layer is unchanged."""
-    spec = PRESETS["deepseek-v3-671b"]
-    minimal = replace(spec, moe=replace(spec.moe, activation_memory="minimal"))
+    minimal = PRESETS["deepseek-v3-671b"]  # the default
+    spec = replace(minimal, moe=replace(minimal.moe, activation_memory="standard"))
     dims, work = MoEParallelDims(64, ep=ep, etp=etp), P.Workload(seq_len=4096, recompute="none")
     T, b, k, D, F = 4096, 2, spec.moe.top_k, spec.dim, spec.moe.hidden_dim
     routing = spec.moe.num_experts, k, ep, spec.moe.num_expert_groups, spec.moe.num_limited_groups

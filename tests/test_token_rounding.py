@@ -519,8 +519,8 @@ def test_titan_flag_reaches_parallelize():
     from .test_titan import _argv
 
     config = ConfigManager().parse_args(_argv("deepseek_v3_debugmodel_cpu", "/unused",
-                                              "--dtensor_moe.round_tokens_to", "128"))
-    assert config.dtensor_moe.round_tokens_to == 128
+                                              "--dtensor_moe.round_tokens_to", "16"))
+    assert config.dtensor_moe.round_tokens_to == 16
 
 
 def test_a_forward_too_small_for_the_multiple_warns_once_it_rounds_every_pair_away():

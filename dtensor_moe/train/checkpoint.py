@@ -381,9 +381,10 @@ def describe_mismatch(found: dict[str, tuple], expected: dict[str, tuple], sourc
 
 # Model config fields that change how a layer runs, never a weight or what it means: a checkpoint saved with any
 # value of them is the same model under any other (hot-expert replicas compute the math of none, the row cap only
-# stops a run, the precisions are the job's, as training.dtype is). Turning them on or off at --resume is allowed.
+# stops a run, the precisions are the job's, as training.dtype is, and so is what the backward keeps). Turning them
+# on or off at --resume is allowed.
 RUN_ONLY_FIELDS = ("expert_replicas", "replica_replan_every", "max_rows_per_rank", "expert_precision",
-                   "dispatch_precision")
+                   "dispatch_precision", "activation_memory")
 
 
 def config_diff(saved: dict | None, current: dict | None, now: str = "model") -> list[str]:
