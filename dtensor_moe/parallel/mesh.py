@@ -13,6 +13,7 @@ plans and ownership are per stage; `pp_coord` says which stage a rank is in).
 """
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,17 @@ EXPERT_AXES = ("dp_replicate", "edp", "ep", "etp")
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """n's divisors, ascending; up to sqrt(n) steps, so an error message about a huge world stays instant."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def _listed(values: list, most: int = 24) -> str:
+    """values as a list, or its first and last few and how many (an error line stays a line at any world size)."""
+    if len(values) <= most:
+        return str(values)
+    head, tail = ", ".join(map(str, values[:most // 2])), ", ".join(map(str, values[-4:]))
+    return f"[{head}, ..., {tail}] ({len(values)} in all)"
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,7 @@ class MoEParallelDims:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.world_size % self.pp:
             raise ValueError(f"pp ({self.pp}) must divide world_size {self.world_size} (pipeline stages of equal "
-                             f"size); valid pp: {divisors(self.world_size)}")
+                             f"size); valid pp: {_listed(divisors(self.world_size))}")
         # Everything below folds the ranks of one pipeline stage.
         w = self.stage_size
         of = f"world_size {w}" if self.pp == 1 else f"the {w} ranks of a pipeline stage (world_size / pp)"
@@ -93,7 +104,7 @@ class MoEParallelDims:
         if w % fixed != 0:
             raise ValueError(
                 f"dp_replicate * cp * tp = {self.dp_replicate}*{self.cp}*{self.tp} = {fixed} must divide "
-                f"{of}; valid values for that product: {divisors(w)}"
+                f"{of}; valid values for that product: {_listed(divisors(w))}"
             )
         dp_shard = w // fixed if self.dp_shard == -1 else self.dp_shard
         if dp_shard * fixed != w:
@@ -109,7 +120,7 @@ class MoEParallelDims:
             raise ValueError(
                 f"ep * etp = {self.ep}*{self.etp} must divide dp_shard * cp * tp = {folded}: the expert mesh "
                 f"(edp, ep, etp) folds over the same ranks as the dense (dp_shard, cp, tp). "
-                f"Valid ep: {divisors(folded)}; valid (ep, etp) pairs: {pairs}"
+                f"Valid ep: {_listed(divisors(folded))}; valid (ep, etp) pairs: {_listed(pairs)}"
             )
 
     @property
