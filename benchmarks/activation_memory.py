@@ -2,11 +2,15 @@
 
     python benchmarks/activation_memory.py --out act.json                 # CPU: bytes kept (counted)
     python benchmarks/activation_memory.py --device cuda --out act.json   # GPU: also peak memory and time
+    python benchmarks/activation_memory.py --peers --out act.json         # CPU, torchtitan's and transformers' too
 
 Counted: every tensor autograd saves during the layer's forward (torch.autograd.graph.saved_tensors_hooks), each
 storage once, leaving out the parameters, buffers and the caller's input. The minimum is the gate / up
 pre-activation H [pairs, 2F] (and the shared experts' [tokens, 2F_shared]) plus the integer tables kept; under
-EP the expert side adds the received rows, each token once. On CUDA each shape also runs forward + backward
+EP the expert side adds the received rows, each token once. --peers counts the same for torchtitan 0.3.0's routed
+experts (its GroupedExperts computes in bf16 whatever the input, so its bytes are bf16's: double them to compare;
+given the routing, no router) and transformers' Qwen3-MoE sparse block (grouped_mm and eager experts, its router
+included) on the same input. On CUDA each shape also runs forward + backward
 (bf16) in both modes: median ms over --iters and the peak allocated above the start, side by side in one process.
 """
 
@@ -97,6 +101,40 @@ def _config(name: str, D: int, F_: int, E: int, K: int) -> MoEConfig:
     return MoEConfig(dim=D, hidden_dim=F_, num_experts=E, top_k=K, **extra)
 
 
+def peer_kept(D: int, F_: int, E: int, K: int, x: torch.Tensor) -> dict[str, int]:
+    """Bytes kept by torchtitan's routed experts and transformers' Qwen3-MoE block (grouped_mm, eager) on x."""
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+    from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    set_spmd_backend("partial_dtensor")
+    T = x.shape[1]
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(1, T, K, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).view(1, T, K)
+    counts = torch.bincount(ids.flatten(), minlength=E)
+    titan = RoutedExperts.Config(inner_experts=GroupedExperts.Config(dim=D, hidden_dim=F_, num_experts=E),
+                                 token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=K)).build()
+
+    class Routed(torch.nn.Module):  # the routing as arguments, as torchtitan's MoE hands it over
+        def __init__(self):
+            super().__init__()
+            self.experts = titan
+
+        def forward(self, x):
+            return self.experts(x, scores, ids, counts)
+
+    out = {"torchtitan_bf16": kept_bytes(Routed(), x).total}
+    for impl in ("grouped_mm", "eager"):
+        block = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(hidden_size=D, moe_intermediate_size=F_, num_experts=E,
+                                                      num_experts_per_tok=K, norm_topk_prob=True,
+                                                      experts_implementation=impl))
+        out[f"transformers_{impl}"] = kept_bytes(block, x).total
+    return out
+
+
 def _timed(moe: MoE, x: torch.Tensor, iters: int) -> tuple[float, int]:
     """(median ms of forward + backward, peak bytes allocated above the start) on CUDA."""
     times = []
@@ -121,6 +159,7 @@ def main():
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--shapes", nargs="*", help="names to run (default: all of the device's)")
+    ap.add_argument("--peers", action="store_true", help="CPU: torchtitan's and transformers' layers beside ours")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from dtensor_moe.train.metrics import write_json
@@ -153,6 +192,8 @@ def main():
             del moe
         for mode in ("standard", "minimal"):
             row[f"{mode}_over_minimum"] = row[f"{mode}_kept_bytes"] / row["minimum_bytes"]
+        if args.peers:
+            row.update({f"{k}_kept_bytes": v for k, v in peer_kept(D, F_, E, K, x).items()})
         line = (f"| {name} | {D} {F_} {E} {K} {T} | {row['standard_kept_bytes'] / mib:.0f} | "
                 f"{row['minimal_kept_bytes'] / mib:.0f} | {row['minimum_bytes'] / mib:.0f} | "
                 f"{row['standard_over_minimum']:.2f}x | {row['minimal_over_minimum']:.2f}x |")
@@ -160,6 +201,9 @@ def main():
             row["time_ratio"] = row["minimal_ms"] / row["standard_ms"]
             line += (f" {row['standard_ms']:.2f} | {row['minimal_ms']:.2f} | {row['time_ratio']:.3f} | "
                      f"{row['standard_peak_bytes'] / mib:.0f} | {row['minimal_peak_bytes'] / mib:.0f} |")
+        if args.peers:
+            line += "".join(f" {k.removesuffix('_kept_bytes')} {row[k] / mib:.0f} |" for k in row if
+                            k.startswith(("torchtitan", "transformers")))
         print(line, flush=True)
         rows.append(row)
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
