@@ -164,7 +164,7 @@ class MoE(nn.Module):
         if cfg.round_tokens_to:  # after capacity, and after the statistics too (docs/routing.md, "Token rounding")
             C = None if cfg.capacity_factor is None else capacity(len(x_TD), cfg.top_k, cfg.num_experts,
                                                                    cfg.capacity_factor)
-            if not torch.compiler.is_compiling():
+            if len(x_TD) and not torch.compiler.is_compiling():  # an empty forward rounds nothing away
                 _warn_unreachable_rounding(cfg, len(x_TD))
             experts_TK, weights_TK = round_tokens_compiled(
                 r.experts_TK, experts_TK, weights_TK, combine_weights_TE(cfg, r.scores_TE, r.logits_TE, r.experts_TK),
@@ -252,4 +252,4 @@ def _warn_unreachable_rounding(cfg: MoEConfig, tokens: int) -> None:
         check_rounding_reachable(cfg.round_tokens_to, tokens, cfg.top_k, cfg.num_experts, cfg.capacity_factor,
                                  "this forward's", "MoEConfig.round_tokens_to")
     except ValueError as e:
-        warnings.warn(str(e), stacklevel=3)
+        warnings.warn(str(e))  # one location: Python's default filter shows it once
