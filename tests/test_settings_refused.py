@@ -265,3 +265,20 @@ def test_hook_row_cap_ends_in_one_line_and_the_main_jobs_exit_status(tmp_path):
     assert exit0 == (ROW_CAP_RC, False) and exit1 == (ROW_CAP_RC, True), (exit0, exit1)
     assert len(lines0) == 1 and lines1 == [], (lines0, lines1)
     assert "more than max_rows_per_rank (1)" in lines0[0] and "stopped in step 1" in lines0[0], lines0
+
+
+def test_the_cpu_launcher_without_torchtitan_names_the_extra(tmp_path):
+    """The hook's CPU entry point with torchtitan missing: one line naming the extra to install, rc 2, where each
+    rank printed an ImportError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib.util as u\n_find = u.find_spec\n"
+        "u.find_spec = lambda name, *a: None if name == 'torchtitan' else _find(name, *a)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "dtensor_moe.titan.cpu_train", "--help"], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": f"{tmp_path}:{root}"}, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "dtensor-moe[titan]" in proc.stderr
