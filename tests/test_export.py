@@ -210,3 +210,18 @@ def test_export_hf_of_a_main_job_checkpoint_round_trips(tmp_path):
     assert ours.keys() == moe.keys()
     for k, v in ours.items():
         assert torch.equal(v, moe[k]), k
+
+
+def test_our_checkpoint_without_its_manifest_is_not_taken_for_torchtitans(tmp_path):
+    """A main-job checkpoint whose manifest.json was lost is still ours (the loader then names the opt-in); only a
+    DCP directory with none of our files is torchtitan's (export --titan-config)."""
+    from dtensor_moe.cli.export import _torchtitan_checkpoint
+
+    ours, titan = tmp_path / "step_00000004", tmp_path / "step-4"
+    for d in (ours, titan):
+        d.mkdir()
+        (d / ".metadata").write_bytes(b"")
+        (d / "__0_0.distcp").write_bytes(b"")
+    (ours / "model_config.json").write_text("{}")
+    (ours / "train_state.pt").write_bytes(b"")
+    assert not _torchtitan_checkpoint(ours) and _torchtitan_checkpoint(titan)

@@ -6,7 +6,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from dtensor_moe.train.checkpoint import MANIFEST
+from dtensor_moe.train.checkpoint import MANIFEST, MODEL_CONFIG, TRAIN_STATE
 
 # train.export's names, spelled here: that module needs safetensors, which is checked before it is imported.
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
@@ -36,8 +36,10 @@ def add_export_arguments(parser):
 
 
 def _torchtitan_checkpoint(path: Path) -> bool:
-    """A DCP checkpoint none of our savers wrote (they add a manifest): torchtitan's `checkpoint/step-N`."""
-    return (path / ".metadata").is_file() and not (path / MANIFEST).exists()
+    """A DCP checkpoint none of our savers wrote (they add a manifest, a model config and a train state):
+    torchtitan's `checkpoint/step-N`. Ours with only its manifest lost is ours: the loader names the opt-in."""
+    ours = (MANIFEST, MODEL_CONFIG, TRAIN_STATE)
+    return (path / ".metadata").is_file() and not any((path / name).exists() for name in ours)
 
 
 def _one_line_errors(command: str, fn) -> int:
