@@ -31,7 +31,7 @@ from dtensor_moe.kernels.swiglu import (
 )
 from dtensor_moe.routing.tables import PaddedCopies, PairRows, TokenCopies
 
-__all__ = ["GroupedExperts", "grouped_swiglu", "split_gate_up", "join_gate_up"]
+__all__ = ["GroupedExperts", "SwiGLUExperts", "grouped_swiglu", "split_gate_up", "join_gate_up"]
 
 
 @dataclass(frozen=True)
@@ -442,7 +442,60 @@ def join_gate_up(state: dict) -> dict:
     return out
 
 
-class GroupedExperts(nn.Module):
+class SwiGLUExperts:
+    """What the expert-parallel dispatcher and the replicas need of routed experts that run this module's kernels,
+    whatever stores their weights: our `GroupedExperts`, or another family's experts module adopted by the torchtitan
+    hook (dtensor_moe/titan/experts.py: its parameters, names and shapes stay that family's).
+
+    A subclass provides `swiglu_weights(dtype)` and the attributes `clamp` ((alpha, limit) of the clamped gate, or
+    None), `precision` (MoEConfig.expert_precision) and `activation_memory` (MoEConfig.activation_memory); the
+    forward below is the same for all of them.
+    """
+
+    clamp: tuple[float, float] | None = None
+    precision: str = "bf16"
+    activation_memory: str = "minimal"
+
+    def swiglu_weights(self, dtype: torch.dtype) -> tuple:
+        """(w13_E2FD, w2_EDF, b13_E2F, b2_ED) as the kernels take them (biases None where absent): parameters, or
+        differentiable views / copies of them whose gradients reach the parameters through autograd. `dtype`: the
+        compute dtype, for a subclass that must copy its weights anyway (copying in it costs least)."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor | ExpertInput, counts_E: torch.Tensor | None = None,
+                copies: TokenCopies | PaddedCopies | None = None) -> torch.Tensor:
+        """Tokens x with their routing `copies`: copied into expert order, run, combined back into
+        x's shape. Or, from the expert-parallel dispatcher, an `ExpertInput` (rows already grouped
+        by local expert): returns one output row per input row."""
+        if isinstance(x, ExpertInput):
+            opts = dict(weight_grad_scale=x.weight_grad_scale, host_counts=x.host_counts, add_b2=x.adds_output_bias)
+            if x.pairs is None:
+                return self._rows(x.x_ND, x.counts_E, **opts)
+            return self._pairs(x.x_ND, x.pairs, x.counts_E, **opts)
+        counts_E, host_counts = copies.expert_blocks(counts_E)
+        if isinstance(copies, TokenCopies):
+            return self._pairs(x.reshape(-1, x.shape[-1]), copies.pair_rows(x.shape), counts_E, host_counts=host_counts)
+        return copies.combine(self._rows(copies.expand(x), counts_E, host_counts=host_counts), x.shape)
+
+    def _kernel_inputs(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        w13, w2, b13, b2 = self.swiglu_weights(dtype)
+        return w13, w2, dict(biases=None if b13 is None else (b13, b2), clamp=self.clamp, precision=self.precision)
+
+    def _rows(self, x_ND, counts_E, **opts) -> torch.Tensor:
+        """One output row per row of x_ND (grouped by expert)."""
+        w13, w2, kernel = self._kernel_inputs(x_ND.dtype)
+        return grouped_swiglu(x_ND, counts_E, w13, w2, **opts, **kernel)
+
+    def _pairs(self, x_RD, pairs: PairRows, counts_E, **opts) -> torch.Tensor:
+        """Each row's weighted sum of its pairs' outputs: the pairs copied, run and summed (standard), or
+        grouped_swiglu_pairs (minimal)."""
+        if self.activation_memory == "minimal":
+            w13, w2, kernel = self._kernel_inputs(x_RD.dtype)
+            return grouped_swiglu_pairs(x_RD, pairs, counts_E, w13, w2, **opts, **kernel)
+        return pairs.combine(self._rows(pairs.expand(x_RD), counts_E, **opts))
+
+
+class GroupedExperts(SwiGLUExperts, nn.Module):
     """The routed experts of one MoE layer: `num_experts` SwiGLU feed-forwards stored stacked and run as
     grouped GEMMs over rows grouped by expert.
 
@@ -502,34 +555,8 @@ class GroupedExperts(nn.Module):
         return cls(config.dim, config.hidden_dim, config.num_experts, config.expert_biases, clamp,
                    config.expert_precision, config.activation_memory)
 
-    def forward(self, x: torch.Tensor | ExpertInput, counts_E: torch.Tensor | None = None,
-                copies: TokenCopies | PaddedCopies | None = None) -> torch.Tensor:
-        """Tokens x with their routing `copies`: copied into expert order, run, combined back into
-        x's shape. Or, from the expert-parallel dispatcher, an `ExpertInput` (rows already grouped
-        by local expert): returns one output row per input row."""
-        if isinstance(x, ExpertInput):
-            opts = dict(weight_grad_scale=x.weight_grad_scale, host_counts=x.host_counts, add_b2=x.adds_output_bias)
-            if x.pairs is None:
-                return grouped_swiglu(x.x_ND, x.counts_E, self.w13, self.w2, **opts, **self._kernel_options())
-            return self._pairs(x.x_ND, x.pairs, x.counts_E, **opts)
-        counts_E, host_counts = copies.expert_blocks(counts_E)
-        if isinstance(copies, TokenCopies):
-            return self._pairs(x.reshape(-1, x.shape[-1]), copies.pair_rows(x.shape), counts_E, host_counts=host_counts)
-        y_ND = grouped_swiglu(copies.expand(x), counts_E, self.w13, self.w2, host_counts=host_counts,
-                              **self._kernel_options())
-        return copies.combine(y_ND, x.shape)
-
-    def _kernel_options(self) -> dict:
-        biases = None if self.b13 is None else (self.b13, self.b2)
-        return dict(biases=biases, clamp=self.clamp, precision=self.precision)
-
-    def _pairs(self, x_RD, pairs: PairRows, counts_E, **opts) -> torch.Tensor:
-        """Each row's weighted sum of its pairs' outputs: the pairs copied, run and summed (standard), or
-        grouped_swiglu_pairs (minimal)."""
-        if self.activation_memory == "minimal":
-            return grouped_swiglu_pairs(x_RD, pairs, counts_E, self.w13, self.w2, **opts, **self._kernel_options())
-        return pairs.combine(grouped_swiglu(pairs.expand(x_RD), counts_E, self.w13, self.w2, **opts,
-                                            **self._kernel_options()))
+    def swiglu_weights(self, dtype: torch.dtype) -> tuple:
+        return self.w13, self.w2, self.b13, self.b2
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02):

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtensor_moe.experts import ExpertInput, GroupedExperts, gather_for_compute, grouped_swiglu
+from dtensor_moe.experts import ExpertInput, SwiGLUExperts, gather_for_compute, grouped_swiglu
 from dtensor_moe.grad_scale import ScaleGrad
 from dtensor_moe.moe import recomputing
 from dtensor_moe.parallel.dispatch import DroplessDispatch, ExpertOrderDispatch, Pairs
@@ -144,12 +144,11 @@ class Replicas:
         slot_counts, _, order_N = self._slot_order(mine, n_virtual, N, counts_E.device)
         return slot_counts, order_N
 
-    def weights(self, experts, names, dtype: torch.dtype | None) -> list[torch.Tensor | None]:
-        """The replica slots' copies of the experts' parameters `names` ([r, ...] each, None for an absent one, e.g.
+    def weights(self, params: list, dtype: torch.dtype | None) -> list[torch.Tensor | None]:
+        """The replica slots' copies of the experts' weights `params` ([r, ...] each, None for an absent one, e.g.
         our experts' biases), this ETP rank's slices, from their owners over the EP group, in `dtype` (our experts:
         the compute dtype, as they cast the owners' weights, so the copies round as they do; None: the parameters'
         own, for experts that cast them in their forward); empty slots are zeros (no rows reach them)."""
-        params = [getattr(experts, n) for n in names]
         present = [p for p in params if p is not None]
         # The (ep, etp) slice, as the experts take it: under FSDP2 the unsharded parameter; without an experts
         # unit (ExpertParallel(fsdp=False)) gathered over EDP here too, its gradient reduce-scattered back.
@@ -183,9 +182,9 @@ class Replicas:
         it = iter(out)
         return [None if p is None else next(it) for p in params]
 
-    def run(self, experts: GroupedExperts, x_ND, counts_E, host_counts, weight_grad_scale, adds_output_bias):
+    def run(self, experts: SwiGLUExperts, x_ND, counts_E, host_counts, weight_grad_scale, adds_output_bias):
         """The replica slots' rows through the owners' weights."""
-        w13, w2, b13, b2 = self.weights(experts, ("w13", "w2", "b13", "b2"), x_ND.dtype)
+        w13, w2, b13, b2 = self.weights(list(experts.swiglu_weights(x_ND.dtype)), x_ND.dtype)
         biases = None if b13 is None else (b13, b2)
         return grouped_swiglu(x_ND, counts_E, w13, w2, weight_grad_scale=weight_grad_scale,
                               host_counts=host_counts, biases=biases, clamp=experts.clamp, add_b2=adds_output_bias,
@@ -195,8 +194,8 @@ class Replicas:
         """The replica slots' rows through other experts (torchtitan's): `forward(experts, x_RD, counts_E, weights)`
         runs them with `weights` (a copy of each of the module's own parameters, by name) in place of the owned
         ones. Their gradient is scaled as the hooks scale the owned rows' output gradient (`dispatch_hooks`)."""
-        names = [n for n, _ in experts.named_parameters(recurse=False)]
-        y_RD = forward(experts, x_RD, counts_E, dict(zip(names, self.weights(experts, names, None))))
+        names, params = zip(*experts.named_parameters(recurse=False))
+        y_RD = forward(experts, x_RD, counts_E, dict(zip(names, self.weights(list(params), None))))
         return y_RD if weight_grad_scale == 1 else ScaleGrad.apply(y_RD, weight_grad_scale)
 
 

@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils.hooks import RemovableHandle
 
-from dtensor_moe.experts import GroupedExperts
+from dtensor_moe.experts import SwiGLUExperts
 from dtensor_moe.grad_scale import ScaleGrad
 from dtensor_moe.moe import LocalStats, MoE
 from dtensor_moe.parallel.dispatch import (
@@ -148,11 +148,11 @@ def shard_moe_layer(
                          f"valid: tp_grads='sum', got {tp_grads!r}")
     experts = _experts(moe, plans)
     ep_etp = meshes.expert["ep", "etp"]
-    ours = isinstance(experts, GroupedExperts)  # takes ExpertInput and the weight-gradient scale
+    ours = isinstance(experts, SwiGLUExperts)  # takes ExpertInput and the weight-gradient scale
     options = dispatch_options or {}
     if not ours and options.get("replicas") and options.get("replica_forward") is None:
-        raise ValueError(f"expert_replicas needs dtensor_moe's GroupedExperts (they run the replicas' rows) or a "
-                         f"replica_forward for {type(experts).__name__} (the torchtitan hook's); valid: "
+        raise ValueError(f"expert_replicas needs dtensor_moe's experts (SwiGLUExperts: they run the replicas' rows) or "
+                         f"a replica_forward for {type(experts).__name__} (the torchtitan hook's); valid: "
                          f"expert_replicas 0")
     in_graph = ours and gather_in_forward and experts_fsdp_sharded(dims)
     weight_mesh = meshes.expert_by_plan if in_graph else meshes.expert_weights
@@ -207,7 +207,7 @@ def _fully_shard(moe: nn.Module, plans: tuple[WeightPlan, ...], dims: MoEParalle
     # With no expert data-parallel axis every expert slice has one owner: FSDP on a 1-rank mesh
     # would only copy the weights in and out around each use (~60 ms per step at DeepSeek scale).
     # Gathered in the forward, they are sharded over EDP by their DTensor placements already.
-    ours = isinstance(experts, GroupedExperts)
+    ours = isinstance(experts, SwiGLUExperts)
     ignored = set(experts.parameters()) if ours and (gather_in_forward or not experts_fsdp_sharded(dims)) else None
     if ignored is None:
         fully_shard(

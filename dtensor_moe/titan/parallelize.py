@@ -12,6 +12,9 @@ moves tokens around torchtitan's grouped-GEMM experts, and FSDP2 shards the expe
 router/shared experts over every rank with its own tokens (dp_shard * cp * tp: under sequence
 parallelism each TP rank hands its MoE its own slice of the sequence), each with the plan's shard
 dim. The dense rest gets torchtitan's own FSDP2/HSDP (over dp_shard * cp, torchtitan's "fsdp" mesh).
+With `--dtensor_moe.experts ours` (the default) our routed experts compute inside torchtitan's MoE (experts.py):
+the dropless dispatch and our kernels on torchtitan's own expert parameters; `titan` keeps torchtitan's
+experts behind our expert-order dispatch.
 Under pipeline parallelism torchtitan calls this once per stage's model part and our meshes are that
 stage's. Parameters keep torchtitan's names, so its checkpointer and Hugging Face state-dict
 adapters see the usual keys.
@@ -36,6 +39,7 @@ from dtensor_moe.parallel.placement import WeightPlan, plan_moe, split_gate_up_p
 from dtensor_moe.parallel.shard import shard_moe_layer
 
 from .context_parallel import apply_cp
+from .experts import adopt
 from .gpt_oss import expert_dims, finish_rows, gpt_oss_plans, is_gpt_oss, moe_fields
 from .replicas import dispatch_options
 from .token_rounding import round_titan_tokens
@@ -50,9 +54,10 @@ _TITAN_NAMES = {
 }
 
 
-def moe_config(moe: MoE) -> MoEConfig:
+def moe_config(moe: MoE, options=None) -> MoEConfig:
     """The MoEConfig the plan needs, read off a torchtitan MoE module (works on the meta device): torchtitan's
-    grouped experts or gpt-oss's (biases, fused gate / up, clamped SwiGLU)."""
+    grouped experts or gpt-oss's (biases, fused gate / up, clamped SwiGLU). `options`: the hook's
+    `ExpertParallelConfig` (None: the defaults), for our experts' precisions and activation memory."""
     experts, router = moe.routed_experts.inner_experts, moe.router
     gpt_oss = is_gpt_oss(experts)
     E, F, D = expert_dims(experts) if gpt_oss else experts.w1_EFD.shape
@@ -73,6 +78,9 @@ def moe_config(moe: MoE) -> MoEConfig:
         num_shared_experts=shared,
         router_bias=router.gate.bias is not None,
         **(moe_fields(experts) if gpt_oss else {}),
+        **({} if options is None else dict(expert_precision=options.expert_precision,
+                                           activation_memory=options.activation_memory,
+                                           dispatch_precision=options.dispatch_precision)),
     )
 
 
@@ -136,19 +144,24 @@ def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_co
     )
     reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled)
     names = {m: n for n, m in model.named_modules()}
-    rounding = parallel_dims.options.round_tokens_to if parallel_dims.options is not None else 0
+    options = parallel_dims.options
+    rounding = options.round_tokens_to if options is not None else 0
+    ours = options is None or options.experts == "ours"
     for moe, moe_plans in zip(moes, plans):
+        config = moe_config(moe, options)
         if rounding:  # --dtensor_moe.round_tokens_to (titan/token_rounding.py)
-            round_titan_tokens(moe, moe_config(moe), rounding, dims.ep * dims.etp > 1)
+            round_titan_tokens(moe, config, rounding, dims.ep * dims.etp > 1)
+        if ours:  # --dtensor_moe.experts ours (titan/experts.py)
+            adopt(moe, config)
         # torchtitan's loss is a global sum and its FSDP reductions sum (divide factor 1): expert
         # weight gradients must stay sums too (fsdp_sums: no EP*ETP division in the dispatcher), and the tp
         # ranks' copies sum like torchtitan's TP weights' (tp_grads="sum", by those reductions themselves).
         fsdp_kwargs = {"mp_policy": mp_policy, "reshard_after_forward": reshard}
         # Replicas and the row cap (titan/replicas.py): --dtensor_moe.expert_replicas, max_rows_per_rank.
-        options = dispatch_options(parallel_dims.options, f"MoE layer {names[moe]!r}", dims.etp)
         shard_moe_layer(moe, moe_plans, dims, meshes, fsdp_kwargs, tp_grads="sum", fsdp_sums=True,
-                        dispatch_options=options)
-        if is_gpt_oss(moe.routed_experts.inner_experts):
+                        dispatch_precision=config.dispatch_precision,
+                        dispatch_options=dispatch_options(options, f"MoE layer {names[moe]!r}", dims.etp))
+        if not ours and is_gpt_oss(moe.routed_experts.inner_experts):
             finish_rows(moe.routed_experts.inner_experts, dims.etp)
 
     if ac_config is not None:

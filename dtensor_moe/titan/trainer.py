@@ -21,8 +21,11 @@ import torch.distributed as dist
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.linear import ScaledBiasRowwiseLinear
+from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 from torchtitan.trainer import Trainer as TitanTrainer
 
+from dtensor_moe.config import ACTIVATION_MEMORY, DISPATCH_PRECISIONS, EXPERT_PRECISIONS
 from dtensor_moe.parallel.dispatch import RowCapExceeded
 from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.parallel.replicas import check_slots
@@ -31,6 +34,7 @@ from dtensor_moe.train.config import check_row_cap
 from dtensor_moe.train.supervision import INTERRUPTED_RC, PREEMPTED_RC, ROW_CAP_RC, StopRequests
 
 from . import compat
+from .experts import EXPERTS
 from .hf import check_hf_export, check_hf_keys, check_hf_load, check_hf_quantized, with_hf_adapter, write_hf_config
 
 compat.install()  # process-wide, so also for torchtitan's own Trainer under this module (titan/compat.py)
@@ -59,6 +63,16 @@ class ExpertParallelConfig:
     """> 0: tile-aware token rounding (MoEConfig.round_tokens_to; titan/token_rounding.py): each expert's (token,
     expert) pairs of one forward on one rank rounded to a multiple of this (the grouped GEMMs' row tile, 128 on
     Hopper); 0: off."""
+    experts: str = "ours"
+    """Who computes the routed experts (titan/experts.py): "ours" (dtensor_moe's dropless dispatch and kernels on
+    torchtitan's own expert parameters) or "titan" (torchtitan's experts behind our expert-order dispatch). The
+    state dict is the same under both: a checkpoint of one resumes under the other."""
+    activation_memory: str = "minimal"
+    """What our routed experts keep for the backward (MoEConfig.activation_memory): "minimal" or "standard"."""
+    expert_precision: str = "bf16"
+    """Our routed experts' GEMMs (MoEConfig.expert_precision): "bf16", or "fp8" (e4m3 where measured faster)."""
+    dispatch_precision: str = "bf16"
+    """The EP / ETP token payload (MoEConfig.dispatch_precision): "bf16" (the activations' dtype) or "fp8"."""
 
 
 @dataclass
@@ -187,6 +201,7 @@ def _check_config(config: Trainer.Config) -> None:
     """What the hook supports of torchtitan's settings; sets torchtitan's replicate degree to ours."""
     p, ours = config.parallelism, config.dtensor_moe
     _only("parallelism.expert_parallel_degree", p.expert_parallel_degree, 1, "set --dtensor_moe.ep instead")
+    _check_experts(config)
     _check_replicas(config)
     _check_rounding(config)
     if p.context_parallel_degree > 1:
@@ -311,6 +326,33 @@ def _check_tp(config: Trainer.Config, tp: int) -> None:
                 raise ValueError(
                     f"parallelism.tensor_parallel_degree ({tp}) must divide layers[{i}].attention.{name} ({heads}) "
                     f"so each TP rank owns whole heads; valid: {[d for d in range(1, heads + 1) if heads % d == 0]}")
+
+
+def _check_experts(config: Trainer.Config) -> None:
+    """--dtensor_moe.experts and what only our experts read (titan/experts.py), checked while parsing."""
+    ours = config.dtensor_moe
+    for name, valid in (("experts", EXPERTS), ("activation_memory", ACTIVATION_MEMORY),
+                        ("expert_precision", EXPERT_PRECISIONS), ("dispatch_precision", DISPATCH_PRECISIONS)):
+        if getattr(ours, name) not in valid:
+            raise ValueError(f"--dtensor_moe.{name} {getattr(ours, name)!r} is not one of {list(valid)}")
+    if ours.experts == "titan":
+        for name, default in (("activation_memory", "minimal"), ("expert_precision", "bf16")):
+            if getattr(ours, name) != default:
+                raise ValueError(f"--dtensor_moe.{name} {getattr(ours, name)} acts on dtensor_moe's experts only, "
+                                 f"not with --dtensor_moe.experts titan; valid: --dtensor_moe.experts ours, or "
+                                 f"--dtensor_moe.{name} {default}")
+    if ours.dispatch_precision == "fp8" and ours.ep * ours.etp == 1:
+        raise ValueError("--dtensor_moe.dispatch_precision fp8 sets the payload of the EP / ETP token exchange, and "
+                         "--dtensor_moe.ep 1 --dtensor_moe.etp 1 exchanges none; valid: --dtensor_moe.ep or "
+                         "--dtensor_moe.etp > 1, or --dtensor_moe.dispatch_precision bf16")
+    if ours.experts == "ours":
+        for i, moe in enumerate(_moes(config.model_spec.model)):
+            kind = type(moe.routed_experts.inner_experts)
+            if kind not in (GroupedExperts.Config, GptOssGroupedExperts.Config):
+                # e.g. torchtitan's float8 / MXFP8 experts: their own GEMMs, which ours would silently replace
+                raise ValueError(f"MoE layer {i}'s routed experts are {kind.__qualname__}, which --dtensor_moe.experts "
+                                 "ours does not run (our FP8 is --dtensor_moe.expert_precision fp8); valid: "
+                                 "torchtitan's GroupedExperts or GptOssGroupedExperts, or --dtensor_moe.experts titan")
 
 
 def _check_replicas(config: Trainer.Config) -> None:
