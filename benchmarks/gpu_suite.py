@@ -293,18 +293,30 @@ def titan_cases(device: str, run_root: str) -> list[SuiteCase]:
 
 
 def _titan(run_root: str, nproc: int, backend: str) -> dict:
-    out = os.path.join(run_root, f"titan_{nproc}_{backend}.json")
+    """The hook (our experts, the default) against torchtitan alone on the same ranks, both from one seed checkpoint:
+    every step's loss within titan_torch211's --ref-atol (bf16 on the GPU)."""
+    seed = os.path.join(run_root, "titan_seed")
+    ref = _titan_run(run_root, nproc, backend, f"titan_alone_{nproc}_{backend}", "--seed", seed, "--alone")
+    case = _titan_run(run_root, nproc, backend, f"titan_{nproc}_{backend}", "--seed", seed, "--ref", ref["path"])
+    diffs = case["checks"]["ref"]["loss_abs_diffs"]
+    return {"max_rel_err": max(diffs), "tol": case["checks"]["ref"]["atol"], "losses": case.get("losses"),
+            "losses_titan_alone": ref.get("losses")}
+
+
+def _titan_run(run_root: str, nproc: int, backend: str, name: str, *flags: str) -> dict:
+    out = os.path.join(run_root, f"{name}.json")
     # FlexAttention compiled without max-autotune (other tiles, the same math), so a case takes minutes, not ten.
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "titan_torch211.py"), "--nproc", str(nproc),
-                           "--backend", backend, "--out", out, "--steps", "4", "--no-flex-autotune",
+                           "--backend", backend, "--out", out, "--steps", "4", "--no-flex-autotune", *flags,
                            "--timeout", os.environ.get("GPU_SUITE_TITAN_TIMEOUT_S", "240")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     if not os.path.exists(out):
         raise RuntimeError(f"titan_torch211.py wrote no result (rc {proc.returncode}): {proc.stderr[-1500:]}")
     case = json.load(open(out))
     if not case.get("passed"):
-        raise RuntimeError(case.get("titan_blocker") or case.get("log_tail", "")[-1500:])
-    return {"max_rel_err": case.get("max_rel_err", 0.0), "tol": case.get("tol", 0.0), "losses": case.get("losses")}
+        raise RuntimeError(case.get("titan_blocker") or str(case.get("checks", {}).get("ref"))
+                           or case.get("log_tail", "")[-1500:])
+    return {**case, "path": out}
 
 
 # --- the run -------------------------------------------------------------------------------------------------------

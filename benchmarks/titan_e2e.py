@@ -50,23 +50,27 @@ _LINE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-0-9.naif]+)\s+grad_norm:\s*([-0-
 # ---- the config registry (read in the rank processes, after the shims) -------------------------------------------
 
 
-def _cut(config, layers: int, ac: str):
+def _cut(config, layers: int | None, ac: str | None):
+    """`config` with its decoder cut to `layers` (None: all), `ac` ("selective", "none"; None: the config's own),
+    no checkpoint, the shipped data."""
     from torchtitan.distributed.activation_checkpoint import SelectiveAC
 
     from dtensor_moe.titan.config_registry import _shipped_data
 
     model = config.model_spec.model
     model.layers = model.layers[:layers]
-    config.activation_checkpoint = SelectiveAC.Config() if ac == "selective" else None
+    if ac is not None:
+        config.activation_checkpoint = SelectiveAC.Config() if ac == "selective" else None
     config.checkpoint = replace(config.checkpoint, enable=False)
     return _shipped_data(config)
 
 
 def _env():
-    model = os.environ.get("TITAN_E2E_MODEL", "deepseek_v3_16b")
-    if model not in REAL_DEPTH:
-        raise ValueError(f"TITAN_E2E_MODEL={model!r}; valid: {list(REAL_DEPTH)}")
-    return model, int(os.environ.get("TITAN_E2E_LAYERS", "4")), os.environ.get("TITAN_E2E_AC", "none")
+    """TITAN_E2E_MODEL (a config function of torchtitan's and of the hook's registry), TITAN_E2E_LAYERS (unset: all)
+    and TITAN_E2E_AC (unset: the config's own)."""
+    layers = os.environ.get("TITAN_E2E_LAYERS")
+    return (os.environ.get("TITAN_E2E_MODEL", "deepseek_v3_16b"), None if layers is None else int(layers),
+            os.environ.get("TITAN_E2E_AC"))
 
 
 def e2e_hook():
@@ -79,7 +83,7 @@ def e2e_hook():
 
 def e2e_titan():
     """torchtitan alone: its own config function, Trainer and parallelize function (EP 1, the partial_dtensor backend
-    as the hook's, CUDA graphs off)."""
+    as the hook's, CUDA graphs off). Also the GPU suite's reference (titan_torch211.py --alone)."""
     from torchtitan.models.deepseek_v3 import config_registry as deepseek
     from torchtitan.models.qwen3 import config_registry as qwen3
     from torchtitan.trainer import Trainer
@@ -90,7 +94,10 @@ def e2e_titan():
     model, layers, ac = _env()
     if model.endswith("_cpu"):  # the hook's tiny CPU model under torchtitan's own parallelize
         return _cut(getattr(config_registry, f"{model}_titan_ep")(), layers, ac)
-    config = (deepseek if model.startswith("deepseek") else qwen3).__dict__[model]()
+    registry = deepseek if model.startswith("deepseek") else qwen3
+    if not hasattr(registry, model):
+        raise ValueError(f"TITAN_E2E_MODEL={model!r} is not a config function of {registry.__name__}")
+    config = getattr(registry, model)()
     config = _as(config, Trainer, config.model_spec.parallelize_fn, expert_parallel_degree=1)
     if model.startswith("qwen3"):  # the hook's Qwen3 configs train no routing bias (config_registry._no_routing_bias)
         for layer in config.model_spec.model.layers:

@@ -224,3 +224,25 @@ def test_small_tile_groups_compute_the_same_grouped_gemm(E, N):
         assert N <= 128 * w_small.shape[0]
         assert w_small.untyped_storage().data_ptr() == w_EIO.untyped_storage().data_ptr()  # views, no copy
         torch.testing.assert_close(grouped(x, w_small, ends_small), grouped(x, w_EIO, ends), rtol=0, atol=0)
+
+
+def test_titan_e2e_smoke(tmp_path):
+    """benchmarks/titan_e2e.py on CPU ranks at the hook's tiny DeepSeek-V3 (2 steps, its 1 and 2 layers, eager;
+    torchtitan alone and our experts, each a torchrun of ~10 s): torchtitan's own step lines parsed, the same first
+    loss in both rows (one seed), the projection made."""
+    pytest.importorskip("torchtitan")
+    import subprocess
+
+    out = tmp_path / "e2e.json"
+    proc = subprocess.run([sys.executable, "benchmarks/titan_e2e.py", "--model", "deepseek_v3_debugmodel_cpu",
+                           "--device", "cpu", "--backend", "gloo", "--seq", "32", "--steps", "2", "--warmup", "1",
+                           "--modes", "eager", "--rows", "titan", "hook_ours", "--out", str(out)],
+                          cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert {c["row"] for c in result["cases"]} == {"titan", "hook_ours"}
+    first = {(c["depth"], c["row"]): c["per_step"][0]["loss"] for c in result["cases"]}
+    for depth in (1, 2):
+        assert len({loss for (d, _), loss in first.items() if d == depth}) == 1, first
+    assert all(c["tps"] > 0 for c in result["cases"]) and all(result["projections"].values())
+    assert "| hook_ours | eager | none | 2 |" in proc.stdout

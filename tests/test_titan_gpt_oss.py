@@ -17,7 +17,8 @@ rounding, and Adam (lr 3e-3) turns that into loss differences growing with the s
 max |g - g_ref| / max |g_ref| per parameter < 2e-2 (tests/test_titan.py's); losses |dloss| < 1e-3 and gradient
 norms < 1e-2 relative, over 3 steps. Measured (2026-12-07), torchtitan's experts under ETP2: |dloss| 2.5e-4,
 dnorm 1.6e-3, gradients 4.7e-3; ours (float32 GEMMs against torchtitan's bfloat16): EP2 and EP2 x ETP2 |dloss|
-1.6e-4, dnorm 1.9e-4, gradients 5.5e-3, PP2 x EP2 5.3e-4, 6.2e-4, 6.7e-3. With the down bias added once per ETP rank (the bug `finish_rows` prevents): first-step loss still
+1.6e-4, dnorm 1.9e-4, gradients 5.5e-3, PP2 x EP2 5.3e-4, 6.2e-4, 6.7e-3. With the down bias added once per ETP
+rank (the bug `finish_rows` prevents): first-step loss still
 within 2e-5, but gradients off by 0.08 to 2.4 and the first gradient norm by 17%.
 
 The seed checkpoint comes from one rank: CPU ranks initialize their shards from the same generator state, so
