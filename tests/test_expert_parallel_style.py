@@ -10,7 +10,15 @@ import pytest
 import torch
 from torch import nn
 
-from dtensor_moe import ExpertParallel, MoE, MoEConfig, MoEParallelDims, compile_moe, fully_shard_moe
+from dtensor_moe import (
+    ExpertParallel,
+    MoE,
+    MoEConfig,
+    MoEParallelDims,
+    compile_moe,
+    fully_shard_moe,
+    parallelize_moe,
+)
 
 from .harness import run_on_ranks
 
@@ -269,6 +277,24 @@ def test_tp_reduce_is_the_deprecated_name_of_tp_grads():
     assert style.tp_grads == "mean"
     with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"tp_reduce must be one of"):
         ExpertParallel(dims, tp_reduce="max")
+    for tp_grads in ("sum", "mean"):  # either value: neither silently wins
+        with pytest.raises(ValueError, match=r"ExpertParallel: tp_reduce='mean' is tp_grads' deprecated name, and "
+                                             rf"tp_grads='{tp_grads}' is given too; valid: tp_grads alone"):
+            ExpertParallel(dims, tp_reduce="mean", tp_grads=tp_grads)
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: parallelize_moe(m, MoEParallelDims(1), device_type="cpu"),
+    lambda m: fully_shard_moe(m),
+    lambda m: compile_moe(m, "aot_eager"),
+], ids=["parallelize_moe", "fully_shard_moe", "compile_moe"])
+def test_a_tree_without_moe_is_refused(call):
+    """A model whose MoE blocks are not ours (a Hugging Face model not swapped) would otherwise come back unchanged,
+    every expert unsharded, without a word; refused before any collective (no process group here)."""
+    model = nn.Sequential(nn.Linear(D, D), nn.ReLU())
+    with pytest.raises(ValueError, match=r"holds no dtensor_moe.MoE layer, so there is nothing to shard; a Hugging "
+                                         r"Face model's sparse blocks become ours with parallelize_hf_model"):
+        call(model)
 
 
 @pytest.mark.parametrize(

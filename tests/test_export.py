@@ -125,6 +125,25 @@ def test_import_refuses_to_replace_a_training_checkpoint_without_force(one_proce
     assert not _optim_keys(ckpt)
 
 
+def test_export_refuses_to_replace_files_without_force(one_process_export, tmp_path, capsys):
+    """An output directory that already holds a model (here a Hugging Face one's two files) is left as it was, in one
+    line naming --force; with --force the export replaces them."""
+    root, _ = one_process_export
+    out = tmp_path / "hf_model"
+    out.mkdir()
+    theirs = {export.WEIGHTS: b"their weights", export.CONFIG: b'{"model_type": "qwen3_moe"}', "tokenizer.json": b"{}"}
+    for name, data in theirs.items():
+        (out / name).write_bytes(data)
+    assert cli.main(["export", str(root), str(out)]) == 2
+    assert capsys.readouterr().err == (f"dtensor-moe export: {out} already holds ['model.safetensors', 'config.json']; "
+                                       "pass --force to replace them, or choose another directory\n")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == theirs
+    assert cli.main(["export", str(root), str(out), "--force"]) == 0
+    capsys.readouterr()
+    assert (out / export.WEIGHTS).read_bytes() != theirs[export.WEIGHTS]
+    assert (out / "tokenizer.json").read_bytes() == b"{}"
+
+
 def test_export_of_a_damaged_checkpoint_names_it(one_process_export, tmp_path, capsys):
     root, _ = one_process_export
     from .test_checkpoint import _flip
@@ -138,7 +157,7 @@ def test_export_of_a_damaged_checkpoint_names_it(one_process_export, tmp_path, c
 
 @pytest.mark.parametrize("argv,message", [
     ([], "export CKPT needs an output: OUT (a directory for model.safetensors and config.json) or --hf OUT_DIR"),
-    (["out", "--force"], "--model-type and --force go with --hf; export CKPT OUT takes neither"),
+    (["out", "--model-type", "mixtral"], "--model-type goes with --hf; export CKPT OUT does not take it"),
 ])
 def test_export_without_output_or_with_hf_only_flags_says_which(tmp_path, capsys, argv, message):
     assert cli.main(["export", str(tmp_path / "ckpt"), *argv]) == 2

@@ -168,6 +168,24 @@ def test_bad_replays_raise_before_routing():
     assert moe.routing_replay is None
 
 
+def test_a_recording_of_fewer_experts_is_refused():
+    """A 4-expert layer's recording names valid ids of an 8-expert layer of the same name: its expert count is
+    recorded and checked, on replay and when appending to it."""
+    small, large = _random_moe(num_experts=4, top_k=2), _random_moe(num_experts=8, top_k=2)
+    with record_routing(small) as rec:
+        small(torch.randn(2, 3, 8, dtype=torch.float64))
+    assert rec.num_experts == {"": 4}
+    with pytest.raises(ValueError, match=r"replay_routing: MoE layer '' has 8 experts, its recording was made by a "
+                                         r"layer of 4; replay on the model that recorded"):
+        with replay_routing(large, rec):
+            pass
+    with pytest.raises(ValueError, match=r"record_routing: MoE layer '' has 8 experts, `into` holds a recording of 4"):
+        with record_routing(large, into=rec):
+            pass
+    with replay_routing(small, rec):  # its own model replays it
+        small(torch.randn(2, 3, 8, dtype=torch.float64))
+
+
 def test_compiled_blocks_compile_once_for_every_microbatch():
     """The main job compiles each block's forward (fullgraph), its MoE inside: the replay's hooks sit on the block,
     around the graph, so the position in the recording never enters it (one graph per grad mode, not one per

@@ -464,39 +464,49 @@ def test_titan_hook_keeps_no_state():
         assert torch.equal(q.grad, p.grad) and torch.equal(r.grad, p.grad)
 
 
-def _titan_ep(rank, world_size, M):
-    """torchtitan's MoE under our EP2 x ETP2 plan and dispatcher, rounding on: (its output on this rank's tokens,
-    the output of the unparallelized layer with the hook on them, the rows each local expert got)."""
+def _titan_ep(rank, world_size, M, ours):
+    """torchtitan's MoE under our EP2 x ETP2 plan and dispatcher, rounding on, with torchtitan's experts or ours
+    (`--dtensor_moe.experts ours`: titan/experts.py): (its output on this rank's tokens, the output of the
+    unparallelized layer with the hook on them, the rows each local expert got)."""
+    from dtensor_moe.experts import ExpertInput
     from dtensor_moe.parallel.shard import shard_moe_layer
+    from dtensor_moe.titan.experts import adopt
     from dtensor_moe.titan.parallelize import moe_config, titan_plan
     from dtensor_moe.titan.token_rounding import round_titan_tokens
 
     ref, moe = _titan_moe(), _titan_moe()
     x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(10 + rank))
-    with torch.no_grad():
-        unrounded = ref(x)
-    round_titan_tokens(ref, moe_config(ref), M, dispatched=False)
+    for m, dispatched in ((ref, False), (moe, True)):
+        round_titan_tokens(m, moe_config(m), M, dispatched=dispatched)
+        if ours:
+            adopt(m, moe_config(m))
     with torch.no_grad():
         want = ref(x)
+    unrounded = _titan_moe()
+    if ours:
+        adopt(unrounded, moe_config(unrounded))
+    with torch.no_grad():
+        unrounded = unrounded(x)
     dims = MoEParallelDims(world_size, ep=2, etp=2)
-    round_titan_tokens(moe, moe_config(moe), M, dispatched=True)
     shard_moe_layer(moe, titan_plan(moe, dims), dims, dims.build_meshes("cpu"), None, fsdp_sums=True)
     rows = _titan_rows(moe)
     with torch.no_grad():
         got = moe(x)
-    return got, want, unrounded, rows[0][1].tolist()
+    counts = rows[0][0].counts_E if isinstance(rows[0][0], ExpertInput) else rows[0][1]
+    return got, want, unrounded, counts.tolist()
 
 
-def test_titan_hook_under_ep_and_etp():
+@pytest.mark.parametrize("ours, rtol", [(False, 5e-3), (True, 1e-5)], ids=["titan_experts", "our_experts"])
+def test_titan_hook_under_ep_and_etp(ours, rtol):
     """EP2 x ETP2: the experts get multiples of M (each EP source sends multiples; the dropped pairs never
-    travel), and the output is the unparallelized layer's on each rank's tokens, up to torchtitan's bf16 expert
-    GEMMs (ETP sums bf16 partial outputs: measured 1.2e-3 of the largest output, with rounding or without),
-    far from the output without rounding."""
+    travel), and the output is the unparallelized layer's on each rank's tokens, far from the output without
+    rounding: with torchtitan's experts up to their bf16 GEMMs (ETP sums bf16 partial outputs: measured 1.2e-3 of
+    the largest output, with rounding or without), with ours (float32 here) to float32 rounding."""
     pytest.importorskip("torchtitan")
-    for got, want, unrounded, rows in run_on_ranks(4, _titan_ep, 4):
+    for got, want, unrounded, rows in run_on_ranks(4, _titan_ep, 4, ours):
         assert all(n % 4 == 0 for n in rows), rows
         scale = want.abs().max()
-        assert (got - want).abs().max() < 5e-3 * scale < (unrounded - want).abs().max(), (got, want, unrounded)
+        assert (got - want).abs().max() < rtol * scale < (unrounded - want).abs().max(), (got, want, unrounded)
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -29,7 +29,8 @@ def add_export_arguments(parser):
                                                        "into OUT_DIR instead (docs/hf.md)")
     parser.add_argument("--model-type", help="with --hf: qwen3_moe | mixtral | deepseek_v3 | gpt_oss (recorded by "
                                              "`import --hf`, needed for the main job's weights)")
-    parser.add_argument("--force", action="store_true", help="with --hf: replace existing files in OUT_DIR")
+    parser.add_argument("--force", action="store_true", help=f"replace an existing {WEIGHTS} / {CONFIG} in the output "
+                                                             "directory (refused without it)")
     parser.add_argument("--titan-config", metavar="NAME", help="with --hf: CKPT is a torchtitan checkpoint written "
                                                              "through `--module dtensor_moe.titan --config NAME` "
                                                              "(docs/titan.md)")
@@ -72,9 +73,9 @@ def _export(args) -> Path:
         return export_hf(args.ckpt, args.hf, args.model_type, args.force)
     if args.out is None:
         raise ValueError(f"export CKPT needs an output: OUT (a directory for {WEIGHTS} and {CONFIG}) or --hf OUT_DIR")
-    if args.model_type is not None or args.force:
-        raise ValueError("--model-type and --force go with --hf; export CKPT OUT takes neither")
-    return export_checkpoint(args.ckpt, args.out)
+    if args.model_type is not None:
+        raise ValueError("--model-type goes with --hf; export CKPT OUT does not take it")
+    return export_checkpoint(args.ckpt, args.out, args.force)
 
 
 def run_export(args) -> int:

@@ -110,7 +110,7 @@ class ExpertParallel(ParallelStyle):
         *,
         meshes: MoEMeshes | None = None,
         device_type: str | None = None,
-        tp_grads: str = "sum",
+        tp_grads: str | None = None,
         fully_shard: bool = True,
         gather_in_forward: bool = False,
         fsdp: bool | None = None,
@@ -136,9 +136,13 @@ class ExpertParallel(ParallelStyle):
         if dims is None:
             raise ValueError("ExpertParallel needs dims (a MoEParallelDims) or meshes (a MoEMeshes)")
         if tp_reduce is not None:
+            if tp_grads is not None:
+                raise ValueError(f"ExpertParallel: tp_reduce={tp_reduce!r} is tp_grads' deprecated name, and "
+                                 f"tp_grads={tp_grads!r} is given too; valid: tp_grads alone")
             _deprecated(f"tp_reduce={tp_reduce!r}", f"ExpertParallel(..., tp_grads={tp_reduce!r})")
             check_tp_grads(tp_reduce, "ExpertParallel: ", "tp_reduce")
             tp_grads = tp_reduce
+        tp_grads = "sum" if tp_grads is None else tp_grads
         check_tp_grads(tp_grads, "ExpertParallel: ")
         if compile is not None:
             _deprecated(f"compile={compile!r}", "ExpertParallel(..., gather_in_forward=True) in the plan, then "
@@ -291,9 +295,19 @@ def _named_moes(module: nn.Module) -> dict[str, MoE]:
     return {n or type(module).__name__: m for n, m in module.named_modules() if isinstance(m, MoE)}
 
 
+def _refuse_no_moe(module: nn.Module, caller: str) -> None:
+    """A tree without one `MoE` is a mistake (e.g. a Hugging Face model whose sparse blocks were not swapped):
+    doing nothing would leave every expert unsharded and unsaid."""
+    raise ValueError(f"{caller}: {type(module).__name__} holds no dtensor_moe.MoE layer, so there is nothing to "
+                     "shard; a Hugging Face model's sparse blocks become ours with parallelize_hf_model (or "
+                     "dtensor_moe.hf.model.swap_moe_blocks) first; valid: a module holding dtensor_moe.MoE layers")
+
+
 def _placed(module: nn.Module, caller: str) -> list[MoE]:
     """Every MoE in `module`, each placed by ExpertParallel (or parallelize_moe), else ValueError."""
     moes = _named_moes(module)
+    if not moes:
+        _refuse_no_moe(module, caller)
     unplaced = [n for n, m in moes.items() if getattr(m, "placement", None) is None]
     if unplaced:
         raise ValueError(f"{caller}: MoE layers {unplaced} are not placed yet; valid: ExpertParallel(..., "
@@ -325,7 +339,7 @@ def fully_shard_moe(module: nn.Module, *, mp_policy=None, reshard_after_forward:
 
     Args:
         module (nn.Module): a model holding MoE layers placed by `ExpertParallel(..., fully_shard=False)`, or
-            one such MoE; one with no MoE is returned as is.
+            one such MoE.
 
     Keyword Args:
         mp_policy (MixedPrecisionPolicy | None): the units' mixed precision. Default None.
@@ -335,8 +349,8 @@ def fully_shard_moe(module: nn.Module, *, mp_policy=None, reshard_after_forward:
         nn.Module: `module`, its MoE layers FSDP2 units.
 
     Raises:
-        ValueError: a layer not placed yet, or one that is an FSDP2 unit already (`ExpertParallel`'s default
-            `fully_shard=True` makes them), before any unit is made.
+        ValueError: no MoE in `module`, a layer not placed yet, or one that is an FSDP2 unit already
+            (`ExpertParallel`'s default `fully_shard=True` makes them), before any unit is made.
 
     Example (under torchrun; docs/parallelism.md runs a complete one on 2 CPU ranks)::
 
@@ -363,8 +377,7 @@ def compile_moe(module: nn.Module, backend: str = "inductor") -> nn.Module:
     2.11-2.13). Run it after the placement plan and before `fully_shard_moe` (torchtitan's order).
 
     Args:
-        module (nn.Module): a model holding placed MoE layers, or one such MoE; one with no MoE is returned
-            as is.
+        module (nn.Module): a model holding placed MoE layers, or one such MoE.
         backend (str): the torch.compile backend: "inductor" (default) or another, e.g. "aot_eager" (the
             same tracing, no codegen).
 
@@ -372,7 +385,8 @@ def compile_moe(module: nn.Module, backend: str = "inductor") -> nn.Module:
         nn.Module: `module`, its MoE layers' forwards compiled.
 
     Raises:
-        ValueError: a bad backend, a layer not placed yet, one whose experts take EDP / HSDP from an FSDP2
+        ValueError: a bad backend, no MoE in `module`, a layer not placed yet, one whose experts take EDP / HSDP
+            from an FSDP2
             unit, or one with `expert_replicas > 0` (their split needs the counts on the host, eagerly).
 
     Example (under torchrun; `parallelize_moe(..., compile=...)` is this chain)::
@@ -418,7 +432,7 @@ def parallelize_moe(
     torchtitan's parallelize functions. Must run on every rank (it builds the meshes: a collective).
 
     Args:
-        module (nn.Module): a model holding `MoE` layers, or an `MoE`; one with no MoE is returned as is.
+        module (nn.Module): a model holding `MoE` layers, or an `MoE`.
         dims (MoEParallelDims): the degrees; world_size must be the process group's size.
 
     Keyword Args:
@@ -437,7 +451,8 @@ def parallelize_moe(
         nn.Module: `module`, its MoE layers sharded.
 
     Raises:
-        ValueError: degrees that do not fit a layer, or a layer already parallelized, before any collective.
+        ValueError: no MoE in `module`, degrees that do not fit a layer, or a layer already parallelized, before
+            any collective.
 
     Example (under torchrun, 4 ranks; docs/compile.md and docs/hf.md run complete ones)::
 
@@ -449,7 +464,7 @@ def parallelize_moe(
     check_tp_grads(tp_grads, "parallelize_moe: ")
     layers = moe_layers(module, dims)
     if not layers:
-        return module
+        _refuse_no_moe(module, "parallelize_moe")
     check_compilable(layers, compile, "parallelize_moe: ")
     meshes = dims.build_meshes(device_type)
     style = ExpertParallel(dims, meshes=meshes, tp_grads=tp_grads, fully_shard=False, gather_in_forward=bool(compile))

@@ -38,6 +38,9 @@ class RoutingReplay:
         experts (Mapping[str, Sequence[Tensor]] | None): for the MoE layer at qualified name `name` in the
             model, `experts[name]` lists one int64 experts_TK [tokens, top_k] per recorded forward, in
             forward order (copied into the `experts` attribute, a dict of lists). Default None (empty).
+        num_experts (Mapping[str, int] | None): each recorded layer's expert count, checked against the
+            replaying layer's (ids of a 4-expert layer are valid ids of an 8-expert one: without it that mix-up
+            would replay silently). `record_routing` fills it. Default None (unchecked).
 
     Example:
         >>> import torch
@@ -47,7 +50,8 @@ class RoutingReplay:
         1
     """
 
-    def __init__(self, experts: Mapping[str, Sequence[torch.Tensor]] | None = None):
+    def __init__(self, experts: Mapping[str, Sequence[torch.Tensor]] | None = None,
+                 num_experts: Mapping[str, int] | None = None):
         if experts is not None and not isinstance(experts, Mapping):
             raise TypeError(f"RoutingReplay(experts) takes a mapping of MoE layer name -> list of int64 experts_TK "
                             f"tensors, got {type(experts).__name__}")
@@ -57,6 +61,7 @@ class RoutingReplay:
                 raise TypeError(f"RoutingReplay(experts)[{name!r}] must be a list of int64 experts_TK tensors (one "
                                 f"per recorded forward), got {got}")
         self.experts: dict[str, list[torch.Tensor]] = {name: list(v) for name, v in (experts or {}).items()}
+        self.num_experts: dict[str, int] = dict(num_experts or {})
 
 
 class LayerReplay:
@@ -223,6 +228,10 @@ def record_routing(model: nn.Module, into: RoutingReplay | None = None) -> Itera
     if not layers:
         raise ValueError(f"record_routing: {type(model).__name__} has no MoE layer (dtensor_moe.MoE) to record; "
                          "valid: a model holding MoE layers (an empty recording would replay nothing)")
+    for name, moe in layers.items():
+        if recorded.num_experts.setdefault(name, moe.config.num_experts) != moe.config.num_experts:
+            raise ValueError(f"record_routing: MoE layer {name!r} has {moe.config.num_experts} experts, `into` holds "
+                             f"a recording of {recorded.num_experts[name]} for it; valid: a new recording")
     with _attached(model, layers, {n: LayerReplay(n, recorded.experts.setdefault(n, []), False) for n in layers}):
         yield recorded
 
@@ -282,6 +291,9 @@ def _check(layers: dict[str, MoE], recorded: RoutingReplay):
                          f"(its MoE layers: {sorted(layers)}); replay on the model that recorded")
     for name, moe in layers.items():
         E, K = moe.config.num_experts, moe.config.top_k
+        if recorded.num_experts.get(name, E) != E:
+            raise ValueError(f"replay_routing: MoE layer {name!r} has {E} experts, its recording was made by a layer "
+                             f"of {recorded.num_experts[name]}; replay on the model that recorded")
         for i, experts_TK in enumerate(recorded.experts[name]):
             where = f"replay_routing: MoE layer {name!r}, recorded forward {i + 1}"
             if experts_TK.dim() != 2 or experts_TK.shape[1] != K or experts_TK.dtype != torch.int64:

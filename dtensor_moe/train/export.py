@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from dtensor_moe.experts import join_gate_up, split_gate_up
-from dtensor_moe.hf.model import tensor_bytes, write_files
+from dtensor_moe.hf.model import checked_output_dir, tensor_bytes, write_files
 from dtensor_moe.train.checkpoint import (
     MODEL_CONFIG,
     TRAIN_STATE,
@@ -57,8 +57,10 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 
 
-def export_checkpoint(ckpt, out_dir) -> Path:
-    """Reads the model part of a checkpoint (any mesh it was saved from) in this one process."""
+def export_checkpoint(ckpt, out_dir, force: bool = False) -> Path:
+    """Reads the model part of a checkpoint (any mesh it was saved from) in this one process and writes it to
+    `out_dir`; a directory already holding model.safetensors or config.json is refused unless `force`."""
+    checked_output_dir(out_dir, force)  # before the read: a refusal costs nothing
     ckpt = pick(ckpt)  # verified against its manifest
     if not (ckpt / MODEL_CONFIG).is_file():
         raise ValueError(
@@ -78,8 +80,6 @@ def export_checkpoint(ckpt, out_dir) -> Path:
     except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {ckpt} cannot be read: {type(e).__name__}: {e}") from None
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"export output {str(out)!r} is a file; give a directory for {WEIGHTS} and {CONFIG}")
     # Written into a temporary directory and moved into place: an interrupted export leaves no half file behind, a
     # full or read-only disk is one line naming OUT.
     config = (ckpt / MODEL_CONFIG).read_text()
