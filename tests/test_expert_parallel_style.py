@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dtensor_moe import (
     ExpertParallel,
@@ -221,7 +222,7 @@ def test_bad_arguments_raise_at_construction(kwargs, match):
 @pytest.mark.parametrize("kwargs,match", [
     ({"compile": "no_such_backend"}, r"compile must be True, False or a torch.compile backend name \[.*'aot_eager'"),
     ({"compile": 1.0}, r"compile must be True, False or a torch.compile backend name"),
-    ({"fsdp": False, "mp_policy": object()}, r"mp_policy is the layer's FSDP2 units' and fsdp=False makes none"),
+    ({"fsdp": False, "mp_policy": MixedPrecisionPolicy()}, r"mp_policy is the layer's FSDP2 units' and fsdp=False makes none"),
     ({"fsdp": False, "dims": MoEParallelDims(4, tp=2, ep=2)}, r"fsdp=False with tp=2 is not supported.*dp_shard_tp"),
 ])
 def test_deprecated_arguments_keep_their_checks(kwargs, match):
@@ -230,10 +231,13 @@ def test_deprecated_arguments_keep_their_checks(kwargs, match):
         ExpertParallel(**kwargs)
 
 
+_MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("kwargs,new,fully_shard,gather_in_forward,compile", [
     ({"fsdp": True}, r"the default, fully_shard=True", True, False, False),
     ({"fsdp": False}, r"ExpertParallel\(\.\.\., fully_shard=False, gather_in_forward=True\)", False, True, False),
-    ({"mp_policy": "bf16"}, r"fully_shard=False\) in the plan, then fully_shard_moe\(model, mp_policy=\.\.\.\)",
+    ({"mp_policy": _MP}, r"fully_shard=False\) in the plan, then fully_shard_moe\(model, mp_policy=\.\.\.\)",
      True, False, False),
     ({"reshard_after_forward": False}, r"fully_shard_moe\(model, reshard_after_forward=\.\.\.\)", True, False, False),
     ({"compile": "aot_eager"}, r"gather_in_forward=True\) in the plan, then compile_moe\(model, backend\)", True, True,
@@ -281,6 +285,39 @@ def test_tp_reduce_is_the_deprecated_name_of_tp_grads():
         with pytest.raises(ValueError, match=r"ExpertParallel: tp_reduce='mean' is tp_grads' deprecated name, and "
                                              rf"tp_grads='{tp_grads}' is given too; valid: tp_grads alone"):
             ExpertParallel(dims, tp_reduce="mean", tp_grads=tp_grads)
+
+
+def test_misuse_is_named_at_the_door(monkeypatch):
+    """What surfaced as torch internals (AttributeError 'ep', an AssertionError, a failure at the first forward) is
+    one typed error naming the argument, before any collective."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    moe = MoE(CONFIG)
+    with pytest.raises(TypeError, match=r"dims must be a MoEParallelDims \(the degrees; it builds the meshes itself\), "
+                                        r"got DeviceMesh"):
+        parallelize_moe(moe, DeviceMesh.__new__(DeviceMesh), device_type="cpu")
+    for call in (lambda: parallelize_moe(moe, MoEParallelDims(1), device_type="cpu", mp_policy="bf16"),
+                 lambda: fully_shard_moe(moe, mp_policy="bf16")):
+        with pytest.raises(TypeError, match=r"mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy or None, "
+                                            r"got 'bf16'"):
+            call()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device_type 'cuda': this machine has no such device \(torch sees no "
+                                         r"accelerator\); valid: 'cpu' \(gloo ranks\)"):
+        parallelize_moe(moe, MoEParallelDims(1))  # the default device_type
+
+
+def _compile_twice(rank, world_size):
+    moe = parallelize_moe(MoE(CONFIG), MoEParallelDims(world_size), device_type="cpu", compile="aot_eager")
+    try:
+        compile_moe(moe, "aot_eager")
+    except ValueError as e:
+        return str(e)
+
+
+def test_compile_moe_twice_is_refused():
+    assert run_on_ranks(1, _compile_twice)[0] == ("compile_moe: MoE layers ['FSDPMoE'] are compiled already; valid: "
+                                                  "compile_moe once per model")
 
 
 @pytest.mark.parametrize("call", [

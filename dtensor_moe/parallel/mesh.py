@@ -160,11 +160,26 @@ class MoEParallelDims:
         return _coords(rank % self.stage_size, DENSE_AXES, self.dense_shape)
 
     def build_meshes(self, device_type: str = "cuda") -> "MoEMeshes":
-        """Creates the process groups (collective); cached so repeated calls reuse them."""
+        """Creates the process groups (collective); cached so repeated calls reuse them. A device type this machine
+        lacks (the default "cuda" on a CPU-only one) is a ValueError, before any collective."""
+        check_device_type(device_type)
         key = (self, device_type)
         if key not in _MESH_CACHE:
             _MESH_CACHE[key] = _build(self, device_type)
         return _MESH_CACHE[key]
+
+
+def check_device_type(device_type) -> None:
+    """ValueError unless this machine has `device_type` ("cpu", or an accelerator torch sees: "cuda", ...)."""
+    import torch
+
+    if device_type == "cpu":
+        return
+    module = getattr(torch, device_type, None) if isinstance(device_type, str) else None
+    if module is None or not hasattr(module, "is_available") or not module.is_available():
+        raise ValueError(f"device_type {device_type!r}: this machine has no such device (torch sees "
+                         f"{'cuda' if torch.cuda.is_available() else 'no accelerator'}); valid: 'cpu' (gloo ranks)"
+                         f"{', cuda' if torch.cuda.is_available() else ''}")
 
 
 def _coords(rank: int, axes, shape) -> dict[str, int]:

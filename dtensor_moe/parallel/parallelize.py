@@ -7,17 +7,18 @@ over a whole module tree.
 """
 
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from dtensor_moe.moe import MoE
 from dtensor_moe.parallel.compile import apply_compile
-from dtensor_moe.parallel.mesh import DENSE_AXES, EXPERT_AXES, MoEMeshes, MoEParallelDims
+from dtensor_moe.parallel.mesh import DENSE_AXES, EXPERT_AXES, MoEMeshes, MoEParallelDims, check_device_type
 from dtensor_moe.parallel.shard import (
     check_tp_grads,
     experts_fsdp_sharded,
@@ -159,6 +160,7 @@ class ExpertParallel(ParallelStyle):
             if value is not None:
                 _deprecated(f"{name}=...", f"ExpertParallel(..., fully_shard=False) in the plan, then "
                             f"fully_shard_moe(model, {name}=...)")
+        check_mp_policy(mp_policy, "ExpertParallel")
         if not fully_shard and mp_policy is not None:
             raise ValueError(f"ExpertParallel: mp_policy is the layer's FSDP2 units' and {off} makes none; "
                              "valid: fully_shard_moe(model, mp_policy=...) after the plan, or mp_policy on your "
@@ -324,6 +326,15 @@ def _fully_shard_layers(moes: list[MoE], unit_kwargs: dict) -> None:
 def _compile_layers(moes: list[MoE], backend) -> None:
     for moe in moes:
         apply_compile(moe, backend)
+        moe.placement = replace(moe.placement, compiled=True)
+
+
+def check_mp_policy(mp_policy, caller: str) -> None:
+    """TypeError unless `mp_policy` is None or FSDP2's MixedPrecisionPolicy (a string would fail at the first
+    forward, inside FSDP2)."""
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"{caller}: mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy or None, got "
+                        f"{mp_policy!r}; e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)")
 
 
 def fully_shard_moe(module: nn.Module, *, mp_policy=None, reshard_after_forward: bool = True) -> nn.Module:
@@ -358,6 +369,7 @@ def fully_shard_moe(module: nn.Module, *, mp_policy=None, reshard_after_forward:
         fully_shard_moe(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         fully_shard(model, mesh=meshes.dp)  # the dense rest
     """
+    check_mp_policy(mp_policy, "fully_shard_moe")
     moes = _placed(module, "fully_shard_moe")
     done = [n for n, m in _named_moes(module).items() if isinstance(m, FSDPModule)]
     if done:
@@ -401,6 +413,9 @@ def compile_moe(module: nn.Module, backend: str = "inductor") -> nn.Module:
                          f"{torch.compiler.list_backends(exclude_tags=())}, got {backend!r}")
     moes = _placed(module, "compile_moe")
     check_compilable([(m, None) for m in moes], backend, "compile_moe: ")
+    twice = [n for n, m in _named_moes(module).items() if m.placement.compiled]
+    if twice:
+        raise ValueError(f"compile_moe: MoE layers {twice} are compiled already; valid: compile_moe once per model")
     unit = [n for n, m in _named_moes(module).items()
             if experts_fsdp_sharded(m.placement.dims) and not m.placement.gather_in_forward]
     if unit:
@@ -460,8 +475,13 @@ def parallelize_moe(
         parallelize_moe(model, dims, device_type="cuda")
         fully_shard(model, mesh=dims.build_meshes("cuda").dp)  # the dense rest
     """
+    if not isinstance(dims, MoEParallelDims):
+        raise TypeError(f"parallelize_moe(module, dims): dims must be a MoEParallelDims (the degrees; it builds the "
+                        f"meshes itself), got {type(dims).__name__}")
     check_backend(compile, "parallelize_moe: ")
     check_tp_grads(tp_grads, "parallelize_moe: ")
+    check_mp_policy(mp_policy, "parallelize_moe")
+    check_device_type(device_type)
     layers = moe_layers(module, dims)
     if not layers:
         _refuse_no_moe(module, "parallelize_moe")

@@ -59,12 +59,14 @@ class MoEPlacement:
         plans (tuple[WeightPlan, ...]): its plan (`plan_moe`).
         gather_in_forward (bool): under EDP / HSDP the experts' weights are DTensors on the whole expert mesh,
             gathered inside the forward (no FSDP2 unit for them: a compiled forward traces it).
+        compiled (bool): its forward is compiled (`compile_moe`), which must happen once.
     """
 
     dims: MoEParallelDims
     meshes: MoEMeshes
     plans: tuple[WeightPlan, ...]
     gather_in_forward: bool
+    compiled: bool = False
 
 
 @dataclass(frozen=True)
