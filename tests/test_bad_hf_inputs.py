@@ -315,6 +315,20 @@ def test_train_without_tqdm_is_refused_before_launch(tmp_path, capsys, monkeypat
     assert not (tmp_path / "run").exists()
 
 
+def test_a_broken_tqdm_is_refused_before_launch(tmp_path, monkeypatch):
+    """Installed (found) but failing to import: it would fail on every rank after launch; now one line before."""
+    from dtensor_moe.train.prelaunch import check_before_launch
+
+    broken = tmp_path / "site" / "tqdm"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise RuntimeError('half-installed')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "tqdm", raising=False)
+    with pytest.raises(ValueError, match=r"needs tqdm for the progress bar: .*; it is installed but fails to import "
+                                         r"\(RuntimeError: half-installed\)"):
+        check_before_launch(str(tmp_path / "run"), None)
+
+
 # --- class 7: the Python API names the type it wanted ------------------------------------------------------------
 
 

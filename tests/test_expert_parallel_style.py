@@ -222,7 +222,8 @@ def test_bad_arguments_raise_at_construction(kwargs, match):
 @pytest.mark.parametrize("kwargs,match", [
     ({"compile": "no_such_backend"}, r"compile must be True, False or a torch.compile backend name \[.*'aot_eager'"),
     ({"compile": 1.0}, r"compile must be True, False or a torch.compile backend name"),
-    ({"fsdp": False, "mp_policy": MixedPrecisionPolicy()}, r"mp_policy is the layer's FSDP2 units' and fsdp=False makes none"),
+    ({"fsdp": False, "mp_policy": MixedPrecisionPolicy()},
+     r"mp_policy is the layer's FSDP2 units' and fsdp=False makes none"),
     ({"fsdp": False, "dims": MoEParallelDims(4, tp=2, ep=2)}, r"fsdp=False with tp=2 is not supported.*dp_shard_tp"),
 ])
 def test_deprecated_arguments_keep_their_checks(kwargs, match):

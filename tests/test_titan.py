@@ -190,10 +190,30 @@ def test_checkpoint_resume(runs):
      "context_parallel_load_balancer='ptrr' with parallelism.context_parallel_degree=2 is not supported"),
     (("--config", "deepseek_v3_debugmodel", "--parallelism.context_parallel_degree", "2"),
      "needs SDPA attention: layers[0].attention.inner_attention is FlexAttention.Config"),
+    (("--dtensor_moe.experts", "theirs"), "--dtensor_moe.experts 'theirs' is not one of ['ours', 'titan']"),
+    (("--dtensor_moe.experts", "titan", "--dtensor_moe.activation_memory", "standard"),
+     "--dtensor_moe.activation_memory standard acts on dtensor_moe's experts only, not with --dtensor_moe.experts "
+     "titan; valid: --dtensor_moe.experts ours, or --dtensor_moe.activation_memory minimal"),
+    (("--dtensor_moe.experts", "titan", "--dtensor_moe.expert_precision", "fp8"),
+     "--dtensor_moe.expert_precision fp8 acts on dtensor_moe's experts only"),
+    (("--dtensor_moe.dispatch_precision", "fp8"), "--dtensor_moe.dispatch_precision fp8 sets the payload of the EP / "
+                                                  "ETP token exchange, and --dtensor_moe.ep 1 --dtensor_moe.etp 1 "
+                                                  "exchanges none"),
+    (("--dtensor_moe.activation_memory", "least"), "--dtensor_moe.activation_memory 'least' is not one of "
+                                                   "['standard', 'minimal']"),
 ])
 def test_config_rejects_bad_combinations(capsys, flags, message):
     """Our Config's checks while torchtitan parses the command line: one line and exit status 2, no process group."""
     _assert_refused(capsys, _argv("deepseek_v3_debugmodel_cpu", "/unused", *flags), message)
+
+
+def test_unknown_hook_flag_is_one_line(capsys, monkeypatch):
+    """Refused while torchtitan loads the config function, before its parser's error box on every rank."""
+    argv = _argv("deepseek_v3_debugmodel_cpu", "/unused", "--dtensor_moe.expert_parallel", "2")
+    monkeypatch.setattr(sys, "argv", ["torchtitan.train", *argv])  # what torchrun's ranks parse
+    monkeypatch.delenv("RANK", raising=False)
+    _assert_refused(capsys, argv, "--dtensor_moe.expert_parallel is not an option of the hook; valid: "
+                                  "--dtensor_moe.activation_memory, --dtensor_moe.dispatch_precision, ")
 
 
 def _assert_refused(capsys, argv, message):

@@ -66,7 +66,7 @@ from dtensor_moe.tools.presets import TITAN_MODELS
 
 from .models import deepseek_v3_tiny, gpt_oss_tiny, qwen3_moe_tiny
 from .parallelize import parallelize_titan, sum_reductions
-from .trainer import Trainer, _refuse
+from .trainer import ExpertParallelConfig, Trainer, _refuse
 
 DATA = Path(__file__).resolve().parent.parent / "titan_data"
 TINY_VOCAB = 384  # >= the shipped tokenizer's 382 entries
@@ -121,6 +121,7 @@ def _check_moe_layers(model) -> None:
 
 def _as(config: TitanTrainer.Config, cls, parallelize_fn, **parallelism) -> TitanTrainer.Config:
     """`config` as a `cls` config with `parallelize_fn`, the settings every hook run needs and `parallelism`."""
+    _refuse_unknown_flags(sys.argv[1:])
     known = {f.name for f in fields(cls.Config)}
     kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name in known}
     kwargs.update(
@@ -137,6 +138,18 @@ def _shipped_data(config: TitanTrainer.Config) -> TitanTrainer.Config:
     config.hf_assets_path = str(DATA / "tokenizer")
     config.dataloader = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=str(DATA / "corpus"))
     return config
+
+
+def _refuse_unknown_flags(argv: list[str]) -> None:
+    """An unknown `--dtensor_moe.*` flag, refused in one line from rank 0 while torchtitan loads the config function
+    (every config function here comes through `_as`), before its own parser prints an error box on every rank."""
+    known = {f.name for f in fields(ExpertParallelConfig)}
+    for arg in argv:
+        if arg.startswith("--dtensor_moe."):
+            name = arg.removeprefix("--dtensor_moe.").split("=", 1)[0].replace("-", "_")
+            if name not in known:
+                _refuse(ValueError(f"--dtensor_moe.{name} is not an option of the hook; valid: "
+                                   f"{', '.join(f'--dtensor_moe.{k}' for k in sorted(known))}"))
 
 
 # ---- torchtitan's MoE configs ------------------------------------------------------------------------

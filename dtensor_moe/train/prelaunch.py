@@ -20,8 +20,13 @@ def _steps(root: Path) -> list[str]:
 def check_before_launch(run_dir: str, resume: str | None) -> None:
     """The installed extras and --resume's checkpoint root (`resume`: "latest" for the run dir's, a path, or None)."""
     for module, why in RUN_EXTRAS.items():
-        if importlib.util.find_spec(module) is None:
-            raise ValueError(f"dtensor-moe train needs {module} for {why}; it is not installed")
+        # Imported, not only found: an installed but broken (or hidden) package would fail on every rank after launch.
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 - whatever the import raises, it would raise on every rank
+            found = importlib.util.find_spec(module) is not None if not isinstance(e, ImportError) else False
+            state = f"installed but fails to import ({type(e).__name__}: {e})" if found else "not importable"
+            raise ValueError(f"dtensor-moe train needs {module} for {why}; it is {state}") from None
     if resume != "latest":
         return
     root, run = Path(run_dir) / "checkpoints", Path(run_dir)
