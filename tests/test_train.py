@@ -163,6 +163,10 @@ def test_checkpoint_resume_same_mesh_bit_exact_and_other_mesh_close(tmp_path, mo
     assert main([*base, "--nproc", "4", "--run-dir", str(a), "--checkpoint-every", "3"]) == 0
     ckpt3 = a / "checkpoints" / "step_00000003"
     assert (ckpt3 / ".metadata").is_file() and (a / "checkpoints" / "step_00000006").is_dir()
+    from dtensor_moe.train.checkpoint import data_of
+
+    # what --resume checks the data stream against (test_resume_refuses_another_data_stream)
+    assert data_of(ckpt3) == {"source": "corpus", "content": None, "eval_fraction": 0.0, "seed": 0}
     assert main([*base, "--nproc", "4", "--run-dir", str(b), "--resume", str(ckpt3)]) == 0
     assert main([*base, "--nproc", "2", "--run-dir", str(c), "--resume", str(ckpt3)]) == 0
     full, same, other = _rows(a), _rows(b), _rows(c)
@@ -190,6 +194,7 @@ TINY = ["train", "--config", "configs/tiny_cpu.toml"]
         (["--steps", "-3"], "training.steps must be >= 1, got -3"),
         (["--nproc", "0"], "parallel.nproc must be >= 1, got 0"),
         (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0 (steps between saves; 0: never), got -1"),
+        (["--new-data"], "--new-data goes with --resume (it lets a resume continue on other data)"),
         (["--keep-last", "0"], "--keep-last must be >= 1 (checkpoints kept on disk), got 0"),
         (["model.top_k=2.5"], "model.top_k must be an int in 1..num_experts (8), got 2.5"),
         (["parallel.ep=3"], "ep * etp = 3*2 must divide dp_shard * cp * tp = 8"),
@@ -416,6 +421,41 @@ def test_resume_problems_are_caught_by_the_launcher(tmp_path, capsys):
     assert capsys.readouterr().err.startswith(
         f"dtensor-moe train: checkpoint {ckpt} cannot be loaded: __0_0.distcp is truncated"
     )
+
+
+def test_resume_refuses_another_data_stream(tmp_path, capsys):
+    """A checkpoint knows its data (train/data.py data_fingerprint): a resume on other data files, another held-out
+    fraction, source or seed is refused in one line naming what changed; --new-data continues on purpose; a
+    checkpoint without a fingerprint (an import) resumes as before. A changed file's content (documents appended)
+    changes the fingerprint, whatever its name."""
+    from dtensor_moe.cli.train import _resolve, _resume_target
+    from dtensor_moe.train.checkpoint import save
+    from dtensor_moe.train.data import data_fingerprint
+    from dtensor_moe.train.model import MoETransformer
+
+    docs = tmp_path / "docs.txt"
+    docs.write_text("one document about experts.\n" * 400)
+    files = ["data.source=files", f"data.paths=[\"{docs}\"]", f"data.cache_dir=\"{tmp_path / 'cache'}\""]
+    run = tmp_path / "run"
+    cfg = load_config("configs/tiny_cpu.toml", files)
+    ckpt = save(run / "checkpoints", 2, MoETransformer(cfg.model), extra={"data": data_fingerprint(cfg)})
+    for overrides, named in (([*files, "data.eval_fraction=0.1"], "data.eval_fraction: saved 0.0 vs now 0.1"),
+                             ([*files, "training.seed=7"], "training.seed: saved 0 vs now 7"),
+                             ([], "data.source: saved 'files' vs now 'corpus'")):
+        assert main([*TINY, "--run-dir", str(run), "--resume", *overrides]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"dtensor-moe train: --resume {ckpt} was trained on another data stream ({named}") and \
+            err.endswith("pass --new-data to continue on this data on purpose (fine-tuning)\n"), err
+    with docs.open("a") as f:  # documents appended: same name, other content
+        f.write("another document.\n" * 50)
+    assert main([*TINY, "--run-dir", str(run), "--resume", *files]) == 2
+    assert "(the data files' content or their tokenizer (data.paths, data.eval_paths, data.tokenizer))" in \
+        capsys.readouterr().err
+    args = _parsed(["--config", "configs/tiny_cpu.toml", "--run-dir", str(run), "--resume", "--new-data", *files])
+    assert _resume_target(args, _resolve(args)[0], str(run)) == ckpt
+    _tiny_checkpoint(run / "checkpoints", 3)  # no fingerprint: imported weights
+    args = _parsed(["--config", "configs/tiny_cpu.toml", "--run-dir", str(run), "--resume"])
+    assert _resume_target(args, _resolve(args)[0], str(run)).name == "step_00000003"
 
 
 def test_run_results_survive_a_missing_matplotlib(tmp_path, monkeypatch, capsys):

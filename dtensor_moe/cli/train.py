@@ -34,6 +34,9 @@ def add_arguments(p):
     p.add_argument("--resume", nargs="?", const="latest",
                    help="resume from DIR: a step directory, or a checkpoint root (its newest intact step; "
                         "default: the run dir's checkpoints)")
+    p.add_argument("--new-data", action="store_true",
+                   help="with --resume: continue on data other than the checkpoint's (fine-tuning); without it a "
+                        "changed data stream is refused")
     p.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep")
     p.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.ep=4 training.lr=1e-3")
 
@@ -213,6 +216,9 @@ def _check_run_args(args, cfg: Config, run_dir: str):
         )
     if args.keep_last < 1:
         raise ValueError(f"--keep-last must be >= 1 (checkpoints kept on disk), got {args.keep_last}")
+    if args.new_data and args.resume is None:
+        raise ValueError("--new-data goes with --resume (it lets a resume continue on other data); without --resume "
+                         "there is nothing to continue: drop it")
     if not run_dir.strip():  # not the default's stand-in: an empty path is a slip (an unset shell variable)
         raise ValueError(f"--run-dir {run_dir!r} names no directory; give a path, or leave --run-dir out for the "
                          f"default {_default_run_dir(args.config)}")
@@ -222,7 +228,8 @@ def _check_run_args(args, cfg: Config, run_dir: str):
 
 def _resume_target(args, cfg: Config, run_dir: str):
     """The verified step directory --resume names (or the newest intact one), fit for this model config."""
-    from dtensor_moe.train.checkpoint import config_diff, pick, saved_config, step_of
+    from dtensor_moe.train.checkpoint import config_diff, data_of, pick, saved_config, step_of
+    from dtensor_moe.train.data import data_fingerprint, fingerprint_diff
 
     where = os.path.join(run_dir, "checkpoints") if args.resume == "latest" else args.resume
     ckpt = pick(where)
@@ -232,6 +239,13 @@ def _resume_target(args, cfg: Config, run_dir: str):
             f"--resume {ckpt} was saved with another model config ({'; '.join(diffs)}); train with the config "
             f"it was saved with ({ckpt / 'model_config.json'}) or start a new --run-dir"
         )
+    saved = data_of(ckpt)
+    changed = [] if saved is None or args.new_data else fingerprint_diff(saved, data_fingerprint(cfg))
+    if changed:
+        raise ValueError(
+            f"--resume {ckpt} was trained on another data stream ({'; '.join(changed)}): resuming would train on "
+            "sequences it has not planned (and may hold out ones it trained on); resume with the data it was saved "
+            "with, or pass --new-data to continue on this data on purpose (fine-tuning)")
     step = step_of(ckpt)
     if step is not None and step >= cfg.training.steps:
         raise ValueError(

@@ -425,6 +425,17 @@ def step_of(ckpt) -> int | None:
         return None
 
 
+def data_of(ckpt) -> dict | None:
+    """The data fingerprint a checkpoint was trained on (train/data.py data_fingerprint), None where it has none (a
+    `dtensor-moe import` or an older save)."""
+    try:
+        state = torch.load(Path(ckpt) / TRAIN_STATE, weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError):
+        return None
+    data = state.get("data") if isinstance(state, dict) else None
+    return data if isinstance(data, dict) else None
+
+
 def _holds_optimizer(metadata) -> bool:
     return any(k.startswith("optim.") for k in metadata.state_dict_metadata)
 

@@ -10,6 +10,7 @@ sequences (`EvalBatches`) are the same ones at every evaluation, split over the 
 """
 
 import math
+import os
 from importlib import resources
 
 import torch
@@ -172,6 +173,32 @@ def load_data(cfg) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     train, held = (tokens[:cut], tokens[cut:]) if d.eval_fraction else (tokens, None)
     return train, held, {"source": d.source, "train_tokens": train.numel(),
                          "eval_tokens": 0 if held is None else held.numel()}
+
+
+def data_fingerprint(cfg, cache_dir: str | None = None) -> dict:
+    """What decides the training and held-out token streams, saved in every checkpoint (so `--resume` can refuse a
+    changed stream): the source, the files' content with their tokenizer (the token cache's key, `cache_dir`'s
+    name; computed when not given), the held-out fraction and the order's seed."""
+    d = cfg.data
+    content = None
+    if d.source == "files":
+        if cache_dir is None:
+            from dtensor_moe.train.token_cache import plan_cache
+
+            cache_dir = plan_cache(cfg).dir
+        content = os.path.basename(cache_dir)
+    return {"source": d.source, "content": content, "eval_fraction": d.eval_fraction, "seed": cfg.training.seed}
+
+
+# What each fingerprint entry is, as a user changes it.
+_FINGERPRINT = {"source": "data.source", "content": "the data files' content or their tokenizer (data.paths, "
+                "data.eval_paths, data.tokenizer)", "eval_fraction": "data.eval_fraction", "seed": "training.seed"}
+
+
+def fingerprint_diff(saved: dict, now: dict) -> list[str]:
+    """Each entry of two data fingerprints that differs, named as a user changes it."""
+    return [f"{_FINGERPRINT[k]}: saved {saved[k]!r} vs now {now.get(k)!r}" if k != "content" else _FINGERPRINT[k]
+            for k in _FINGERPRINT if k in saved and saved[k] != now.get(k)]
 
 
 def rank_batches(cfg, dims, rank: int, train: torch.Tensor, held: torch.Tensor | None, cache: str | None = None):

@@ -43,7 +43,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     from dtensor_moe.parallel.dispatch import RowCapExceeded
     from dtensor_moe.parallel.placement import plan_moe
     from dtensor_moe.train.checkpoint import SaveError
-    from dtensor_moe.train.data import load_data, rank_batches
+    from dtensor_moe.train.data import data_fingerprint, load_data, rank_batches
     from dtensor_moe.train.metrics import ExpertLoad, RunWriter, load_summary, local_state_bytes, peak_memory_bytes
     from dtensor_moe.train.model import build_model
     from dtensor_moe.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
@@ -119,7 +119,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     evaluate = None if eval_batches is None else _evaluator(parts, pipe if p.pp > 1 else None, eval_batches,
                                                             p.num_microbatches, dims, device)
 
-    ckpt = _checkpointing(args, run_dir, t.steps)
+    ckpt = _checkpointing(args, run_dir, t.steps, data_fingerprint(cfg, data_info.get("cache")))
     start = ckpt.resume(model, optimizer, scheduler)
     writer = RunWriter(run_dir, t.steps, resumed_at=start, label=label) if rank == 0 else None
     tokens_per_step = t.global_batch * t.seq_len
@@ -342,8 +342,10 @@ def _replaying(parts, rollout, forward_backward):
 class _Checkpointing:
     """--checkpoint-every / --resume: DCP checkpoints under RUN_DIR/checkpoints (see checkpoint.py)."""
 
-    def __init__(self, root: str, every: int, keep_last: int, resume_from: str | None, total_steps: int):
+    def __init__(self, root: str, every: int, keep_last: int, resume_from: str | None, total_steps: int,
+                 data: dict | None = None):
         self.root, self.every, self.keep_last, self.total = root, every, keep_last, total_steps
+        self.data = data  # data_fingerprint, saved with each checkpoint for --resume's check
         self.resume_from = root if resume_from == "latest" else resume_from
 
     def resume(self, model, optimizer, scheduler) -> int:
@@ -367,8 +369,8 @@ class _Checkpointing:
         if now or (self.every and (step % self.every == 0 or step == self.total)):
             from dtensor_moe.train.checkpoint import save
 
-            return save(self.root, step, model, optimizer, extra={"lr_scheduler": scheduler.state_dict()},
-                        keep_last=self.keep_last)
+            extra = {"lr_scheduler": scheduler.state_dict(), **({"data": self.data} if self.data else {})}
+            return save(self.root, step, model, optimizer, extra=extra, keep_last=self.keep_last)
         return None
 
     def last(self) -> str | None:
@@ -378,10 +380,10 @@ class _Checkpointing:
         return None if found is None else str(found)
 
 
-def _checkpointing(args, run_dir: str, total_steps: int) -> _Checkpointing:
+def _checkpointing(args, run_dir: str, total_steps: int, data: dict | None = None) -> _Checkpointing:
     """Also without --checkpoint-every: a stop signal saves the step it ends on."""
     every, keep_last, resume = (0, 3, None) if args is None else (args.checkpoint_every, args.keep_last, args.resume)
-    return _Checkpointing(os.path.join(run_dir, "checkpoints"), every, keep_last, resume, total_steps)
+    return _Checkpointing(os.path.join(run_dir, "checkpoints"), every, keep_last, resume, total_steps, data)
 
 
 if __name__ == "__main__":  # the parity reference: python -m dtensor_moe.train.loop CONFIG_JSON RUN_DIR [DP SEQ]
