@@ -232,6 +232,88 @@ def test_formats_tokenize_alike_and_the_cache_is_reused(tmp_path, tok, monkeypat
     assert token_cache.prepare(jsonl, progress=False)["documents"]["train"] == len(DOCS) + 1
 
 
+def test_the_cache_follows_content_not_names(tmp_path, tok):
+    """Invariants of the key: a file edited in place with its size and mtime kept (cp -p, rsync -t) and a tokenizer
+    rewritten in its directory each key a new cache; the same content keys the same one."""
+    path = _write(tmp_path, "jsonl", DOCS)
+    tok_dir = tmp_path / "tok"
+    _tokenizer(tok_dir, DOCS)
+    cfg = _cfg(tmp_path, tok_dir, [path])
+    first = token_cache.plan_cache(cfg).dir
+    assert token_cache.plan_cache(cfg).dir == first
+    st = os.stat(path)
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data.replace(b"the", b"tha", 1))  # same size
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # same mtime, as cp -p / rsync -t keep it
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
+    edited = token_cache.plan_cache(cfg).dir
+    assert edited != first
+    Path(path).write_bytes(data)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert token_cache.plan_cache(cfg).dir == first  # its content again: its cache again
+    _tokenizer(tok_dir, DOCS, extra=3)  # retrained into the same directory
+    assert token_cache.plan_cache(cfg).dir not in (first, edited)
+
+
+def test_cache_damage_is_rebuilt_or_refused(tmp_path, tok, capsys):
+    """A truncated, corrupted or missing tokens.bin, or a cache without meta.json, is rebuilt before launch (one
+    line says so) and refused on a rank in one line."""
+    cfg = _cfg(tmp_path, tok, [_write(tmp_path, "jsonl", DOCS)])
+    meta = token_cache.prepare(cfg, progress=False)
+    cache = Path(token_cache.plan_cache(cfg).dir)
+    good = (cache / "tokens.bin").read_bytes()
+    damages = {
+        "truncated": lambda: (cache / "tokens.bin").write_bytes(good[:-2]),
+        "corrupted": lambda: (cache / "tokens.bin").write_bytes(bytes([good[0] ^ 1]) + good[1:]),
+        "no meta.json": lambda: (cache / "meta.json").unlink(),
+    }
+    for name, damage in damages.items():
+        damage()
+        if name != "no meta.json":
+            assert token_cache.cache_damage(str(cache), meta, full=True), name
+        if name == "truncated":
+            with pytest.raises(ValueError, match=r"the token cache .* is damaged \(tokens.bin holds .* bytes, "
+                                                 r"meta.json records .*\); run dtensor-moe train again"):
+                token_cache.open_tokens(cfg)
+        rebuilt = token_cache.prepare(cfg, progress=False)
+        assert (cache / "tokens.bin").read_bytes() == good and rebuilt["tokens"] == meta["tokens"], name
+        assert "is damaged" in capsys.readouterr().err and not token_cache.cache_damage(str(cache), rebuilt, True)
+
+
+def test_an_unwritable_cache_dir_is_one_line(tmp_path, tok, monkeypatch):
+    """A cache directory that cannot be made (under a file) or a full disk: a ValueError naming data.cache_dir and
+    the OS's reason, not an OSError traceback."""
+    path = _write(tmp_path, "jsonl", DOCS)
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"the token cache cannot be written under data.cache_dir '.*a_file/cache'"):
+        token_cache.prepare(_cfg(tmp_path / "a_file", tok, [path]), progress=False)  # its cache_dir: a_file/cache
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(token_cache.tempfile, "mkdtemp", full)
+    with pytest.raises(ValueError, match=r"cannot be written under data.cache_dir .* \(No space left on device\); "
+                                         r"free space, make it writable"):
+        token_cache.prepare(_cfg(tmp_path, tok, [path]), progress=False)
+
+
+def test_held_out_by_content_and_empty_documents_are_refused(tmp_path, tok):
+    """An eval file with a training file's content (another name) and a corpus of empty documents, each refused
+    before any token is cached."""
+    train = _write(tmp_path, "jsonl", DOCS)
+    twin = tmp_path / "heldout.jsonl"
+    twin.write_bytes(Path(train).read_bytes())
+    with pytest.raises(ValueError, match=r"data.eval_paths file .*heldout.jsonl' has the content of data.paths file "
+                                         r".*train.jsonl' \(the same sha256\): held-out data must not be trained on"):
+        token_cache.prepare(_cfg(tmp_path, tok, [train], f"data.eval_paths={json.dumps([str(twin)])}"), progress=False)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("".join(json.dumps({"text": ""}) + "\n" for _ in range(50)))
+    with pytest.raises(ValueError, match=r"data.paths hold 50 documents and every one is empty \(data.text_field "
+                                         r"'text'\): the model would train on end-of-text tokens alone"):
+        token_cache.prepare(_cfg(tmp_path, tok, [str(empty)]), progress=False)
+    assert not [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]  # nothing cached, no temporary left
+
+
 def test_byte_tokenizer_and_token_shards(tmp_path):
     import numpy as np
 

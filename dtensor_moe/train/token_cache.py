@@ -75,8 +75,14 @@ def write_atomic(path: str, data: bytes) -> None:
         raise
 
 
+def _stamp(st: os.stat_result) -> list[int]:
+    """What the digest memo trusts a file by: size, mtime, and the status-change time and inode, which `cp -p` /
+    `rsync -t` (mtime kept) and an editor's save-by-rename change too, and no user can set back."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
 def _digests(files: list[DataFile], root: str) -> list[str]:
-    """Each file's content sha256, through root/digests.json (path, size, mtime -> digest): a rank opening the
+    """Each file's content sha256, through root/digests.json (path and `_stamp` -> digest): a rank opening the
     cache reads no data file. Two runs updating the memo at once lose an entry at worst (it is recomputed)."""
     memo_path = os.path.join(root, "digests.json")
     try:
@@ -89,14 +95,14 @@ def _digests(files: list[DataFile], root: str) -> list[str]:
         st = os.stat(df.path)
         real = os.path.realpath(df.path)
         entry = memo.get(real)
-        if entry and entry[:2] == [st.st_size, st.st_mtime_ns]:
-            out.append(entry[2])
+        if entry and entry[:-1] == _stamp(st):
+            out.append(entry[-1])
             continue
         h = hashlib.sha256()
         with open(df.path, "rb") as f:
             while chunk := f.read(1 << 24):
                 h.update(chunk)
-        memo[real] = [st.st_size, st.st_mtime_ns, h.hexdigest()]
+        memo[real] = [*_stamp(st), h.hexdigest()]
         out.append(h.hexdigest())
         changed = True
     if changed:
@@ -127,6 +133,12 @@ def plan_cache(cfg) -> CachePlan:
         )
     root = cache_root(d)
     digests = _digests(train + held, root)
+    trained = dict(zip(digests[:len(train)], train))
+    same = [(trained[h].path, f.path) for f, h in zip(held, digests[len(train):]) if h in trained]
+    if same:
+        raise ValueError(f"data.eval_paths file {same[0][1]!r} has the content of data.paths file {same[0][0]!r} "
+                         f"(the same sha256{f'; {len(same)} such files' if len(same) > 1 else ''}): held-out data "
+                         "must not be trained on; hold out other files")
     dtype = storage_dtype(m.vocab_size)
     key = json.dumps({
         "version": VERSION, "dtype": dtype, "byteorder": sys.byteorder,
@@ -165,22 +177,54 @@ def read_meta(cache_dir: str) -> dict | None:
 
 
 def prepare(cfg, progress: bool = True) -> dict:
-    """Before launch: the cache of `cfg`'s files, built if missing, and every check of data against the config.
-    Returns the cache's meta.json with the split (`split`)."""
+    """Before launch: the cache of `cfg`'s files, built if missing (or rebuilt if its files are damaged), and every
+    check of data against the config. Returns the cache's meta.json with the split (`split`)."""
     plan = plan_cache(cfg)
     meta = read_meta(plan.dir)
+    if meta is not None and cache_damage(plan.dir, meta, full=True):
+        meta = None  # rebuilt below, under the lock
     if meta is None:
         root = os.path.dirname(plan.dir)
         try:
             os.makedirs(root, exist_ok=True)
+            with _locked(plan.dir + ".lock"):
+                meta = read_meta(plan.dir)  # built by another run while this one waited
+                if meta is not None and cache_damage(plan.dir, meta, full=True):
+                    meta = None
+                if meta is None:
+                    if os.path.exists(plan.dir):  # a damaged or half-removed cache: its key says what it must hold
+                        print(f"dtensor-moe train: token cache {plan.dir} is damaged "
+                              f"({cache_damage(plan.dir, read_meta(plan.dir) or {}) or 'no meta.json'}); "
+                              "rebuilding it", file=sys.stderr)
+                        shutil.rmtree(plan.dir)
+                    meta = _build(plan, cfg, progress)
         except OSError as e:
-            raise ValueError(f"data.cache_dir {root!r} cannot be created ({e.strerror}); choose another") from None
-        with _locked(plan.dir + ".lock"):
-            meta = read_meta(plan.dir)  # built by another run while this one waited
-            if meta is None:
-                meta = _build(plan, cfg, progress)
+            raise ValueError(f"the token cache cannot be written under data.cache_dir {root!r} "
+                             f"({e.strerror or e}); free space, make it writable, or set data.cache_dir (or "
+                             "$DTENSOR_MOE_CACHE) to another directory") from None
     check_split(cfg, meta)
     return {**meta, "split": split(meta, cfg.data.eval_fraction)}
+
+
+def cache_damage(cache_dir: str, meta: dict, full: bool = False) -> str | None:
+    """What is wrong with a cache's tokens.bin, or None: missing, or not the length meta.json records; with `full`,
+    also its sha256, read whenever the file's mtime is not the one recorded at build (an edit in place)."""
+    path = os.path.join(cache_dir, "tokens.bin")
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "tokens.bin is missing"
+    want = meta.get("tokens", 0) * array.array(DTYPES.get(meta.get("dtype"), "H")).itemsize
+    if st.st_size != want:
+        return f"tokens.bin holds {st.st_size:,} bytes, meta.json records {want:,}"
+    if full and meta.get("sha256") and st.st_mtime_ns != meta.get("mtime_ns"):
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        if h.hexdigest() != meta["sha256"]:
+            return "tokens.bin's sha256 differs from meta.json's"
+    return None
 
 
 def _build(plan: CachePlan, cfg, progress: bool) -> dict:
@@ -198,6 +242,8 @@ def _build(plan: CachePlan, cfg, progress: bool) -> dict:
     tmp = tempfile.mkdtemp(prefix=f".{plan.key}.", dir=root)
     code = DTYPES[plan.dtype]
     counts = {"train": [0, 0], "eval": [0, 0]}  # tokens, documents
+    content = {"train": 0, "eval": 0}  # tokens that are not the end-of-text token joining documents
+    digest = hashlib.sha256()
     max_id = -1
     try:
         # Shown after a second: a small cache, or bad data found at once, leaves no bar before its one line.
@@ -209,27 +255,41 @@ def _build(plan: CachePlan, cfg, progress: bool) -> dict:
                     if f.format == "tokens":
                         ids = token_shard(f, vocab_size)
                         for i in range(0, ids.size, 1 << 24):
-                            out.write(ids[i:i + (1 << 24)].astype(plan.dtype).tobytes())
+                            chunk = ids[i:i + (1 << 24)].astype(plan.dtype).tobytes()
+                            out.write(chunk)
+                            digest.update(chunk)
                         counts[role][0] += int(ids.size)
+                        content[role] += int(ids.size)
                         counts[role][1] += 1
                         max_id = max(max_id, int(ids.max()))
                         bar.update(f.size)
                         continue
                     seen = 0
                     for ids, n_docs, nbytes in _encoded(f, cfg.data.text_field, tok):
-                        out.write(array.array(code, ids).tobytes())
+                        chunk = array.array(code, ids).tobytes()
+                        out.write(chunk)
+                        digest.update(chunk)
                         counts[role][0] += len(ids)
+                        content[role] += len(ids) - n_docs
                         counts[role][1] += n_docs
                         max_id = max(max_id, max(ids))
                         bar.update(nbytes)
                         seen += nbytes
                     bar.update(f.size - seen)
+        for role, files in (("train", plan.train), ("eval", plan.eval)):
+            if files and not content[role]:
+                field = f" (data.text_field {cfg.data.text_field!r})" if any(
+                    f.format in ("jsonl", "parquet") for f in files) else ""
+                raise ValueError(f"data.{'paths' if role == 'train' else 'eval_paths'} hold {counts[role][1]:,} "
+                                 f"documents and every one is empty{field}: the model would {role} on end-of-text "
+                                 "tokens alone; check the files and the field that holds their text")
         meta = {
             "version": VERSION, "dtype": plan.dtype, "tokens": counts["train"][0] + counts["eval"][0],
             "eval_start": counts["train"][0], "documents": {k: v[1] for k, v in counts.items()},
             "max_id": max_id, "tokenizer": plan.tokenizer, "tokenizer_vocab": tok.vocab if tok else None,
             "eot": tok.eot if tok else None,
             "files": {role: [f.path for f in files] for role, files in (("train", plan.train), ("eval", plan.eval))},
+            "sha256": digest.hexdigest(), "mtime_ns": os.stat(os.path.join(tmp, "tokens.bin")).st_mtime_ns,
         }
         write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
         try:
@@ -325,6 +385,10 @@ def open_tokens(cfg):
     if meta is None:
         raise ValueError(f"the token cache {plan.dir} of data.paths is missing: the files changed after launch, or "
                          "this process did not run dtensor-moe train's checks; run dtensor-moe train again")
+    damage = cache_damage(plan.dir, meta)
+    if damage:
+        raise ValueError(f"the token cache {plan.dir} is damaged ({damage}); run dtensor-moe train again (its "
+                         "checks before launch rebuild it)")
     with open(os.path.join(plan.dir, "tokens.bin"), "rb") as f:
         # Copy-on-write: a writable buffer for torch (no warning), pages shared with the file until written (never).
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
