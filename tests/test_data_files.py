@@ -280,6 +280,34 @@ def test_cache_damage_is_rebuilt_or_refused(tmp_path, tok, capsys):
         assert "is damaged" in capsys.readouterr().err and not token_cache.cache_damage(str(cache), rebuilt, True)
 
 
+@pytest.mark.parametrize("signum", [2, 15, 1], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_signal_while_tokenizing_leaves_nothing(tmp_path, tok, capsys, monkeypatch, signum):
+    """Ctrl-C, SIGTERM or SIGHUP in the middle of the cache build: exit 128 + N with one line, no traceback, and
+    no temporary directory left in the cache root (the next run builds the cache whole)."""
+    import signal
+
+    encoded = token_cache._encoded
+
+    def signalled(*args):
+        for i, chunk in enumerate(encoded(*args)):
+            if i == 0:
+                os.kill(os.getpid(), signum)
+            yield chunk
+
+    monkeypatch.setattr(token_cache, "DOCS_PER_BATCH", 8)  # several batches: the signal lands mid-build
+    monkeypatch.setattr(token_cache, "_encoded", signalled)
+    argv = ["train", "--config", TINY, "--run-dir", str(tmp_path / "run"), *SMALL,
+            *_files(tmp_path, tok, [_write(tmp_path, "jsonl", DOCS)])]
+    assert main(argv) == 128 + signum
+    err = capsys.readouterr().err
+    name = signal.Signals(signum).name
+    assert err.splitlines()[-1] == ("dtensor-moe train: interrupted (Ctrl-C); its temporary files were removed"
+                                    if name == "SIGINT" else
+                                    f"dtensor-moe train: stopped by {name}; its temporary files were removed"), err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()) == []
+
+
 def test_an_unwritable_cache_dir_is_one_line(tmp_path, tok, monkeypatch):
     """A cache directory that cannot be made (under a file) or a full disk: a ValueError naming data.cache_dir and
     the OS's reason, not an OSError traceback."""

@@ -144,6 +144,25 @@ def test_export_refuses_to_replace_files_without_force(one_process_export, tmp_p
     assert (out / "tokenizer.json").read_bytes() == b"{}"
 
 
+def test_sigterm_during_export_leaves_nothing(one_process_export, tmp_path, capsys, monkeypatch):
+    """SIGTERM while the weights are written: rc 143, one line, no hidden partial folder beside OUT, OUT not made."""
+    import os
+    import signal
+
+    root, _ = one_process_export
+    save_file = export.save_file
+
+    def killed(*args, **kwargs):
+        save_file(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(export, "save_file", killed)
+    out = tmp_path / "exported"
+    assert cli.main(["export", str(root), str(out)]) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == "dtensor-moe export: stopped by SIGTERM; its temporary files were removed\n"
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".exported")]
+
+
 def test_export_of_a_damaged_checkpoint_names_it(one_process_export, tmp_path, capsys):
     root, _ = one_process_export
     from .test_checkpoint import _flip

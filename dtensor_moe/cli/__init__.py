@@ -5,8 +5,11 @@ only the chosen subcommand's module is imported, so `dtensor-moe plan` never pay
 """
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
+import threading
 
 __all__ = ["main", "SUBCOMMANDS"]
 
@@ -23,10 +26,51 @@ def _is_override(arg: str) -> bool:
     return not arg.startswith("-") and "=" in arg
 
 
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP outside the launcher's own handling (before launch: tokenizing, exporting): raised where the
+    process is, so every writer's cleanup runs (no temporary file or folder is left), then one line and 128 + N."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum, _frame):
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def _signals_unwind():
+    """SIGTERM / SIGHUP raise Stopped for the command's duration (SIGINT raises KeyboardInterrupt already); the
+    launcher installs its own handlers while ranks run and gives these back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv=None) -> int:
     """Runs `dtensor-moe` (the console script's entry point): `argv` (default sys.argv[1:]) names a subcommand
-    and its arguments; returns the exit status."""
+    and its arguments; returns the exit status (130 after Ctrl-C, 128 + N after signal N, nothing left behind)."""
     argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else "dtensor-moe"
+    try:
+        with _signals_unwind():
+            return _main(argv)
+    except KeyboardInterrupt:
+        print(f"dtensor-moe {command}: interrupted (Ctrl-C); its temporary files were removed", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except Stopped as e:
+        print(f"dtensor-moe {command}: stopped by {e}; its temporary files were removed", file=sys.stderr)
+        return 128 + e.signum
+
+
+def _main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dtensor-moe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():

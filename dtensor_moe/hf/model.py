@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from dtensor_moe.durable import fsync_path
 from dtensor_moe.hf.block import SPARSE_BLOCKS, from_hf_block
 from dtensor_moe.hf.convert import to_hf
 from dtensor_moe.hf.families import family
@@ -154,8 +155,9 @@ def _size(n: int) -> str:
 
 
 def write_files(out: Path, writers: dict, need_bytes: int = 0) -> Path:
-    """Each `writers[name](path)` writes one file into a temporary directory beside `out`; then every file is moved
-    into `out` (made if absent): an interrupted write leaves no half directory and no half file. A directory that
+    """Each `writers[name](path)` writes one file into a temporary directory beside `out`; then every file is fsynced
+    and moved into `out` (made if absent), and `out` fsynced: an interrupted write leaves no half directory and no
+    half file, a power loss neither. A directory that
     cannot hold `need_bytes` more is refused before anything is written; a fault while writing (a full or
     read-only disk, an I/O error) is a ValueError naming `out` and the OS's reason, the temporary directory gone."""
     free = shutil.disk_usage(_existing(out.parent)).free
@@ -168,9 +170,11 @@ def write_files(out: Path, writers: dict, need_bytes: int = 0) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         for name, write in writers.items():
             write(tmp / name)
+            fsync_path(tmp / name)  # the content on disk before the rename publishes it
         out.mkdir(exist_ok=True)
         for name in writers:
             os.replace(tmp / name, out / name)
+        fsync_path(out)  # the renames themselves
     except (OSError, SafetensorError) as e:
         raise ValueError(f"cannot write {out}: {_reason(e)}; free space, make it writable, or choose another "
                          "directory") from None

@@ -22,6 +22,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from dtensor_moe.durable import fsync_path
 from dtensor_moe.train.config import BYTE_VOCAB
 from dtensor_moe.train.data_files import DataFile, documents, find_files, token_shard
 from dtensor_moe.train.tokenizer import fingerprint, load_tokenizer
@@ -68,7 +69,10 @@ def write_atomic(path: str, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # the content on disk before the rename publishes it
         os.replace(tmp, path)
+        fsync_path(os.path.dirname(path) or ".")
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -291,9 +295,11 @@ def _build(plan: CachePlan, cfg, progress: bool) -> dict:
             "files": {role: [f.path for f in files] for role, files in (("train", plan.train), ("eval", plan.eval))},
             "sha256": digest.hexdigest(), "mtime_ns": os.stat(os.path.join(tmp, "tokens.bin")).st_mtime_ns,
         }
+        fsync_path(os.path.join(tmp, "tokens.bin"))
         write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
         try:
             os.rename(tmp, plan.dir)
+            fsync_path(root)
         except OSError:
             if read_meta(plan.dir) is None:  # not a finished cache of another run: a real failure
                 raise
