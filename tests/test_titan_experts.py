@@ -7,9 +7,10 @@ float32 error). All runs start from one seed checkpoint and train STEPS steps in
 
 Drawn by hypothesis (the day's seed, DTENSOR_MOE_SEED to repeat a day): a mesh among EP2, EP2 x ETP2, EDP2 x EP2,
 TP2 x EP2, CP2 x EP2 and PP2 x EP2 (1F1B, 2 microbatches), the experts (ours, or torchtitan's behind our dispatch,
-also float32), our activation memory (minimal, standard) and our expert precision (bf16, or fp8: the exact e4m3
-emulation off CUDA). Two named cases run every day: ours minimal on EP2 x ETP2 and on PP2 x EP2. Every case: losses
-and gradient norms per step, every first-step gradient and the expert biases after the last step.
+also float32), our activation memory (minimal, standard), our expert precision and our dispatch payload (bf16, or
+fp8: the exact e4m3 emulation off CUDA). Two named cases run every day: ours minimal on EP2 x ETP2 and on PP2 x
+EP2. Every case: losses and gradient norms per step, every first-step gradient and the expert biases after the last
+step.
 
 The checkpoint interchange: torchtitan's checkpointer saves a run with one `--dtensor_moe.experts` and loads it under
 the other: the loaded model and optimizer state are bitwise those the same checkpoint loads under the first, and the
@@ -93,14 +94,16 @@ def _merged(ranks: list[dict]) -> dict:
     return out
 
 
-def _case(references, mesh: str, experts: str, memory: str, precision: str) -> None:
+def _case(references, mesh: str, experts: str, memory: str, precision: str, payload: str = "bf16") -> None:
     ranks, flags = MESHES[mesh]
-    name = f"{mesh}_ours_{memory}_{precision}" if experts == "ours" else f"{mesh}_titan"
-    ours = ("--dtensor_moe.activation_memory", memory, "--dtensor_moe.expert_precision", precision)
+    name = f"{mesh}_ours_{memory}_{precision}_payload_{payload}" if experts == "ours" else f"{mesh}_titan"
+    ours = ("--dtensor_moe.activation_memory", memory, "--dtensor_moe.expert_precision", precision,
+            "--dtensor_moe.dispatch_precision", payload)
     argv = _argv("deepseek_v3_debugmodel_cpu", references["root"] / name, *references["seed"], *_steps(*flags),
                  "--dtensor_moe.experts", experts, *(ours if experts == "ours" else ()))
     run = _merged(run_on_ranks(ranks, _run, argv))
-    _compare(name, run, references["titan"][DP[mesh]], FP8 if precision == "fp8" and experts == "ours" else FP32)
+    fp8 = experts == "ours" and "fp8" in (precision, payload)
+    _compare(name, run, references["titan"][DP[mesh]], FP8 if fp8 else FP32)
 
 
 def _compare(name: str, run: dict, ref: dict, tol: dict) -> None:
@@ -125,10 +128,11 @@ def test_ours_minimal_matches_torchtitan(references, mesh):
 @seed(SEED * 100 + 46)
 @settings(max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 @given(mesh=st.sampled_from(list(MESHES)), experts=st.sampled_from(["ours", "ours", "titan"]),
-       memory=st.sampled_from(["minimal", "standard"]), precision=st.sampled_from(["bf16", "bf16", "fp8"]))
-def test_drawn_case_matches_torchtitan(references, mesh, experts, memory, precision):
+       memory=st.sampled_from(["minimal", "standard"]), precision=st.sampled_from(["bf16", "bf16", "fp8"]),
+       payload=st.sampled_from(["bf16", "bf16", "fp8"]))
+def test_drawn_case_matches_torchtitan(references, mesh, experts, memory, precision, payload):
     try:
-        _case(references, mesh, experts, memory, precision)
+        _case(references, mesh, experts, memory, precision, payload)
     except Exception as e:
         e.add_note(f"titan experts draw seed {SEED}: DTENSOR_MOE_SEED={SEED} draws the same cases again")
         raise
