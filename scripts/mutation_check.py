@@ -163,6 +163,28 @@ MUTATIONS = (
              "counts_rep, host[E_local:], 1.0, g.adds_output_bias)",
              ("tests/test_parity_flag.py::test_parity_passes_a_correct_run[replicas_ep2]",),
              "replica slots' weight gradients not divided by EP*ETP: --parity must read FAIL"),
+    # Our experts inside torchtitan's MoE (--dtensor_moe.experts ours) against torchtitan alone.
+    Mutation("titan_experts_gate_up_swapped", "dtensor_moe/titan/experts.py",
+             "torch.stack([w1, w3], dim=1)", "torch.stack([w3, w1], dim=1)",
+             ("tests/test_titan_experts.py::test_ours_minimal_matches_torchtitan[ep2_etp2]",),
+             "torchtitan's w1 (gate) and w3 (up) swapped in our kernels' operand"),
+    # Nothing lost, nothing silently different: the data a run trains on and the files it writes.
+    Mutation("cache_memo_trusts_mtime", "dtensor_moe/train/token_cache.py",
+             "if entry and entry[:-1] == _stamp(st):", "if entry and entry[:2] == _stamp(st)[:2]:",
+             ("tests/test_data_files.py::test_the_cache_follows_content_not_names",),
+             "a file edited with its size and mtime kept (cp -p) reuses the stale cache"),
+    Mutation("fingerprint_ignores_eval_fraction", "dtensor_moe/train/data.py",
+             '"eval_fraction": d.eval_fraction, "seed"', '"eval_fraction": 0.0, "seed"',
+             ("tests/test_train.py::test_resume_refuses_another_data_stream",),
+             "a resume with another held-out fraction (trained sequences held out) is accepted"),
+    Mutation("export_overwrites", "dtensor_moe/train/export.py",
+             "checked_output_dir(out_dir, force)", "checked_output_dir(out_dir, True)",
+             ("tests/test_export.py::test_export_refuses_to_replace_files_without_force",),
+             "export replaces a directory's model.safetensors / config.json without --force"),
+    Mutation("eval_file_same_content_accepted", "dtensor_moe/train/token_cache.py",
+             "if h in trained]", "if h in ()]",
+             ("tests/test_data_files.py::test_held_out_by_content_and_empty_documents_are_refused",),
+             "an eval file with a training file's content is trained on and held out"),
 )
 
 
