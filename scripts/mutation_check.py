@@ -185,6 +185,23 @@ MUTATIONS = (
              "if h in trained]", "if h in ()]",
              ("tests/test_data_files.py::test_held_out_by_content_and_empty_documents_are_refused",),
              "an eval file with a training file's content is trained on and held out"),
+    # The data streams' invariants (tests/test_data_invariants.py): each split, the order's seed, the eval count.
+    Mutation("cache_split_overlaps", "dtensor_moe/train/token_cache.py",
+             'return {"train": [0, cut], "eval": [cut, n]}', 'return {"train": [0, cut + 1], "eval": [cut, n]}',
+             ("tests/test_data_invariants.py::test_training_and_held_out_tokens_are_disjoint",),
+             "the files' training part reaches into the held-out tokens"),
+    Mutation("corpus_split_overlaps", "dtensor_moe/train/data.py",
+             "(tokens[:cut], tokens[cut:])", "(tokens[:cut + 1], tokens[cut:])",
+             ("tests/test_data_invariants.py::test_training_and_held_out_tokens_are_disjoint",),
+             "the corpus's training part reaches into the held-out tokens"),
+    Mutation("order_ignores_seed", "dtensor_moe/train/data.py",
+             "manual_seed((self.seed * 1_000_003 + epoch) ^ EPOCH_SEED)", "manual_seed(epoch ^ EPOCH_SEED)",
+             ("tests/test_data_invariants.py::test_the_seed_decides_the_order",),
+             "the epoch permutation ignores training.seed"),
+    Mutation("eval_batches_floor", "dtensor_moe/train/data.py",
+             "math.ceil(self.n_seq / global_batch)", "self.n_seq // global_batch",
+             ("tests/test_data_invariants.py::test_every_evaluation_has_a_batch",),
+             "fewer held-out sequences than a batch make 0 eval batches (a division by zero mid-run)"),
 )
 
 
