@@ -202,6 +202,10 @@ MUTATIONS = (
              "math.ceil(self.n_seq / global_batch)", "self.n_seq // global_batch",
              ("tests/test_data_invariants.py::test_every_evaluation_has_a_batch",),
              "fewer held-out sequences than a batch make 0 eval batches (a division by zero mid-run)"),
+    Mutation("hf_check_drops_ignored_keys", "dtensor_moe/hf/checkpoint.py",
+             "and not any(re.search(p, k) for p in ignored)}", "}",
+             ("tests/test_bad_hf_inputs.py::test_keys_transformers_ignores_pass_the_check",),
+             "a real DeepSeek-V3 checkpoint (MTP keys model.layers.61.*) refused before launch"),
 )
 
 

@@ -152,6 +152,21 @@ def test_the_check_passes_every_family_saved_by_transformers(model_type, tmp_pat
     assert set(check_hf_checkpoint(tmp_path / "sharded")) == keys
 
 
+def test_keys_transformers_ignores_pass_the_check(tmp_path):
+    """A real DeepSeek-V3 checkpoint holds its multi-token-prediction layer as model.layers.61.* , which
+    transformers' model ignores on load (`_keys_to_ignore_on_load_unexpected`): the check before launch ignores
+    them too instead of refusing the checkpoint as holding keys the model does not have."""
+    from safetensors.torch import load_file, save_file
+
+    from dtensor_moe.hf.checkpoint import check_hf_checkpoint
+
+    hf_model("deepseek_v3").save_pretrained(tmp_path / "ds")
+    weights = load_file(tmp_path / "ds" / "model.safetensors")
+    mtp = {"model.layers.61.enorm.weight": torch.ones(4), "model.layers.61.eh_proj.weight": torch.zeros(4, 8)}
+    save_file({**weights, **mtp}, tmp_path / "ds" / "model.safetensors", metadata={"format": "pt"})
+    assert set(check_hf_checkpoint(tmp_path / "ds")) == set(weights) | set(mtp)
+
+
 def test_checkpoint_numel_counts_the_index_once(ckpts):
     from safetensors.torch import load_file
 
