@@ -206,6 +206,10 @@ MUTATIONS = (
              "and not any(re.search(p, k) for p in ignored)}", "}",
              ("tests/test_bad_hf_inputs.py::test_keys_transformers_ignores_pass_the_check",),
              "a real DeepSeek-V3 checkpoint (MTP keys model.layers.61.*) refused before launch"),
+    Mutation("planner_minimal_with_replicas", "dtensor_moe/tools/planner/tokens.py",
+             "and not moe.pad_to_capacity and not moe.expert_replicas:", "and not moe.pad_to_capacity:",
+             ("tests/test_activation_memory.py::test_the_planner_prices_what_the_layer_keeps",),
+             "the planner prices minimal memory for layers with replicas, which keep the standard path's"),
 )
 
 
