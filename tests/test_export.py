@@ -263,3 +263,37 @@ def test_our_checkpoint_without_its_manifest_is_not_taken_for_torchtitans(tmp_pa
     (ours / "model_config.json").write_text("{}")
     (ours / "train_state.pt").write_bytes(b"")
     assert not _torchtitan_checkpoint(ours) and _torchtitan_checkpoint(titan)
+
+
+def test_writers_publish_by_rename(tmp_path):
+    """The atomic writers' invariant: the file a reader finds is the very file written in full beside it (moved by a
+    rename, the same inode), never a copy made into place (a kill mid-copy leaves a half file); the old file is
+    whole until then, and a writer that fails leaves it as it was."""
+    import os
+
+    from dtensor_moe.hf.model import write_files
+    from dtensor_moe.train.token_cache import write_atomic
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.bin").write_bytes(b"old")
+    written = {}
+
+    def write(p):
+        p.write_bytes(b"new" * 1000)
+        written["ino"] = os.stat(p).st_ino
+
+    def fail(p):
+        p.write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(ValueError, match="No space left on device"):
+        write_files(out, {"a.bin": fail})
+    assert (out / "a.bin").read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    write_files(out, {"a.bin": write})
+    assert os.stat(out / "a.bin").st_ino == written["ino"] and (out / "a.bin").read_bytes() == b"new" * 1000
+    target = tmp_path / "meta.json"
+    target.write_bytes(b"old")
+    before = os.stat(target).st_ino
+    write_atomic(str(target), b"{}")
+    assert target.read_bytes() == b"{}" and os.stat(target).st_ino != before  # a new file renamed over the old
