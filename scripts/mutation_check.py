@@ -214,6 +214,10 @@ MUTATIONS = (
              "os.replace(tmp / name, out / name)", "shutil.copyfile(tmp / name, out / name)",
              ("tests/test_export.py::test_writers_publish_by_rename",),
              "the atomic writer copies into place: a kill mid-copy leaves a half file"),
+    Mutation("cache_key_ignores_tokenizer_content", "dtensor_moe/train/token_cache.py",
+             '"tokenizer": fingerprint(spec, m.hf_path) if texts else None', '"tokenizer": spec if texts else None',
+             ("tests/test_data_files.py::test_the_cache_follows_content_not_names",),
+             "a tokenizer retrained into the same directory reuses the old cache"),
 )
 
 
