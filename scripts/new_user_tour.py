@@ -1,7 +1,8 @@
 """The new-user tour: bad inputs and faults tried as a new user (and a cluster scheduler) would, each judged by a
 check.
 
-    python scripts/new_user_tour.py [--jobs 3] [--launches 100] [--only all|runs|hf|settings|parity] [--json OUT.json]
+    python scripts/new_user_tour.py [--jobs 3] [--launches 100] [--only all|runs|hf|settings|parity|data]
+        [--json OUT.json]
 
 Areas: the Python API (configs, meshes, plan, parallelize, forward, checkpoint load), the CLI
 (`train | plan | explain | export | import`), the main job's config, checkpoints (damaged, replaced,
@@ -51,6 +52,7 @@ from tour_base import (
     rank_pid,
     run_cli,
 )
+from tour_data import data_cases
 from tour_hf import hf_cases
 from tour_parity import parity_cases
 from tour_runs import run_cases
@@ -659,10 +661,11 @@ def main():
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "2026-12-01" / "new_user_tour.json"))
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     ap.add_argument("--launches", type=int, default=100, help="tiny runs launched one after another (0: none)")
-    ap.add_argument("--only", choices=("all", "runs", "hf", "settings", "parity"), default="all",
+    ap.add_argument("--only", choices=("all", "runs", "hf", "settings", "parity", "data"), default="all",
                     help="runs: only the run families (signals, stalls, concurrency, disk, environment, launches); "
                          "hf: only the Hugging Face round trips and mismatches; settings: only tour_settings.py's; "
-                         "parity: only tour_parity.py's (train --parity, explain at any world size)")
+                         "parity: only tour_parity.py's (train --parity, explain at any world size); data: only "
+                         "tour_data.py's (what a run trains on and writes)")
     ap.add_argument("--nan-worker", metavar="OUT", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.nan_worker:
@@ -701,6 +704,8 @@ def main():
             futures += [pool.submit(fn, *a) for fn, *a in settings_cases(tour)]
         if args.only in ("all", "parity"):
             futures += [pool.submit(fn, *a) for fn, *a in parity_cases(tour)]
+        if args.only in ("all", "data"):
+            futures += [pool.submit(fn, *a) for fn, *a in data_cases(tour)]
         if args.only == "all":
             api_cases(tour, ckpt_ready)
             ckpt_ready.wait()  # every checkpoint case is submitted before the pool shuts down

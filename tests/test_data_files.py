@@ -321,7 +321,7 @@ def test_an_unwritable_cache_dir_is_one_line(tmp_path, tok, monkeypatch):
 
     monkeypatch.setattr(token_cache.tempfile, "mkdtemp", full)
     with pytest.raises(ValueError, match=r"cannot be written under data.cache_dir .* \(No space left on device\); "
-                                         r"free space, make it writable"):
+                                         r"valid: a writable directory with free space"):
         token_cache.prepare(_cfg(tmp_path, tok, [path]), progress=False)
 
 

@@ -176,7 +176,7 @@ def test_a_recording_of_fewer_experts_is_refused():
         small(torch.randn(2, 3, 8, dtype=torch.float64))
     assert rec.num_experts == {"": 4}
     with pytest.raises(ValueError, match=r"replay_routing: MoE layer '' has 8 experts, its recording was made by a "
-                                         r"layer of 4; replay on the model that recorded"):
+                                         r"layer of 4; valid: replay on the model that recorded"):
         with replay_routing(large, rec):
             pass
     with pytest.raises(ValueError, match=r"record_routing: MoE layer '' has 8 experts, `into` holds a recording of 4"):

@@ -293,7 +293,8 @@ def _check(layers: dict[str, MoE], recorded: RoutingReplay):
         E, K = moe.config.num_experts, moe.config.top_k
         if recorded.num_experts.get(name, E) != E:
             raise ValueError(f"replay_routing: MoE layer {name!r} has {E} experts, its recording was made by a layer "
-                             f"of {recorded.num_experts[name]}; replay on the model that recorded")
+                             f"of {recorded.num_experts[name]}; valid: replay on the model that recorded (its layer of "
+                             f"{recorded.num_experts[name]} experts)")
         for i, experts_TK in enumerate(recorded.experts[name]):
             where = f"replay_routing: MoE layer {name!r}, recorded forward {i + 1}"
             if experts_TK.dim() != 2 or experts_TK.shape[1] != K or experts_TK.dtype != torch.int64:

@@ -204,8 +204,8 @@ def prepare(cfg, progress: bool = True) -> dict:
                     meta = _build(plan, cfg, progress)
         except OSError as e:
             raise ValueError(f"the token cache cannot be written under data.cache_dir {root!r} "
-                             f"({e.strerror or e}); free space, make it writable, or set data.cache_dir (or "
-                             "$DTENSOR_MOE_CACHE) to another directory") from None
+                             f"({e.strerror or e}); valid: a writable directory with free space (free some, make "
+                             "it writable, or set data.cache_dir or $DTENSOR_MOE_CACHE to another)") from None
     check_split(cfg, meta)
     return {**meta, "split": split(meta, cfg.data.eval_fraction)}
 
