@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from dtensor_moe.durable import fsync_path, write_atomic
 from dtensor_moe.experts import gate_up_halves, gate_up_whole, split_gate_up
 
 __all__ = ["save", "load", "latest", "pick", "verify", "CheckpointError", "SaveError"]
@@ -235,24 +236,6 @@ def single_process_ok():
         yield
 
 
-def _fsync_dir(path: Path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, write):
-    """write(file) into path.tmp, fsync, rename over path: a crash leaves the old file or the new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _config_dict(model: nn.Module) -> dict | None:
     cfg = getattr(model, "config", None)
     return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None
@@ -283,11 +266,11 @@ def _save(root: Path, step: int, model, optimizer, extra, keep_last, tmp: Path, 
     def prepare():
         shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
         tmp.mkdir(parents=True)
-        _write_durably(tmp / TRAIN_STATE, lambda f: torch.save({**(extra or {}), "step": step}, f))
+        write_atomic(tmp / TRAIN_STATE, lambda f: torch.save({**(extra or {}), "step": step}, f))
         cfg = _config_dict(model)
         if cfg is not None:
             text = json.dumps(cfg, indent=2, sort_keys=True) + "\n"
-            _write_durably(tmp / MODEL_CONFIG, lambda f: f.write(text.encode()))
+            write_atomic(tmp / MODEL_CONFIG, lambda f: f.write(text.encode()))
 
     _on_rank0(prepare)
     state = {"model": split_gate_up(get_model_state_dict(model))}
@@ -309,10 +292,10 @@ def _save(root: Path, step: int, model, optimizer, extra, keep_last, tmp: Path, 
             "step": step,
             "files": {n: {"bytes": (tmp / n).stat().st_size, "sha256": digests[n]} for n in names},
         }
-        _write_durably(
+        write_atomic(
             tmp / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
         )
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         _publish(tmp, final)
         _prune(root, keep_last, final)
 
@@ -336,7 +319,7 @@ def _publish(tmp: Path, final: Path):
         shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
     tmp.rename(final)
-    _fsync_dir(final.parent)
+    fsync_path(final.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -22,6 +22,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from dtensor_moe import durable
 from dtensor_moe.durable import fsync_path
 from dtensor_moe.train.config import BYTE_VOCAB
 from dtensor_moe.train.data_files import DataFile, documents, find_files, token_shard
@@ -65,18 +66,7 @@ class CachePlan:
 
 def write_atomic(path: str, data: bytes) -> None:
     """`data` into `path` through a temporary file beside it: a reader sees the old file or the new, never half."""
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=os.path.dirname(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # the content on disk before the rename publishes it
-        os.replace(tmp, path)
-        fsync_path(os.path.dirname(path) or ".")
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    durable.write_atomic(path, lambda f: f.write(data))
 
 
 def _stamp(st: os.stat_result) -> list[int]:
