@@ -219,6 +219,10 @@ MUTATIONS = (
              '"tokenizer": fingerprint(spec, m.hf_path) if texts else None', '"tokenizer": spec if texts else None',
              ("tests/test_data_files.py::test_the_cache_follows_content_not_names",),
              "a tokenizer retrained into the same directory reuses the old cache"),
+    Mutation("held_out_document_trained", "dtensor_moe/train/token_cache.py",
+             "if held and text.strip() and _doc_key(text) in held:", "if False:",
+             ("tests/test_data_files.py::test_held_out_by_content_and_empty_documents_are_refused",),
+             "a training file holding a held-out document is trained on"),
 )
 
 

@@ -326,14 +326,22 @@ def test_an_unwritable_cache_dir_is_one_line(tmp_path, tok, monkeypatch):
 
 
 def test_held_out_by_content_and_empty_documents_are_refused(tmp_path, tok):
-    """An eval file with a training file's content (another name) and a corpus of empty documents, each refused
-    before any token is cached."""
+    """An eval file with a training file's content (another name), a training file holding one of the held-out
+    documents, and a corpus of empty documents, each refused before any token is cached."""
     train = _write(tmp_path, "jsonl", DOCS)
     twin = tmp_path / "heldout.jsonl"
     twin.write_bytes(Path(train).read_bytes())
     with pytest.raises(ValueError, match=r"data.eval_paths file .*heldout.jsonl' has the content of data.paths file "
                                          r".*train.jsonl' \(the same sha256\): held-out data must not be trained on"):
         token_cache.prepare(_cfg(tmp_path, tok, [train], f"data.eval_paths={json.dumps([str(twin)])}"), progress=False)
+    shared = _write(tmp_path, "jsonl", DOCS[:50] + ["a document held out and trained on."], "mixed")
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps({"text": "another held-out document."}) + "\n"
+                    + json.dumps({"text": "a document held out and trained on."}) + "\n")
+    with pytest.raises(ValueError, match=r"data.paths file .*mixed.jsonl' holds document 51 \('a document held out "
+                                         r"and trained on.'\.\.\.\), which data.eval_paths hold out too"):
+        token_cache.prepare(_cfg(tmp_path, tok, [shared], f"data.eval_paths={json.dumps([str(held)])}"),
+                            progress=False)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("".join(json.dumps({"text": ""}) + "\n" for _ in range(50)))
     with pytest.raises(ValueError, match=r"data.paths hold 50 documents and every one is empty \(data.text_field "

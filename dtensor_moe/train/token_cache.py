@@ -239,6 +239,10 @@ def _build(plan: CachePlan, cfg, progress: bool) -> dict:
     content = {"train": 0, "eval": 0}  # tokens that are not the end-of-text token joining documents
     digest = hashlib.sha256()
     max_id = -1
+    # Held-out documents by content (data.eval_paths are read twice: they are the small part), so that a training
+    # file holding one of them is refused, whatever the files are named.
+    held_docs = {_doc_key(text) for f in plan.eval if f.format != "tokens"
+                 for text, _ in documents(f, cfg.data.text_field)}
     try:
         # Shown after a second: a small cache, or bad data found at once, leaves no bar before its one line.
         bar = tqdm(total=sum(f.size for f in plan.files), unit="B", unit_scale=True, desc="tokenizing",
@@ -259,7 +263,8 @@ def _build(plan: CachePlan, cfg, progress: bool) -> dict:
                         bar.update(f.size)
                         continue
                     seen = 0
-                    for ids, n_docs, nbytes in _encoded(f, cfg.data.text_field, tok):
+                    for ids, n_docs, nbytes in _encoded(f, cfg.data.text_field, tok,
+                                                        held_docs if role == "train" else None):
                         chunk = array.array(code, ids).tobytes()
                         out.write(chunk)
                         digest.update(chunk)
@@ -312,8 +317,13 @@ def _cleared_on_error(bar):
         bar.close()
 
 
-def _encoded(f: DataFile, field: str, tok):
-    """(token ids of a batch of documents, each followed by the end-of-text token; documents; bytes read)."""
+def _doc_key(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()[:16]
+
+
+def _encoded(f: DataFile, field: str, tok, held: set | None = None):
+    """(token ids of a batch of documents, each followed by the end-of-text token; documents; bytes read). `held`:
+    held-out documents' keys (`_doc_key`), none of which a training document may be."""
     batch, nbytes = [], 0
 
     def flush():
@@ -323,7 +333,11 @@ def _encoded(f: DataFile, field: str, tok):
             ids.append(tok.eot)
         return ids, len(batch), nbytes
 
-    for text, n in documents(f, field):
+    for i, (text, n) in enumerate(documents(f, field)):
+        if held and text.strip() and _doc_key(text) in held:
+            raise ValueError(f"data.paths file {f.path!r} holds document {i + 1} ({text[:40]!r}...), which "
+                             "data.eval_paths hold out too: held-out data must not be trained on; valid: remove it "
+                             "from one of them")
         batch.append(text)
         nbytes += n
         if len(batch) == DOCS_PER_BATCH:
