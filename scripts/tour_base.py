@@ -105,18 +105,27 @@ def env() -> dict:
     return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
 
 
-def run_cli(argv, cwd, timeout=TIMEOUT_S):
-    """(rc or None on timeout, stderr, stdout, seconds); a timed-out job's process group is killed."""
-    t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "dtensor_moe.cli", *argv], cwd=cwd, env=env(), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+def start(cmd, cwd, extra_env=None) -> subprocess.Popen:
+    """`cmd` in a session of its own (so a hang's whole process group can be killed), its output captured."""
+    return subprocess.Popen(cmd, cwd=cwd, env={**env(), **(extra_env or {})}, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+
+
+def finish(p: subprocess.Popen, timeout=TIMEOUT_S) -> tuple[int | None, str, str]:
+    """(rc or None on timeout, stderr, stdout) of a `start`ed job; a timed-out job's process group is killed."""
     try:
         out, err = p.communicate(timeout=timeout)
-        rc = p.returncode
+        return p.returncode, err, out
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)  # the session this call started: the launcher and its ranks
         out, err = p.communicate()
-        rc = None
+        return None, err, out
+
+
+def run_cli(argv, cwd, timeout=TIMEOUT_S):
+    """(rc or None on timeout, stderr, stdout, seconds); a timed-out job's process group is killed."""
+    t0 = time.perf_counter()
+    rc, err, out = finish(start([sys.executable, "-m", "dtensor_moe.cli", *argv], cwd), timeout)
     return rc, err, out, time.perf_counter() - t0
 
 

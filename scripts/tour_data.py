@@ -5,7 +5,6 @@ the way out), or accepted with a note where that is right (a damaged token cache
 with nothing left behind. Files that must survive are guarded: a changed byte is `data loss`."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -13,19 +12,20 @@ import sys
 import time
 from pathlib import Path
 
-from tour_base import TIMEOUT_S, TINY_TOML, Result, Tour, cli, env, message_lines
+from tour_base import TIMEOUT_S, TINY_TOML, Result, Tour, cli, env, finish, message_lines, start
 from tour_settings import api_refused, hook_refused
 
 AREA = "data"
 DOCS = [f"document {i} about experts and routers, tokens and ranks, number {i * 7 % 13}." for i in range(400)]
 
 
-def _files_toml(tour: Tour, name: str, train: list[Path], held: list[Path] = (), fraction: float = 0.0) -> Path:
-    """The tour's tiny job reading `train` (byte tokenizer) into this family's own cache."""
+def _files_toml(tour: Tour, name: str, train: list[Path], held: list[Path] = (), fraction: float = 0.0,
+                cache: Path | None = None) -> Path:
+    """The tour's tiny job reading `train` (byte tokenizer) into `cache` (default: this family's shared cache)."""
     toml = TINY_TOML.replace('source = "synthetic"', "\n".join([
         'source = "files"', f"paths = {json.dumps([str(p) for p in train])}",
         *([f"eval_paths = {json.dumps([str(p) for p in held])}"] if held else []),
-        'tokenizer = "byte"', f"eval_fraction = {fraction}", f'cache_dir = "{tour.scratch / "data_cache"}"']))
+        'tokenizer = "byte"', f"eval_fraction = {fraction}", f'cache_dir = "{cache or tour.scratch / "data_cache"}"']))
     path = tour.scratch / f"{name}.toml"
     path.write_text(toml)
     return path
@@ -115,11 +115,9 @@ def cache_cases(tour: Tour):
     cli(tour, AREA, "a truncated tokens.bin in the cache", argv, ["damaged", "rebuilding"], valid=False,
         expect_rc=0, accepted_check=lambda out: "" if tokens.stat().st_size % 2 == 0 else "not rebuilt")
     (tour.scratch / "data_ro_parent").write_text("a file where the cache's parent should be")
-    bad = toml.read_text().replace(f'cache_dir = "{tour.scratch / "data_cache"}"',
-                                   f'cache_dir = "{tour.scratch / "data_ro_parent" / "c"}"')
-    (tour.scratch / "data_bad_cache.toml").write_text(bad)
+    bad = _files_toml(tour, "data_bad_cache", [train], cache=tour.scratch / "data_ro_parent" / "c")
     cli(tour, AREA, "data.cache_dir under a file (cannot be created)",
-        ["train", "--config", str(tour.scratch / "data_bad_cache.toml"), "--run-dir",
+        ["train", "--config", str(bad), "--run-dir",
          str(tour.scratch / "data_bad_cache_run")], ["data.cache_dir"], run_dir=tour.scratch / "data_bad_cache_run")
 
 
@@ -128,25 +126,15 @@ def signal_case(tour: Tour, sig: int):
     big = tour.scratch / f"data_big_{sig}.txt"
     big.write_text("\n".join(DOCS) * 400)  # a few MB: seconds of tokenizing
     cache = tour.scratch / f"data_sig_cache_{sig}"
-    toml = _files_toml(tour, f"data_sig_{sig}", [big]).read_text().replace(
-        f'cache_dir = "{tour.scratch / "data_cache"}"', f'cache_dir = "{cache}"')
-    (tour.scratch / f"data_sig_{sig}.toml").write_text(toml)
+    toml = _files_toml(tour, f"data_sig_{sig}", [big], cache=cache)
     t0 = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "dtensor_moe.cli", "train", "--config",
-                          str(tour.scratch / f"data_sig_{sig}.toml"), "--run-dir", str(tour.scratch / f"sig_run{sig}")],
-                         cwd=tour.scratch, env=env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         start_new_session=True)
+    p = start([sys.executable, "-m", "dtensor_moe.cli", "train", "--config", str(toml), "--run-dir",
+               str(tour.scratch / f"sig_run{sig}")], tour.scratch)
     deadline = time.time() + 60
     while time.time() < deadline and not (cache.is_dir() and any(cache.glob(".*"))):
         time.sleep(0.05)  # the build's temporary directory exists: tokenizing
     p.send_signal(sig)
-    try:
-        _, err = p.communicate(timeout=TIMEOUT_S)
-        rc = p.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        _, err = p.communicate()
-        rc = None
+    rc, err, _ = finish(p)
     name = signal.Signals(sig).name
     lines = message_lines(err)
     r = Result(AREA, f"{name} while the token cache is built", outcome="timeout" if rc is None else f"rc {rc}",

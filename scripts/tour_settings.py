@@ -11,14 +11,11 @@ dtensor_moe.titan.cpu_train ...`; under torchrun for the row cap)."""
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tour_base import TIMEOUT_S, Result, Tour, cli, env, message_lines, names_missing, run_cli
+from tour_base import TIMEOUT_S, Result, Tour, cli, finish, message_lines, names_missing, run_cli, start
 
 AREA = "settings"
 HOOK = ["--module", "dtensor_moe.titan", "--config", "deepseek_v3_debugmodel_cpu"]
@@ -27,15 +24,7 @@ HOOK = ["--module", "dtensor_moe.titan", "--config", "deepseek_v3_debugmodel_cpu
 def _run(cmd, cwd, extra_env=None, timeout=TIMEOUT_S):
     """(rc or None on timeout, stderr, stdout, seconds) of `cmd` in a session of its own."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, cwd=cwd, env={**env(), **(extra_env or {})}, text=True, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-        rc = p.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        rc = None
+    rc, err, out = finish(start(cmd, cwd, extra_env), timeout)
     return rc, err, out, time.perf_counter() - t0
 
 
