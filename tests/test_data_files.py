@@ -267,6 +267,8 @@ def test_cache_damage_is_rebuilt_or_refused(tmp_path, tok, capsys):
         "corrupted": lambda: (cache / "tokens.bin").write_bytes(bytes([good[0] ^ 1]) + good[1:]),
         "no meta.json": lambda: (cache / "meta.json").unlink(),
     }
+    damage_found = {"truncated": "tokens.bin holds", "corrupted": "tokens.bin's sha256 differs from meta.json's",
+                    "no meta.json": "no meta.json"}
     for name, damage in damages.items():
         damage()
         if name != "no meta.json":
@@ -277,7 +279,9 @@ def test_cache_damage_is_rebuilt_or_refused(tmp_path, tok, capsys):
                 token_cache.open_tokens(cfg)
         rebuilt = token_cache.prepare(cfg, progress=False)
         assert (cache / "tokens.bin").read_bytes() == good and rebuilt["tokens"] == meta["tokens"], name
-        assert "is damaged" in capsys.readouterr().err and not token_cache.cache_damage(str(cache), rebuilt, True)
+        note = capsys.readouterr().err
+        assert f"is damaged ({damage_found[name]}" in note, note
+        assert not token_cache.cache_damage(str(cache), rebuilt, True)
 
 
 @pytest.mark.parametrize("signum", [2, 15, 1], ids=["SIGINT", "SIGTERM", "SIGHUP"])

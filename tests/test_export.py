@@ -271,8 +271,8 @@ def test_writers_publish_by_rename(tmp_path):
     whole until then, and a writer that fails leaves it as it was."""
     import os
 
+    from dtensor_moe.durable import write_atomic
     from dtensor_moe.hf.model import write_files
-    from dtensor_moe.train.token_cache import write_atomic
 
     out = tmp_path / "out"
     out.mkdir()
@@ -295,5 +295,5 @@ def test_writers_publish_by_rename(tmp_path):
     target = tmp_path / "meta.json"
     target.write_bytes(b"old")
     before = os.stat(target).st_ino
-    write_atomic(str(target), b"{}")
+    write_atomic(target, lambda f: f.write(b"{}"))
     assert target.read_bytes() == b"{}" and os.stat(target).st_ino != before  # a new file renamed over the old

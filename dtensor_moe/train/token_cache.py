@@ -22,8 +22,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from dtensor_moe import durable
-from dtensor_moe.durable import fsync_path
+from dtensor_moe.durable import fsync_path, write_atomic
 from dtensor_moe.train.config import BYTE_VOCAB
 from dtensor_moe.train.data_files import DataFile, documents, find_files, token_shard
 from dtensor_moe.train.tokenizer import fingerprint, load_tokenizer
@@ -64,11 +63,6 @@ class CachePlan:
         return self.train + self.eval
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """`data` into `path` through a temporary file beside it: a reader sees the old file or the new, never half."""
-    durable.write_atomic(path, lambda f: f.write(data))
-
-
 def _stamp(st: os.stat_result) -> list[int]:
     """What the digest memo trusts a file by: size, mtime, and the status-change time and inode, which `cp -p` /
     `rsync -t` (mtime kept) and an editor's save-by-rename change too, and no user can set back."""
@@ -102,7 +96,7 @@ def _digests(files: list[DataFile], root: str) -> list[str]:
     if changed:
         try:
             os.makedirs(root, exist_ok=True)
-            write_atomic(memo_path, json.dumps(memo).encode())
+            write_atomic(memo_path, lambda f: f.write(json.dumps(memo).encode()))
         except OSError:  # a read-only cache directory: the digests are recomputed next time
             pass
     return out
@@ -174,22 +168,17 @@ def prepare(cfg, progress: bool = True) -> dict:
     """Before launch: the cache of `cfg`'s files, built if missing (or rebuilt if its files are damaged), and every
     check of data against the config. Returns the cache's meta.json with the split (`split`)."""
     plan = plan_cache(cfg)
-    meta = read_meta(plan.dir)
-    if meta is not None and cache_damage(plan.dir, meta, full=True):
-        meta = None  # rebuilt below, under the lock
+    meta, _ = _whole(plan.dir)
     if meta is None:
         root = os.path.dirname(plan.dir)
         try:
             os.makedirs(root, exist_ok=True)
             with _locked(plan.dir + ".lock"):
-                meta = read_meta(plan.dir)  # built by another run while this one waited
-                if meta is not None and cache_damage(plan.dir, meta, full=True):
-                    meta = None
+                meta, damage = _whole(plan.dir)  # built or repaired by another run while this one waited
                 if meta is None:
-                    if os.path.exists(plan.dir):  # a damaged or half-removed cache: its key says what it must hold
-                        print(f"dtensor-moe train: token cache {plan.dir} is damaged "
-                              f"({cache_damage(plan.dir, read_meta(plan.dir) or {}) or 'no meta.json'}); "
-                              "rebuilding it", file=sys.stderr)
+                    if damage:  # its key says what it must hold: built again from the files
+                        print(f"dtensor-moe train: token cache {plan.dir} is damaged ({damage}); rebuilding it",
+                              file=sys.stderr)
                         shutil.rmtree(plan.dir)
                     meta = _build(plan, cfg, progress)
         except OSError as e:
@@ -198,6 +187,15 @@ def prepare(cfg, progress: bool = True) -> dict:
                              "it writable, or set data.cache_dir or $DTENSOR_MOE_CACHE to another)") from None
     check_split(cfg, meta)
     return {**meta, "split": split(meta, cfg.data.eval_fraction)}
+
+
+def _whole(cache_dir: str) -> tuple[dict | None, str | None]:
+    """(its meta.json, None) for a whole cache; (None, what is wrong) for a damaged one; (None, None) for none."""
+    meta = read_meta(cache_dir)
+    if meta is None:
+        return None, "no meta.json" if os.path.exists(cache_dir) else None
+    damage = cache_damage(cache_dir, meta, full=True)
+    return (None, damage) if damage else (meta, None)
 
 
 def cache_damage(cache_dir: str, meta: dict, full: bool = False) -> str | None:
@@ -291,7 +289,7 @@ def _build(plan: CachePlan, cfg, progress: bool) -> dict:
             "sha256": digest.hexdigest(), "mtime_ns": os.stat(os.path.join(tmp, "tokens.bin")).st_mtime_ns,
         }
         fsync_path(os.path.join(tmp, "tokens.bin"))
-        write_atomic(os.path.join(tmp, "meta.json"), json.dumps(meta, indent=1).encode())
+        write_atomic(os.path.join(tmp, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
         try:
             os.rename(tmp, plan.dir)
             fsync_path(root)
