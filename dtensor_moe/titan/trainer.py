@@ -21,8 +21,6 @@ import torch.distributed as dist
 from torchtitan.distributed import ParallelDims
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.linear import ScaledBiasRowwiseLinear
-from torchtitan.models.common.moe import GroupedExperts
-from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 from torchtitan.trainer import Trainer as TitanTrainer
 
 from dtensor_moe.config import ACTIVATION_MEMORY, DISPATCH_PRECISIONS, EXPERT_PRECISIONS
@@ -329,7 +327,9 @@ def _check_tp(config: Trainer.Config, tp: int) -> None:
 
 
 def _check_experts(config: Trainer.Config) -> None:
-    """--dtensor_moe.experts and what only our experts read (titan/experts.py), checked while parsing."""
+    """--dtensor_moe.experts and what only our experts read (titan/experts.py), checked while parsing. Which experts
+    a model may have is wrap_config's check (config_registry._check_moe_layers: torchtitan's GroupedExperts or
+    gpt-oss's, under either option), made before this config exists."""
     ours = config.dtensor_moe
     for name, valid in (("experts", EXPERTS), ("activation_memory", ACTIVATION_MEMORY),
                         ("expert_precision", EXPERT_PRECISIONS), ("dispatch_precision", DISPATCH_PRECISIONS)):
@@ -345,14 +345,6 @@ def _check_experts(config: Trainer.Config) -> None:
         raise ValueError("--dtensor_moe.dispatch_precision fp8 sets the payload of the EP / ETP token exchange, and "
                          "--dtensor_moe.ep 1 --dtensor_moe.etp 1 exchanges none; valid: --dtensor_moe.ep or "
                          "--dtensor_moe.etp > 1, or --dtensor_moe.dispatch_precision bf16")
-    if ours.experts == "ours":
-        for i, moe in enumerate(_moes(config.model_spec.model)):
-            kind = type(moe.routed_experts.inner_experts)
-            if kind not in (GroupedExperts.Config, GptOssGroupedExperts.Config):
-                # e.g. torchtitan's float8 / MXFP8 experts: their own GEMMs, which ours would silently replace
-                raise ValueError(f"MoE layer {i}'s routed experts are {kind.__qualname__}, which --dtensor_moe.experts "
-                                 "ours does not run (our FP8 is --dtensor_moe.expert_precision fp8); valid: "
-                                 "torchtitan's GroupedExperts or GptOssGroupedExperts, or --dtensor_moe.experts titan")
 
 
 def _check_replicas(config: Trainer.Config) -> None:
