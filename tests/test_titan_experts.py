@@ -141,8 +141,9 @@ def test_drawn_case_matches_torchtitan(references, mesh, experts, memory, precis
 # ---- the checkpoint interchange ----------------------------------------------------------------------------------
 
 
-def _loaded_state(rank: int, world: int, argv: list[str], step: int) -> dict:
-    """The model's and the optimizer's state, as full tensors, right after torchtitan's checkpointer loads `step`."""
+def _state(rank: int, world: int, argv: list[str], step: int | None = None) -> dict:
+    """The model's state as full tensors once torchtitan's Trainer is built (its initial weights), or, with `step`,
+    the model's and the optimizer's right after its checkpointer loads that step."""
     from dtensor_moe.titan.cpu import use_cpu
 
     use_cpu()
@@ -151,9 +152,11 @@ def _loaded_state(rank: int, world: int, argv: list[str], step: int) -> dict:
 
     trainer = ConfigManager().parse_args(argv).build()
     try:
-        trainer.checkpointer.load(step=step)
+        if step is not None:
+            trainer.checkpointer.load(step=step)
         state = {f"model.{k}": v for k, v in trainer.model_parts[0].state_dict().items()}
-        state.update((f"optim.{k}", v) for k, v in trainer.optimizers.state_dict().items())
+        if step is not None:
+            state.update((f"optim.{k}", v) for k, v in trainer.optimizers.state_dict().items())
         return {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in state.items()
                 if isinstance(v, torch.Tensor)}
     finally:
@@ -171,7 +174,7 @@ def test_checkpoint_interchange(references, saved_by, loaded_by):
     full = run_on_ranks(2, _run, save)[0]["log"]
     resume = _argv("deepseek_v3_debugmodel_cpu", root, *_steps(*ep2), "--checkpoint.enable", "--checkpoint.load_only",
                    "--checkpoint.load_step", "2")
-    states = {who: run_on_ranks(2, _loaded_state, [*resume, "--dtensor_moe.experts", who], 2)[0]
+    states = {who: run_on_ranks(2, _state, [*resume, "--dtensor_moe.experts", who], 2)[0]
               for who in (saved_by, loaded_by)}
     assert sorted(states[loaded_by]) == sorted(states[saved_by])
     assert any(k.startswith("optim.") and "exp_avg" in k for k in states[saved_by])  # Adam's state is in it
@@ -187,23 +190,9 @@ def test_checkpoint_interchange(references, saved_by, loaded_by):
 def test_same_seed_same_initial_weights(references):
     """--debug.seed, no checkpoint: torchtitan initializes its parameters (ours keeps them) to the same bits."""
     root = references["root"] / "init"
-    states = [run_on_ranks(2, _initial_state, _argv("deepseek_v3_debugmodel_cpu", root / who, "--dtensor_moe.ep", "2",
+    states = [run_on_ranks(2, _state, _argv("deepseek_v3_debugmodel_cpu", root / who, "--dtensor_moe.ep", "2",
                                                     "--dtensor_moe.experts", who))[0] for who in ("titan", "ours")]
     assert sorted(states[0]) == sorted(states[1]) and any("w1_EFD" in k for k in states[0])
     for k, v in states[0].items():
         assert torch.equal(states[1][k], v), k
 
-
-def _initial_state(rank: int, world: int, argv: list[str]) -> dict:
-    from dtensor_moe.titan.cpu import use_cpu
-
-    use_cpu()
-    from torch.distributed.tensor import DTensor
-    from torchtitan.config import ConfigManager
-
-    trainer = ConfigManager().parse_args(argv).build()
-    try:
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
-                for k, v in trainer.model_parts[0].state_dict().items()}
-    finally:
-        trainer.close()

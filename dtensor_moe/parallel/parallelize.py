@@ -397,9 +397,9 @@ def compile_moe(module: nn.Module, backend: str = "inductor") -> nn.Module:
         nn.Module: `module`, its MoE layers' forwards compiled.
 
     Raises:
-        ValueError: a bad backend, no MoE in `module`, a layer not placed yet, one whose experts take EDP / HSDP
-            from an FSDP2
-            unit, or one with `expert_replicas > 0` (their split needs the counts on the host, eagerly).
+        ValueError: a bad backend, no MoE in `module`, a layer not placed yet, one compiled already, one whose
+            experts take EDP / HSDP from an FSDP2 unit, or one with `expert_replicas > 0` (their split needs the
+            counts on the host, eagerly).
 
     Example (under torchrun; `parallelize_moe(..., compile=...)` is this chain)::
 
