@@ -27,6 +27,7 @@ from torchtitan.trainer import Trainer as TitanTrainer  # noqa: E402
 
 from dtensor_moe.parallel.mesh import MoEParallelDims  # noqa: E402
 from dtensor_moe.titan import config_registry as registry  # noqa: E402
+from dtensor_moe.titan import moonshot  # noqa: E402
 from dtensor_moe.titan.models import planner_spec  # noqa: E402
 from dtensor_moe.titan.parallelize import parallelize_titan, titan_plan  # noqa: E402
 from dtensor_moe.titan.trainer import Trainer  # noqa: E402
@@ -34,7 +35,10 @@ from dtensor_moe.tools import planner as P  # noqa: E402
 from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS  # noqa: E402
 
 REAL_SIZE = ("deepseek_v3_16b", "deepseek_v3_236b", "deepseek_v3_671b", "qwen3_30b_a3b", "qwen3_235b_a22b",
-             "gpt_oss_20b", "gpt_oss_120b")
+             "gpt_oss_20b", "gpt_oss_120b", "moonlight_16b_a3b", "kimi_k2")
+# Moonshot's decoders: torchtitan has them in kimi_k2_7, which needs torchvision; test_moonshot_decoders_are_hf_s
+# checks them against transformers' DeepseekV3 with the Hugging Face configs' values instead.
+MOONSHOT = {"moonlight_16b_a3b": "moonlight_16b_a3b", "kimi_k2": "kimi_k2"}
 DIMS = MoEParallelDims(16, ep=4, etp=2)  # divides every config's experts and expert hidden dim
 
 
@@ -42,6 +46,8 @@ def _titans_own(name: str):
     """torchtitan's ModelSpec for the hook config `name`: its config function of that name, or for the two models
     it registers without one, its flavor."""
     flavors = {"deepseek_v3_236b": (deepseek_v3, "236B"), "qwen3_235b_a22b": (qwen3, "235B-A22B")}
+    if name in MOONSHOT:
+        return getattr(moonshot, MOONSHOT[name])()
     if name in flavors:
         family, flavor = flavors[name]
         return family.model_registry(flavor)
@@ -203,6 +209,65 @@ def test_every_torchtitan_moe_config_is_here_or_refused():
         with pytest.raises(ValueError, match="wrap_config: "):
             registry.wrap_config(config)
         refused.append(name)
-    assert set(here) == set(TITAN_MODELS) - {"deepseek_v3_236b", "qwen3_235b_a22b"}, here
+    assert set(here) == set(TITAN_MODELS) - {"deepseek_v3_236b", "qwen3_235b_a22b", *MOONSHOT}, here
     # the variants with another token dispatcher (its comm backends)
     assert refused and all(re.search("hybridep|minimal_async_ep|deepep", name) for name in refused), refused
+
+
+# The Hugging Face configs (config.json) of moonshotai/Moonlight-16B-A3B and moonshotai/Kimi-K2-Base: their
+# DeepseekV3 fields that set parameter shapes and routing.
+HF_MOONSHOT = {
+    "moonlight_16b_a3b": dict(hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+                              n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, num_attention_heads=16,
+                              num_key_value_heads=16, q_lora_rank=None, routed_scaling_factor=2.446),
+    "kimi_k2": dict(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, n_routed_experts=384,
+                    n_shared_experts=1, num_experts_per_tok=8, num_attention_heads=64, num_key_value_heads=64,
+                    q_lora_rank=1536, routed_scaling_factor=2.827),
+}
+
+
+def _per_expert(shapes: dict) -> dict:
+    """transformers' fused expert parameters (gate_up_proj [E, 2F, D], down_proj [E, D, F]) as the checkpoint's
+    per-expert weights, which torchtitan's adapter writes."""
+    out = {}
+    for name, shape in shapes.items():
+        prefix, _, last = name.rpartition(".")
+        if not prefix.endswith("mlp.experts"):
+            out[name] = shape
+            continue
+        E, rows, cols = shape
+        for e in range(E):
+            if last == "gate_up_proj":
+                out |= {f"{prefix}.{e}.{p}.weight": (rows // 2, cols) for p in ("gate_proj", "up_proj")}
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = (rows, cols)
+    return out
+
+
+@pytest.mark.parametrize("name", list(HF_MOONSHOT))
+def test_moonshot_decoders_are_hf_s(name):
+    """What torchtitan's DeepSeek-V3 state-dict adapter writes of our Moonshot decoder (cut to 3 layers) has the
+    names and shapes of transformers' DeepseekV3 built from the model's Hugging Face config, and the router
+    routes as that config says."""
+    tf = pytest.importorskip("transformers")
+    from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+
+    from dtensor_moe.titan.parallelize import moe_config
+
+    hf_config = tf.DeepseekV3Config(**HF_MOONSHOT[name], num_hidden_layers=3, vocab_size=163840, kv_lora_rank=512,
+                                    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                    first_k_dense_replace=1, n_group=1, topk_group=1, norm_topk_prob=True,
+                                    tie_word_embeddings=False)
+    with torch.device("meta"):
+        hf = tf.AutoModelForCausalLM.from_config(hf_config)
+    spec = registry.CONFIGS[name]().model_spec
+    spec.model.layers = spec.model.layers[:3]
+    ours = _build(spec.model)
+    to_hf = DeepSeekV3StateDictAdapter(spec.model, None).to_hf(ours.state_dict())
+    bias = {n: tuple(b.shape) for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")}
+    assert {n: tuple(t.shape) for n, t in to_hf.items()} == _per_expert(_shapes(hf)) | bias
+    moe = ours.layers["1"].moe
+    routing = moe_config(moe)
+    assert (routing.score_func, routing.top_k, routing.route_norm, routing.route_scale) == (
+        "sigmoid", hf_config.num_experts_per_tok, True, hf_config.routed_scaling_factor)
+    assert moe.router.num_expert_groups in (None, 1)

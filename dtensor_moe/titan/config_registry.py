@@ -12,6 +12,11 @@ their own sizes (`TITAN_MODELS`; the planner prices each under the same name, `d
   deepseek_v3_236b, qwen3_235b_a22b   models torchtitan registers (flavors "236B", "235B-A22B") without a
                                       config function: deepseek_v3_671b's / qwen3_30b_a3b's settings with
                                       that model, tokenizer ./assets/hf/DeepSeek-V2 / ./assets/hf/Qwen3-235B-A22B
+  moonlight_16b_a3b, kimi_k2          Moonshot's DeepSeek-V3-architecture text decoders (titan/moonshot.py:
+                                      torchtitan's kimi_k2_7 text towers as DeepSeekV3Model, without its
+                                      vision tower, torchvision and DistMuon) with deepseek_v3_16b's /
+                                      deepseek_v3_671b's settings (AdamW), tokenizer ./assets/hf/Moonlight-16B-A3B
+                                      / ./assets/hf/Kimi-K2-Base
   deepseek_v3_debugmodel              torchtitan's debug configs (GPU: FlexAttention), reading the tiny
   deepseek_v3_debugmodel_mtp          tokenizer and corpus shipped in dtensor_moe/titan_data instead of
   qwen3_moe_debug                     torchtitan's test assets (not in its wheel)
@@ -64,6 +69,7 @@ from torchtitan.trainer import Trainer as TitanTrainer
 
 from dtensor_moe.tools.presets import TITAN_MODELS
 
+from . import moonshot
 from .models import deepseek_v3_tiny, gpt_oss_tiny, qwen3_moe_tiny
 from .parallelize import parallelize_titan, sum_reductions
 from .trainer import ExpertParallelConfig, Trainer, _refuse
@@ -209,6 +215,19 @@ def qwen3_235b_a22b() -> Trainer.Config:
     model_spec = qwen3.model_registry("235B-A22B")
     config = _with_model(titan_qwen3.qwen3_30b_a3b(), model_spec, "./assets/hf/Qwen3-235B-A22B")
     return _no_routing_bias(wrap_config(config))
+
+
+def moonlight_16b_a3b() -> Trainer.Config:
+    """Moonlight-16B-A3B with deepseek_v3_16b's settings."""
+    config = _with_model(titan_deepseek_v3.deepseek_v3_16b(), moonshot.moonlight_16b_a3b(),
+                         "./assets/hf/Moonlight-16B-A3B")
+    return wrap_config(config)
+
+
+def kimi_k2() -> Trainer.Config:
+    """Kimi K2's text tower with deepseek_v3_671b's settings."""
+    config = _with_model(titan_deepseek_v3.deepseek_v3_671b(), moonshot.kimi_k2(), "./assets/hf/Kimi-K2-Base")
+    return wrap_config(config)
 
 
 def deepseek_v3_debugmodel() -> Trainer.Config:

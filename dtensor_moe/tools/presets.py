@@ -182,6 +182,21 @@ PRESETS: dict[str, ModelSpec] = {
             vocab_size=151936, n_layers=94, moe=MoEConfig(dim=4096, hidden_dim=1536, num_experts=128, top_k=8),
             attention=_gqa(4096, n_heads=64, n_kv_heads=4, head_dim=128, qk_norm=True, fused=True),
         ),
+        # Moonshot's DeepSeek-V3-architecture decoders (dtensor_moe/titan/moonshot.py)
+        _preset(
+            "moonlight_16b_a3b",
+            vocab_size=163840, n_layers=27, n_dense_layers=1, dense_hidden_dim=11264,
+            moe=MoEConfig(dim=2048, hidden_dim=1408, num_experts=64, top_k=6, score_func="sigmoid",
+                          route_scale=2.446, num_shared_experts=2),
+            attention=_mla(2048, n_heads=16, q_lora=0),
+        ),
+        _preset(
+            "kimi_k2",
+            vocab_size=163840, n_layers=61, n_dense_layers=1, dense_hidden_dim=18432,
+            moe=MoEConfig(dim=7168, hidden_dim=2048, num_experts=384, top_k=8, score_func="sigmoid",
+                          route_scale=2.827, num_shared_experts=1),
+            attention=_mla(7168, n_heads=64, q_lora=1536),
+        ),
         _preset(
             "deepseek_v3_debugmodel",
             vocab_size=2048, n_layers=6, n_dense_layers=1, dense_hidden_dim=1024,
@@ -217,7 +232,8 @@ PRESETS |= {variant: replace(PRESETS[model], name=variant) for variant, model in
 # The torchtitan hook's --config names of torchtitan's own models, each a preset above (config_registry.py has a
 # config function of each name).
 TITAN_MODELS = ("deepseek_v3_16b", "deepseek_v3_236b", "deepseek_v3_671b", "qwen3_30b_a3b", "qwen3_235b_a22b",
-                "gpt_oss_20b", "gpt_oss_120b", "deepseek_v3_debugmodel", "deepseek_v3_debugmodel_mtp",
+                "gpt_oss_20b", "gpt_oss_120b", "moonlight_16b_a3b", "kimi_k2", "deepseek_v3_debugmodel",
+                "deepseek_v3_debugmodel_mtp",
                 "qwen3_moe_debug", "qwen3_debugmodel_moe_param_groups", "gpt_oss_debugmodel", "gpt_oss_debugmodel_flex")
 
 
