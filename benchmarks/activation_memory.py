@@ -18,6 +18,7 @@ import argparse
 import statistics
 from dataclasses import dataclass, field, replace
 
+import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
 import torch
 from torch.distributed.tensor import DTensor
 

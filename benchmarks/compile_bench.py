@@ -10,6 +10,7 @@ import copy
 import statistics
 import time
 
+import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
 import torch
 
 from dtensor_moe import MoE, MoEConfig

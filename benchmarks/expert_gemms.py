@@ -22,6 +22,7 @@ import json
 import time
 from unittest import mock
 
+import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
 import torch
 
 from dtensor_moe.kernels import fp8, policy

@@ -4,6 +4,7 @@ fake, autograd registration, compile), and the Triton paths against the torch on
     python benchmarks/gpu_ops_check.py
 """
 
+import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
 import torch
 
 from dtensor_moe.kernels import gather_sum as G

@@ -14,6 +14,7 @@ every mesh; this checks what CPU cannot: device syncs and Triton/inductor paths)
 import argparse
 import json
 
+import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
 import torch
 
 from dtensor_moe import MoE, MoEConfig

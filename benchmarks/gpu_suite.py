@@ -36,8 +36,8 @@ import traceback
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # tests/ (the references) and dtensor_moe from this checkout
+from _checkout import ROOT  # noqa: E402  (tests/, the references, and dtensor_moe from this checkout)
+
 os.environ.setdefault("DTENSOR_MOE_TEST_TIMEOUT", "240")  # a hung case fails in minutes, not the harness's 10
 os.environ.setdefault("DTENSOR_MOE_TEST_ERROR_GRACE", "30")
 

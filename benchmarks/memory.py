@@ -15,6 +15,7 @@ is ep_only and is skipped).
 
 import argparse
 
+import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy

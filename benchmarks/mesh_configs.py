@@ -15,6 +15,8 @@ import shutil
 import subprocess
 import sys
 
+import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
+
 from dtensor_moe.train.metrics import write_json
 
 MESHES = {  # name -> overrides (world size from --nproc)

@@ -52,6 +52,7 @@ import sys
 import time
 from unittest import mock
 
+import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
 import torch
 import torch.distributed as dist
 from torch.autograd import DeviceType

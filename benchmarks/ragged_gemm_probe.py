@@ -20,13 +20,9 @@ TRITON_INTERPRET=1 (tests/test_triton_kernels.py).
 
 import functools
 import json
-import os
-import sys
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when imported by tests
-from expert_gemms import cuda_ms, probe_cli, rel  # noqa: E402
+from expert_gemms import cuda_ms, probe_cli, rel
 
 SHAPES = {"deepseek": (7168, 2048, 256, 8, 8192), "qwen": (2048, 768, 128, 8, 16384),
           "mixtral": (4096, 14336, 8, 2, 8192), "e64": (4096, 1536, 64, 6, 16384)}  # D, F, E, K, T

@@ -26,6 +26,7 @@ import sys
 import time
 from dataclasses import replace
 
+import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -22,6 +22,7 @@ kernels/policy.wgrad_config reads. The committed table asks for that margin in e
 
 import json
 
+import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
 import torch
 from expert_gemms import cuda_ms, probe_cli, rel  # run from benchmarks/ or as benchmarks/wgrad_probe.py
 

@@ -1,8 +1,14 @@
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
 from .harness import close_all, idle_leaks
+
+# The benchmark scripts import their siblings (`_checkout`, `expert_gemms`) from their own folder, which is on
+# sys.path when one runs as a script; tests import them as modules, and the harness's rank processes inherit this.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 _SHARED_SCOPES = ("class", "module", "package")  # session fixtures run once per test process anyway
 

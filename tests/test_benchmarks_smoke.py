@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -246,3 +247,36 @@ def test_titan_e2e_smoke(tmp_path):
         assert len({loss for (d, _), loss in first.items() if d == depth}) == 1, first
     assert all(c["tps"] > 0 for c in result["cases"]) and all(result["projections"].values())
     assert "| hook_ours | eager | none | 2 |" in proc.stdout
+
+
+def _imports_before_checkout(path: Path) -> list[str]:
+    """The module-level imports of this checkout's code (dtensor_moe, tests) that come before `import _checkout`."""
+    import ast
+
+    early = []
+    for node in ast.parse(path.read_text()).body:
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        if "_checkout" in names:
+            return early
+        early += [n for n in names if n.split(".")[0] in ("dtensor_moe", "tests")]
+    return early
+
+
+def test_benchmark_scripts_run_without_the_package_installed(tmp_path):
+    """`python benchmarks/<script>.py` from a clone where dtensor_moe is not installed (the GPU machine): every
+    script that imports this checkout's code does so after `_checkout` puts the checkout on sys.path, and
+    train_e2e.py runs (`--help`) under `python -S`, which leaves out the editable install's .pth, with only
+    torch's site-packages on PYTHONPATH."""
+    scripts = sorted((ROOT / "benchmarks").glob("*.py"))
+    late = {p.name: _imports_before_checkout(p) for p in scripts}
+    assert not {name: early for name, early in late.items() if early}, late
+    site = str(Path(torch.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": site}
+    find = "import importlib.util as u; print(u.find_spec('dtensor_moe'))"
+    probe = subprocess.run([sys.executable, "-S", "-c", find], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert probe.stdout.strip() == "None", probe  # the package is not importable there, so the next line proves it
+    run = subprocess.run([sys.executable, "-S", str(ROOT / "benchmarks" / "train_e2e.py"), "--help"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "usage:" in run.stdout, run.stderr[-2000:]
