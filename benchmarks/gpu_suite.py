@@ -171,6 +171,18 @@ def _main_job(run_root: str, device: str, name: str, nproc: int, overrides: list
     return {"max_abs_dloss": report["max_abs_delta"], "max_rel_err": report["max_abs_delta"], "tol": tol}
 
 
+def _refused(run_root: str, device: str) -> dict:
+    """The main job with 2 pipeline stages over gloo on the GPU ends before any rank starts: exit status 2 and one
+    line naming parallel.backend = 'nccl'."""
+    proc = _cli(["train", "--config", "configs/tiny_cpu.toml", "--steps", "2", "--nproc", "4", "--run-dir",
+                 os.path.join(run_root, "pp2_refused"), f"parallel.device={device}", "parallel.backend=gloo",
+                 "parallel.pp=2", "parallel.ep=2", "parallel.etp=1"], timeout_s=120)
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    if proc.returncode != 2 or len(lines) != 1 or "parallel.backend = 'nccl'" not in lines[0]:
+        raise RuntimeError(f"expected one refusal line and exit status 2, got rc {proc.returncode}: {lines[-5:]}")
+    return {"max_rel_err": 0.0, "tol": 0.0, "refused": lines[0]}
+
+
 def main_cases(device: str, run_root: str) -> list[SuiteCase]:
     def job(name, covers, nproc, overrides, tol=1e-4):
         return SuiteCase(f"main_{name}", covers, nproc, _backend(device, nproc),
@@ -180,7 +192,10 @@ def main_cases(device: str, run_root: str) -> list[SuiteCase]:
         job("edp2_ep2_etp2_parity", "dtensor-moe train, 4 ranks EP2 x ETP2 (EDP1) --parity vs 1 process, float32", 4,
             ["parallel.ep=2", "parallel.etp=2"]),
         job("pp2_ep2_parity", "the main job with 2 pipeline stages (1f1b) x EP2 --parity", 4,
-            ["parallel.pp=2", "parallel.ep=2", "parallel.etp=1"]),
+            ["parallel.pp=2", "parallel.ep=2", "parallel.etp=1"]) if device == "cpu" else
+        SuiteCase("main_pp2_shared_gpu_refused", "2 pipeline stages on ranks sharing the GPU over gloo: refused "
+                  "before launch in one line (gloo's send/recv takes no CUDA tensors; PP's parity is the CPU "
+                  "suite's and NCCL's, one GPU a rank)", 4, "gloo", lambda: _refused(run_root, device)),
         job("bf16_selective_ac_fp8_parity", "bf16 mixed precision, selective AC, FP8 experts and payload, EDP2 x EP2 "
             "--parity", 4, ["parallel.ep=2", "parallel.etp=1", "training.dtype=bf16",
                             "training.activation_checkpoint=selective", "model.expert_precision=fp8",

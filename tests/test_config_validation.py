@@ -174,6 +174,13 @@ def test_parallel_dims_types(args, kwargs, message):
             "= 'cpu'; valid: parallel.backend = 'auto' or 'gloo' with parallel.device = 'cpu', or parallel.device = "
             "'cuda'",
         ),
+        (
+            ParallelConfig,
+            dict(pp=2, device="cuda", backend="gloo"),
+            "parallel.pp = 2 with parallel.backend = 'gloo' on parallel.device = 'cuda': gloo's send/recv between "
+            "pipeline stages takes no CUDA tensors; valid: parallel.backend = 'nccl' (one GPU a rank), "
+            "parallel.pp = 1, or parallel.device = 'cpu'",
+        ),
         (TrainingConfig, dict(steps="ten"), "training.steps must be an int >= 1, got 'ten' (str)"),
         (TrainingConfig, dict(steps=-5), "training.steps must be >= 1, got -5"),
         (TrainingConfig, dict(global_batch=0), "training.global_batch must be >= 1, got 0"),
@@ -183,6 +190,8 @@ def test_parallel_dims_types(args, kwargs, message):
         (TrainingConfig, dict(min_lr_ratio=2), "training.min_lr_ratio must be in 0..1, got 2"),
         (TrainingConfig, dict(warmup_steps=-1), "training.warmup_steps must be >= 0, got -1"),
         (TrainingConfig, dict(max_norm=0), "training.max_norm must be > 0, got 0"),
+        (TrainingConfig, dict(loss_chunk_tokens=-1), "training.loss_chunk_tokens must be >= 0, got -1"),
+        (TrainingConfig, dict(loss_chunk_tokens=2.5), "training.loss_chunk_tokens must be an int >= 0, got 2.5"),
         (TrainingConfig, dict(dtype="fp16"), "training.dtype must be one of ['float32', 'bf16'], got 'fp16'"),
         (TrainingConfig, dict(seed=-1), "training.seed must be in 0..4294967295, got -1"),
         (

@@ -133,6 +133,10 @@ class ParallelConfig:
             raise ValueError(f"parallel.backend = 'nccl' needs parallel.device = 'cuda' (NCCL runs on GPUs only), got "
                              f"parallel.device = {self.device!r}; valid: parallel.backend = 'auto' or 'gloo' with "
                              f"parallel.device = {self.device!r}, or parallel.device = 'cuda'")
+        if self.pp > 1 and self.device == "cuda" and self.resolved_backend == "gloo":
+            raise ValueError(f"parallel.pp = {self.pp} with parallel.backend = 'gloo' on parallel.device = 'cuda': "
+                             "gloo's send/recv between pipeline stages takes no CUDA tensors; valid: "
+                             "parallel.backend = 'nccl' (one GPU a rank), parallel.pp = 1, or parallel.device = 'cpu'")
 
     @property
     def resolved_backend(self) -> str:
