@@ -1,6 +1,6 @@
 """Pipeline parallelism: per-step loss, aux loss, every gradient and the clipped global norm on 4
 ranks (PP2 x 2 ranks per stage) equal the single-process run with gradient accumulation over the
-same microbatches (float64), for each schedule."""
+same microbatches (float64), for each schedule, with full logits or the chunked loss on the last stage."""
 
 import pytest
 import torch
@@ -11,17 +11,18 @@ STEPS, SEQ, BATCH = 2, 4, 8
 
 
 def _train_pp_and_reference(rank: int, world_size: int, schedule: str, n_layers: int, microbatches: int,
-                            load_balance: str, ep: int, etp: int, tp: int) -> dict:
+                            load_balance: str, ep: int, etp: int, tp: int, chunk: int) -> dict:
     import copy
 
     from dtensor_moe.parallel.mesh import MoEParallelDims
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.data import Batches
     from dtensor_moe.train.loop import _accumulating
+    from dtensor_moe.train.loss import cross_entropy
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.optim import clip_grad_norm_
     from dtensor_moe.train.parallel.parallelize import parallelize_model
-    from dtensor_moe.train.parallel.pipeline import Pipeline, cross_entropy, stage_view
+    from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=32, dim=8, n_layers=n_layers, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=4,
@@ -42,6 +43,7 @@ def _train_pp_and_reference(rank: int, world_size: int, schedule: str, n_layers:
         torch.float64,
         torch.device("cpu"),
         lambda m: parallelize_model(m, dims, device_type="cpu"),
+        chunk,
     )
     model = stage_view(pipe.parts)
     tokens = torch.randint(0, cfg.vocab_size, (500,), generator=torch.Generator().manual_seed(1))
@@ -73,17 +75,23 @@ def _train_pp_and_reference(rank: int, world_size: int, schedule: str, n_layers:
         out["bias_err"].append(max([(b - ref_buffers[n]).abs().max().item()
                                     for n, b in model.named_buffers() if n.endswith("expert_bias")], default=0.0))
     out["names"] = sorted(n for n, _ in model.named_parameters())
+    out["hidden_out"] = [part.return_hidden for part in pipe.parts if part.norm is not None]
     return out
 
 
-@pytest.mark.parametrize("schedule,n_layers,microbatches,load_balance,ep,etp,tp", [
-    ("gpipe", 2, 2, "aux_loss", 2, 1, 1),
-    ("1f1b", 3, 4, "aux_free_bias", 1, 2, 1),
-    ("interleaved_1f1b", 4, 2, "aux_loss", 2, 1, 1),
-    ("1f1b", 2, 2, "aux_loss", 2, 1, 2),  # PP2 x TP2 (sequence parallel) x EP2
+# chunk: the loss's tokens per chunk (training.loss_chunk_tokens), 0 for full logits; 3 does not divide a
+# microbatch's 4 or 8 tokens a rank.
+@pytest.mark.parametrize("schedule,n_layers,microbatches,load_balance,ep,etp,tp,chunk", [
+    ("gpipe", 2, 2, "aux_loss", 2, 1, 1, 0),
+    ("1f1b", 3, 4, "aux_free_bias", 1, 2, 1, 0),
+    ("interleaved_1f1b", 4, 2, "aux_loss", 2, 1, 1, 3),
+    ("1f1b", 2, 2, "aux_loss", 2, 1, 2, 0),  # PP2 x TP2 (sequence parallel) x EP2
+    ("1f1b", 2, 2, "aux_loss", 2, 1, 2, 3),  # the same, the head sharded by vocabulary rows in the loss
 ])
-def test_pipeline_matches_one_process(schedule, n_layers, microbatches, load_balance, ep, etp, tp):
-    results = run_on_ranks(4, _train_pp_and_reference, schedule, n_layers, microbatches, load_balance, ep, etp, tp)
+def test_pipeline_matches_one_process(schedule, n_layers, microbatches, load_balance, ep, etp, tp, chunk):
+    results = run_on_ranks(4, _train_pp_and_reference, schedule, n_layers, microbatches, load_balance, ep, etp, tp,
+                           chunk)
+    assert [r["hidden_out"] for r in results] == [[], [], [bool(chunk)], [bool(chunk)]]
     for r in results:
         assert max(r["grad_err"]) < 1e-12 and max(r["norm"]) < 1e-12 and max(r["aux"]) < 1e-12, r
         assert max(r["bias_err"]) == 0.0, r

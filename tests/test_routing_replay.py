@@ -333,9 +333,10 @@ def _replay_under_pipeline(rank: int, world_size: int, schedule: str, n_layers: 
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.data import Batches
     from dtensor_moe.train.loop import _accumulating
+    from dtensor_moe.train.loss import cross_entropy
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.parallel.parallelize import parallelize_model
-    from dtensor_moe.train.parallel.pipeline import Pipeline, cross_entropy, stage_view
+    from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
     seq, batch, mbs = 4, 8, 2
     torch.manual_seed(0)

@@ -166,6 +166,9 @@ class TrainingConfig:
     # Routing replay (dtensor_moe/routing/replay.py) every step: a no-grad eval forward of the step's microbatches (the
     # "rollout") records each MoE layer's expert choices, and the training forward replays them.
     routing_replay: bool = False
+    # The LM head and cross-entropy this many tokens at a time, each chunk's logits computed again in backward
+    # (train/loss.py): one chunk of logits alive instead of the whole [B, L, V] and its fp32 copy. 0: full logits.
+    loss_chunk_tokens: int = 2048
 
     def __post_init__(self):
         # Before check_fields, whose type check would name only "a string" for a non-string mode.
@@ -173,7 +176,7 @@ class TrainingConfig:
         check_fields(self, "training.", steps=at_least(1), seq_len=at_least(1), global_batch=at_least(1), lr=above(0),
                      min_lr_ratio=Range(0, 1), warmup_steps=at_least(0), weight_decay=at_least(0),
                      max_norm=above(0), dtype=("float32", "bf16"), seed=Range(0, 2**32 - 1),
-                     parity_tolerance=at_least(0))
+                     parity_tolerance=at_least(0), loss_chunk_tokens=at_least(0))
 
 
 DATA_SOURCES = ("corpus", "synthetic", "files")

@@ -44,11 +44,12 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     from dtensor_moe.parallel.placement import plan_moe
     from dtensor_moe.train.checkpoint import SaveError
     from dtensor_moe.train.data import data_fingerprint, load_data, rank_batches
+    from dtensor_moe.train.loss import lm_loss
     from dtensor_moe.train.metrics import ExpertLoad, RunWriter, load_summary, local_state_bytes, peak_memory_bytes
     from dtensor_moe.train.model import build_model
     from dtensor_moe.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
     from dtensor_moe.train.parallel.parallelize import parallelize_model
-    from dtensor_moe.train.parallel.pipeline import Pipeline, cross_entropy, stage_view
+    from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
     # The grad-norm all-reduce over the 3-axis expert mesh is one scalar per axis; not worth a warning per rank.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
@@ -96,15 +97,16 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
         act_dtype = torch.bfloat16 if t.dtype == "bf16" else torch.get_default_dtype()
         pipe = Pipeline(model, pp_mesh, p.pp_schedule, p.num_microbatches,
                         t.global_batch // (dims.dp_replicate * dims.dp_shard), t.seq_len // dims.cp,
-                        t.seq_len // (dims.cp * dims.tp), act_dtype, device, parallelize)
-        parts, forward_backward, rollout = pipe.parts, pipe.step, pipe.rollout
+                        t.seq_len // (dims.cp * dims.tp), act_dtype, device, parallelize, t.loss_chunk_tokens)
+        parts, forward_backward, rollout, loss_fn = pipe.parts, pipe.step, pipe.rollout, None
     else:
         parallelize(model)
         if moe_slices is not None:
             from dtensor_moe.train.reference import slice_moe_layers
 
             slice_moe_layers(model, *moe_slices)
-        parts, forward_backward = [model], _accumulating(model, p.num_microbatches, cross_entropy)
+        loss_fn = lm_loss(model, t.loss_chunk_tokens)
+        parts, forward_backward = [model], _accumulating(model, p.num_microbatches, loss_fn)
         rollout = _rollout(model, p.num_microbatches)
     if t.routing_replay:
         forward_backward = _replaying(parts, rollout, forward_backward)
@@ -116,8 +118,8 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
     train_tokens, held_tokens, data_info = load_data(cfg)
     batches, eval_batches = rank_batches(cfg, dims, rank, train_tokens, held_tokens, data_info.get("cache"))
-    evaluate = None if eval_batches is None else _evaluator(parts, pipe if p.pp > 1 else None, eval_batches,
-                                                            p.num_microbatches, dims, device)
+    evaluate = None if eval_batches is None else _evaluator(parts, pipe if p.pp > 1 else None, loss_fn,
+                                                            eval_batches, p.num_microbatches, dims, device)
 
     ckpt = _checkpointing(args, run_dir, t.steps, data_fingerprint(cfg, data_info.get("cache")))
     start = ckpt.resume(model, optimizer, scheduler)
@@ -242,14 +244,13 @@ def _eval_summary(rows: list[dict]) -> dict | None:
             "evaluations": len(evals)}
 
 
-def _evaluator(parts, pipe, eval_batches, microbatches: int, dims, device):
-    """A function of no argument: the mean cross-entropy over the held-out batches (every rank gets it). Eval
-    forwards without gradients: the MoE layers count no load and the aux-free bias does not move. Ranks hold
-    equal shares, so the mean of the ranks' means (the last stage's under PP) is the global mean."""
+def _evaluator(parts, pipe, loss_fn, eval_batches, microbatches: int, dims, device):
+    """A function of no argument: the mean cross-entropy over the held-out batches (every rank gets it), through the
+    pipeline's schedule or `loss_fn` (train/loss.py's `lm_loss`) of the model's output. Eval forwards without
+    gradients: the MoE layers count no load and the aux-free bias does not move. Ranks hold equal shares, so the
+    mean of the ranks' means (the last stage's under PP) is the global mean."""
     import torch
     import torch.distributed as dist
-
-    from dtensor_moe.train.parallel.pipeline import cross_entropy
 
     def evaluate() -> float:
         for part in parts:
@@ -262,7 +263,7 @@ def _evaluator(parts, pipe, eval_batches, microbatches: int, dims, device):
                     total += pipe.evaluate(inputs_BL, targets_BL)
                     continue
                 for x_BL, y_BL in zip(inputs_BL.tensor_split(microbatches), targets_BL.tensor_split(microbatches)):
-                    total += float(cross_entropy(parts[0](x_BL), y_BL)) / microbatches
+                    total += float(loss_fn(parts[0](x_BL), y_BL)) / microbatches
         for part in parts:
             part.train()
         local = torch.tensor([total / eval_batches.batches], dtype=torch.float64, device=device)

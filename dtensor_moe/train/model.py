@@ -70,7 +70,14 @@ class Block(nn.Module):
 
 
 class MoEModel(nn.Module):
-    """What the training loop reads of a model besides its logits: its MoE layers by layer id."""
+    """What the training loop reads of a model besides its logits: its MoE layers by layer id, and its head's weight
+    for a loss that applies the head itself (train/loss.py's chunked cross-entropy)."""
+
+    return_hidden = False  # set: forward returns the final norm's output, not the head's logits
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's [V, D] weight (the embedding's when tied)."""
+        raise NotImplementedError
 
     def moe_layers(self) -> dict[int, MoE]:
         raise NotImplementedError
@@ -116,8 +123,13 @@ class MoETransformer(MoEModel):
         if self.norm is None:  # a pipeline stage before the last returns hidden states
             return h_BLD
         h_BLD = self.norm(h_BLD)
+        if self.return_hidden:
+            return h_BLD
         # The head as a module call when untied, so tensor parallelism's hooks on it run.
-        return F.linear(h_BLD, self.tok_embeddings.weight) if self.config.tie_embeddings else self.output(h_BLD)
+        return F.linear(h_BLD, self.head_weight()) if self.config.tie_embeddings else self.output(h_BLD)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight if self.config.tie_embeddings else self.output.weight
 
     def moe_layers(self) -> dict[int, MoE]:
         """The MoE layers by layer id (a pipeline stage: its own layers)."""
@@ -125,8 +137,9 @@ class MoETransformer(MoEModel):
 
 
 class HFCausalLM(MoEModel):
-    """A transformers MoE causal LM as the main job's model: token ids in, logits out. Its backbone and head
-    keep transformers' names (`model.`, `lm_head.`), so checkpoints hold their keys with our MoE inside."""
+    """A transformers MoE causal LM as the main job's model: token ids in, logits (or its final norm's output) out.
+    Its backbone and head keep transformers' names (`model.`, `lm_head.`), so checkpoints hold their keys with our
+    MoE inside."""
 
     def __init__(self, hf_model: nn.Module, config: ModelConfig):
         super().__init__()
@@ -156,7 +169,11 @@ class HFCausalLM(MoEModel):
         return self.model.layers
 
     def forward(self, tokens_BL: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model(input_ids=tokens_BL, use_cache=False).last_hidden_state)
+        h_BLD = self.model(input_ids=tokens_BL, use_cache=False).last_hidden_state  # after the final norm
+        return h_BLD if self.return_hidden else self.lm_head(h_BLD)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
 
     def moe_layers(self) -> dict[int, MoE]:
         return {i: block.mlp for i, block in enumerate(self.model.layers) if isinstance(block.mlp, MoE)}

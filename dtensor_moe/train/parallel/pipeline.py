@@ -7,7 +7,8 @@ parameter names, parallelized by the caller's function on the meshes of its pipe
 
 The objective is the single-process one with gradient accumulation over the same microbatches:
 mean over microbatches of (cross-entropy + every MoE layer's load-balancing loss). The schedule's
-loss function sees only the cross-entropy on the last stage, so each MoE's loss is attached to
+loss function (train/loss.py's `lm_loss`: with chunks, the last stage returns its final norm's output and the
+loss applies that stage's head) sees only the cross-entropy on the last stage, so each MoE's loss is attached to
 its output (`_AttachLoss`): its gradient (weight 1 per microbatch; the schedule divides every
 gradient by the microbatch count) enters in the backward of the stage that produced it.
 """
@@ -22,6 +23,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from dtensor_moe.moe import MoE, recomputing
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK as STAGES_PER_RANK
 from dtensor_moe.parallel.placement import stage_layers
+from dtensor_moe.train.loss import cross_entropy, lm_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -55,11 +57,12 @@ class _AttachLoss(torch.autograd.Function):
 
 
 class Pipeline:
-    """This rank's stages and the schedule; `step` runs one global batch (all microbatches)."""
+    """This rank's stages and the schedule; `step` runs one global batch (all microbatches).
+    `loss_chunk_tokens`: the loss's chunks of tokens (`lm_loss`), 0 for full logits."""
 
     def __init__(self, model: nn.Module, pp_mesh, schedule: str, microbatches: int, local_batch: int,
                  seq_len: int, hidden_len: int, activation_dtype: torch.dtype, device: torch.device,
-                 parallelize: Callable[[nn.Module], None]):
+                 parallelize: Callable[[nn.Module], None], loss_chunk_tokens: int = 0):
         pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
         num_stages = pp * STAGES_PER_RANK[schedule]
         layers = stage_layers(len(model.layers), num_stages)
@@ -68,21 +71,26 @@ class Pipeline:
         self._aux: list[torch.Tensor] = []
         mb, L, S = local_batch // microbatches, seq_len, hidden_len
         cfg = model.config
+        # Called on the last stage only; a schedule without a loss function would run no backward on any rank.
+        loss_fn = cross_entropy
         for s in range(rank, num_stages, pp):
             first, last = s == 0, s == num_stages - 1
             part = split_stage(model, layers[s], first, last)
+            if last:
+                loss_fn = lm_loss(part, loss_chunk_tokens)
             for m in part.modules():
                 if isinstance(m, MoE):
                     m.register_forward_hook(self._attach_aux)
             parallelize(part)
             # Static stage metadata: torch's dynamic inference would run an extra forward and backward,
             # counting tokens per expert twice. Tokens and logits are this rank's L positions (its CP part),
-            # hidden states between blocks its S of them (sequence parallelism splits them over tp).
+            # hidden states between blocks its S of them (sequence parallelism splits them over tp); the last
+            # stage's final norm output, for a chunked loss, L of them (a DTensor under tp: its global shape).
             # (requires_grad says that gradients flow back through the stage boundary.)
             x = torch.zeros(mb, L, dtype=torch.long, device=device) if first else \
                 torch.empty(mb, S, cfg.dim, dtype=activation_dtype, device=device, requires_grad=True)
-            y = torch.empty(mb, *((L, cfg.vocab_size) if last else (S, cfg.dim)), dtype=activation_dtype, device=device,
-                            requires_grad=True)
+            y_shape = ((L, cfg.dim) if part.return_hidden else (L, cfg.vocab_size)) if last else (S, cfg.dim)
+            y = torch.empty(mb, *y_shape, dtype=activation_dtype, device=device, requires_grad=True)
             stages.append(PipelineStage(part, s, num_stages, device, input_args=x, output_args=y,
                                         group=pp_mesh.get_group()))
             self.parts.append(part)
@@ -90,7 +98,7 @@ class Pipeline:
         self.has_last = stages[-1].is_last
         cls = SCHEDULES[schedule]
         self.schedule = cls(stages if STAGES_PER_RANK[schedule] > 1 else stages[0], n_microbatches=microbatches,
-                            loss_fn=cross_entropy, scale_grads=True)
+                            loss_fn=loss_fn, scale_grads=True)
 
     def _attach_aux(self, moe: MoE, args, y):
         losses = moe.losses()  # balance loss, sequence-wise balance loss, router z-loss: those enabled
@@ -145,8 +153,3 @@ def stage_view(parts: list[nn.Module]) -> nn.Module:
         setattr(view, name, next((getattr(p, name) for p in parts if getattr(p, name) is not None), None))
     return view
 
-
-def cross_entropy(logits_BLV: torch.Tensor, targets_BL: torch.Tensor) -> torch.Tensor:
-    # At least fp32 (bf16 logits are too coarse for the loss); fp64 stays fp64, so a float64 check is exact.
-    dtype = torch.promote_types(logits_BLV.dtype, torch.float32)
-    return torch.nn.functional.cross_entropy(logits_BLV.flatten(0, 1).to(dtype), targets_BL.flatten())
