@@ -27,10 +27,12 @@ its memory starts clean; the next row's process starts (and imports) while a row
                 CPU; FSDP2 units of one rank, parallelize_hf_model's defaults):
                 eager (the default minimal activation memory) | standard (activation_memory="standard": every
                 intermediate kept) | fp8 (expert_precision="fp8") | selective_ac (activation_checkpoint="selective") |
-                rounding (round_tokens_to=128) through parallelize_hf_model; compiled through
-                parallelize_blocks(compile=...), the call parallelize_hf_model makes after swapping the blocks,
-                which has the compile argument parallelize_hf_model lacks: each decoder layer one graph, compiled
-                before its FSDP unit so every FSDP hook stays outside it. (Compiling the layers after
+                rounding (round_tokens_to=128) | chunked_loss (eager's model, the loss by
+                dtensor_moe.train.loss.chunked_cross_entropy from the final norm's output, 2,048 tokens a chunk:
+                no full fp32 logits; parallelize_hf_model's docstring recipe) through parallelize_hf_model;
+                compiled through parallelize_blocks(compile=...), the call parallelize_hf_model makes after swapping
+                the blocks, which has the compile argument parallelize_hf_model lacks: each decoder layer one graph,
+                compiled before its FSDP unit so every FSDP hook stays outside it. (Compiling the layers after
                 parallelize_hf_model would put each MoE's own FSDP unit, whose hooks dynamo cannot trace, inside
                 the layer's graph.)
 `--options` names options of either impl ("eager" and "compiled" are both's). Rows run in ROWS' order, each for
@@ -41,7 +43,8 @@ Balance losses are off on both sides, so the losses compare: transformers' confi
 whose bias nothing here updates, as nothing updates transformers' e_score_correction_bias) and no sequence-wise
 or z-loss, so the `moe_aux_loss` every step adds is 0.
 
-A step: forward with labels (transformers' shifted cross-entropy), backward, optimizer step, zero_grad; timed
+A step: forward with labels (transformers' shifted cross-entropy; chunked_loss: the same targets, chunked), backward,
+optimizer step, zero_grad; timed
 between device syncs. `--warmup` steps (compilation included) then `--steps` timed ones; step_ms is their median,
 tokens_per_s = batch * seq_len / step time. loss_step1 is the first (warm-up) step's loss, before any update.
 peak_gib: torch.cuda.max_memory_allocated over the row's whole process (model build, warm-up with compilation,
@@ -79,8 +82,10 @@ from datetime import datetime, timezone
 
 STARTED = time.perf_counter()  # run as a script, --budget-s counts from here: importing torch included
 
+import _checkout  # noqa: E402, F401  (this checkout's dtensor_moe on sys.path)
 import torch  # noqa: E402
 
+from dtensor_moe.train.config import TrainingConfig  # noqa: E402
 from dtensor_moe.train.metrics import peak_memory_bytes, write_json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when run through runpy
@@ -94,12 +99,14 @@ MODELS = {"qwen3": 4, "deepseek": 4, "mixtral": 2}  # name: default layers
 # comes after its other rows: it compiles the fastest of them.
 ROWS = (("transformers", "grouped_mm"), ("dtensor_moe", "eager"), ("transformers", "eager"),
         ("transformers", "batched_mm"), ("dtensor_moe", "fp8"), ("dtensor_moe", "rounding"),
-        ("dtensor_moe", "standard"), ("dtensor_moe", "selective_ac"), ("dtensor_moe", "compiled"),
-        ("transformers", "compiled"))
+        ("dtensor_moe", "chunked_loss"), ("dtensor_moe", "standard"), ("dtensor_moe", "selective_ac"),
+        ("dtensor_moe", "compiled"), ("transformers", "compiled"))
 IMPLS = ("transformers", "dtensor_moe")
 # the table's order
-OPTIONS = ("grouped_mm", "batched_mm", "eager", "compiled", "fp8", "standard", "selective_ac", "rounding")
+OPTIONS = ("grouped_mm", "batched_mm", "eager", "compiled", "fp8", "standard", "selective_ac", "rounding",
+           "chunked_loss")
 ROUND_TOKENS_TO = 128
+LOSS_CHUNK_TOKENS = TrainingConfig.loss_chunk_tokens  # the main job's default
 LR, BETAS, WEIGHT_DECAY, SEED = 1e-4, (0.9, 0.95), 0.1, 0
 GIB = 2**30
 
@@ -231,8 +238,23 @@ def token_batches_NBL(vocab: int, steps: int, batch: int, seq_len: int, dev: tor
     return torch.randint(0, vocab, (steps, batch, seq_len), generator=g).to(dev)
 
 
-def train(model, optimizer, tokens_NBL: torch.Tensor, dev: torch.device) -> tuple[list[float], list[float]]:
-    """One training step per batch; returns (losses, seconds) per step."""
+def lm_loss(model, tokens_BL: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """transformers' shifted cross-entropy of `tokens_BL`: from its full logits (`labels=`), or with `chunk_tokens`
+    from the final norm's output by chunked_cross_entropy (parallelize_hf_model's docstring recipe)."""
+    import torch.nn.functional as F
+
+    from dtensor_moe.train.loss import IGNORE_INDEX, chunked_cross_entropy
+
+    if not chunk_tokens:
+        return model(input_ids=tokens_BL, labels=tokens_BL, use_cache=False).loss
+    out = model(input_ids=tokens_BL, output_hidden_states=True, logits_to_keep=1, use_cache=False)
+    targets_BL = F.pad(tokens_BL[:, 1:], (0, 1), value=IGNORE_INDEX)  # the last position predicts nothing
+    return chunked_cross_entropy(out.hidden_states[-1], model.lm_head.weight, targets_BL, chunk_tokens)
+
+
+def train(model, optimizer, tokens_NBL: torch.Tensor, dev: torch.device, chunk_tokens: int = 0
+          ) -> tuple[list[float], list[float]]:
+    """One training step per batch (`chunk_tokens`: lm_loss's); returns (losses, seconds) per step."""
     from dtensor_moe.hf.model import moe_aux_loss
 
     losses, seconds = [], []
@@ -240,7 +262,7 @@ def train(model, optimizer, tokens_NBL: torch.Tensor, dev: torch.device) -> tupl
         sync(dev)
         t0 = time.perf_counter()
         # 0 for transformers' model (no MoE of ours) and while our balance losses are off (module docstring).
-        loss = model(input_ids=tokens_BL, labels=tokens_BL, use_cache=False).loss + moe_aux_loss(model)
+        loss = lm_loss(model, tokens_BL, chunk_tokens) + moe_aux_loss(model)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -291,7 +313,9 @@ def measure(model, cfg, spec: dict, dev: torch.device, t0: float) -> dict:
     tokens_NBL = token_batches_NBL(cfg.vocab_size, spec["warmup"] + spec["steps"], spec["batch"], spec["seq_len"], dev)
     sync(dev)
     build_s = time.perf_counter() - t0
-    losses, seconds = train(model, optimizer, tokens_NBL, dev)
+    # Tiny: chunks of 16 of its 64 tokens a step, so the smoke test runs several.
+    chunk_tokens = (16 if spec["tiny"] else LOSS_CHUNK_TOKENS) if spec["option"] == "chunked_loss" else 0
+    losses, seconds = train(model, optimizer, tokens_NBL, dev, chunk_tokens)
     timed = sorted(seconds[spec["warmup"]:])
     step_s = timed[len(timed) // 2]
     return dict(tokens_per_s=spec["batch"] * spec["seq_len"] / step_s, step_ms=step_s * 1e3,

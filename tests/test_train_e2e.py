@@ -10,9 +10,10 @@ import torch
 
 from benchmarks import train_e2e
 
-OURS = ["eager", "compiled", "selective_ac", "rounding", "fp8"]
-# Options whose first step computes what transformers' model does (rounding and fp8 change the experts' math).
-SAME_MATH = {"eager", "compiled", "selective_ac"}
+OURS = ["eager", "compiled", "selective_ac", "rounding", "fp8", "chunked_loss"]
+# Options whose first step computes what transformers' model does (rounding and fp8 change the experts' math;
+# chunked_loss sums the same loss chunk by chunk).
+SAME_MATH = {"eager", "compiled", "selective_ac", "chunked_loss"}
 ROW_FIELDS = {"model", "impl", "option", "tokens_per_s", "mfu", "peak_gib", "loss_step1", "step_ms", "params", "layers",
               "seq_len", "batch"}
 
