@@ -366,12 +366,34 @@ def _in_child(case: SuiteCase, args) -> dict:
     return {k: v for k, v in row.items() if k not in ("name", "covers", "ranks", "backend", "passed", "seconds")}
 
 
-def _report(args, rows: list[dict], start: float) -> dict:
-    titan = [r for r in rows if r["name"].startswith("titan_")]
+def _earlier(args) -> dict | None:
+    """--merge: the report at --out when it is a run of today's date (UTC) on this device, else None."""
+    if not (args.merge and os.path.exists(args.out)):
+        return None
+    with open(args.out) as f:
+        earlier = json.load(f)
+    today = datetime.now(timezone.utc).date().isoformat()
+    return earlier if earlier.get("date", "").startswith(today) and earlier.get("device") == _device(args) else None
+
+
+def _device(args) -> str:
+    return torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+
+
+def _report(args, rows: list[dict], start: float, earlier: dict | None, every: list[SuiteCase]) -> dict:
+    """This run's rows, after those of `earlier` (the same date's calls) that it did not run again."""
+    ran = {r["name"] for r in rows}
+    merged = [r for r in (earlier or {}).get("cases", []) if r["name"] not in ran] + rows
+    order = {c.name: i for i, c in enumerate(every)}
+    merged.sort(key=lambda r: order.get(r["name"], len(order)))
+    titan = [r for r in merged if r["name"].startswith("titan_")]
     blocker = next((r["error"] for r in titan if not r["passed"]), None) if titan else "not run"
+    seconds = round(time.perf_counter() - start, 1) + (earlier or {}).get("seconds", 0)
+    done = {r["name"] for r in merged if "not run" not in r.get("error", "")}
+    calls = earlier["calls"] + 1 if earlier else 1
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-            "seconds": round(time.perf_counter() - start, 1), "titan_blocker": blocker, "cases": rows}
+            "device": _device(args), "seconds": round(seconds, 1), "calls": calls,
+            "titan_blocker": blocker, "not_run": [c.name for c in every if c.name not in done], "cases": merged}
 
 
 def main() -> int:
@@ -381,6 +403,8 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=540, help="start no case after this many seconds")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu_suite.json"))
     ap.add_argument("--run-root", default=None, help="the cases' run directories (default: a temporary one)")
+    ap.add_argument("--merge", action="store_true", help="keep the cases of --out's run of the same date (UTC) and "
+                    "device that this call does not run: one file from several calls")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # one isolated case, its row written to --out
     args = ap.parse_args()
     # A scheduler's SIGTERM unwinds like Ctrl-C: subprocess.run kills the case's process (the launcher it started
@@ -405,7 +429,7 @@ def main() -> int:
     if args.case:
         write_json(args.out, run_case(cases[0], args))
         return 0
-    start, rows = time.perf_counter(), []
+    start, rows, earlier = time.perf_counter(), [], _earlier(args)
     for i, case in enumerate(cases):
         if time.perf_counter() - start > args.budget_s:
             rows.append({"name": case.name, "covers": case.covers, "ranks": case.ranks, "backend": case.backend,
@@ -416,7 +440,7 @@ def main() -> int:
         err = f"{r['max_rel_err']:.1e} (tol {r['tol']:g})" if "max_rel_err" in r else r.get("error", "")[:160]
         print(f"[{i + 1:2d}/{len(cases)}] {'ok  ' if r['passed'] else 'FAIL'} {r['name']:44s} "
               f"{r.get('seconds', 0):6.1f} s  {err}", flush=True)
-        write_json(args.out, _report(args, rows, start))  # after every case: a run cut short keeps what it did
+        write_json(args.out, _report(args, rows, start, earlier, every))  # a run cut short keeps what it did
     from tests.harness import close_all
 
     close_all()

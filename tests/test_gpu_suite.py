@@ -16,3 +16,28 @@ def test_gpu_suite_runs_its_cases_on_cpu(tmp_path):
     assert [c["name"] for c in report["cases"]] == ["layer_ep2_bf16", "hf_mixtral_1rank"]
     assert all(c["passed"] and 0 <= c["max_rel_err"] <= c["tol"] for c in report["cases"]), report["cases"]
     assert "Warning" not in proc.stdout + proc.stderr
+
+
+def test_calls_of_one_date_merge_into_one_report(tmp_path):
+    """--merge: a second call's rows replace the same-named rows of the first call's report of the same date and
+    device and keep its others, in the suite's order; a report of another date is not merged."""
+    import time
+    from types import SimpleNamespace
+
+    import gpu_suite
+
+    every = [gpu_suite.SuiteCase(name, "", 1, "gloo", None) for name in ("a", "b", "c")]
+    out = tmp_path / "suite.json"
+    args = SimpleNamespace(merge=True, out=str(out), device="cpu")
+    row = dict(passed=True, max_rel_err=0.0, tol=0.0)
+    rows = [{"name": "c", **row}, {"name": "a", **row, "max_rel_err": 1.0}]
+    first = gpu_suite._report(args, rows, time.perf_counter(), gpu_suite._earlier(args), every)
+    assert first["calls"] == 1 and first["not_run"] == ["b"]
+    out.write_text(json.dumps(first))
+    second = gpu_suite._report(args, [{"name": "a", **row}, {"name": "b", **row}], time.perf_counter(),
+                               gpu_suite._earlier(args), every)
+    assert [c["name"] for c in second["cases"]] == ["a", "b", "c"] and second["calls"] == 2
+    assert second["cases"][0]["max_rel_err"] == 0.0 and second["not_run"] == []
+    out.write_text(json.dumps({**first, "date": "2000-01-01T00:00:00+00:00"}))
+    assert gpu_suite._earlier(args) is None
+    assert gpu_suite._earlier(SimpleNamespace(merge=False, out=str(out), device="cpu")) is None
