@@ -177,9 +177,8 @@ def api_cases(tour: Tour):
     api_refused(tour, "parallelize_moe on a model holding no dtensor_moe.MoE",
                 lambda: parallelize_moe(nn.Sequential(nn.Linear(8, 8)), MoEParallelDims(1), device_type="cpu"),
                 ["dtensor_moe.MoE", "parallelize_hf_model"])
-    api_refused(tour, "ExpertParallel with both tp_reduce and tp_grads",
-                lambda: ExpertParallel(MoEParallelDims(2, ep=2), tp_reduce="mean", tp_grads="sum"),
-                ["tp_reduce", "tp_grads"])
+    api_refused(tour, "ExpertParallel(tp_grads='max')",
+                lambda: ExpertParallel(MoEParallelDims(2, ep=2), tp_grads="max"), ["tp_grads", "sum", "mean"])
     api_refused(tour, "parallelize_moe(model, a DeviceMesh) where the dims belong",
                 lambda: parallelize_moe(MoE(cfg), object(), device_type="cpu"), ["dims", "MoEParallelDims"],
                 exc=TypeError)

@@ -1,15 +1,14 @@
 """ExpertParallel in one parallelize_module plan beside torch's TP styles, on a plain toy model, against the
 1-process float64 reference (outputs, input gradients, every parameter gradient, the aux loss), with its own
 FSDP2 units or with compile_moe and fully_shard_moe after it; torch.compile(fullgraph=True) of parallelized
-layers: the supported routes compile and match, the others raise the one error that names them; the deprecated
-keywords warn, naming the new call, and keep their behaviour."""
+layers: the supported routes compile and match, the others raise the one error that names them; removed keywords are
+refused by Python itself."""
 
 import warnings
 
 import pytest
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from dtensor_moe import (
     ExpertParallel,
@@ -122,7 +121,7 @@ def tp_and_ep_plan(rank: int, world_size: int) -> dict:
     """tp=2, ep=2 on 4 ranks (edp=2: the experts are an FSDP2 unit), one parallelize_module call on the TP
     mesh, then the user's fully_shard of the dense rest: eagerly, with the style's own units; compiled in
     torchtitan's order (the style with the experts gathered over EDP inside the graph, compile_moe, then
-    fully_shard_moe); and compiled by the deprecated compile= keyword; then fullgraph compile of the eager layer."""
+    fully_shard_moe); then fullgraph compile of the eager layer."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -132,12 +131,9 @@ def tp_and_ep_plan(rank: int, world_size: int) -> dict:
     ref = Reference(dims)
     meshes = dims.build_meshes("cpu")
     out = {}
-    with pytest.warns(DeprecationWarning, match=r"ExpertParallel\(compile='aot_eager'\) is deprecated"):
-        deprecated = ExpertParallel(meshes=meshes, compile="aot_eager")
     for name, style, backend in (
         ("eager", ExpertParallel(dims), None),
         ("compiled", ExpertParallel(meshes=meshes, fully_shard=False, gather_in_forward=True), "aot_eager"),
-        ("compiled_deprecated", deprecated, None),
     ):
         torch._dynamo.reset()
         model = parallelize_module(ref.copy(perturb_moe=rank > 0), meshes.tp, _tp_plan(style))
@@ -157,10 +153,10 @@ def tp_and_ep_plan(rank: int, world_size: int) -> dict:
 def test_expert_parallel_in_a_tp_plan_matches_the_reference():
     """Every output and gradient of the toy under TP x EP x EDP equals the reference's (a wrong tp gradient
     scale is off by 2, a wrong src_data_rank by the MoE's perturbation), eagerly and with the MoE's forward
-    compiled (compile_moe, or the deprecated compile= keyword); then torch.compile(layer, fullgraph=True) of the
+    compiled (compile_moe); then torch.compile(layer, fullgraph=True) of the
     eager one stops at the experts' FSDP2 unit with the error naming the supported route."""
     for r in run_on_ranks(4, tp_and_ep_plan):
-        for mode in ("eager", "compiled", "compiled_deprecated"):
+        for mode in ("eager", "compiled"):
             assert max(r[mode].values()) < TOL, (mode, r[mode])
             assert len(r[mode]) == 3 + 9, r[mode]  # wq, wo, head, router, shared w1/w2/w3, experts w13/w2
         assert ROUTE in r["fullgraph_layer"] and "experts are an FSDP2 unit" in r["fullgraph_layer"], r
@@ -219,47 +215,18 @@ def test_bad_arguments_raise_at_construction(kwargs, match):
         ExpertParallel(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"compile": "no_such_backend"}, r"compile must be True, False or a torch.compile backend name \[.*'aot_eager'"),
-    ({"compile": 1.0}, r"compile must be True, False or a torch.compile backend name"),
-    ({"fsdp": False, "mp_policy": MixedPrecisionPolicy()},
-     r"mp_policy is the layer's FSDP2 units' and fsdp=False makes none"),
-    ({"fsdp": False, "dims": MoEParallelDims(4, tp=2, ep=2)}, r"fsdp=False with tp=2 is not supported.*dp_shard_tp"),
-])
-def test_deprecated_arguments_keep_their_checks(kwargs, match):
-    kwargs = {"dims": MoEParallelDims(4, ep=2), **kwargs}
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=match):
-        ExpertParallel(**kwargs)
-
-
-_MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
-
-
-@pytest.mark.parametrize("kwargs,new,fully_shard,gather_in_forward,compile", [
-    ({"fsdp": True}, r"the default, fully_shard=True", True, False, False),
-    ({"fsdp": False}, r"ExpertParallel\(\.\.\., fully_shard=False, gather_in_forward=True\)", False, True, False),
-    ({"mp_policy": _MP}, r"fully_shard=False\) in the plan, then fully_shard_moe\(model, mp_policy=\.\.\.\)",
-     True, False, False),
-    ({"reshard_after_forward": False}, r"fully_shard_moe\(model, reshard_after_forward=\.\.\.\)", True, False, False),
-    ({"compile": "aot_eager"}, r"gather_in_forward=True\) in the plan, then compile_moe\(model, backend\)", True, True,
-     "aot_eager"),
-])
-def test_deprecated_arguments_warn_with_the_new_call(kwargs, new, fully_shard, gather_in_forward, compile):
-    """Each old keyword warns once, naming its replacement, and sets what it did before: the style's own units
-    (with the old unit options), the experts gathered in the forward, the compile after the units."""
-    with pytest.warns(DeprecationWarning, match=r"is deprecated and will be removed in the next release: use .*" + new):
-        style = ExpertParallel(MoEParallelDims(4, ep=2), **kwargs)
-    assert (style.fully_shard, style.gather_in_forward, style.compile) == (fully_shard, gather_in_forward, compile)
-    want = {"reshard_after_forward": kwargs.get("reshard_after_forward", True)}
-    want.update({"mp_policy": kwargs["mp_policy"]} if "mp_policy" in kwargs else {})
-    assert style.unit_kwargs == want
+@pytest.mark.parametrize("keyword", ["fsdp", "mp_policy", "reshard_after_forward", "compile", "tp_reduce"])
+def test_removed_keywords_are_refused(keyword):
+    """The keywords of before fully_shard_moe / compile_moe are gone, not kept alive with a warning."""
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}'"):
+        ExpertParallel(MoEParallelDims(4, ep=2), **{keyword: None})
 
 
 def test_the_readme_spelling_warns_nothing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         style = ExpertParallel(MoEParallelDims(4, ep=2, etp=2), device_type="cpu")
-    assert (style.fully_shard, style.gather_in_forward, style.compile, style.tp_grads) == (True, False, False, "sum")
+    assert (style.fully_shard, style.gather_in_forward, style.tp_grads) == (True, False, "sum")
 
 
 @pytest.mark.parametrize("call,match", [
@@ -271,21 +238,6 @@ def test_the_readme_spelling_warns_nothing():
 def test_compile_moe_and_fully_shard_moe_refuse_unplaced_layers(call, match):
     with pytest.raises(ValueError, match=match):
         call()
-
-
-def test_tp_reduce_is_the_deprecated_name_of_tp_grads():
-    """The old keyword still works for one release, warning with the new call; its bad values are named as given."""
-    dims = MoEParallelDims(4, ep=2)
-    with pytest.warns(DeprecationWarning, match=r"ExpertParallel\(tp_reduce='mean'\) is deprecated.*"
-                                                 r"ExpertParallel\(\.\.\., tp_grads='mean'\)"):
-        style = ExpertParallel(dims, tp_reduce="mean")
-    assert style.tp_grads == "mean"
-    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"tp_reduce must be one of"):
-        ExpertParallel(dims, tp_reduce="max")
-    for tp_grads in ("sum", "mean"):  # either value: neither silently wins
-        with pytest.raises(ValueError, match=r"ExpertParallel: tp_reduce='mean' is tp_grads' deprecated name, and "
-                                             rf"tp_grads='{tp_grads}' is given too; valid: tp_grads alone"):
-            ExpertParallel(dims, tp_reduce="mean", tp_grads=tp_grads)
 
 
 def test_misuse_is_named_at_the_door(monkeypatch):

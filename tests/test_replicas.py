@@ -286,8 +286,9 @@ def test_optimizer_steps_equal_without_replicas():
 
 
 def _unitless_experts(rank: int, world_size: int):
-    """ExpertParallel(fsdp=False) over EP2 x EDP2, eager: the experts have no FSDP2 unit and gather their weights
-    over EDP themselves; the replicas take the same gathered slices. Expert gradients with and without replicas."""
+    """ExpertParallel(fully_shard=False, gather_in_forward=True) over EP2 x EDP2, eager: the experts have no FSDP2
+    unit and gather their weights over EDP themselves; the replicas take the same gathered slices. Expert gradients
+    with and without replicas."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -301,7 +302,8 @@ def _unitless_experts(rank: int, world_size: int):
         with torch.no_grad():
             model.router.gate.weight[0, 0] = 9.0
         parallelize_module(model, init_device_mesh("cpu", (world_size,)),
-                           ExpertParallel(MoEParallelDims(world_size, ep=2), fsdp=False))
+                           ExpertParallel(MoEParallelDims(world_size, ep=2), fully_shard=False,
+                                          gather_in_forward=True))
         x = torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
         x[..., 0] = 1.0
         model(x).square().sum().backward()

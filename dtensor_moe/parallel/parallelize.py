@@ -6,7 +6,6 @@ forward one graph; `fully_shard_moe`, each placed layer's FSDP2 units; and `para
 over a whole module tree.
 """
 
-import warnings
 from dataclasses import replace
 
 import torch
@@ -79,17 +78,6 @@ class ExpertParallel(ParallelStyle):
             (`experts.gather_for_compute`), with no FSDP2 unit of their own: what `compile_moe` needs, since
             torch.compile cannot trace FSDP2's hooks (torch 2.11-2.13). Default False: the experts' own FSDP2
             unit. Without EDP / HSDP the two are the same.
-        fsdp (bool | None): deprecated (one release; a DeprecationWarning): True is the default;
-            False is `fully_shard=False, gather_in_forward=True` (with `dims.tp == 1`).
-        mp_policy (MixedPrecisionPolicy | None): deprecated (one release; a DeprecationWarning): the units'
-            mixed precision; use `fully_shard=False`, then `fully_shard_moe(model, mp_policy=...)`.
-        reshard_after_forward (bool | None): deprecated (one release; a DeprecationWarning): use
-            `fully_shard=False`, then `fully_shard_moe(model, reshard_after_forward=...)`.
-        compile (bool | str | None): deprecated (one release; a DeprecationWarning): True or a backend name
-            compiles each layer after its units; use `gather_in_forward=True`, then `compile_moe(model, backend)`
-            (`parallelize_moe(..., compile=...)` chains both).
-        tp_reduce (str | None): deprecated (one release; a DeprecationWarning): `tp_grads`, its old name.
-
     Returns:
         A `ParallelStyle` for a `parallelize_module` plan; applying it shards the layers in place.
 
@@ -114,11 +102,6 @@ class ExpertParallel(ParallelStyle):
         tp_grads: str | None = None,
         fully_shard: bool = True,
         gather_in_forward: bool = False,
-        fsdp: bool | None = None,
-        mp_policy=None,
-        reshard_after_forward: bool | None = None,
-        compile: bool | str | None = None,
-        tp_reduce: str | None = None,
     ):
         super().__init__()
         if dims is not None and not isinstance(dims, MoEParallelDims):
@@ -136,45 +119,11 @@ class ExpertParallel(ParallelStyle):
             dims, device_type = built, meshes.dense.device_type
         if dims is None:
             raise ValueError("ExpertParallel needs dims (a MoEParallelDims) or meshes (a MoEMeshes)")
-        if tp_reduce is not None:
-            if tp_grads is not None:
-                raise ValueError(f"ExpertParallel: tp_reduce={tp_reduce!r} is tp_grads' deprecated name, and "
-                                 f"tp_grads={tp_grads!r} is given too; valid: tp_grads alone")
-            _deprecated(f"tp_reduce={tp_reduce!r}", f"ExpertParallel(..., tp_grads={tp_reduce!r})")
-            check_tp_grads(tp_reduce, "ExpertParallel: ", "tp_reduce")
-            tp_grads = tp_reduce
         tp_grads = "sum" if tp_grads is None else tp_grads
         check_tp_grads(tp_grads, "ExpertParallel: ")
-        if compile is not None:
-            _deprecated(f"compile={compile!r}", "ExpertParallel(..., gather_in_forward=True) in the plan, then "
-                        "compile_moe(model, backend) (parallelize_moe(..., compile=...) chains both)")
-            check_backend(compile, "ExpertParallel: ")
-            gather_in_forward = gather_in_forward or bool(compile)
-        off = "fully_shard=False"
-        if fsdp is not None:
-            _deprecated(f"fsdp={fsdp!r}", "the default, fully_shard=True" if fsdp else
-                        "ExpertParallel(..., fully_shard=False, gather_in_forward=True)")
-            if not fsdp:
-                fully_shard, gather_in_forward, off = False, True, "fsdp=False"
-        for name, value in (("mp_policy", mp_policy), ("reshard_after_forward", reshard_after_forward)):
-            if value is not None:
-                _deprecated(f"{name}=...", f"ExpertParallel(..., fully_shard=False) in the plan, then "
-                            f"fully_shard_moe(model, {name}=...)")
-        check_mp_policy(mp_policy, "ExpertParallel")
-        if not fully_shard and mp_policy is not None:
-            raise ValueError(f"ExpertParallel: mp_policy is the layer's FSDP2 units' and {off} makes none; "
-                             "valid: fully_shard_moe(model, mp_policy=...) after the plan, or mp_policy on your "
-                             "own fully_shard")
-        if off == "fsdp=False" and dims.tp > 1:
-            # The router and shared experts see other tokens on every tp rank, so their gradients must
-            # be reduced over tp too: a unit on the caller's data-parallel mesh (dp_shard) would miss it.
-            raise ValueError(f"ExpertParallel: fsdp=False with tp={dims.tp} is not supported (the router and "
-                             f"shared experts must be sharded over every rank with its own tokens, "
-                             f"{dims.moe_dp_axis}); valid: fsdp=True, or tp=1")
         self.dims, self.meshes, self.device_type, self.tp_grads = dims, meshes, device_type, tp_grads
         self.fully_shard, self.gather_in_forward = fully_shard, gather_in_forward
-        self.unit_kwargs = fsdp_kwargs(mp_policy, True if reshard_after_forward is None else reshard_after_forward)
-        self.compile = compile or False  # the deprecated keyword's backend
+        self.unit_kwargs = fsdp_kwargs(None, True)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         layers = moe_layers(module, self.dims, "ExpertParallel")
@@ -186,7 +135,6 @@ class ExpertParallel(ParallelStyle):
         if device_mesh is not None and device_mesh.device_type != device_type:
             raise ValueError(f"ExpertParallel: parallelize_module's mesh is on {device_mesh.device_type!r}, the "
                              f"expert meshes on {device_type!r}; valid: the same device type")
-        check_compilable(layers, self.compile, "ExpertParallel: ")
         meshes = self.meshes or self.dims.build_meshes(device_type)
         for moe, plans in layers:
             if self.src_data_rank is not None:
@@ -198,8 +146,6 @@ class ExpertParallel(ParallelStyle):
         moes = [moe for moe, _ in layers]
         if self.fully_shard:
             _fully_shard_layers(moes, self.unit_kwargs)
-        if self.compile:
-            _compile_layers(moes, self.compile)
         return module
 
     @staticmethod
@@ -207,11 +153,6 @@ class ExpertParallel(ParallelStyle):
         """Every MoE's expert weights in `module`: `fully_shard(..., ignored_params=...)` of your own around
         layers placed with `fully_shard=False, gather_in_forward=True`."""
         return {p for m in module.modules() if isinstance(m, MoE) for p in m.experts.parameters()}
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"ExpertParallel({old}) is deprecated and will be removed in the next release: use {new}",
-                  DeprecationWarning, stacklevel=3)
 
 
 def _plain_input(module, args):

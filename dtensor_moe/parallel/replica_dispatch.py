@@ -151,7 +151,8 @@ class Replicas:
         own, for experts that cast them in their forward); empty slots are zeros (no rows reach them)."""
         present = [p for p in params if p is not None]
         # The (ep, etp) slice, as the experts take it: under FSDP2 the unsharded parameter; without an experts
-        # unit (ExpertParallel(fsdp=False)) gathered over EDP here too, its gradient reduce-scattered back.
+        # unit (ExpertParallel(fully_shard=False, gather_in_forward=True)) gathered over EDP here too, its
+        # gradient reduce-scattered back.
         local = [w.to_local() if isinstance(w, DTensor) else w for w in map(gather_for_compute, present)]
         E_local = local[0].shape[0]
         owned_flat = torch.cat([w.reshape(E_local, -1) for w in local], 1)
