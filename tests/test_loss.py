@@ -198,20 +198,20 @@ def _train(run_dir, *overrides) -> list[dict]:
 
 
 @pytest.mark.parametrize("overrides", [
-    ["parallel.nproc=2", "parallel.ep=2", "parallel.etp=1", "data.eval_fraction=0.05", "data.eval_every=2"],
+    ["parallel.nproc=2", "parallel.ep=2", "parallel.etp=1"],
     ["parallel.nproc=4", "parallel.pp=2", "parallel.tp=2", "parallel.ep=1", "parallel.etp=1"],
-], ids=["EP2 with eval", "PP2 x TP2"])
+], ids=["EP2", "PP2 x TP2"])
 def test_main_job_trains_alike_with_chunks_and_full_logits(overrides, tmp_path, monkeypatch):
     """training.loss_chunk_tokens = 100 (512 tokens a rank: 6 chunks, the last short) against 0, float32: the same
-    losses, gradient norms and held-out losses step by step (the pipeline's last stage applies the head in the loss;
-    under TP it is sharded by vocabulary rows)."""
+    losses, gradient norms and held-out losses step by step (the pipeline's last stage applies the head in the loss,
+    in training and in its schedule's eval; under TP the head is sharded by vocabulary rows)."""
     _ranks_in_pools(monkeypatch)
-    common = ["--steps", "4", *overrides]
+    common = ["--steps", "4", "data.eval_fraction=0.05", "data.eval_every=2", *overrides]
     full = _train(tmp_path / "full", *common, "training.loss_chunk_tokens=0")
     chunked = _train(tmp_path / "chunked", *common, "training.loss_chunk_tokens=100")
     pairs = {key: [(a[key], b[key]) for a, b in zip(full, chunked, strict=True) if key in a]
              for key in ("loss", "grad_norm", "eval_loss")}
-    assert len(pairs["loss"]) == 4 and len(pairs["eval_loss"]) == (2 if "data.eval_every=2" in overrides else 0)
+    assert len(pairs["loss"]) == 4 and len(pairs["eval_loss"]) == 2
     assert all(abs(a - b) <= 1e-5 * abs(a) for p in pairs.values() for a, b in p), pairs
     # Summed in another order, some fp32 loss differs in its last bits: the runs did not both take full logits.
     assert any(a != b for p in pairs.values() for a, b in p), pairs
