@@ -13,21 +13,13 @@ from torch import nn
 
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.experts import GroupedExperts
+from dtensor_moe.kernels.recompute import recomputing
 from dtensor_moe.routing.capacity import capacity, kept_pairs
 from dtensor_moe.routing.router import TopKRouter, combine_weights_TE
 from dtensor_moe.routing.tables import PaddedCopies, TokenCopies, expert_major
 from dtensor_moe.routing.token_rounding import check_rounding_reachable, round_tokens_compiled
 
 __all__ = ["MoE"]
-
-
-def recomputing() -> bool:
-    """Whether this forward is eager activation checkpointing's recomputation (it runs inside
-    backward). Compiled graphs recompute inside the backward graph, which never replays mutations."""
-    if torch.compiler.is_compiling():
-        return False
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current is not None and current() != -1
 
 
 class LocalStats:

@@ -328,7 +328,7 @@ def _replay_under_pipeline(rank: int, world_size: int, schedule: str, n_layers: 
     pass (eval mode, no grad), the training step replays; the reference replays its own recording of the whole
     batch under gradient accumulation over the same microbatches. Interleaved: two stages a rank, recorded and
     replayed through their stage_view."""
-    from dtensor_moe.moe import recomputing
+    from dtensor_moe.kernels.recompute import recomputing
     from dtensor_moe.routing.replay import moe_layers
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.data import Batches

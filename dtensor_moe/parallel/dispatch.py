@@ -35,7 +35,7 @@ from dtensor_moe.experts import ExpertInput
 from dtensor_moe.grad_scale import ScaleGrad
 from dtensor_moe.kernels import policy
 from dtensor_moe.kernels.gather_sum import gather_sum
-from dtensor_moe.moe import recomputing
+from dtensor_moe.kernels.recompute import recomputing
 from dtensor_moe.parallel.exchange import PlanTables, all_gather, ep_move, ep_plan, group_name, pair_move
 from dtensor_moe.routing.tables import PaddedCopies, PairRows, TokenCopies, gather_rows
 

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtensor_moe.moe import MoE, recomputing
+from dtensor_moe.kernels.recompute import recomputing
+from dtensor_moe.moe import MoE
 
 __all__ = ["RoutingReplay", "record_routing", "replay_routing"]
 

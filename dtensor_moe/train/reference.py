@@ -15,7 +15,8 @@ import types
 import torch
 from torch import nn
 
-from dtensor_moe.moe import LocalStats, MoE, recomputing
+from dtensor_moe.kernels.recompute import recomputing
+from dtensor_moe.moe import LocalStats, MoE
 
 __all__ = ["slice_moe_layers"]
 
