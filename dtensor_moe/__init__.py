@@ -19,7 +19,7 @@ _EXPORTS = {
     "compile_moe": "parallel.parallelize",
     "fully_shard_moe": "parallel.parallelize",
     "GroupedExperts": "experts",
-    "grouped_swiglu": "experts",
+    "grouped_swiglu": "kernels.expert_autograd",
     "MoE": "moe",
     "MoEConfig": "config",
     "MoEMeshes": "parallel.mesh",

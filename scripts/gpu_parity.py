@@ -20,9 +20,9 @@ from dtensor_moe import (
     MoEParallelDims,
     parallelize_moe,
 )
-from dtensor_moe.experts import grouped_swiglu
 from dtensor_moe.kernels import gather_sum as combine
 from dtensor_moe.kernels import policy
+from dtensor_moe.kernels.expert_autograd import grouped_swiglu
 
 BF16_TOL = 2e-2
 

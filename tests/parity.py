@@ -26,7 +26,7 @@ from dtensor_moe import (
     record_routing,
     replay_routing,
 )
-from dtensor_moe import experts as experts_mod
+from dtensor_moe.kernels import expert_autograd as swiglu_autograd
 
 # The tests' layer unless a case says otherwise. swiglu_limit 1 is read only by "clamped_swiglu", whose
 # clamps then bind at these weight scales.
@@ -205,7 +205,7 @@ def parity_errors(rank: int, world_size: int, case: Case) -> tuple[dict, MoE]:
                 model(x_r)
         model.train()
         replaying = replay_routing(model, recorded)
-    counted = mock.patch.object(experts_mod, "add_weight_grad_", wraps=experts_mod.add_weight_grad_)
+    counted = mock.patch.object(swiglu_autograd, "add_weight_grad_", wraps=swiglu_autograd.add_weight_grad_)
     with counted as fused, inductor_settings(case.compile), replaying:
         for mb in range(case.microbatches):
             model.set_requires_gradient_sync(mb == case.microbatches - 1)

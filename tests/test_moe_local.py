@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from dtensor_moe import MoE, MoEConfig
-from dtensor_moe.experts import grouped_swiglu
+from dtensor_moe.kernels.expert_autograd import grouped_swiglu
 
 
 def naive_route(moe: MoE, x_TD):
@@ -270,7 +270,7 @@ def test_weight_grads_accumulate_in_the_gemm(use_kernel, min_macs, fused, monkey
     """Gradient accumulation: with host counts and existing .grad, the per-expert GEMMs add the
     scaled weight gradients into .grad themselves; otherwise (no grad yet, or GEMMs too small to
     outlast their launch) autograd accumulates. Either way .grad is the sum over microbatches."""
-    from dtensor_moe import experts as experts_mod
+    from dtensor_moe.kernels import expert_autograd as swiglu_autograd
     from dtensor_moe.kernels import policy
 
     if min_macs is not None:
@@ -283,7 +283,7 @@ def test_weight_grads_accumulate_in_the_gemm(use_kernel, min_macs, fused, monkey
     gs = [torch.randn(16, 8, dtype=dtype) for _ in range(2)]
     with _loop_only(use_kernel):
         refs = [torch.autograd.grad(grouped_swiglu(x, counts, *ws), [x, *ws], g) for g in gs]
-        spy = mock.patch.object(experts_mod, "add_weight_grad_", wraps=experts_mod.add_weight_grad_)
+        spy = mock.patch.object(swiglu_autograd, "add_weight_grad_", wraps=swiglu_autograd.add_weight_grad_)
         with spy as accumulate:
             for g in gs:
                 grouped_swiglu(x, counts, *ws, weight_grad_scale=0.25, host_counts=counts.tolist()).backward(g)

@@ -75,9 +75,10 @@ class ExpertParallel(ParallelStyle):
             (`ignored_params=ExpertParallel.expert_parameters(model)`).
         gather_in_forward (bool): under EDP / HSDP the experts' weights are DTensors on the whole expert mesh,
             all-gathered over EDP inside the layer's forward and their gradients reduce-scattered back
-            (`experts.gather_for_compute`), with no FSDP2 unit of their own: what `compile_moe` needs, since
-            torch.compile cannot trace FSDP2's hooks (torch 2.11-2.13). Default False: the experts' own FSDP2
-            unit. Without EDP / HSDP the two are the same.
+            (`kernels.expert_autograd.gather_for_compute`), with no FSDP2 unit of their own: what `compile_moe`
+            needs, since torch.compile cannot trace FSDP2's hooks (torch 2.11-2.13). Default False: the experts'
+            own FSDP2 unit. Without EDP / HSDP the two are the same.
+
     Returns:
         A `ParallelStyle` for a `parallelize_module` plan; applying it shards the layers in place.
 

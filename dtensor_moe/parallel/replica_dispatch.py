@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dtensor_moe.experts import ExpertInput, SwiGLUExperts, gather_for_compute, grouped_swiglu
+from dtensor_moe.experts import ExpertInput, SwiGLUExperts
 from dtensor_moe.grad_scale import ScaleGrad
+from dtensor_moe.kernels.expert_autograd import gather_for_compute, grouped_swiglu
 from dtensor_moe.kernels.recompute import recomputing
 from dtensor_moe.parallel.dispatch import DroplessDispatch, ExpertOrderDispatch, Pairs
 from dtensor_moe.parallel.exchange import all_to_all_rows, gather_host_counts, group_name

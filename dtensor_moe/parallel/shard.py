@@ -139,8 +139,8 @@ def shard_moe_layer(
     the layer takes its dense weights: compiled blocks, whose FSDP hooks must stay outside the graph).
     `gather_in_forward` (compiled layers): no FSDP unit for our experts; under EDP / HSDP their weights are
     DTensors on the whole expert mesh, gathered over EDP in the forward and their gradients reduce-scattered
-    back, both DTensor redistributions inside the graph (experts.gather_for_compute). `dispatch_precision`:
-    MoEConfig.dispatch_precision, the EP/ETP token payload's. `dispatch_options`:
+    back, both DTensor redistributions inside the graph (kernels/expert_autograd.py, gather_for_compute).
+    `dispatch_precision`: MoEConfig.dispatch_precision, the EP/ETP token payload's. `dispatch_options`:
     `make_dispatcher`'s strategy, replica and row-cap arguments (`dispatch_options(moe)`; replicas run with our
     experts, or others given a `replica_forward`).
     """
