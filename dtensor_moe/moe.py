@@ -110,7 +110,7 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.seq_aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
-        # dtensor_moe.routing.replay.LayerReplay while this layer records or replays its routing.
+        # dtensor_moe.replay.LayerReplay while this layer records or replays its routing.
         self.routing_replay = None
         self.reset_parameters()
 
@@ -126,7 +126,7 @@ class MoE(nn.Module):
             raise ValueError(f"MoE expects [..., dim={cfg.dim}] floating-point input, got shape {tuple(x_BLD.shape)} "
                              f"of {x_BLD.dtype}")
         x_TD = x_BLD.reshape(-1, x_BLD.shape[-1])
-        replay = self.routing_replay  # record_routing / replay_routing (routing/replay.py)
+        replay = self.routing_replay  # record_routing / replay_routing (replay.py)
         replayed_TK = None if replay is None else replay.replayed(len(x_TD), recomputing())
         # Only a replayed forward passes its choices: a router swapped in by a user keeps the (x, bias) signature.
         r = self.router(x_TD, self.expert_bias) if replayed_TK is None else self.router(x_TD, self.expert_bias,

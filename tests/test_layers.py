@@ -1,8 +1,14 @@
 """The package's layers, from the imports themselves: no import runs up a layer, no two files import each other.
 
-A layer may import only the layers below it (every import counts, also those inside functions):
+A layer may import only the layers below it (every import counts, also those inside functions). The core (the
+MoE layer, no parallelism) has floors of its own, bottom to top:
 
-    core      validate, config, routing/, experts, grad_scale, moe, kernels/  the MoE layer, no parallelism
+    base      validate, config, durable, corpus, grad_scale   checks, configs, files: no torch modules
+    kernels   kernels/    registered ops, the experts' autograd, what checkpointing keeps and recomputes
+    routing   routing/    router, routing tables, capacity, token rounding
+    experts   experts     the experts module
+    moe       moe, the package's __init__                     the layer
+    replay    replay      routing replay (hooks MoE layers)
     parallel  parallel/   meshes, the placement plan, dispatch, ExpertParallel, parallelize_moe
     hf        hf/         Hugging Face MoE layers <-> ours
     tools     tools/      the planner and its model presets (torch-free)
@@ -15,9 +21,11 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "dtensor_moe"
-LAYERS = ("core", "parallel", "hf", "tools", "train", "titan", "cli")
-FOLDER_LAYER = {"parallel": "parallel", "hf": "hf", "tools": "tools", "train": "train", "titan": "titan",
+LAYERS = ("base", "kernels", "routing", "experts", "moe", "replay", "parallel", "hf", "tools", "train", "titan", "cli")
+FOLDER_LAYER = {"kernels": "kernels", "routing": "routing", "experts": "experts", "moe": "moe", "replay": "replay",
+                "parallel": "parallel", "hf": "hf", "tools": "tools", "train": "train", "titan": "titan",
                 "titan_data": "titan", "cli": "cli"}
+BASE = ("validate", "config", "durable", "corpus", "grad_scale")
 
 
 def _module(path: Path) -> str:
@@ -26,8 +34,15 @@ def _module(path: Path) -> str:
 
 
 def _layer(module: str) -> str:
+    """The layer of `module` (a dotted name under dtensor_moe); the package's __init__ sits with the layer it
+    hands on."""
     parts = module.split(".")
-    return FOLDER_LAYER.get(parts[1], "core") if len(parts) > 1 else "core"
+    if len(parts) == 1:
+        return "moe"
+    if parts[1] in BASE:
+        return "base"
+    assert parts[1] in FOLDER_LAYER, f"{module}: a file of no layer; give it one (BASE or FOLDER_LAYER above)"
+    return FOLDER_LAYER[parts[1]]
 
 
 def _imports(path: Path) -> set[str]:

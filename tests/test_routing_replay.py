@@ -1,4 +1,4 @@
-"""Routing replay (dtensor_moe/routing/replay.py): the replay weight formula on hand-made cases, the replayed layer
+"""Routing replay (dtensor_moe/replay.py): the replay weight formula on hand-made cases, the replayed layer
 against a per-token loop, microbatch order under activation checkpointing, compiled blocks (one graph for every
 microbatch), bad input; on EP (also compiled), ETP, CP, TP x EDP and PP meshes a rollout records, the router
 changes (negated gate), and the replayed training forward chooses the recorded experts, its outputs and every
@@ -329,7 +329,7 @@ def _replay_under_pipeline(rank: int, world_size: int, schedule: str, n_layers: 
     batch under gradient accumulation over the same microbatches. Interleaved: two stages a rank, recorded and
     replayed through their stage_view."""
     from dtensor_moe.kernels.recompute import recomputing
-    from dtensor_moe.routing.replay import moe_layers
+    from dtensor_moe.replay import moe_layers
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.data import Batches
     from dtensor_moe.train.loop import _accumulating

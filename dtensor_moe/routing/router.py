@@ -103,7 +103,7 @@ class TopKRouter(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, expert_bias_E: torch.Tensor | None = None,
                 experts_TK: torch.Tensor | None = None) -> Routing:
-        """`experts_TK` (routing replay, dtensor_moe/routing/replay.py): these choices instead of the top-k; the combine
+        """`experts_TK` (routing replay, dtensor_moe/replay.py): these choices instead of the top-k; the combine
         weights are then the current scores' at them, as if the router had chosen them, so gradients reach the gate."""
         cfg = self.config
         # Routing decisions are sensitive to rounding: the gate runs in >= float32 even for bf16

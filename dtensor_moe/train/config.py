@@ -163,7 +163,7 @@ class TrainingConfig:
     parity_tolerance: float = 1e-4
     compile: bool = False  # torch.compile each block, one graph (experts gather over EDP inside it)
     activation_checkpoint: str = "none"  # activation_checkpoint.AC_MODES; selective recomputes no communication
-    # Routing replay (dtensor_moe/routing/replay.py) every step: a no-grad eval forward of the step's microbatches (the
+    # Routing replay (dtensor_moe/replay.py) every step: a no-grad eval forward of the step's microbatches (the
     # "rollout") records each MoE layer's expert choices, and the training forward replays them.
     routing_replay: bool = False
     # The LM head and cross-entropy this many tokens at a time, each chunk's logits computed again in backward

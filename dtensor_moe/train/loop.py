@@ -322,7 +322,7 @@ def _replaying(parts, rollout, forward_backward):
 
     import torch
 
-    from dtensor_moe.routing.replay import record_routing, replay_routing
+    from dtensor_moe.replay import record_routing, replay_routing
 
     def step(inputs_BL, targets_BL) -> tuple[float, float]:
         with ExitStack() as stack, torch.no_grad():
