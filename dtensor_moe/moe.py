@@ -245,3 +245,17 @@ def _warn_unreachable_rounding(cfg: MoEConfig, tokens: int) -> None:
                                  "this forward's", "MoEConfig.round_tokens_to")
     except ValueError as e:
         warnings.warn(str(e))  # one location: Python's default filter shows it once
+
+
+def named_moes(module: nn.Module, root: str = "") -> dict[str, MoE]:
+    """Every `MoE` in `module` by qualified name.
+
+    Args:
+        module (nn.Module): a model, a pipeline stage (which keeps the whole model's names) or an MoE.
+        root (str): the name of `module` itself when it is an MoE: "" (its qualified name, what routing replay
+            records under) or e.g. its class name for messages. Default "".
+
+    Returns:
+        dict[str, MoE]: name -> layer, in `named_modules` order.
+    """
+    return {n or root: m for n, m in module.named_modules() if isinstance(m, MoE)}

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtensor_moe.kernels.recompute import recomputing
-from dtensor_moe.moe import MoE
+from dtensor_moe.moe import MoE, named_moes
 
 __all__ = ["RoutingReplay", "record_routing", "replay_routing"]
 
@@ -196,11 +196,6 @@ _CODES = {
 }
 
 
-def moe_layers(model: nn.Module) -> dict[str, MoE]:
-    """Every MoE in `model` by qualified name (a pipeline stage keeps the whole model's names)."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, MoE)}
-
-
 @contextmanager
 def record_routing(model: nn.Module, into: RoutingReplay | None = None) -> Iterator[RoutingReplay]:
     """Context manager recording routing: inside, each forward of each MoE layer of `model` appends its
@@ -225,7 +220,7 @@ def record_routing(model: nn.Module, into: RoutingReplay | None = None) -> Itera
         torch.Size([6, 2])
     """
     recorded = RoutingReplay() if into is None else into
-    layers = moe_layers(model)
+    layers = named_moes(model)
     if not layers:
         raise ValueError(f"record_routing: {type(model).__name__} has no MoE layer (dtensor_moe.MoE) to record; "
                          "valid: a model holding MoE layers (an empty recording would replay nothing)")
@@ -272,7 +267,7 @@ def replay_routing(model: nn.Module, recorded: RoutingReplay) -> Iterator[None]:
         hint = " (wrap it: RoutingReplay(your_dict))" if isinstance(recorded, Mapping) else ""
         raise TypeError(f"replay_routing(model, recorded): recorded must be a RoutingReplay, e.g. from "
                         f"record_routing, got {type(recorded).__name__}{hint}")
-    layers = moe_layers(model)
+    layers = named_moes(model)
     _check(layers, recorded)
     with _attached(model, layers, {n: LayerReplay(n, recorded.experts[n], True, moe) for n, moe in layers.items()}):
         yield

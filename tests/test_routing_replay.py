@@ -329,7 +329,7 @@ def _replay_under_pipeline(rank: int, world_size: int, schedule: str, n_layers: 
     batch under gradient accumulation over the same microbatches. Interleaved: two stages a rank, recorded and
     replayed through their stage_view."""
     from dtensor_moe.kernels.recompute import recomputing
-    from dtensor_moe.replay import moe_layers
+    from dtensor_moe.moe import named_moes
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.data import Batches
     from dtensor_moe.train.loop import _accumulating
@@ -369,7 +369,7 @@ def _replay_under_pipeline(rank: int, world_size: int, schedule: str, n_layers: 
         for name, entries in rec.experts.items() for k, (whole, mine) in enumerate(zip(ref_rec.experts[name], entries))}
     _negate_gates(ref, *pipe.parts)
     seen = {name: [] for name in rec.experts}
-    for name, moe in moe_layers(model).items():
+    for name, moe in named_moes(model).items():
         moe.router.register_forward_hook(lambda mod, args, r, name=name: seen[name].append((recomputing(), r)))
     with replay_routing(model, rec):
         ce, aux = pipe.step(inputs, targets)

@@ -15,7 +15,7 @@ from dtensor_moe.parallel.shard import (
     dp_fsdp_mesh,
     fsdp_kwargs,
     fully_shard_layer,
-    moe_layers,
+    moe_placement_plans,
     place_moe,
 )
 
@@ -48,7 +48,7 @@ def parallelize_blocks(
     weights' (the loss of a tp group)."""
     check_compile(activation_checkpoint, compile)
     check_tp_grads(tp_grads)
-    layers = moe_layers(model, dims)
+    layers = moe_placement_plans(model, dims)
     meshes = dims.build_meshes(device_type)
     unit_kwargs = fsdp_kwargs(mp_policy, reshard_after_forward)
     for m, moe_plans in layers:

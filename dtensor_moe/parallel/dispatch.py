@@ -198,9 +198,9 @@ class DroplessDispatch:
         # The routing weights go where the sums are (autograd: they train the router).
         x_recv, w_sent = ex.move([x_send, pairs.weight_N[:, None]], f"rows{g.payload},pairs", "there")
         # Each received token once, with its pairs here: the experts copy, run and sum them (GroupedExperts).
-        pairs = PairRows(ex.row_idx, ex.row_readers, gather_rows(w_sent, ex.idx, ex.inv)[:, 0])
+        received = PairRows(ex.row_idx, ex.row_readers, gather_rows(w_sent, ex.idx, ex.inv)[:, 0])
         return ExpertInput(x_recv, ex.local_counts_E, ex.local_counts_host, g.weight_grad_scale, ex,
-                           g.adds_output_bias, pairs)
+                           g.adds_output_bias, received)
 
     def combine(self, z_rows: torch.Tensor, ex: _Exchange) -> torch.Tensor:
         """Each received token's weighted sum over its experts here (the experts' output) -> each token's sum
@@ -246,7 +246,7 @@ class _PaddedExchange:
 
     def __init__(self, copies: PaddedCopies, out_shape, ep: int, etp: int):
         self.copies, self.out_shape = copies, out_shape
-        self.experts = copies.num_experts // ep  # E_local
+        self.local_experts = copies.num_experts // ep
         self.sources = ep * etp  # blocks each local expert receives, one per (ETP peer, EP source)
 
 
@@ -269,12 +269,12 @@ class PaddedDispatch:
             self._check_equal_capacity(copies.capacity, x)
         ex = _PaddedExchange(copies, x.shape, g.ep, g.etp)
         C, D = copies.capacity, x.shape[-1]
-        x_recv = pair_move(copies.expand(x), ex.experts * C, f"slots{g.payload}", "there", *g.names)
+        x_recv = pair_move(copies.expand(x), ex.local_experts * C, f"slots{g.payload}", "there", *g.names)
         # (source, local expert, slot) -> (local expert, source, slot): each expert's rows contiguous.
-        x_local = x_recv.view(ex.sources, ex.experts, C, D).transpose(0, 1).reshape(-1, D)
+        x_local = x_recv.view(ex.sources, ex.local_experts, C, D).transpose(0, 1).reshape(-1, D)
         rows = ex.sources * C
-        counts = torch.full((ex.experts,), rows, dtype=torch.int64, device=x.device)
-        return ExpertInput(x_local, counts, [rows] * ex.experts, g.weight_grad_scale, ex, g.adds_output_bias)
+        counts = torch.full((ex.local_experts,), rows, dtype=torch.int64, device=x.device)
+        return ExpertInput(x_local, counts, [rows] * ex.local_experts, g.weight_grad_scale, ex, g.adds_output_bias)
 
     def _check_equal_capacity(self, capacity: int, x: torch.Tensor) -> None:
         """The static splits assume every rank of the EP x ETP group has the same capacity (the same
@@ -296,8 +296,8 @@ class PaddedDispatch:
     def combine(self, y_local: torch.Tensor, ex: _PaddedExchange) -> torch.Tensor:
         """The slots' output rows -> each token's weighted sum (padding selected away)."""
         C, D = ex.copies.capacity, y_local.shape[-1]
-        y_sent = y_local.reshape(ex.experts, ex.sources, C, D).transpose(0, 1).reshape(-1, D)
-        y_back = pair_move(y_sent, ex.experts * C, "slots", "back", *self.group.names)
+        y_sent = y_local.reshape(ex.local_experts, ex.sources, C, D).transpose(0, 1).reshape(-1, D)
+        y_back = pair_move(y_sent, ex.local_experts * C, "slots", "back", *self.group.names)
         return ex.copies.combine(y_back, ex.out_shape)
 
 

@@ -15,7 +15,7 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from dtensor_moe.moe import MoE
+from dtensor_moe.moe import MoE, named_moes
 from dtensor_moe.parallel.compile import apply_compile
 from dtensor_moe.parallel.mesh import DENSE_AXES, EXPERT_AXES, MoEMeshes, MoEParallelDims, check_device_type
 from dtensor_moe.parallel.shard import (
@@ -23,7 +23,7 @@ from dtensor_moe.parallel.shard import (
     experts_fsdp_sharded,
     fsdp_kwargs,
     fully_shard_layer,
-    moe_layers,
+    moe_placement_plans,
     place_moe,
 )
 
@@ -127,7 +127,7 @@ class ExpertParallel(ParallelStyle):
         self.unit_kwargs = fsdp_kwargs(None, True)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        layers = moe_layers(module, self.dims, "ExpertParallel")
+        layers = moe_placement_plans(module, self.dims, "ExpertParallel")
         if not layers:
             raise ValueError(f"ExpertParallel applies to a dtensor_moe.MoE or a module holding MoE layers; "
                              f"{type(module).__name__} holds none (in a parallelize_module plan, key it by the "
@@ -172,7 +172,7 @@ if hasattr(torch._dynamo.eval_frame, "skip_code"):
 
 
 def check_compilable(layers, compile, prefix: str) -> None:
-    """What a compiled layer needs of `layers` (moe_layers'), checked before any collective."""
+    """What a compiled layer needs of `layers` (moe_placement_plans'), checked before any collective."""
     if compile and any(m.config.expert_replicas for m, _ in layers):
         raise ValueError(f"{prefix}compile={compile!r} with expert_replicas > 0 is not supported (the replicas' "
                          "split needs the counts on the host, eagerly); valid: compile=False, or expert_replicas 0")
@@ -235,10 +235,6 @@ def refuse_tracing_fsdp_hooks(moe: nn.Module, experts_sharded: bool):
                                        prepend=True)
 
 
-def _named_moes(module: nn.Module) -> dict[str, MoE]:
-    return {n or type(module).__name__: m for n, m in module.named_modules() if isinstance(m, MoE)}
-
-
 def _refuse_no_moe(module: nn.Module, caller: str) -> None:
     """A tree without one `MoE` is a mistake (e.g. a Hugging Face model whose sparse blocks were not swapped):
     doing nothing would leave every expert unsharded and unsaid."""
@@ -249,7 +245,7 @@ def _refuse_no_moe(module: nn.Module, caller: str) -> None:
 
 def _placed(module: nn.Module, caller: str) -> list[MoE]:
     """Every MoE in `module`, each placed by ExpertParallel (or parallelize_moe), else ValueError."""
-    moes = _named_moes(module)
+    moes = named_moes(module, type(module).__name__)
     if not moes:
         _refuse_no_moe(module, caller)
     unplaced = [n for n, m in moes.items() if getattr(m, "placement", None) is None]
@@ -313,7 +309,7 @@ def fully_shard_moe(module: nn.Module, *, mp_policy=None, reshard_after_forward:
     """
     check_mp_policy(mp_policy, "fully_shard_moe")
     moes = _placed(module, "fully_shard_moe")
-    done = [n for n, m in _named_moes(module).items() if isinstance(m, FSDPModule)]
+    done = [n for n, m in named_moes(module, type(module).__name__).items() if isinstance(m, FSDPModule)]
     if done:
         raise ValueError(f"fully_shard_moe: MoE layers {done} are FSDP2 units already (ExpertParallel's default "
                          "fully_shard=True makes them); valid: ExpertParallel(..., fully_shard=False), then "
@@ -355,10 +351,10 @@ def compile_moe(module: nn.Module, backend: str = "inductor") -> nn.Module:
                          f"{torch.compiler.list_backends(exclude_tags=())}, got {backend!r}")
     moes = _placed(module, "compile_moe")
     check_compilable([(m, None) for m in moes], backend, "compile_moe: ")
-    twice = [n for n, m in _named_moes(module).items() if m.placement.compiled]
+    twice = [n for n, m in named_moes(module, type(module).__name__).items() if m.placement.compiled]
     if twice:
         raise ValueError(f"compile_moe: MoE layers {twice} are compiled already; valid: compile_moe once per model")
-    unit = [n for n, m in _named_moes(module).items()
+    unit = [n for n, m in named_moes(module, type(module).__name__).items()
             if experts_fsdp_sharded(m.placement.dims) and not m.placement.gather_in_forward]
     if unit:
         raise ValueError(f"compile_moe: the experts of MoE layers {unit} take EDP / HSDP from an FSDP2 unit of their "
@@ -424,7 +420,7 @@ def parallelize_moe(
     check_tp_grads(tp_grads, "parallelize_moe: ")
     check_mp_policy(mp_policy, "parallelize_moe")
     check_device_type(device_type)
-    layers = moe_layers(module, dims)
+    layers = moe_placement_plans(module, dims)
     if not layers:
         _refuse_no_moe(module, "parallelize_moe")
     check_compilable(layers, compile, "parallelize_moe: ")

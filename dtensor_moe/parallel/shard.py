@@ -237,9 +237,10 @@ def experts_fsdp_sharded(dims: MoEParallelDims) -> bool:
     return dims.edp * dims.dp_replicate > 1
 
 
-def moe_layers(module: nn.Module, dims: MoEParallelDims, caller: str = "parallelize_moe"):
-    """Every MoE in `module` with its plan; every check before the first collective (and before any
-    module changes), so a bad config never hangs a rank or leaves a half-parallelized model."""
+def moe_placement_plans(module: nn.Module, dims: MoEParallelDims, caller: str = "parallelize_moe"):
+    """Every MoE in `module` with its placement plan (`plan_moe`), after every check before the first collective
+    (and before any module changes), so a bad config never hangs a rank or leaves a half-parallelized model.
+    Remembers each layer's path in `module` for the dispatcher's errors (`dispatch_options`)."""
     moes = [m for m in module.modules() if isinstance(m, MoE)]
     plans = [plan_moe(m.config, dims) for m in moes]
     _LAYER_NAMES.update((m, n or type(module).__name__) for n, m in module.named_modules() if isinstance(m, MoE))

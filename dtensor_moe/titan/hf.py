@@ -41,7 +41,7 @@ _ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "deepseek_v3": "DeepseekV3
                   "gpt_oss": "GptOssForCausalLM"}
 
 
-def family(model_config) -> str | None:
+def hf_model_type(model_config) -> str | None:
     """The Hugging Face model_type of a torchtitan model config, None for models of other families."""
     if isinstance(model_config, Qwen3Model.Config):
         return "qwen3_moe"
@@ -59,7 +59,7 @@ def _moe_layers(model_config) -> list[tuple[int, object]]:
 def hf_config(model_config, dtype: str = "float32") -> dict | None:
     """The Hugging Face config.json of the model `model_config` builds (its family's fields), None outside
     the three families. Routing and sizes are read off the first MoE layer (the families have one MoE shape)."""
-    kind = family(model_config)
+    kind = hf_model_type(model_config)
     if kind is None:
         return None
     layers, moes = model_config.layers, _moe_layers(model_config)
@@ -192,7 +192,7 @@ def check_hf_export(config) -> None:
     check_hf_keys(config, "checkpoint.last_save_in_hf")
     lost = bias_keys_lost(config)
     if lost:
-        kind = family(config.model_spec.model)
+        kind = hf_model_type(config.model_spec.model)
         # gpt-oss's one router bias is the gate's, on the logits (torchtitan's router.gate.bias, exported).
         gate = "; its mlp.router.bias is the router gate's, exported" if kind == "gpt_oss" else ""
         raise ValueError(

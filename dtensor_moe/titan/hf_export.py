@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from dtensor_moe.hf.convert import check_tensors
 from dtensor_moe.hf.model import write_hf_dir
 from dtensor_moe.titan.config_registry import CONFIGS
-from dtensor_moe.titan.hf import family, hf_config
+from dtensor_moe.titan.hf import hf_config, hf_model_type
 from dtensor_moe.train.checkpoint import single_process_ok
 
 
@@ -26,7 +26,7 @@ def export_checkpoint_hf(ckpt, out_dir, config_name: str, force: bool = False):
     if config_name not in CONFIGS:
         raise ValueError(f"--titan-config {config_name!r} is not one of the hook's configs; valid: {list(CONFIGS)}")
     spec = CONFIGS[config_name]().model_spec
-    kind = family(spec.model)
+    kind = hf_model_type(spec.model)
     if kind is None or spec.state_dict_adapter is None:
         raise ValueError(f"--titan-config {config_name}: only Qwen3-MoE, DeepSeek-V3 and gpt-oss models export to "
                          "Hugging Face; valid: a qwen3_*, deepseek_v3_* or gpt_oss_* config")
