@@ -145,7 +145,7 @@ def test_training_compiled_with_experts_fsdp_sharded_matches_eager():
 def opcheck_dispatch_ops(rank, world_size):
     """torch.library.opcheck of the dispatcher's ops on a real EP group, with and without copies."""
     from dtensor_moe import MoEParallelDims
-    from dtensor_moe.parallel.exchange import ep_move, ep_plan, group_name, pair_move
+    from dtensor_moe.parallel.exchange import ep_move, exchange_tables, group_name, pair_move
     from dtensor_moe.routing.tables import TokenCopies, expert_major
 
     meshes = MoEParallelDims(world_size, ep=world_size).build_meshes("cpu")
@@ -156,17 +156,17 @@ def opcheck_dispatch_ops(rank, world_size):
     sorted_N, order_N = torch.sort(experts_TK.flatten(), stable=True)
     counts_E = torch.bincount(sorted_N, minlength=E)
     copies = TokenCopies.build(order_N, sorted_N, torch.rand(T, K, dtype=torch.float64))
-    torch.library.opcheck(ep_plan, (counts_E, copies.expert_N, copies.pair_N, T, K, *groups))
+    torch.library.opcheck(exchange_tables, (counts_E, copies.expert_N, copies.pair_N, T, K, *groups))
     none = counts_E.new_empty(0)
-    torch.library.opcheck(ep_plan, (counts_E, none, none, T * K, 0, *groups))
-    C_host = ep_plan(counts_E, copies.expert_N, copies.pair_N, T, K, *groups)[0]
+    torch.library.opcheck(exchange_tables, (counts_E, none, none, T * K, 0, *groups))
+    C_host = exchange_tables(counts_E, copies.expert_N, copies.pair_N, T, K, *groups)[0]
     x = torch.randn(int(C_host[0, rank, :, -1].sum()), 4, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(ep_move, ([x], C_host, "rows", "there", *groups, [x.shape[0]]))
     # A capacity-dropped pair (expert id E, last): left out of the plan; "there" leaves its row behind.
     sorted_N, order_N, kept_E = expert_major(torch.where(torch.arange(T * K) == rank, E, experts_TK.flatten()), E)
     dropped = TokenCopies.build(order_N, sorted_N, torch.rand(T, K, dtype=torch.float64))
-    torch.library.opcheck(ep_plan, (kept_E, dropped.expert_N, dropped.pair_N, T, K, *groups))
-    C_host = ep_plan(kept_E, dropped.expert_N, dropped.pair_N, T, K, *groups)[0]
+    torch.library.opcheck(exchange_tables, (kept_E, dropped.expert_N, dropped.pair_N, T, K, *groups))
+    C_host = exchange_tables(kept_E, dropped.expert_N, dropped.pair_N, T, K, *groups)[0]
     w = dropped.weight_N[:, None].detach().requires_grad_(True)
     torch.library.opcheck(ep_move, ([w], C_host, "pairs", "there", *groups, [T * K]))
     # pad_to_capacity's movement: 3 rows to each EP peer.

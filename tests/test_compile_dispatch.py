@@ -102,7 +102,7 @@ def compiled_plain_experts(rank: int, world_size: int):
 
 def test_dispatch_around_plain_experts_compiles_without_break():
     """Without capturing data-dependent sizes in every frame (apply_compile) the pre-hook's frame broke at
-    ep_plan ("Dynamic shape operator") and the post-hook's frame ran eagerly ("Backend compiler aot_eager
+    exchange_tables ("Dynamic shape operator") and the post-hook's frame ran eagerly ("Backend compiler aot_eager
     failed with dtensor_moe.ep_move.default": its backward, the movement "there", makes a row count). With
     them captured but the activation gradient scaled on the dispatched rows, the input gradient was 0.37-0.45
     off (see dispatch.dispatch_hooks)."""

@@ -209,7 +209,7 @@ def test_capacity_dropped_pairs_are_not_dispatched():
 def _padded_step(rank: int, world_size: int, pad: bool):
     """One forward and backward at capacity 0.5 (E=4, K=2, 6 tokens: C = ceil(1.5) = 2), EP2 x ETP2 on 4 ranks or
     one process: (every all_to_all_single as (group name, out splits, in splits), the reasons of every
-    host read through policy.host_list, counted on CPU too, ep_plan calls, the experts' row counts)."""
+    host read through policy.host_list, counted on CPU too, exchange_tables calls, the experts' row counts)."""
     from unittest import mock
 
     import torch
@@ -254,7 +254,7 @@ def _padded_step(rank: int, world_size: int, pad: bool):
         reads.clear()
     with (mock.patch.object(dist, "all_to_all_single", record_a2a), mock.patch.object(policy, "host_list", record_read),
           mock.patch.object(experts_mod, "grouped_swiglu", record_blocks),
-          mock.patch.object(dispatch, "ep_plan", wraps=dispatch.ep_plan) as plans):
+          mock.patch.object(dispatch, "exchange_tables", wraps=dispatch.exchange_tables) as plans):
         moe(x).sum().backward()
     groups = moe.experts.expert_parallel.dispatcher.group.names if world_size > 1 else ()
     return splits, reads, plans.call_count, blocks, groups
@@ -263,7 +263,7 @@ def _padded_step(rank: int, world_size: int, pad: bool):
 def test_padded_path_static_splits_and_no_host_sync():
     """pad_to_capacity: one process runs E*C = 8 rows, C = 2 per expert, with no host read (the exact
     float64 loop takes the static sizes; unpadded it reads the counts off the device). EP2 x ETP2: no
-    ep_plan (the counts' all-gather and its host sync), every all-to-all split E_local*C = 4 rows per EP
+    exchange_tables (the counts' all-gather and its host sync), every all-to-all split E_local*C = 4 rows per EP
     peer, ep * E_local * C = 8 per ETP peer, no host read, and each local expert gets ep*etp*C = 8 rows."""
     splits, reads, plans, blocks, _ = _padded_step(0, 1, True)
     assert (reads, plans, blocks) == ([], 0, [(8, [2, 2, 2, 2])])

@@ -58,7 +58,7 @@ def apply_compile(module: nn.Module, compile: bool | str = True, fullgraph: bool
     (e.g. "aot_eager": the same tracing, no codegen)."""
     backend = compile if isinstance(compile, str) else "inductor"
     compiled = torch.compile(module.forward, fullgraph=fullgraph, backend=backend)
-    # The dispatcher's ops (ep_plan; ep_move's backward) make data-dependent row counts, which dynamo
+    # The dispatcher's ops (exchange_tables; ep_move's backward) make data-dependent row counts, which dynamo
     # captures under fullgraph but, without it, breaks the graph at (and falls back to eager for the
     # frame whose backward makes one): capture them in every frame, as fullgraph does.
     patch = {"capture_dynamic_output_shape_ops": True}

@@ -8,7 +8,7 @@ exchange.py. One per way the rows are laid out:
   destination rank however many of its top-k experts live there (at K=8 over EP=2 about 2 rows per token, not 8);
   the receiver copies it to its experts, and the combine sums there, weighted by the routing weights, the outputs
   of a token's experts it holds, so the output too travels once per (token, rank). Capacity-dropped pairs (id E,
-  last) are neither sent nor computed: `ep_plan` slices them off.
+  last) are neither sent nor computed: `exchange_tables` slices them off.
 - `ExpertOrderDispatch` (other experts, e.g. torchtitan's, which take one row per (token, expert) pair in expert
   order and the counts): the rows travel one per pair.
 - `PaddedDispatch` (pad_to_capacity, `routing.PaddedCopies`): static shapes, one row per slot, equal splits known
@@ -36,7 +36,7 @@ from dtensor_moe.grad_scale import ScaleGrad
 from dtensor_moe.kernels import policy
 from dtensor_moe.kernels.gather_sum import gather_sum
 from dtensor_moe.kernels.recompute import recomputing
-from dtensor_moe.parallel.exchange import PlanTables, all_gather, ep_move, ep_plan, group_name, pair_move
+from dtensor_moe.parallel.exchange import ExchangeTables, all_gather, ep_move, exchange_tables, group_name, pair_move
 from dtensor_moe.routing.tables import PaddedCopies, PairRows, TokenCopies, gather_rows
 
 __all__ = ["DispatchGroup", "DroplessDispatch", "ExpertOrderDispatch", "PaddedDispatch", "Pairs", "RowCap",
@@ -150,10 +150,10 @@ class Pairs(NamedTuple):
 
 
 class _Exchange:
-    """One dropless or expert-order step's tables (`PlanTables`, named), what its combine reads back."""
+    """One dropless or expert-order step's tables (`ExchangeTables`, named), what its combine reads back."""
 
     def __init__(self, tables, out_shape, groups, rows_per_rank):
-        t = PlanTables(*tables)
+        t = ExchangeTables(*tables)
         self.C_host, self.local_counts_E, self.idx, self.inv = t.C_host, t.local_counts_E, t.idx, t.inv
         self.send_token, self.token_rows, self.row_idx, self.row_readers = (t.send_token, t.token_rows, t.row_idx,
                                                                             t.row_readers)
@@ -192,7 +192,7 @@ class DroplessDispatch:
         """plan, move: the rows of `pairs` (counts_E per expert id of theirs) at the ranks of their experts."""
         g = self.group
         x_TD = x.reshape(-1, x.shape[-1])
-        tables = ep_plan(counts_E, pairs.expert_N, pairs.pair_N, x_TD.shape[0], pairs.top_k, *g.names)
+        tables = exchange_tables(counts_E, pairs.expert_N, pairs.pair_N, x_TD.shape[0], pairs.top_k, *g.names)
         ex = _Exchange(tables, x.shape, g.names, self.cap.rows(tables[0]))
         x_send = gather_rows(x_TD, ex.send_token, ex.token_rows)
         # The routing weights go where the sums are (autograd: they train the router).
@@ -228,7 +228,7 @@ class ExpertOrderDispatch:
     def send(self, x: torch.Tensor, counts_E: torch.Tensor) -> ExpertInput:
         g = self.group
         none = counts_E.new_empty(0, dtype=torch.int64)
-        tables = ep_plan(counts_E, none, none, x.shape[0], 0, *g.names)
+        tables = exchange_tables(counts_E, none, none, x.shape[0], 0, *g.names)
         ex = _Exchange(tables, x.shape, g.names, self.cap.rows(tables[0]))
         x_local = gather_rows(ex.move([x], f"pairs{g.payload}", "there")[0], ex.idx, ex.inv)
         return ExpertInput(x_local, ex.local_counts_E, ex.local_counts_host, g.weight_grad_scale, ex,

@@ -1,7 +1,7 @@
 """The expert-parallel exchange at the op boundary: the registered ops every dispatch strategy moves rows with.
 
-`dtensor_moe::ep_plan` does what torch.compile cannot trace of a dropless step: the counts' all-gather, the one
-host sync per layer for the uneven split sizes, and the integer tables (`PlanTables`). `dtensor_moe::ep_move`
+`dtensor_moe::exchange_tables` does what torch.compile cannot trace of a dropless step: the counts' all-gather, the one
+host sync per layer for the uneven split sizes, and the integer tables (`ExchangeTables`). `dtensor_moe::ep_move`
 moves rows one direction over the EP group and then the ETP group (its gradient is the other direction);
 `dtensor_moe::pair_move` is the same with equal split sizes known from the shapes (pad_to_capacity: no sync).
 Everything between them is traceable torch (dispatch.py): gathers whose gradients are gather-sums.
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from dtensor_moe.kernels import counters, fp8, policy, recompute
 from dtensor_moe.routing.tables import inverse_permutation
 
-__all__ = ["PlanTables", "all_gather", "all_to_all_rows", "count_sent_bytes", "ep_move", "ep_plan",
+__all__ = ["ExchangeTables", "all_gather", "all_to_all_rows", "count_sent_bytes", "ep_move", "exchange_tables",
            "gather_host_counts", "group_name", "pair_move"]
 
 _GROUPS: "weakref.WeakValueDictionary[str, dist.ProcessGroup]" = weakref.WeakValueDictionary()
@@ -40,7 +40,7 @@ def group_name(group) -> str:
 
 def count_sent_bytes():
     """A context manager counting the bytes this rank's all-to-alls send to other ranks inside its block, per
-    (kind, direction) of ep_move ("plan" for ep_plan's tables, "replica_weights" for the replicas' copies): a
+    (kind, direction) of ep_move ("tables" for exchange_tables' result, "replica_weights" for the replicas' copies): a
     `collections.Counter`, what the tests and benchmarks read for the payload's size.
 
     Example::
@@ -216,7 +216,7 @@ recompute.keep(torch.ops.dtensor_moe.pair_move.default)  # communicates
 
 
 def _gather_counts(counts_RE, topo: _Topology) -> torch.Tensor:
-    """[etp, ep, *counts_RE.shape]: every rank gets every count (ep_plan's: [etp, ep, ep, E_local + 1]), so a
+    """[etp, ep, *counts_RE.shape]: every rank gets every count (exchange_tables': [etp, ep, ep, E_local + 1]), so a
     sender knows where its rows land."""
     shape = counts_RE.shape
     for n, group in ((topo.ep, topo.ep_group), (topo.etp, topo.etp_group)):
@@ -245,8 +245,8 @@ def _expert_major_index(C: torch.Tensor, total: int) -> torch.Tensor:
     return offset + torch.arange(total, device=C.device)
 
 
-class PlanTables(NamedTuple):
-    """`ep_plan`'s result: one step's exchange tables (a custom op returns a tuple; these are its fields)."""
+class ExchangeTables(NamedTuple):
+    """`exchange_tables`'s result: one step's exchange tables (a custom op returns a tuple; these are its fields)."""
 
     C_host: torch.Tensor  # [etp, ep, ep, E_local + 1] on the host: every rank's rows per (ETP slice, source, dest)
     local_counts_E: torch.Tensor  # rows per local expert this rank computes, on the device
@@ -259,10 +259,10 @@ class PlanTables(NamedTuple):
     row_readers: torch.Tensor  # with copies: [rows, K] the expert-major pairs that read each received row
 
 
-@torch.library.custom_op("dtensor_moe::ep_plan", mutates_args=())
-def ep_plan(counts_E: torch.Tensor, expert_N: torch.Tensor, pair_N: torch.Tensor, num_tokens: int,
-            top_k: int, ep_group: str, etp_group: str) -> tuple[(torch.Tensor,) * len(PlanTables._fields)]:
-    """One step's tables (`PlanTables`). counts_E: rows per global expert from this rank; with copies (top_k > 0)
+@torch.library.custom_op("dtensor_moe::exchange_tables", mutates_args=())
+def exchange_tables(counts_E: torch.Tensor, expert_N: torch.Tensor, pair_N: torch.Tensor, num_tokens: int,
+            top_k: int, ep_group: str, etp_group: str) -> tuple[(torch.Tensor,) * len(ExchangeTables._fields)]:
+    """One step's tables (`ExchangeTables`). counts_E: rows per global expert from this rank; with copies (top_k > 0)
     expert_N / pair_N are TokenCopies' (tokens travel once per destination rank), else empty and the rows are
     already one per (token, expert)."""
     topo = _Topology(ep_group, etp_group)
@@ -288,7 +288,7 @@ def ep_plan(counts_E: torch.Tensor, expert_N: torch.Tensor, pair_N: torch.Tensor
     inv = inverse_permutation(idx)[:, None]
     local_counts = torch.tensor(sz.local_counts, dtype=torch.int64)
     if not K:
-        return PlanTables(C_host, C_mine.sum((0, 1)), local_counts, idx, inv, idx.new_empty(0), idx.new_empty(0, 1),
+        return ExchangeTables(C_host, C_mine.sum((0, 1)), local_counts, idx, inv, idx.new_empty(0), idx.new_empty(0, 1),
                           idx.clone(), inv.clone())
     n_send, n_pairs = sum(sz.rows.send), sum(sz.pairs.send)  # n_pairs: the kept pairs, which come first
     rank_N, cell_N, pair_N = rank_N[:n_pairs], cell_N[:n_pairs], pair_N[:n_pairs]
@@ -301,18 +301,18 @@ def ep_plan(counts_E: torch.Tensor, expert_N: torch.Tensor, pair_N: torch.Tensor
     shift_N = torch.tensor(sz.shift, device=dev).index_select(0, rank_N)
     packed = (slot.index_select(0, cell_N) + shift_N) * K + pair_N % K
     row_k = topo.there(
-        packed, sz.pairs, ("plan", "there"), etp_offset=sum(sz.rows.peer[: topo.etp_rank]) * K
+        packed, sz.pairs, ("tables", "there"), etp_offset=sum(sz.rows.peer[: topo.etp_rank]) * K
     ).index_select(0, idx)
     cells = torch.full((sum(sz.rows.peer) * K,), -1, device=dev, dtype=row_k.dtype)
     row_readers = cells.scatter_(0, row_k, torch.arange(row_k.numel(), device=dev)).view(-1, K)
-    return PlanTables(C_host, C_mine.sum((0, 1)), local_counts, idx, inv, send_token, token_rows, row_k // K,
-                      row_readers)
+    return ExchangeTables(C_host, C_mine.sum((0, 1)), local_counts, idx, inv, send_token, token_rows, row_k // K,
+                          row_readers)
 
 
-recompute.keep(torch.ops.dtensor_moe.ep_plan.default)  # communicates (the counts' all-gather, the row tables)
+recompute.keep(torch.ops.dtensor_moe.exchange_tables.default)  # communicates (the counts' all-gather, the row tables)
 
 
-@ep_plan.register_fake
+@exchange_tables.register_fake
 def _(counts_E, expert_N, pair_N, num_tokens, top_k, ep_group, etp_group):
     ctx = torch.library.get_ctx()
     topo = _Topology(ep_group, etp_group)
@@ -321,9 +321,10 @@ def _(counts_E, expert_N, pair_N, num_tokens, top_k, ep_group, etp_group):
     host = torch.empty(topo.etp, topo.ep, topo.ep, E_local + 1, dtype=torch.int64, device="cpu")
     i64 = counts_E.new_empty(0, dtype=torch.int64)
     if not top_k:
-        return PlanTables(host, i64.new_empty(E_local), host.new_empty(E_local), i64.new_empty(P), i64.new_empty(P, 1),
-                          i64.new_empty(0), i64.new_empty(0, 1), i64.new_empty(P), i64.new_empty(P, 1))
+        return ExchangeTables(host, i64.new_empty(E_local), host.new_empty(E_local), i64.new_empty(P),
+                              i64.new_empty(P, 1), i64.new_empty(0), i64.new_empty(0, 1), i64.new_empty(P),
+                              i64.new_empty(P, 1))
     S, R = ctx.new_dynamic_size(), ctx.new_dynamic_size()
-    return PlanTables(host, i64.new_empty(E_local), host.new_empty(E_local), i64.new_empty(P), i64.new_empty(P, 1),
-                      i64.new_empty(S), i64.new_empty(num_tokens, topo.ep), i64.new_empty(P),
-                      i64.new_empty(R, top_k))
+    return ExchangeTables(host, i64.new_empty(E_local), host.new_empty(E_local), i64.new_empty(P),
+                          i64.new_empty(P, 1), i64.new_empty(S), i64.new_empty(num_tokens, topo.ep),
+                          i64.new_empty(P), i64.new_empty(R, top_k))

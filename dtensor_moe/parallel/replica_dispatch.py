@@ -2,7 +2,7 @@
 
 Each forward: the EP x ETP group all-gathers its per-expert pair counts (one more host sync), every rank computes
 the same split of each replicated expert's pairs between owner and replicas (`source_segments`), and the pairs are
-re-labelled with virtual slots (a rank's owned experts, then its replica slots), so `ep_plan` and `ep_move` send
+re-labelled with virtual slots (a rank's owned experts, then its replica slots), so `exchange_tables` and `ep_move` send
 them exactly as they send pairs by expert. Owners send their weight slices (this ETP rank's F slice, the biases
 too) to the replica slots over the EP group, one all-to-all (`count_sent_bytes` counts it under
 ("replica_weights", "there")); the replica rows run through `grouped_swiglu` with those copies, at the same
@@ -131,7 +131,7 @@ class Replicas:
 
     def relabel(self, copies, counts_E: torch.Tensor, training: bool):
         """(slot_counts, slot_N, pair_N, weight_N): the pairs by virtual slot, in slot-major order (capacity-dropped
-        pairs, id E, last with id n_virtual), for ep_plan as if they were pairs by expert."""
+        pairs, id E, last with id n_virtual), for exchange_tables as if they were pairs by expert."""
         mine, n_virtual = self._segments(counts_E, training)
         slot_counts, slot_N, order_N = self._slot_order(mine, n_virtual, copies.pair_N.shape[0], copies.pair_N.device)
         inv_N = inverse_permutation(order_N)[:, None]
@@ -140,7 +140,7 @@ class Replicas:
 
     def relabel_rows(self, counts_E: torch.Tensor, N: int, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot_counts, order_N) for N rows given one per pair in expert order (counts_E per expert: torchtitan's
-        experts' input): the stable order that groups them by virtual slot, for ep_plan as rows by expert."""
+        experts' input): the stable order that groups them by virtual slot, for exchange_tables as rows by expert."""
         mine, n_virtual = self._segments(counts_E, training)
         slot_counts, _, order_N = self._slot_order(mine, n_virtual, N, counts_E.device)
         return slot_counts, order_N
