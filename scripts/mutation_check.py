@@ -43,7 +43,7 @@ class Mutation:
 MUTATIONS = (
     # The floors: a core file importing a floor above it (as routing replay once imported moe.py).
     Mutation("routing_imports_the_layer", "dtensor_moe/routing/capacity.py", "import math\n",
-             "import math\n\nfrom dtensor_moe.moe import MoE  # noqa: F401\n", ("tests/test_layers.py",),
+             "import math\n\nfrom dtensor_moe.moe import MoE  # noqa: F401\n", ("tests/test_import_floors.py",),
              "routing/ imports the MoE layer above it"),
     # Gradient scales: the dispatcher divides the expert weight gradients by EP * ETP, the experts apply it.
     Mutation("dispatcher_grad_scale", "dtensor_moe/parallel/dispatch.py",
