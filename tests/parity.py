@@ -188,7 +188,8 @@ def parity_errors(rank: int, world_size: int, case: Case) -> tuple[dict, MoE]:
 
     if case.compile:
         torch._dynamo.reset()  # each case compiles a new module; keep the cache to this one
-    parallelize_moe(model, dims, device_type=case.device, compile=case.compile)
+    # Each rank's own loss over its own tokens (the reference's), so the tp ranks' copies average.
+    parallelize_moe(model, dims, device_type=case.device, compile=case.compile, tp_grads="mean")
     errs = {}
     for wp in plan_moe(cfg, dims):  # the plan's ownership is the real local slice on this rank
         local = model.get_parameter(wp.name).to_local()

@@ -231,7 +231,7 @@ def _replay_on_mesh(rank: int, world_size: int, case: Case, checkpointed: bool) 
     cfg, dims, ref, x, grad_out = build(case, world_size)
     model = MoE(cfg).to(x.dtype)
     model.load_state_dict(ref.state_dict())
-    parallelize_moe(model, dims, device_type="cpu", compile=case.compile)
+    parallelize_moe(model, dims, device_type="cpu", compile=case.compile, tp_grads="mean")  # as tests/parity.py
     mine, R, K = _slice(case, dims, rank), world_size, cfg.top_k
     xs = (x, x.roll(1, dims=-1))  # the second microbatch routes differently
     recs = []

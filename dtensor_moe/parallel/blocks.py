@@ -11,6 +11,7 @@ from dtensor_moe.moe import MoE
 from dtensor_moe.parallel.compile import apply_activation_checkpointing, apply_compile, check_compile
 from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
 from dtensor_moe.parallel.shard import (
+    DEFAULT_TP_GRADS,
     check_tp_grads,
     dp_fsdp_mesh,
     fsdp_kwargs,
@@ -33,7 +34,7 @@ def parallelize_blocks(
     compile: bool | str = False,
     activation_checkpoint: str = "none",
     dense: Callable[[MoEMeshes], None] | None = None,
-    tp_grads: str = "sum",
+    tp_grads: str = DEFAULT_TP_GRADS,
 ) -> nn.Module:
     """Expert sharding of every `MoE` in `model` (EP, ETP: `place_moe`, as `ExpertParallel` places a layer), then
     `dense(meshes)` (the model's own TP / CP, if any), then per block activation checkpointing ("none" | "full" |

@@ -19,6 +19,7 @@ from dtensor_moe.moe import MoE, named_moes
 from dtensor_moe.parallel.compile import apply_compile
 from dtensor_moe.parallel.mesh import DENSE_AXES, EXPERT_AXES, MoEMeshes, MoEParallelDims, check_device_type
 from dtensor_moe.parallel.shard import (
+    DEFAULT_TP_GRADS,
     check_tp_grads,
     experts_fsdp_sharded,
     fsdp_kwargs,
@@ -66,8 +67,8 @@ class ExpertParallel(ParallelStyle):
             rank holds its own slice of each sequence, sequence parallelism): "sum" (default) sums the MoE's
             weight gradients over the tp ranks as DTensor sums a TP-sharded weight's, so the whole plan
             follows one loss convention (the loss of a tp group, averaged over the data-parallel groups by
-            FSDP); "mean" averages over them as over every data-parallel rank, each rank's loss its own
-            (`parallelize_moe`'s default). `dtensor_moe.parallel.shard.TP_GRADS`.
+            FSDP); "mean" averages over them as over every data-parallel rank, for tp ranks that each compute
+            their own loss. Every entry point has the same default. `dtensor_moe.parallel.shard.TP_GRADS`.
         fully_shard (bool): True (default): the layer's FSDP2 units are made here, as `fully_shard_moe`
             makes them with its defaults. False: partition and hooks only; call `fully_shard_moe(model, ...)`
             after the plan (your `mp_policy`, `reshard_after_forward`), or, with `gather_in_forward=True` and
@@ -100,7 +101,7 @@ class ExpertParallel(ParallelStyle):
         *,
         meshes: MoEMeshes | None = None,
         device_type: str | None = None,
-        tp_grads: str | None = None,
+        tp_grads: str = DEFAULT_TP_GRADS,
         fully_shard: bool = True,
         gather_in_forward: bool = False,
     ):
@@ -120,7 +121,6 @@ class ExpertParallel(ParallelStyle):
             dims, device_type = built, meshes.dense.device_type
         if dims is None:
             raise ValueError("ExpertParallel needs dims (a MoEParallelDims) or meshes (a MoEMeshes)")
-        tp_grads = "sum" if tp_grads is None else tp_grads
         check_tp_grads(tp_grads, "ExpertParallel: ")
         self.dims, self.meshes, self.device_type, self.tp_grads = dims, meshes, device_type, tp_grads
         self.fully_shard, self.gather_in_forward = fully_shard, gather_in_forward
@@ -372,7 +372,7 @@ def parallelize_moe(
     mp_policy=None,
     reshard_after_forward: bool = True,
     compile: bool | str = False,
-    tp_grads: str = "mean",
+    tp_grads: str = DEFAULT_TP_GRADS,
 ) -> nn.Module:
     """Shard every `MoE` in `module` in place by its placement plan (EP, ETP, FSDP2 over EDP / HSDP).
 
@@ -397,8 +397,9 @@ def parallelize_moe(
             the layer's FSDP2 units, is how a parallelized layer compiles (see `compile_moe`).
             Default False.
         tp_grads (str): with `dims.tp > 1`, how the tp ranks' gradients combine (`ExpertParallel`'s
-            `tp_grads`): "mean" (default) averages over them like over every data-parallel rank, each rank's
-            loss its own; "sum" sums them as DTensor sums a TP-sharded weight's.
+            `tp_grads`): "sum" (default, as every entry point's) sums them as DTensor sums a TP-sharded weight's,
+            for the loss of a tp group replicated over its ranks (your dense TP plan's); "mean" averages them like
+            over every data-parallel rank, for tp ranks that each compute their own loss.
 
     Returns:
         nn.Module: `module`, its MoE layers sharded.

@@ -34,10 +34,11 @@ from dtensor_moe.parallel.replica_dispatch import ReplicaDispatch, Replicas
 # (dims.tp > 1: every tp rank hands the layer its own slice of each sequence, so each holds a copy of the router
 # and shared experts and sends its own tokens to the experts). Every entry point takes this one argument:
 #   "sum":  summed over tp, as DTensor sums a TP-sharded weight's gradient: the loss of a tp group is one loss,
-#           replicated over its ranks (ExpertParallel's default, the main job's parallelize_model,
-#           parallelize_blocks, the torchtitan hook);
-#   "mean": averaged over tp like over every data-parallel rank: each rank's loss is its own (parallelize_moe's
-#           default).
+#           replicated over its ranks, as torch's TP styles make it (every entry point's default: the one
+#           convention of a plan with dense TP);
+#   "mean": averaged over tp like over every data-parallel rank: each rank's loss is its own, for a caller whose
+#           tp ranks compute separate losses over their own tokens.
+DEFAULT_TP_GRADS = "sum"
 # With tp = 1 both are the same. Averaging over the data-parallel ranks is FSDP2's default reduction; callers whose
 # reductions sum instead (the torchtitan hook: `fsdp_sums`) sum over tp too.
 TP_GRADS = ("sum", "mean")
@@ -121,7 +122,7 @@ def shard_moe_layer(
     meshes: MoEMeshes,
     fsdp_kwargs: dict | None,
     *,
-    tp_grads: str = "sum",
+    tp_grads: str = DEFAULT_TP_GRADS,
     fsdp_sums: bool = False,
     gather_in_forward: bool = False,
     dispatch_precision: str = "bf16",
