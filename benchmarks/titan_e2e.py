@@ -37,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import titan_torch211  # noqa: E402  (the shims and the launcher; imports no torchtitan)
+from depths import project as depths_project  # noqa: E402
 
 # The models' real decoder depths, for the projection; deepseek_v3_debugmodel_cpu: the CPU smoke test's tiny model
 # (tests/test_benchmarks_smoke.py), 2 layers of which the first is dense.
@@ -134,21 +135,15 @@ def summarize(steps: list[dict], warmup: int) -> dict:
 
 
 def project(tokens: int, depths: tuple[int, int], at: tuple[dict, dict], real_depth: int) -> dict | None:
-    """Per-layer seconds, the fixed rest, and tokens/s and MFU at the real depth, from one row at two depths."""
-    (d1, d2), (a, b) = depths, at
-    if not (a and b and a.get("tps") and b.get("tps")):
+    """depths.project of one row at two depths (None unless both ran), from torchtitan's tokens/s, TFLOP/s and MFU
+    (its FLOPs per token and its peak); the MFU in percent, as torchtitan prints it."""
+    if not (at[0] and at[1] and at[0].get("tps") and at[1].get("tps")):
         return None
-    t1, t2 = tokens / a["tps"], tokens / b["tps"]
-    per_layer = (t2 - t1) / (d2 - d1)
-    fixed = t1 - d1 * per_layer
-    t_real = fixed + real_depth * per_layer
-    out = dict(per_layer_ms=1e3 * per_layer, fixed_ms=1e3 * fixed, real_depth=real_depth,
-               projected_tps=tokens / t_real, projected_mfu=None)
-    if a.get("mfu") and b.get("mfu"):
-        fpt1, fpt2 = a["tflops"] * 1e12 / a["tps"], b["tflops"] * 1e12 / b["tps"]
-        peak = a["tflops"] * 1e12 / (a["mfu"] / 100)
-        fpt = fpt1 + (real_depth - d1) * (fpt2 - fpt1) / (d2 - d1)
-        out["projected_mfu"] = 100 * fpt * out["projected_tps"] / peak
+    mfu = all(c.get("mfu") for c in at)
+    fpt = tuple(c["tflops"] * 1e12 / c["tps"] for c in at) if mfu else None
+    peak = at[0]["tflops"] * 1e12 / (at[0]["mfu"] / 100) if mfu else None
+    out = depths_project(tokens, depths, (at[0]["tps"], at[1]["tps"]), fpt, real_depth, peak)
+    out["projected_mfu"] = None if out["projected_mfu"] is None else 100 * out["projected_mfu"]
     return out
 
 
@@ -196,7 +191,7 @@ def table(result: dict) -> str:
                 f"| {case['row']} | {key.split('/')[1]} | {case['ac']} | {case['depth']} | {case['tps']:,.0f} | "
                 f"{case['mfu'] or 0:.1f} | {case['peak_gib']:.1f} | {case['loss_first']:.3f} -> "
                 f"{case['loss_last']:.3f} | {proj.get('per_layer_ms', float('nan')):.1f} | "
-                f"{proj.get('fixed_ms', float('nan')):.1f} | {proj.get('projected_tps', float('nan')):,.0f} | "
+                f"{proj.get('fixed_ms', float('nan')):.1f} | {proj.get('projected_tokens_per_s', float('nan')):,.0f} | "
                 f"{proj.get('projected_mfu') or float('nan'):.1f} |")
     return "\n".join(lines)
 

@@ -4,6 +4,7 @@ trained through dtensor_moe (`parallelize_hf_model`), side by side in one run.
     python benchmarks/train_e2e.py                                   # every model, impl and option
     python benchmarks/train_e2e.py --budget-s 380 --row-timeout-s 180   # what fits a 10-minute slot
     python benchmarks/train_e2e.py --models qwen3 --options grouped_mm eager compiled
+    python benchmarks/train_e2e.py --depths 4 6 --options grouped_mm eager compiled   # per-layer time, fixed part
     python benchmarks/train_e2e.py --device cpu --tiny --compile-backend aot_eager --out x.json   # smoke
 
 Models (transformers configs built here, random weights, nothing downloaded; `--layers` slices them, default):
@@ -66,7 +67,13 @@ Output (`--out`, written after every row, atomically): {"date", "torch", "transf
 "dense_peak_tflops", "rows"}; a row {"model", "impl", "option", "tokens_per_s", "mfu", "peak_gib", "loss_step1",
 "step_ms", "params", "layers", "seq_len", "batch", ...} with "error" when it failed. Rows already in the file for
 another (model, impl, option) are kept, so several runs fill one table; "vs_transformers" is each row's tokens/s
-over its model's fastest transformers row in the file. `--budget-s`: no row starts after that many seconds.
+over its model's fastest transformers row (at the same depth) in the file. `--budget-s`: no row starts after that
+many seconds. optimizer_ms: the median optimizer step (AdamW's step and zero_grad, between syncs) of the timed steps.
+
+`--depths A B` runs every row at both decoder depths (instead of `--layers`); "projections" then holds, per (model,
+impl, option), benchmarks/depths.py's per_layer_ms and fixed_ms from the two rows' step times, and the tokens/s and
+MFU projected to the model's real depth (REAL_DEPTH): compare the per-layer times first, since on one GPU the LM head,
+the loss and AdamW over every expert make the fixed part far larger than on an EP rank.
 """
 
 import argparse
@@ -89,11 +96,14 @@ from dtensor_moe.train.config import TrainingConfig  # noqa: E402
 from dtensor_moe.train.metrics import peak_memory_bytes, write_json  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when run through runpy
+from depths import project  # noqa: E402
 from moe_layer import dense_peak_tflops, sync  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "benchmarks", "results", "train_e2e.json")
 MODELS = {"qwen3": 4, "deepseek": 4, "mixtral": 2}  # name: default layers
+# The real models' decoder depths, where --depths projects to (Qwen3-30B-A3B; the DeepSeek 16B shape; Mixtral-8x7B).
+REAL_DEPTH = {"qwen3": 48, "deepseek": 28, "mixtral": 32}
 # Run order, each row for every model before the next: the main comparison first, compilation (minutes a row) last,
 # so a --budget-s run that stops early has the rows that matter most for every model. transformers' compiled row
 # comes after its other rows: it compiles the fastest of them.
@@ -253,23 +263,28 @@ def lm_loss(model, tokens_BL: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
 
 
 def train(model, optimizer, tokens_NBL: torch.Tensor, dev: torch.device, chunk_tokens: int = 0
-          ) -> tuple[list[float], list[float]]:
-    """One training step per batch (`chunk_tokens`: lm_loss's); returns (losses, seconds) per step."""
+          ) -> tuple[list[float], list[float], list[float]]:
+    """One training step per batch (`chunk_tokens`: lm_loss's); returns (losses, seconds, optimizer seconds) per
+    step."""
     from dtensor_moe.hf.model import moe_aux_loss
 
-    losses, seconds = [], []
+    losses, seconds, optimizer_s = [], [], []
     for tokens_BL in tokens_NBL:
         sync(dev)
         t0 = time.perf_counter()
         # 0 for transformers' model (no MoE of ours) and while our balance losses are off (module docstring).
         loss = lm_loss(model, tokens_BL, chunk_tokens) + moe_aux_loss(model)
         loss.backward()
+        sync(dev)  # the optimizer's own time: one more sync a step, both impls alike
+        t1 = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync(dev)
-        seconds.append(time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        seconds.append(t2 - t0)
+        optimizer_s.append(t2 - t1)
         losses.append(loss.detach())
-    return [float(v) for v in losses], seconds
+    return [float(v) for v in losses], seconds, optimizer_s
 
 
 def run_row(spec: dict) -> dict:
@@ -315,10 +330,9 @@ def measure(model, cfg, spec: dict, dev: torch.device, t0: float) -> dict:
     build_s = time.perf_counter() - t0
     # Tiny: chunks of 16 of its 64 tokens a step, so the smoke test runs several.
     chunk_tokens = (16 if spec["tiny"] else LOSS_CHUNK_TOKENS) if spec["option"] == "chunked_loss" else 0
-    losses, seconds = train(model, optimizer, tokens_NBL, dev, chunk_tokens)
-    timed = sorted(seconds[spec["warmup"]:])
-    step_s = timed[len(timed) // 2]
-    return dict(tokens_per_s=spec["batch"] * spec["seq_len"] / step_s, step_ms=step_s * 1e3,
+    losses, seconds, optimizer_s = train(model, optimizer, tokens_NBL, dev, chunk_tokens)
+    step_s, opt_s = (sorted(t[spec["warmup"]:])[len(t[spec["warmup"]:]) // 2] for t in (seconds, optimizer_s))
+    return dict(tokens_per_s=spec["batch"] * spec["seq_len"] / step_s, step_ms=step_s * 1e3, optimizer_ms=opt_s * 1e3,
                 peak_gib=peak_memory_bytes(dev) / GIB, loss_step1=losses[0], loss_last=losses[-1], build_s=build_s,
                 warmup_s=sum(seconds[:spec["warmup"]]))
 
@@ -394,9 +408,10 @@ class Workers:
             self.spare = None
 
 
-def plan(args) -> list[tuple[str, str, str]]:
-    """(model, impl, option) in run order (ROWS)."""
-    return [(m, impl, o) for impl, o in ROWS if impl in args.impls and o in args.options for m in args.models]
+def plan(args) -> list[tuple[str, str, str, int]]:
+    """(model, impl, option, layers) in run order (ROWS), at each of --depths (else the model's --layers)."""
+    return [(m, impl, o, n) for impl, o in ROWS if impl in args.impls and o in args.options for m in args.models
+            for n in (args.depths or (args.layers[m],))]
 
 
 def table_order(rows: list[dict]) -> list[dict]:
@@ -405,39 +420,66 @@ def table_order(rows: list[dict]) -> list[dict]:
         return names.index(name) if name in names else len(names)
 
     return sorted(rows, key=lambda r: (rank(list(MODELS), r["model"]), rank(IMPLS, r["impl"]),
-                                       rank(OPTIONS, r["option"])))
+                                       rank(OPTIONS, r["option"]), r.get("layers", 0)))
 
 
-def fastest_transformers(rows: list[dict], model: str) -> dict | None:
-    ok = [r for r in rows if r["model"] == model and r["impl"] == "transformers" and "error" not in r]
+def fastest_transformers(rows: list[dict], model: str, layers: int) -> dict | None:
+    ok = [r for r in rows if (r["model"], r.get("layers")) == (model, layers) and r["impl"] == "transformers"
+          and "error" not in r]
     return max(ok, key=lambda r: r["tokens_per_s"], default=None)
 
 
 def merged(rows: list[dict], row: dict) -> list[dict]:
-    """`rows` with `row` in place of the one of its (model, impl, option), or appended."""
-    key = (row["model"], row["impl"], row["option"])
-    out = [row if (r["model"], r["impl"], r["option"]) == key else r for r in rows]
+    """`rows` with `row` in place of the one of its (model, impl, option, layers), or appended."""
+    def key(r):
+        return r["model"], r["impl"], r["option"], r.get("layers")
+
+    out = [row if key(r) == key(row) else r for r in rows]
     return out if row in out else [*out, row]
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
     for r in rows:
-        best = fastest_transformers(rows, r["model"])
+        best = fastest_transformers(rows, r["model"], r.get("layers"))
         r["vs_transformers"] = r["tokens_per_s"] / best["tokens_per_s"] if best and "error" not in r else None
     return rows
 
 
-HEADER = (f"{'model':9s} {'impl':12s} {'option':12s} {'tokens/s':>10s} {'MFU':>6s} {'peak GiB':>9s} "
-          f"{'step-1 loss':>11s} {'/ tf best':>9s}")
+HEADER = (f"{'model':9s} {'impl':12s} {'option':12s} {'layers':>6s} {'tokens/s':>10s} {'MFU':>6s} {'peak GiB':>9s} "
+          f"{'step-1 loss':>11s} {'/ tf best':>9s} {'optim ms':>8s}")
+
+
+def projections(rows: list[dict]) -> list[dict]:
+    """depths.project of every (model, impl, option) with rows at two depths or more (the shallowest and the
+    deepest), against its rows' measured dense peak."""
+    out = []
+    for model, impl, option in dict.fromkeys((r["model"], r["impl"], r["option"]) for r in rows):
+        ok = sorted((r for r in rows if (r["model"], r["impl"], r["option"]) == (model, impl, option)
+                     and "error" not in r and r.get("layers")), key=lambda r: r["layers"])
+        if len({r["layers"] for r in ok}) < 2:
+            continue
+        a, b = ok[0], ok[-1]
+        p = project(a["batch"] * a["seq_len"], (a["layers"], b["layers"]), (a["tokens_per_s"], b["tokens_per_s"]),
+                    (a["flops_per_token"], b["flops_per_token"]), REAL_DEPTH[model], a["dense_peak_tflops"] * 1e12)
+        out.append(dict(model=model, impl=impl, option=option, depths=(a["layers"], b["layers"]),
+                        optimizer_ms=(a["optimizer_ms"], b["optimizer_ms"]), **p))
+    return out
+
+
+def projection_line(p: dict) -> str:
+    return (f"{p['model']:9s} {p['impl']:12s} {p['option']:12s} layers {p['depths'][0]}, {p['depths'][1]}: "
+            f"{p['per_layer_ms']:7.2f} ms a layer, fixed {p['fixed_ms']:7.1f} ms (optimizer {p['optimizer_ms'][0]:.1f}"
+            f", {p['optimizer_ms'][1]:.1f}); at {p['real_depth']} layers {p['projected_tokens_per_s']:,.0f} tokens/s, "
+            f"MFU {100 * (p['projected_mfu'] or 0):.1f}%")
 
 
 def row_line(r: dict) -> str:
-    head = f"{r['model']:9s} {r['impl']:12s} {r['option']:12s}"
+    head = f"{r['model']:9s} {r['impl']:12s} {r['option']:12s} {r.get('layers', 0):6d}"
     if "error" in r:
         return f"{head} error: {r['error'][:300]}"
     ratio = f"{r['vs_transformers']:.2f}" if r.get("vs_transformers") is not None else "-"
     return (f"{head} {r['tokens_per_s']:10,.0f} {100 * r['mfu']:5.1f}% {r['peak_gib']:9.1f} "
-            f"{r['loss_step1']:11.5f} {ratio:>9s}")
+            f"{r['loss_step1']:11.5f} {ratio:>9s} {r.get('optimizer_ms', float('nan')):8.1f}")
 
 
 def parse_layers(items: list[str]) -> dict:
@@ -460,6 +502,9 @@ def parse_args(argv=None):
     p.add_argument("--options", nargs="+", choices=OPTIONS, default=list(OPTIONS),
                    help="options of either impl (eager and compiled are both's)")
     p.add_argument("--layers", nargs="*", default=[], help="N or MODEL=N; default: qwen3=4 deepseek=4 mixtral=2")
+    p.add_argument("--depths", type=int, nargs=2, help="every row at these two decoder depths (instead of "
+                   "--layers), and from their difference the per-layer time, the fixed part and the projection to "
+                   f"the real depth {REAL_DEPTH}")
     p.add_argument("--seq-len", type=int, help="default 4096 (32 with --tiny)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--steps", type=int, help="timed steps; default 10 (2 with --tiny)")
@@ -477,6 +522,8 @@ def parse_args(argv=None):
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else default)
     args.layers = {**{m: 2 if args.tiny else n for m, n in MODELS.items()}, **parse_layers(args.layers)}
+    if args.depths and (min(args.depths) < 1 or args.depths[0] == args.depths[1]):
+        raise ValueError(f"--depths needs two different positive layer counts, got {args.depths}")
     if min(args.steps, args.batch, args.seq_len) < 1 or args.warmup < 0:
         raise ValueError("--steps, --batch and --seq-len must be >= 1 and --warmup >= 0")
     return args
@@ -527,15 +574,15 @@ def main(argv=None, started: float | None = None) -> dict:
     workers = Workers(tmp)
     not_run = []
     try:
-        for i, (model, impl, option) in enumerate(todo):
+        for i, (model, impl, option, layers) in enumerate(todo):
             if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
                 not_run = todo[i:]
                 break
-            spec = {"model": model, "impl": impl, "option": option, "layers": args.layers[model],
+            spec = {"model": model, "impl": impl, "option": option, "layers": layers,
                     "seq_len": args.seq_len, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
                     "device": args.device, "tiny": args.tiny, "compile_backend": args.compile_backend}
             if impl == "transformers" and option == "compiled":
-                best = fastest_transformers([r for r in res["rows"] if r["option"] != "compiled"], model)
+                best = fastest_transformers([r for r in res["rows"] if r["option"] != "compiled"], model, layers)
                 spec["experts_implementation"] = best["option"] if best else None
             row = {k: spec[k] for k in ("model", "impl", "option", "layers", "seq_len", "batch")}
             why = precheck(spec, dev)
@@ -555,16 +602,20 @@ def main(argv=None, started: float | None = None) -> dict:
                 row.update(dense_peak_tflops=peak_tflops, mfu=row["flops_per_token"] * row["tokens_per_s"] /
                            (peak_tflops * 1e12))
             res["rows"] = table_order(with_ratios(merged(res["rows"], row)))
+            res["projections"] = projections(res["rows"])
             write_json(args.out, res)
             print(row_line(row), flush=True)
     finally:
         workers.close()
         shutil.rmtree(tmp, ignore_errors=True)
     if not_run:
-        print(f"--budget-s {args.budget_s:.0f} reached; not run: {', '.join('/'.join(k) for k in not_run)}")
+        print(f"--budget-s {args.budget_s:.0f} reached; not run: "
+              f"{', '.join('/'.join(map(str, k)) for k in not_run)}")
     print(f"\n{args.out} ({time.perf_counter() - started:.0f} s):\n{HEADER}")
     for r in res["rows"]:
         print(row_line(r))
+    for p in res.get("projections", []):
+        print(projection_line(p))
     return res
 
 

@@ -90,3 +90,27 @@ def test_isolated_rows_merge_and_time_out(tmp_path):
     assert rows["mixtral", "transformers", "compiled"]["experts_implementation"] == "grouped_mm"
     timed_out = rows["mixtral", "dtensor_moe", "eager"]
     assert "timed out after 1 s" in timed_out["error"] and timed_out["vs_transformers"] is None
+
+
+def test_two_depths_give_the_per_layer_time(tmp_path):
+    """--depths: every row at both depths (the optimizer step timed on its own), and a projection per (model, impl,
+    option) from the shallowest and deepest rows: projected to the deeper depth itself, it is that row's tokens/s
+    and MFU (the algebra is exact there)."""
+    import depths
+
+    res = _run(tmp_path / "e2e.json", "--in-process", "--models", "qwen3", "--impls", "transformers", "dtensor_moe",
+               "--options", "grouped_mm", "eager", "--depths", "1", "2", "--warmup", "0")
+    rows = {(r["impl"], r["layers"]): r for r in res["rows"]}
+    assert set(rows) == {(impl, n) for impl in ("transformers", "dtensor_moe") for n in (1, 2)}
+    assert all("error" not in r and r["optimizer_ms"] > 0 for r in rows.values()), rows
+    assert {(p["impl"], p["depths"]) for p in res["projections"]} == {("transformers", (1, 2)),
+                                                                      ("dtensor_moe", (1, 2))}
+    for p in res["projections"]:
+        assert p["real_depth"] == 48 and all(math.isfinite(p[k]) for k in ("per_layer_ms", "fixed_ms"))
+        a, b = rows[p["impl"], 1], rows[p["impl"], 2]
+        at_b = depths.project(b["batch"] * b["seq_len"], (1, 2), (a["tokens_per_s"], b["tokens_per_s"]),
+                              (a["flops_per_token"], b["flops_per_token"]), 2, b["dense_peak_tflops"] * 1e12)
+        assert at_b["projected_tokens_per_s"] == pytest.approx(b["tokens_per_s"], rel=1e-9)
+        assert at_b["projected_mfu"] == pytest.approx(b["mfu"], rel=1e-9)
+    with pytest.raises(ValueError, match="--depths needs two different positive layer counts"):
+        train_e2e.parse_args(["--depths", "2", "2"])
