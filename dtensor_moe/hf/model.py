@@ -11,10 +11,8 @@ Decoder layers are `model.model.layers` in every family we map (Qwen3-MoE, Mixtr
 """
 
 import json
-import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,7 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from dtensor_moe.durable import fsync_path
+from dtensor_moe.durable import publish_files
 from dtensor_moe.hf.block import SPARSE_BLOCKS, from_hf_block
 from dtensor_moe.hf.convert import to_hf
 from dtensor_moe.hf.families import family
@@ -170,32 +168,18 @@ def _size(n: int) -> str:
 
 
 def write_files(out: Path, writers: dict, need_bytes: int = 0) -> Path:
-    """Each `writers[name](path)` writes one file into a temporary directory beside `out`; then every file is fsynced
-    and moved into `out` (made if absent), and `out` fsynced: an interrupted write leaves no half directory and no
-    half file, a power loss neither. A directory that
-    cannot hold `need_bytes` more is refused before anything is written; a fault while writing (a full or
+    """`durable.publish_files(out, writers)`: every file or none, durably. A directory that cannot hold
+    `need_bytes` more is refused before anything is written; a fault while writing (a full or
     read-only disk, an I/O error) is a ValueError naming `out` and the OS's reason, the temporary directory gone."""
     free = shutil.disk_usage(_existing(out.parent)).free
     if need_bytes > free:
         raise ValueError(f"cannot write {out}: it needs about {_size(need_bytes)}, its disk has {_size(free)} free; "
                          "free space or choose another directory")
-    tmp = None
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        for name, write in writers.items():
-            write(tmp / name)
-            fsync_path(tmp / name)  # the content on disk before the rename publishes it
-        out.mkdir(exist_ok=True)
-        for name in writers:
-            os.replace(tmp / name, out / name)
-        fsync_path(out)  # the renames themselves
+        publish_files(out, writers)
     except (OSError, SafetensorError) as e:
         raise ValueError(f"cannot write {out}: {_reason(e)}; free space, make it writable, or choose another "
                          "directory") from None
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
