@@ -215,7 +215,7 @@ MUTATIONS = (
              "and not moe.pad_to_capacity and not moe.expert_replicas:", "and not moe.pad_to_capacity:",
              ("tests/test_activation_memory.py::test_the_planner_prices_what_the_layer_keeps",),
              "the planner prices minimal memory for layers with replicas, which keep the standard path's"),
-    Mutation("writer_copies_into_place", "dtensor_moe/hf/model.py",
+    Mutation("writer_copies_into_place", "dtensor_moe/durable.py",
              "os.replace(tmp / name, out / name)", "shutil.copyfile(tmp / name, out / name)",
              ("tests/test_export.py::test_writers_publish_by_rename",),
              "the atomic writer copies into place: a kill mid-copy leaves a half file"),
