@@ -26,7 +26,7 @@ eager dropless steps), which the hooks add to the caller's `RowLoad`. `RowCap` (
 raises before the tokens move.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,10 +37,10 @@ from dtensor_moe.kernels import policy
 from dtensor_moe.kernels.gather_sum import gather_sum
 from dtensor_moe.kernels.recompute import recomputing
 from dtensor_moe.parallel.exchange import ExchangeTables, all_gather, ep_move, exchange_tables, group_name, pair_move
-from dtensor_moe.routing.tables import PaddedCopies, PairRows, TokenCopies, gather_rows
+from dtensor_moe.routing.tables import PaddedCopies, PairRows, TokenCopies, gather_rows, inverse_permutation
 
-__all__ = ["DispatchGroup", "DroplessDispatch", "ExpertOrderDispatch", "PaddedDispatch", "Pairs", "RowCap",
-           "RowCapExceeded", "RowLoad", "dispatch_hooks"]
+__all__ = ["DispatchGroup", "DispatchStrategy", "DroplessDispatch", "ExpertOrderDispatch", "PaddedDispatch", "Pairs",
+           "RowCap", "RowCapExceeded", "RowLoad", "dispatch_hooks"]
 
 
 class DispatchGroup:
@@ -172,6 +172,20 @@ def _expect(copies, kind: type, strategy) -> None:
                         f"{type(copies).__name__}: the layer's routing and its dispatch strategy disagree")
 
 
+class DispatchStrategy(Protocol):
+    """What every strategy here is (and ReplicaDispatch over one): the experts module's pre-hook calls `dispatch`,
+    its post-hook `combine` with the ExpertInput's `exchange`. A strategy that hot-expert replicas can ride on
+    (dropless and expert-order; not padded) adds `send_relabelled` and `run_replicas` (replica_dispatch.py)."""
+
+    group: DispatchGroup
+
+    def dispatch(self, x: torch.Tensor, counts_E: torch.Tensor, copies=None, experts=None) -> ExpertInput:
+        """This rank's rows for its experts (an ExpertInput), moved from the routed copies of `x`."""
+
+    def combine(self, y: torch.Tensor, exchange) -> torch.Tensor:
+        """The experts' output rows back at the senders, one row per token (or per sent row)."""
+
+
 class DroplessDispatch:
     """Tokens once per destination rank, copied to their experts there (`routing.TokenCopies`).
 
@@ -201,6 +215,19 @@ class DroplessDispatch:
         received = PairRows(ex.row_idx, ex.row_readers, gather_rows(w_sent, ex.idx, ex.inv)[:, 0])
         return ExpertInput(x_recv, ex.local_counts_E, ex.local_counts_host, g.weight_grad_scale, ex,
                            g.adds_output_bias, received)
+
+    def send_relabelled(self, x: torch.Tensor, counts_E: torch.Tensor, copies: TokenCopies, replicas,
+                        training: bool) -> tuple[ExpertInput, None]:
+        """`send` of the pairs relabelled by `replicas` (replica_dispatch.Replicas) to virtual slots (the owned
+        experts', then the replica slots'); nothing to undo at the combine."""
+        _expect(copies, TokenCopies, self)
+        counts, expert_N, pair_N, weight_N = replicas.relabel(copies, counts_E, training)
+        return self.send(x, counts, Pairs(expert_N, pair_N, weight_N, copies.weight_TK.shape[1])), None
+
+    @staticmethod
+    def run_replicas(replicas, experts, replica_forward, x_RD, counts_E, host_counts, scale, adds_output_bias):
+        """The replica slots' rows through our experts' kernels on the slots' weight copies."""
+        return replicas.run(experts, x_RD, counts_E, host_counts, scale, adds_output_bias)
 
     def combine(self, z_rows: torch.Tensor, ex: _Exchange) -> torch.Tensor:
         """Each received token's weighted sum over its experts here (the experts' output) -> each token's sum
@@ -233,6 +260,19 @@ class ExpertOrderDispatch:
         x_local = gather_rows(ex.move([x], f"pairs{g.payload}", "there")[0], ex.idx, ex.inv)
         return ExpertInput(x_local, ex.local_counts_E, ex.local_counts_host, g.weight_grad_scale, ex,
                            g.adds_output_bias)
+
+    def send_relabelled(self, x: torch.Tensor, counts_E: torch.Tensor, copies, replicas,
+                        training: bool) -> tuple[ExpertInput, tuple[torch.Tensor, torch.Tensor]]:
+        """`send` of the rows sorted by `replicas`' virtual slots (replica_dispatch.Replicas); the gather that
+        sorts them back, for after the combine."""
+        counts, order = replicas.relabel_rows(counts_E, x.shape[0], training)
+        inv = inverse_permutation(order)
+        return self.send(gather_rows(x, order, inv[:, None]), counts), (inv, order[:, None])
+
+    @staticmethod
+    def run_replicas(replicas, experts, replica_forward, x_RD, counts_E, host_counts, scale, adds_output_bias):
+        """The replica slots' rows through the other experts' own forward (`replica_forward`) on weight copies."""
+        return replicas.run_foreign(experts, replica_forward, x_RD, counts_E, scale)
 
     def combine(self, y_local: torch.Tensor, ex: _Exchange) -> torch.Tensor:
         """The experts' output rows -> the senders' rows, in their order."""

@@ -30,10 +30,10 @@ from dtensor_moe.experts import ExpertInput, SwiGLUExperts
 from dtensor_moe.grad_scale import ScaleGrad
 from dtensor_moe.kernels.expert_autograd import gather_for_compute, grouped_swiglu
 from dtensor_moe.kernels.recompute import recomputing
-from dtensor_moe.parallel.dispatch import DroplessDispatch, ExpertOrderDispatch, Pairs
+from dtensor_moe.parallel.dispatch import DroplessDispatch, ExpertOrderDispatch
 from dtensor_moe.parallel.exchange import all_to_all_rows, gather_host_counts, group_name
 from dtensor_moe.parallel.replicas import replica_plan, source_segments
-from dtensor_moe.routing.tables import TokenCopies, gather_rows, inverse_permutation
+from dtensor_moe.routing.tables import gather_rows, inverse_permutation
 
 
 class _AllToAll(torch.autograd.Function):
@@ -214,7 +214,8 @@ class ReplicaDispatch:
     """Hot-expert replica slots (MoEConfig.expert_replicas) over a dropless or expert-order strategy.
 
     Args:
-        inner (DroplessDispatch | ExpertOrderDispatch): the strategy the relabelled pairs travel by.
+        inner (DroplessDispatch | ExpertOrderDispatch): the strategy the relabelled pairs travel by (its
+            `send_relabelled`; dispatch.DispatchStrategy).
         replicas (Replicas): the slots and their placement.
         replica_forward: for other experts (expert-order rows), `replica_forward(experts, x_RD, counts_E, weights)`
             runs their own math with `weights` (copies of their parameters, by name); None for ours.
@@ -229,17 +230,7 @@ class ReplicaDispatch:
             raise ValueError("expert_replicas > 0 runs eagerly only (its split needs the counts on the host); "
                              "valid: expert_replicas 0 with torch.compile, or an eager layer")
         g = self.group
-        unsort = None
-        if isinstance(self.inner, DroplessDispatch):
-            if not isinstance(copies, TokenCopies):
-                raise TypeError(f"ReplicaDispatch over DroplessDispatch moves TokenCopies, got {type(copies).__name__}")
-            counts, expert_N, pair_N, weight_N = self.replicas.relabel(copies, counts_E, experts.training)
-            inp = self.inner.send(x, counts, Pairs(expert_N, pair_N, weight_N, copies.weight_TK.shape[1]))
-        else:  # the rows sorted by virtual slot (the combine sorts them back)
-            counts, order = self.replicas.relabel_rows(counts_E, x.shape[0], experts.training)
-            inv = inverse_permutation(order)
-            inp = self.inner.send(gather_rows(x, order, inv[:, None]), counts)
-            unsort = (inv, order[:, None])
+        inp, unsort = self.inner.send_relabelled(x, counts_E, copies, self.replicas, experts.training)
         # The replica slots' pairs come after the owned experts' pairs; they run here, the experts get their own,
         # so the pairs are copied out here (the experts' minimal path does not apply).
         x_pairs = inp.x_ND if inp.pairs is None else inp.pairs.expand(inp.x_ND)
@@ -247,10 +238,8 @@ class ReplicaDispatch:
         E_local = len(host) - self.replicas.r
         n_own = sum(host[:E_local])
         x_rep, counts_rep, scale = x_pairs[n_own:], inp.counts_E[E_local:], g.weight_grad_scale
-        if isinstance(self.inner, ExpertOrderDispatch):  # other experts: their own forward on the copies
-            y = self.replicas.run_foreign(experts, self.replica_forward, x_rep, counts_rep, scale)
-        else:
-            y = self.replicas.run(experts, x_rep, counts_rep, host[E_local:], scale, g.adds_output_bias)
+        y = self.inner.run_replicas(self.replicas, experts, self.replica_forward, x_rep, counts_rep, host[E_local:],
+                                    scale, g.adds_output_bias)
         return ExpertInput(x_pairs[:n_own], inp.counts_E[:E_local], host[:E_local], scale,
                            _ReplicaExchange(inp.exchange, y, inp.pairs, unsort), g.adds_output_bias)
 
