@@ -18,6 +18,8 @@ and MFU; the FLOPs per token extrapolated the same way). On one GPU the LM head 
 more than in a real EP run: compare the per-layer times first. Writes `--out` (JSON) and prints a table.
 
     python benchmarks/titan_e2e.py --model deepseek_v3_16b --out $OUT/titan_e2e_deepseek.json
+    python benchmarks/titan_e2e.py --model deepseek_v3_16b --rows titan hook_ours --modes eager --ac none selective \
+        --depths 5 --batch 4 6 8 --out $OUT/titan_e2e_batches.json   # the largest batch each fits, one depth
 
 This file is also the runs' torchtitan config registry (`--module benchmarks.titan_e2e --config e2e_hook` or
 `e2e_titan`): the config functions read TITAN_E2E_MODEL, TITAN_E2E_LAYERS and TITAN_E2E_AC from the environment.
@@ -147,9 +149,9 @@ def project(tokens: int, depths: tuple[int, int], at: tuple[dict, dict], real_de
     return out
 
 
-def _flags(row: str, compiled: bool, args) -> list[str]:
+def _flags(row: str, compiled: bool, batch: int, args) -> list[str]:
     flags = ["--module", "benchmarks.titan_e2e", "--config", "e2e_titan" if row == "titan" else "e2e_hook",
-             "--training.local_batch_size", str(args.batch), "--training.seq_len", str(args.seq)]
+             "--training.local_batch_size", str(batch), "--training.seq_len", str(args.seq)]
     flags += ["--compile.enable", "--compile.components", "model,loss"] if compiled else ["--compile.components",
                                                                                            "loss"]
     if row == "hook_titan":
@@ -159,14 +161,15 @@ def _flags(row: str, compiled: bool, args) -> list[str]:
     return flags
 
 
-def run_row(args, row: str, depth: int, compiled: bool, ac: str) -> dict:
+def run_row(args, row: str, depth: int, compiled: bool, ac: str, batch: int) -> dict:
     os.environ.update(TITAN_E2E_MODEL=args.model, TITAN_E2E_LAYERS=str(depth), TITAN_E2E_AC=ac)
     launch = SimpleNamespace(backend=args.backend, device=args.device, shims="all", flex_autotune=False)
     titan = ["--dump_folder", tempfile.mkdtemp(prefix="titan_e2e_"), "--training.steps", str(args.steps),
-             "--debug.seed", "0", "--metrics.log_freq", "1", *_flags(row, compiled, args)]
+             "--debug.seed", "0", "--metrics.log_freq", "1", *_flags(row, compiled, batch, args)]
     log, rc, seconds = titan_torch211._launch(launch, args.nproc, titan, args.timeout)
     steps = parse_metrics(log)
-    case = dict(row=row, depth=depth, compiled=compiled, ac=ac, returncode=rc, seconds=seconds, per_step=steps)
+    case = dict(row=row, depth=depth, compiled=compiled, ac=ac, batch=batch, returncode=rc, seconds=seconds,
+                per_step=steps)
     if rc != 0 or len(steps) != args.steps:
         case["error"] = titan_torch211.blocker(log, rc or 1) or f"{len(steps)} of {args.steps} steps logged"
         case["log_tail"] = titan_torch211._strip(log)[-3000:]
@@ -177,18 +180,18 @@ def run_row(args, row: str, depth: int, compiled: bool, ac: str) -> dict:
 
 
 def table(result: dict) -> str:
-    lines = [f"{result['model']} (batch {result['batch']} x seq {result['seq']}, {result['device_name']})",
-             "| row | mode | AC | depth | tokens/s | MFU % | peak GiB | loss 1 -> last | per layer ms | fixed ms | "
-             f"tokens/s at {result['real_depth']} layers | MFU % there |", "|" + "---|" * 12]
+    lines = [f"{result['model']} (seq {result['seq']}, {result['device_name']})",
+             "| row | mode | AC | batch | depth | tokens/s | MFU % | peak GiB | loss 1 -> last | per layer ms | "
+             f"fixed ms | tokens/s at {result['real_depth']} layers | MFU % there |", "|" + "---|" * 13]
     for key, p in result["projections"].items():
         for case in (c for c in result["cases"] if c["key"] == key):
+            head = f"| {case['row']} | {key.split('/')[1]} | {case['ac']} | {case['batch']} | {case['depth']} |"
             if "error" in case:
-                lines.append(f"| {case['row']} | {key.split('/')[1]} | {case['ac']} | {case['depth']} | "
-                             f"error: {case['error'][:80]} |")
+                lines.append(f"{head} error: {case['error'][:80]} |")
                 continue
             proj = p or {}
             lines.append(
-                f"| {case['row']} | {key.split('/')[1]} | {case['ac']} | {case['depth']} | {case['tps']:,.0f} | "
+                f"{head} {case['tps']:,.0f} | "
                 f"{case['mfu'] or 0:.1f} | {case['peak_gib']:.1f} | {case['loss_first']:.3f} -> "
                 f"{case['loss_last']:.3f} | {proj.get('per_layer_ms', float('nan')):.1f} | "
                 f"{proj.get('fixed_ms', float('nan')):.1f} | {proj.get('projected_tokens_per_s', float('nan')):,.0f} | "
@@ -203,8 +206,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     ap.add_argument("--modes", nargs="+", choices=("eager", "compiled"), default=["eager", "compiled"])
     ap.add_argument("--ac", nargs="+", choices=("none", "selective"), default=["none"])
-    ap.add_argument("--depths", type=int, nargs=2, default=None, help="default: 3 5 (DeepSeek), 2 4 (Qwen3)")
-    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--depths", type=int, nargs="+", default=None, help="two depths (their difference: the time per "
+                    "layer and the projection) or one (no projection); default: 3 5 (DeepSeek), 2 4 (Qwen3)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[2], help="local batch sizes, each a run of every row "
+                    "(e.g. 4 6 8 with --ac none selective: the largest batch each fits; an OOM is that case's error)")
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=4, help="steps left out of the medians")
@@ -215,22 +220,25 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=300)
     args = ap.parse_args(argv)
     depths = tuple(args.depths or DEPTHS[args.model])
+    if len(depths) not in (1, 2) or len(set(depths)) != len(depths):
+        ap.error(f"--depths takes one depth or two different ones, got {list(depths)}")
     cases, projections = [], {}
     result = dict(model=args.model, batch=args.batch, seq=args.seq, depths=depths, real_depth=REAL_DEPTH[args.model],
                   steps=args.steps, warmup=args.warmup, device_name=_device_name(args.device),
                   versions=titan_torch211._versions(), cases=cases, projections=projections)
-    for mode in args.modes:
-        for ac in args.ac:
-            for row in args.rows:
-                at = []
-                for depth in depths:
-                    case = run_row(args, row, depth, mode == "compiled", ac)
-                    case["key"] = f"{row}/{mode}/{ac}"
-                    cases.append(case)
-                    at.append(None if "error" in case else case)
-                    _write(args.out, result)  # so far: a call cut short keeps its finished rows
-                projections[f"{row}/{mode}/{ac}"] = project(args.batch * args.seq, depths, tuple(at),
-                                                            REAL_DEPTH[args.model])
+    for batch in args.batch:
+        for mode in args.modes:
+            for ac in args.ac:
+                for row in args.rows:
+                    key, at = f"{row}/{mode}/{ac}/b{batch}", []
+                    for depth in depths:
+                        case = run_row(args, row, depth, mode == "compiled", ac, batch)
+                        case["key"] = key
+                        cases.append(case)
+                        at.append(None if "error" in case else case)
+                        _write(args.out, result)  # so far: a call cut short keeps its finished rows
+                    projections[key] = (project(batch * args.seq, depths, tuple(at), REAL_DEPTH[args.model])
+                                        if len(depths) == 2 else None)
     _write(args.out, result)
     print(table(result), flush=True)
     return 0 if all("error" not in c for c in cases) else 1

@@ -246,7 +246,7 @@ def test_titan_e2e_smoke(tmp_path):
     for depth in (1, 2):
         assert len({loss for (d, _), loss in first.items() if d == depth}) == 1, first
     assert all(c["tps"] > 0 for c in result["cases"]) and all(result["projections"].values())
-    assert "| hook_ours | eager | none | 2 |" in proc.stdout
+    assert "| hook_ours | eager | none | 2 | 2 |" in proc.stdout  # batch 2, depth 2
 
 
 def _imports_before_checkout(path: Path) -> list[str]:
