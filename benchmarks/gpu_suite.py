@@ -36,6 +36,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+import titan_torch211  # noqa: E402  (its traceback reader; imports no torchtitan)
 from _checkout import ROOT  # noqa: E402  (tests/, the references, and dtensor_moe from this checkout)
 
 os.environ.setdefault("DTENSOR_MOE_TEST_TIMEOUT", "240")  # a hung case fails in minutes, not the harness's 10
@@ -150,7 +151,15 @@ def _checked(proc: subprocess.CompletedProcess) -> str:
         log = proc.stdout + proc.stderr
         raised = [line.strip() for line in log.splitlines()
                   if re.search(r"\w(Error|Exception): ", line) and "ChildFailedError" not in line]
-        raise RuntimeError(f"rc {proc.returncode}: {' | '.join(dict.fromkeys(raised))[:1500]}\n{log[-800:]}")
+        # The first rank's traceback: our innermost frame and the line that raised (inside torch, perhaps); a bare
+        # "ZeroDivisionError" names no place.
+        where = titan_torch211.blocker(log, proc.returncode)
+        first = next(titan_torch211._tracebacks(titan_torch211._lines(log)), None)
+        if first and first[0]:
+            path, line, func, _ = first[0][-1]
+            where += f", raised at {path}:{line} in {func}"
+        raise RuntimeError(f"rc {proc.returncode}: {where}; all: {' | '.join(dict.fromkeys(raised))[:1200]}\n"
+                           f"{log[-800:]}")
     warned = [line for line in (proc.stdout + proc.stderr).splitlines() if "Warning" in line]
     if warned:
         raise RuntimeError(f"the console printed warnings: {warned[:3]}")
