@@ -42,7 +42,7 @@ torch 2.11), `FSDPModule.set_symm_mem_for_comm` (fsdp.py:51, --parallelism.enabl
 gloo on GPUs (`--backend gloo --device cuda`): every rank on GPU 0 (CUDA_VISIBLE_DEVICES=0: torchtitan's
 get_local_device then picks cuda:0), and three test-only adaptations, not torch APIs (`share_gpu_over_gloo()`): the
 process group gets backend "gloo" (torchtitan asks nccl for cuda); FSDP reduces with SUM (gloo has no PREMUL_SUM;
-the hook does the same on CPU, titan/parallelize.py sum_reductions; torchtitan's divide factor is 1, so the same
+the hook does the same on CPU, titan/parallelize_titan.py sum_reductions; torchtitan's divide factor is 1, so the same
 values); torchtitan's metric and token-count reductions (distributed/utils.py _dist_reduce_tensor) use plain c10d
 all_reduce, not functional collectives, which segfault on a gloo group with CUDA tensors on torch 2.11
 (docs/parallelism.md). On CPU ranks these three change no logged digit. `--device cpu`: CPU ranks (use_cpu).

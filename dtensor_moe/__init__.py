@@ -15,9 +15,9 @@ Exports resolve lazily (PEP 562) so torch-free tools (`dtensor-moe plan`) start 
 import importlib
 
 _EXPORTS = {
-    "ExpertParallel": "parallel.parallelize",
-    "compile_moe": "parallel.parallelize",
-    "fully_shard_moe": "parallel.parallelize",
+    "ExpertParallel": "parallel.expert_parallel",
+    "compile_moe": "parallel.expert_parallel",
+    "fully_shard_moe": "parallel.expert_parallel",
     "GroupedExperts": "experts",
     "grouped_swiglu": "kernels.expert_autograd",
     "MoE": "moe",
@@ -34,7 +34,7 @@ _EXPORTS = {
     "replay_routing": "replay",
     "RoutingReplay": "replay",
     "RowCapExceeded": "parallel.dispatch",
-    "parallelize_moe": "parallel.parallelize",
+    "parallelize_moe": "parallel.expert_parallel",
     "TopKRouter": "routing.router",
 }
 

@@ -106,7 +106,7 @@ def api_cases(tour: Tour, ckpt_ready):
     from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe, plan_moe
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
-    from dtensor_moe.train.parallel.parallelize import parallelize_model
+    from dtensor_moe.train.parallel.parallelize_model import parallelize_model
 
     def moe_cfg(**kw):
         return MoEConfig(**{"dim": 16, "hidden_dim": 8, "num_experts": 8, "top_k": 2, **kw})

@@ -20,7 +20,7 @@ from dtensor_moe import MoEParallelDims
 from dtensor_moe.train.checkpoint import latest, load, save, step_dir
 from dtensor_moe.train.config import ModelConfig
 from dtensor_moe.train.model import MoETransformer
-from dtensor_moe.train.parallel.parallelize import parallelize_model
+from dtensor_moe.train.parallel.parallelize_model import parallelize_model
 
 from .harness import _free_port, run_on_ranks
 

@@ -62,7 +62,7 @@ def train_steps(rank, world_size, ep, compile, ac, steps=3, layer=None):
 
     from dtensor_moe import MoEParallelDims
     from dtensor_moe.parallel import exchange
-    from dtensor_moe.train.parallel.parallelize import parallelize_model
+    from dtensor_moe.train.parallel.parallelize_model import parallelize_model
 
     torch._dynamo.reset()
     model = _model(**{"load_balance": "aux_free_bias", **(layer or {})})

@@ -21,7 +21,7 @@ def _train_pp_and_reference(rank: int, world_size: int, schedule: str, n_layers:
     from dtensor_moe.train.loss import cross_entropy
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.optim import clip_grad_norm_
-    from dtensor_moe.train.parallel.parallelize import parallelize_model
+    from dtensor_moe.train.parallel.parallelize_model import parallelize_model
     from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def _reshard_pp2_pp1_pp2(rank: int, world_size: int, root: str) -> dict:
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.optim import build_optimizer
-    from dtensor_moe.train.parallel.parallelize import parallelize_model
+    from dtensor_moe.train.parallel.parallelize_model import parallelize_model
     from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
     cfg = ModelConfig(vocab_size=32, dim=8, n_layers=4, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=4,

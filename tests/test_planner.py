@@ -37,7 +37,7 @@ def _measure_states(rank, world, model_kwargs, dims_kwargs, schedule="1f1b"):
 
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
-    from dtensor_moe.train.parallel.parallelize import parallelize_model
+    from dtensor_moe.train.parallel.parallelize_model import parallelize_model
     from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
     torch.manual_seed(0)

@@ -335,7 +335,7 @@ def _replay_under_pipeline(rank: int, world_size: int, schedule: str, n_layers: 
     from dtensor_moe.train.loop import _accumulating
     from dtensor_moe.train.loss import cross_entropy
     from dtensor_moe.train.model import MoETransformer
-    from dtensor_moe.train.parallel.parallelize import parallelize_model
+    from dtensor_moe.train.parallel.parallelize_model import parallelize_model
     from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
     seq, batch, mbs = 4, 8, 2

@@ -291,7 +291,7 @@ def test_qwen3_moe_plan_keeps_torchtitan_names():
 
     from dtensor_moe import MoEParallelDims
     from dtensor_moe.titan.config_registry import qwen3_moe_debug
-    from dtensor_moe.titan.parallelize import titan_plan
+    from dtensor_moe.titan.parallelize_titan import titan_plan
 
     with torch.device("meta"):
         model = qwen3_moe_debug().model_spec.model.build()

@@ -29,7 +29,7 @@ from dtensor_moe.parallel.mesh import MoEParallelDims  # noqa: E402
 from dtensor_moe.titan import config_registry as registry  # noqa: E402
 from dtensor_moe.titan import moonshot  # noqa: E402
 from dtensor_moe.titan.models import planner_spec  # noqa: E402
-from dtensor_moe.titan.parallelize import parallelize_titan, titan_plan  # noqa: E402
+from dtensor_moe.titan.parallelize_titan import parallelize_titan, titan_plan  # noqa: E402
 from dtensor_moe.titan.trainer import Trainer  # noqa: E402
 from dtensor_moe.tools import planner as P  # noqa: E402
 from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS  # noqa: E402
@@ -252,7 +252,7 @@ def test_moonshot_decoders_are_hf_s(name):
     tf = pytest.importorskip("transformers")
     from torchtitan.models.deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
 
-    from dtensor_moe.titan.parallelize import moe_config
+    from dtensor_moe.titan.parallelize_titan import moe_config
 
     hf_config = tf.DeepseekV3Config(**HF_MOONSHOT[name], num_hidden_layers=3, vocab_size=163840, kv_lora_rank=512,
                                     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,

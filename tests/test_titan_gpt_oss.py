@@ -183,7 +183,7 @@ def test_plan_splits_gate_up_pairs_over_etp():
 
     from dtensor_moe.parallel.mesh import MoEParallelDims
     from dtensor_moe.titan.config_registry import gpt_oss_20b
-    from dtensor_moe.titan.parallelize import titan_plan
+    from dtensor_moe.titan.parallelize_titan import titan_plan
 
     with torch.device("meta"):
         moe = gpt_oss_20b().model_spec.model.layers[0].build().moe

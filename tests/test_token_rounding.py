@@ -403,7 +403,7 @@ def test_titan_hook_rounds_as_our_layer():
     output (dropped pairs: id E, weight 0), their kept rows are multiples of M (the dropped ones run, weight 0, as
     the last expert's rows), the router's statistics count its own choices, and the gate gets gradients."""
     pytest.importorskip("torchtitan")
-    from dtensor_moe.titan.parallelize import moe_config
+    from dtensor_moe.titan.parallelize_titan import moe_config
     from dtensor_moe.titan.token_rounding import round_titan_tokens
 
     M = 4
@@ -439,7 +439,7 @@ def test_titan_hook_keeps_no_state():
 
     from torch.utils.checkpoint import checkpoint
 
-    from dtensor_moe.titan.parallelize import moe_config
+    from dtensor_moe.titan.parallelize_titan import moe_config
     from dtensor_moe.titan.token_rounding import round_titan_tokens
 
     moe = _titan_moe(groups=4)
@@ -471,7 +471,7 @@ def _titan_ep(rank, world_size, M, ours):
     from dtensor_moe.experts import ExpertInput
     from dtensor_moe.parallel.shard import shard_moe_layer
     from dtensor_moe.titan.experts import adopt
-    from dtensor_moe.titan.parallelize import moe_config, titan_plan
+    from dtensor_moe.titan.parallelize_titan import moe_config, titan_plan
     from dtensor_moe.titan.token_rounding import round_titan_tokens
 
     ref, moe = _titan_moe(), _titan_moe()

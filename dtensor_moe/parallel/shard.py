@@ -1,6 +1,6 @@
 """The mechanics of applying the placement plan to one MoE layer, in place: expert weights as DTensors, the
 dispatcher's hooks, FSDP2 units, the data-parallel statistics, and the tp gradient convention (`TP_GRADS`).
-`ExpertParallel` and `fully_shard_moe` (parallelize.py) and the main job's `parallelize_model` place a layer of
+`ExpertParallel` and `fully_shard_moe` (expert_parallel.py) and the main job's `parallelize_model` place a layer of
 ours with `place_moe` and make its FSDP2 units with `fully_shard_layer`; the torchtitan hook does both at once
 with `shard_moe_layer`."""
 

@@ -11,7 +11,7 @@ Two kinds, by reach:
 
 Not here, being the hook's design rather than version skew: `ExpertMeshParallelDims.ep_enabled` (trainer.py:
 torchtitan's switch for the expert-count sum over tp), the MoEs' `_sharding_config` cleared before torchtitan's
-dense TP (parallelize.py: how torchtitan 0.3.0's Module protocol leaves a module out of `Module.parallelize`) and
+dense TP (parallelize_titan.py: how torchtitan 0.3.0's Module protocol leaves a module out of `Module.parallelize`) and
 the `config.json` added to the last step's HF save (trainer.py: a file torchtitan does not write).
 """
 

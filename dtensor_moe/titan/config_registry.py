@@ -71,7 +71,7 @@ from dtensor_moe.tools.presets import TITAN_MODELS
 
 from . import moonshot
 from .models import deepseek_v3_tiny, gpt_oss_tiny, qwen3_moe_tiny
-from .parallelize import parallelize_titan, sum_reductions
+from .parallelize_titan import parallelize_titan, sum_reductions
 from .trainer import ExpertParallelConfig, Trainer, _refuse
 
 DATA = Path(__file__).resolve().parent.parent / "titan_data"

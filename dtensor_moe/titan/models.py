@@ -29,7 +29,7 @@ from torchtitan.protocols.module import Module
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.tools.presets import ModelSpec
 
-from .parallelize import moe_config
+from .parallelize_titan import moe_config
 
 _LINEAR = {"weight": partial(nn.init.trunc_normal_, std=0.02), "bias": nn.init.zeros_}
 _EXPERTS = {name: partial(nn.init.trunc_normal_, std=0.02) for name in ("w1_EFD", "w2_EDF", "w3_EFD")}
