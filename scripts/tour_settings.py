@@ -150,7 +150,7 @@ def api_cases(tour: Tour) -> list[Result]:
     import torch
 
     from dtensor_moe import MoE, MoEConfig, record_routing, replay_routing
-    from dtensor_moe.parallel.replicas import replica_plan
+    from dtensor_moe.parallel.replicas import place_replicas
 
     def record_linear():
         with record_routing(torch.nn.Linear(4, 4)):
@@ -163,12 +163,12 @@ def api_cases(tour: Tour) -> list[Result]:
         return run
 
     return [
-        api_refused(tour, "replica_plan with a NaN load", lambda: replica_plan([1.0, math.nan, 2.0, 3.0], 2, 1),
+        api_refused(tour, "place_replicas with a NaN load", lambda: place_replicas([1.0, math.nan, 2.0, 3.0], 2, 1),
                     ["load_E[1]"]),
-        api_refused(tour, "replica_plan with a negative load", lambda: replica_plan([1, -5, 2, 3], 2, 1),
+        api_refused(tour, "place_replicas with a negative load", lambda: place_replicas([1, -5, 2, 3], 2, 1),
                     ["load_E[1]"]),
-        api_refused(tour, "replica_plan with r = -1", lambda: replica_plan([1, 2, 3, 4], 2, -1), ["r must"]),
-        api_refused(tour, "replica_plan with ep = 0", lambda: replica_plan([1, 2, 3, 4], 0, 1), ["ep must"]),
+        api_refused(tour, "place_replicas with r = -1", lambda: place_replicas([1, 2, 3, 4], 2, -1), ["r must"]),
+        api_refused(tour, "place_replicas with ep = 0", lambda: place_replicas([1, 2, 3, 4], 0, 1), ["ep must"]),
         api_refused(tour, "record_routing of a tree without an MoE layer", record_linear, ["no MoE layer"]),
         # Want: the type replay_routing takes, named (TypeError), not an AttributeError from inside.
         api_refused(tour, "replay_routing given a dict", replay({"moe": [torch.zeros(3, 2, dtype=torch.long)]}),

@@ -80,17 +80,17 @@ def _zipf_counts(E: int, ep: int, K: int, T: int, seed: int) -> list[list[int]]:
             for s in range(ep)]
 
 
-def test_replica_plan_is_deterministic_and_balances():
+def test_place_replicas_is_deterministic_and_balances():
     """The plan is a function of the loads alone; each replica copies another rank's expert, at most once a rank;
     planned on one batch's counts it keeps the next batches' rows per EP rank within 15% of the mean (the split
     follows each batch's own counts), from 3.7x without replicas."""
-    from dtensor_moe.parallel.replicas import replica_plan, rows_per_rank, source_segments
+    from dtensor_moe.parallel.replicas import place_replicas, rows_per_rank, source_segments
 
     E, ep, K, T = 64, 8, 2, 256
     counts = _zipf_counts(E, ep, K, T, seed=0)
     load = [sum(c[e] for c in counts) for e in range(E)]
-    slots = replica_plan(load, ep, 2)
-    assert slots == replica_plan(list(load), ep, 2)
+    slots = place_replicas(load, ep, 2)
+    assert slots == place_replicas(list(load), ep, 2)
     for q, row in enumerate(slots):
         held = [e for e in row if e >= 0]
         assert len(set(held)) == len(held) and all(e // (E // ep) != q for e in held)
@@ -98,7 +98,7 @@ def test_replica_plan_is_deterministic_and_balances():
     def ratio(rows):
         return max(rows) / (sum(rows) / len(rows))
 
-    assert ratio(rows_per_rank(load, ep, replica_plan(load, ep, 0))) > 3
+    assert ratio(rows_per_rank(load, ep, place_replicas(load, ep, 0))) > 3
     for seed in (1, 2, 3):
         later = _zipf_counts(E, ep, K, T, seed)
         later_load = [sum(c[e] for c in later) for e in range(E)]

@@ -56,17 +56,17 @@ def test_rounding_multiple_above_the_tokens_per_rank_is_refused_before_launch():
         _check(_main_config("model.round_tokens_to=8", "model.capacity_factor=0.5", "parallel.ep=2"), 2)
 
 
-def test_replica_planner_refuses_bad_arguments_by_name():
-    from dtensor_moe.parallel.replicas import replica_plan
+def test_place_replicas_refuses_bad_arguments_by_name():
+    from dtensor_moe.parallel.replicas import place_replicas
 
-    assert replica_plan([9, 1, 1, 1], 2, 1) == ((-1,), (0,))  # the valid call still plans
+    assert place_replicas([9, 1, 1, 1], 2, 1) == ((-1,), (0,))  # the valid call still plans
     for args, name in ((([1.0, math.nan, 1.0, 1.0], 2, 1), r"load_E\[1\] = nan"),
                        (([1, -3, 1, 1], 2, 1), r"load_E\[1\] = -3"),
                        (([1, math.inf, 1, 1], 2, 1), r"load_E\[1\] = inf"),
                        (([1, 2, 3, 4], 2, -1), r"\br must be an int >= 0, got -1"),
                        (([1, 2, 3, 4], 0, 1), r"\bep must be an int >= 1, got 0")):
         with pytest.raises(ValueError, match=name):
-            replica_plan(*args)
+            place_replicas(*args)
 
 
 def test_recording_a_model_without_moe_layers_is_refused():

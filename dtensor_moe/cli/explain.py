@@ -21,7 +21,7 @@ import sys
 from dtensor_moe.config import MoEConfig
 from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.parallel.placement import WeightPlan, owned_box, plan_moe, rank_coords
-from dtensor_moe.train.parallel.tp_plan import TP_BLOCK_PLAN, TP_ROOT_PLAN
+from dtensor_moe.train.parallel.tp_styles import TP_BLOCK_STYLES, TP_ROOT_STYLES
 from dtensor_moe.validate import check_int
 
 Box = tuple[tuple[int, int], ...]
@@ -145,8 +145,8 @@ def describe(config: MoEConfig, dims: MoEParallelDims, ranks: list[int] | None =
         starts = sorted({r // dims.tp * dims.tp for r in ranks})
         groups = " ".join(fmt_ranks(list(range(g, g + dims.tp))) for g in starts) + ("" if every else " ...")
         lines += ["", f"dense TP (sequence-parallel between blocks), groups {groups}:",
-                  "  " + ", ".join(f"{m}={s}" for m, s in TP_ROOT_PLAN),
-                  "  per block: " + ", ".join(f"{m}={s}" for m, s in TP_BLOCK_PLAN),
+                  "  " + ", ".join(f"{m}={s}" for m, s in TP_ROOT_STYLES),
+                  "  per block: " + ", ".join(f"{m}={s}" for m, s in TP_BLOCK_STYLES),
                   f"  each MoE takes its rank's sequence slice; its dense weights shard over {dims.moe_dp_axis}"]
     for wp in plans:
         placements = ", ".join(f"{a}={p}" for a, p in wp.placements().items())

@@ -32,7 +32,7 @@ from dtensor_moe.kernels.expert_autograd import gather_for_compute, grouped_swig
 from dtensor_moe.kernels.recompute import recomputing
 from dtensor_moe.parallel.dispatch import DroplessDispatch, ExpertOrderDispatch
 from dtensor_moe.parallel.exchange import all_to_all_rows, gather_host_counts, group_name
-from dtensor_moe.parallel.replicas import replica_plan, source_segments
+from dtensor_moe.parallel.replicas import place_replicas, source_segments
 from dtensor_moe.routing.tables import gather_rows, inverse_permutation
 
 
@@ -100,7 +100,7 @@ class Replicas:
         """The slots for this forward: re-placed from the counts summed since the last placement once
         `replan_every` training forwards ran and none awaits its backward; other forwards never change them."""
         if self.slots is None or (training and self.forwards >= self.replan_every and self.in_flight == 0):
-            self.slots = replica_plan(self.summed_E if self.forwards else load_E, self.ep, self.r)
+            self.slots = place_replicas(self.summed_E if self.forwards else load_E, self.ep, self.r)
             self.summed_E, self.forwards = [0] * len(load_E), 0
         if training:
             self.summed_E = [a + b for a, b in zip(self.summed_E, load_E)]

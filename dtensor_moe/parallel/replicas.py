@@ -17,7 +17,7 @@ order of its pairs): the owner takes the first share, each replica the next, in 
 import math
 from collections.abc import Sequence
 
-__all__ = ["replica_plan", "rows_per_rank", "shares", "holders", "source_segments", "check_slots"]
+__all__ = ["place_replicas", "rows_per_rank", "shares", "holders", "source_segments", "check_slots"]
 
 
 def _water_fill(rows: int, levels: Sequence[int]) -> list[int]:
@@ -71,7 +71,7 @@ def rows_per_rank(load_E: Sequence[int], ep: int, slots: Sequence[Sequence[int]]
     return shares(load_E, ep, slots)[1]
 
 
-def replica_plan(load_E: Sequence[int], ep: int, r: int, candidates: int = 4) -> tuple[tuple[int, ...], ...]:
+def place_replicas(load_E: Sequence[int], ep: int, r: int, candidates: int = 4) -> tuple[tuple[int, ...], ...]:
     """slots[q][j] (-1: empty) for per-expert rows `load_E` (integers, e.g. counts summed over recent steps):
     one replica at a time, of the copies that one of the `candidates` least loaded ranks with a free slot could
     take of one of the `candidates` largest shares on the `candidates` most loaded ranks, the one whose re-split of
@@ -85,7 +85,7 @@ def replica_plan(load_E: Sequence[int], ep: int, r: int, candidates: int = 4) ->
     _check_plan_args(load_E, ep, r, candidates)
     E = len(load_E)
     if E % ep:
-        raise ValueError(f"replica_plan: the experts ({E}) must split evenly over ep ({ep})")
+        raise ValueError(f"place_replicas: the experts ({E}) must split evenly over ep ({ep})")
     slots = [[-1] * r for _ in range(ep)]
     for _ in range(ep * r):
         out, level = shares(load_E, ep, slots)
@@ -131,19 +131,19 @@ def check_slots(replicas: int, num_experts: int, name: str = "expert_replicas", 
 
 
 def _check_plan_args(load_E, ep, r, candidates) -> None:
-    """replica_plan's arguments by name: a NaN, infinite or negative load would place copies by garbage (NaN
+    """place_replicas's arguments by name: a NaN, infinite or negative load would place copies by garbage (NaN
     compares false both ways), a negative slot count would place none without saying so."""
     for name, value, low in (("ep", ep, 1), ("r", r, 0), ("candidates", candidates, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"replica_plan: {name} must be an int >= {low}, got {value!r}")
+            raise ValueError(f"place_replicas: {name} must be an int >= {low}, got {value!r}")
     if isinstance(load_E, (str, bytes)) or not isinstance(load_E, Sequence):
-        raise ValueError(f"replica_plan: load_E must be a sequence of per-expert rows (numbers >= 0), got "
+        raise ValueError(f"place_replicas: load_E must be a sequence of per-expert rows (numbers >= 0), got "
                          f"{type(load_E).__name__}")
     bad = [(e, v) for e, v in enumerate(load_E)
            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0)]
     if bad:
         e, v = bad[0]
-        raise ValueError(f"replica_plan: load_E must be finite numbers >= 0 (rows per expert), got load_E[{e}] = "
+        raise ValueError(f"place_replicas: load_E must be finite numbers >= 0 (rows per expert), got load_E[{e}] = "
                          f"{v!r}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else ""))
 
 

@@ -8,7 +8,7 @@ from dtensor_moe.config import MOE_RULES, MoEConfig, check_routing
 from dtensor_moe.parallel.activation_checkpoint import check_activation_checkpoint
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK
 from dtensor_moe.train.hf_config import check_hf_parallel, hf_model_fields
-from dtensor_moe.train.parallel.tp_plan import check_tp_heads, check_tp_untied
+from dtensor_moe.train.parallel.tp_styles import check_tp_heads, check_tp_untied
 from dtensor_moe.validate import Range, above, at_least, check_fields
 
 __all__ = [

@@ -5,7 +5,7 @@ forward keeps each token's log-sum-exp and target logit, its backward computes e
 one chunk of logits (and of their fp32 copy and gradient) is alive at a time. For DeepSeek's 102,400-word vocabulary
 at 32,768 tokens the full fp32 logits alone are 12.5 GiB; chunks of 2,048 tokens hold 0.8 GiB.
 
-Under the main job's tensor parallelism the head is sharded by vocabulary rows (tp_plan.py's "head" style): each TP
+Under the main job's tensor parallelism the head is sharded by vocabulary rows (tp_styles.py's "head" style): each TP
 rank takes its rows' logits of every token and the ranks combine each token's log-sum-exp and target logit (two
 all-reduces a batch, none in backward), as torchtitan's loss parallelism does.
 """

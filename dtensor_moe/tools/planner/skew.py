@@ -21,7 +21,7 @@ import math
 import random
 from typing import NamedTuple
 
-from dtensor_moe.parallel.replicas import replica_plan, rows_per_rank
+from dtensor_moe.parallel.replicas import place_replicas, rows_per_rank
 from dtensor_moe.tools.planner.cache import PlanCache
 
 POPULARITY_SEED = 0  # benchmarks/routing.py's
@@ -125,7 +125,7 @@ def placement(E: int, k: int, ep: int, skew: float, replicas: int,
     """The replica slots parallel/replicas.py places from the expected rows of PLACEMENT_TOKENS tokens."""
 
     def make():
-        return replica_plan(expert_rows(E, k, PLACEMENT_TOKENS, skew, cache), ep, replicas)
+        return place_replicas(expert_rows(E, k, PLACEMENT_TOKENS, skew, cache), ep, replicas)
 
     return make() if cache is None else cache.placement.get_or_make((E, k, ep, skew, replicas), make)
 

@@ -2,4 +2,4 @@
 with the library's expert parallelism over `dtensor_moe.train.model.MoETransformer`."""
 
 # Nothing is re-exported here: the public modules, each imported by its own name.
-__all__ = ["context_parallel", "parallelize_model", "pipeline", "tensor_parallel", "tp_plan"]
+__all__ = ["context_parallel", "parallelize_model", "pipeline", "tensor_parallel", "tp_styles"]

@@ -1,4 +1,4 @@
-"""Dense tensor parallelism with sequence parallelism: tp_plan.py's TP plan as DTensor parallel styles.
+"""Dense tensor parallelism with sequence parallelism: tp_styles.py's TP plan as DTensor parallel styles.
 
 Only `parallelize_module` styles move activations (no hand-written collectives). Sequence
 parallelism hands each TP rank its own slice of every sequence between blocks, so an MoE there is
@@ -16,7 +16,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from dtensor_moe.train.parallel.tp_plan import TP_BLOCK_PLAN, TP_ROOT_PLAN, check_tp_heads, check_tp_untied
+from dtensor_moe.train.parallel.tp_styles import TP_BLOCK_STYLES, TP_ROOT_STYLES, check_tp_heads, check_tp_untied
 
 _STYLES = {
     "embedding": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -34,8 +34,8 @@ def check_tp_model(model: nn.Module, tp: int):
     cfg = getattr(model, "config", None)
     check_tp_untied(getattr(cfg, "tie_embeddings", False), tp)
     # A pipeline stage has None for the ends another stage holds.
-    missing = [p for p, _ in TP_ROOT_PLAN if getattr(model, p, False) is not None and not _has(model, p)]
-    missing += [f"layers.{i}.{p}" for i, b in getattr(model, "layers", {}).items() for p, _ in TP_BLOCK_PLAN
+    missing = [p for p, _ in TP_ROOT_STYLES if getattr(model, p, False) is not None and not _has(model, p)]
+    missing += [f"layers.{i}.{p}" for i, b in getattr(model, "layers", {}).items() for p, _ in TP_BLOCK_STYLES
                 if not _has(b, p)]
     if missing or cfg is None:
         raise ValueError(f"tp={tp} needs the main job's model (dtensor_moe.train.model.MoETransformer); "
@@ -53,5 +53,5 @@ def _has(module: nn.Module, path: str) -> bool:
 
 def apply_tp(model: nn.Module, tp_mesh) -> None:
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {p: _STYLES[s]() for p, s in TP_BLOCK_PLAN})
-    parallelize_module(model, tp_mesh, {p: _STYLES[s]() for p, s in TP_ROOT_PLAN if getattr(model, p) is not None})
+        parallelize_module(block, tp_mesh, {p: _STYLES[s]() for p, s in TP_BLOCK_STYLES})
+    parallelize_module(model, tp_mesh, {p: _STYLES[s]() for p, s in TP_ROOT_STYLES if getattr(model, p) is not None})

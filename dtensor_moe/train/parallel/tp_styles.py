@@ -1,5 +1,5 @@
-"""The main job's dense TP plan as plain data, and its checks of the model config (torch-free: `dtensor-moe
-explain` prints the plan, and train/config.py checks a config before torch is imported)."""
+"""The main job's dense TP styles (module path -> style) as plain data, and its checks of the model config
+(torch-free: `dtensor-moe explain` prints them, and train/config.py checks a config before torch is imported)."""
 
 # Dense tensor parallelism with sequence parallelism for the main job's model (torchtitan's apply_tp):
 # (module path, style) pairs, applied by tensor_parallel.py. Between blocks the activations are
@@ -12,8 +12,8 @@ explain` prints the plan, and train/config.py checks a config before torch is im
 #   colwise        output features sharded (whole heads: n_heads % tp == 0)
 #   rowwise        input features sharded, output reduce-scattered back to sequence slices
 #   head           output features sharded, sequence-sharded in, logits replicated out
-TP_ROOT_PLAN = (("tok_embeddings", "embedding"), ("norm", "sequence"), ("output", "head"))
-TP_BLOCK_PLAN = (
+TP_ROOT_STYLES = (("tok_embeddings", "embedding"), ("norm", "sequence"), ("output", "head"))
+TP_BLOCK_STYLES = (
     ("attention_norm", "sequence"),
     ("attention", "gather_seq"),
     ("attention.wq", "colwise"),
