@@ -49,7 +49,7 @@ def _batch(rank: int, step: int):
 
 
 def compiled_plain_experts(rank: int, world_size: int):
-    """EP over every rank, ExpertOrderDispatch's hooks for foreign experts, and no-op compiler-disabled hooks
+    """EP over every rank, PairDispatch's hooks for foreign experts, and no-op compiler-disabled hooks
     where FSDP2's sit (before ours and after ours: they split the block into frames, as the experts' FSDP2
     unit does under the hook); the block compiled by apply_compile(fullgraph=False), the hook's call.
     Returns the graph breaks and backend failures naming a dtensor_moe op, the others, the compiled
@@ -58,7 +58,7 @@ def compiled_plain_experts(rank: int, world_size: int):
 
     from dtensor_moe import MoEParallelDims
     from dtensor_moe.parallel.compile import apply_compile
-    from dtensor_moe.parallel.dispatch import DispatchGroup, ExpertOrderDispatch, RowLoad, dispatch_hooks
+    from dtensor_moe.parallel.dispatch import DispatchGroup, PairDispatch, RowLoad, dispatch_hooks
 
     meshes = MoEParallelDims(world_size, ep=world_size).build_meshes("cpu")
     w_EDD = torch.randn(E, D, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
@@ -66,7 +66,7 @@ def compiled_plain_experts(rank: int, world_size: int):
     experts = PlainExperts(w_EDD[rank * E_local:(rank + 1) * E_local].clone())
     # The dispatcher's weight-gradient convention (a mean loss over ranks); the hook's is 1 (sums).
     group = DispatchGroup(meshes.expert["ep"].get_group(), meshes.expert["etp"].get_group(), world_size)
-    pre, post = dispatch_hooks(ExpertOrderDispatch(group), RowLoad(), ours=False)
+    pre, post = dispatch_hooks(PairDispatch(group), RowLoad(), ours=False)
     experts.register_forward_pre_hook(torch.compiler.disable(lambda m, a: None))
     experts.register_forward_pre_hook(pre)
     experts.register_forward_hook(post)

@@ -4,16 +4,16 @@ A strategy moves a layer's tokens to the EP x ETP ranks that hold their experts'
 rows this rank's experts compute as an `ExpertInput`) and the outputs back (`combine`), with the ops of
 exchange.py. One per way the rows are laid out:
 
-- `DroplessDispatch` (our experts, `routing.TokenCopies`): each rank sends only its own tokens, each once per
+- `TokenDispatch` (our experts, `routing.TokenCopies`): each rank sends only its own tokens, each once per
   destination rank however many of its top-k experts live there (at K=8 over EP=2 about 2 rows per token, not 8);
   the receiver copies it to its experts, and the combine sums there, weighted by the routing weights, the outputs
   of a token's experts it holds, so the output too travels once per (token, rank). Capacity-dropped pairs (id E,
   last) are neither sent nor computed: `exchange_tables` slices them off.
-- `ExpertOrderDispatch` (other experts, e.g. torchtitan's, which take one row per (token, expert) pair in expert
+- `PairDispatch` (other experts, e.g. torchtitan's, which take one row per (token, expert) pair in expert
   order and the counts): the rows travel one per pair.
-- `PaddedDispatch` (pad_to_capacity, `routing.PaddedCopies`): static shapes, one row per slot, equal splits known
+- `SlotDispatch` (pad_to_capacity, `routing.PaddedCopies`): static shapes, one row per slot, equal splits known
   from the shapes: no counts all-gather, no host sync. It needs the same token count on every rank of the group.
-- `ReplicaDispatch` (replica_dispatch.py): hot-expert replica slots over a dropless or expert-order strategy.
+- `ReplicaDispatch` (replica_dispatch.py): hot-expert replica slots over a token or pair strategy.
 
 Weight gradients: every rank's expert slice sees tokens from its whole EP x ETP group, and FSDP then averages over
 EDP x dp_replicate only, so the weight gradient must be divided by EP*ETP (`DispatchGroup.ep_etp_divisor`; 1 where
@@ -39,7 +39,7 @@ from dtensor_moe.kernels.recompute import recomputing
 from dtensor_moe.parallel.exchange import ExchangeTables, all_gather, ep_move, exchange_tables, group_name, pair_move
 from dtensor_moe.routing.tables import PaddedCopies, PairRows, TokenCopies, gather_rows, inverse_permutation
 
-__all__ = ["DispatchGroup", "DispatchStrategy", "DroplessDispatch", "ExpertOrderDispatch", "PaddedDispatch", "Pairs",
+__all__ = ["DispatchGroup", "DispatchStrategy", "TokenDispatch", "PairDispatch", "SlotDispatch", "Pairs",
            "RowCap", "RowCapExceeded", "RowLoad", "dispatch_hooks"]
 
 
@@ -150,7 +150,7 @@ class Pairs(NamedTuple):
 
 
 class _Exchange:
-    """One dropless or expert-order step's tables (`ExchangeTables`, named), what its combine reads back."""
+    """One token or pair step's tables (`ExchangeTables`, named), what its combine reads back."""
 
     def __init__(self, tables, out_shape, groups, rows_per_rank):
         t = ExchangeTables(*tables)
@@ -175,7 +175,8 @@ def _expect(copies, kind: type, strategy) -> None:
 class DispatchStrategy(Protocol):
     """What every strategy here is (and ReplicaDispatch over one): the experts module's pre-hook calls `dispatch`,
     its post-hook `combine` with the ExpertInput's `exchange`. A strategy that hot-expert replicas can ride on
-    (dropless and expert-order; not padded) adds `send_relabelled` and `run_replicas` (replica_dispatch.py)."""
+    (TokenDispatch and PairDispatch; not SlotDispatch) adds `send_relabelled` and `run_replicas`
+    (replica_dispatch.py)."""
 
     group: DispatchGroup
 
@@ -186,7 +187,7 @@ class DispatchStrategy(Protocol):
         """The experts' output rows back at the senders, one row per token (or per sent row)."""
 
 
-class DroplessDispatch:
+class TokenDispatch:
     """Tokens once per destination rank, copied to their experts there (`routing.TokenCopies`).
 
     Args:
@@ -237,7 +238,7 @@ class DroplessDispatch:
         return gather_sum(z_back, token_rows, ex.send_token, None)
 
 
-class ExpertOrderDispatch:
+class PairDispatch:
     """Rows one per (token, expert) pair in expert order, as other experts (torchtitan's) take and return them.
 
     Args:
@@ -290,7 +291,7 @@ class _PaddedExchange:
         self.sources = ep * etp  # blocks each local expert receives, one per (ETP peer, EP source)
 
 
-class PaddedDispatch:
+class SlotDispatch:
     """pad_to_capacity: every expert a block of `capacity` slots from every rank, moved with equal splits.
 
     Args:

@@ -13,7 +13,7 @@ Other experts (torchtitan's, under the hook) get their rows one per pair in expe
 slot (`relabel_rows`, a stable permutation the combine undoes), and the replica rows run through the experts' own
 forward with the copies in place of their parameters (`run_foreign`), so they compute exactly as the owner's rows.
 
-`ReplicaDispatch` wraps the dropless or expert-order strategy (dispatch.py) with this: the relabel before its plan,
+`ReplicaDispatch` wraps the token or pair strategy (dispatch.py) with this: the relabel before its plan,
 the replica rows' run after its move, their outputs back beside the owned rows' before its combine.
 
 Placement (which expert each slot holds) changes only every `replan_every` training forwards, from the counts
@@ -30,7 +30,7 @@ from dtensor_moe.experts import ExpertInput, SwiGLUExperts
 from dtensor_moe.grad_scale import ScaleGrad
 from dtensor_moe.kernels.expert_autograd import gather_for_compute, grouped_swiglu
 from dtensor_moe.kernels.recompute import recomputing
-from dtensor_moe.parallel.dispatch import DroplessDispatch, ExpertOrderDispatch
+from dtensor_moe.parallel.dispatch import PairDispatch, TokenDispatch
 from dtensor_moe.parallel.exchange import all_to_all_rows, gather_host_counts, group_name
 from dtensor_moe.parallel.replicas import place_replicas, source_segments
 from dtensor_moe.routing.tables import gather_rows, inverse_permutation
@@ -211,17 +211,17 @@ class _ReplicaExchange:
 
 
 class ReplicaDispatch:
-    """Hot-expert replica slots (MoEConfig.expert_replicas) over a dropless or expert-order strategy.
+    """Hot-expert replica slots (MoEConfig.expert_replicas) over a token or pair strategy (TokenDispatch, PairDispatch).
 
     Args:
-        inner (DroplessDispatch | ExpertOrderDispatch): the strategy the relabelled pairs travel by (its
+        inner (TokenDispatch | PairDispatch): the strategy the relabelled pairs travel by (its
             `send_relabelled`; dispatch.DispatchStrategy).
         replicas (Replicas): the slots and their placement.
         replica_forward: for other experts (expert-order rows), `replica_forward(experts, x_RD, counts_E, weights)`
             runs their own math with `weights` (copies of their parameters, by name); None for ours.
     """
 
-    def __init__(self, inner: DroplessDispatch | ExpertOrderDispatch, replicas: Replicas, replica_forward=None):
+    def __init__(self, inner: TokenDispatch | PairDispatch, replicas: Replicas, replica_forward=None):
         self.inner, self.replicas, self.replica_forward = inner, replicas, replica_forward
         self.group = inner.group
 

@@ -19,11 +19,11 @@ from dtensor_moe.grad_scale import ScaleGrad
 from dtensor_moe.moe import LocalStats, MoE
 from dtensor_moe.parallel.dispatch import (
     DispatchGroup,
-    DroplessDispatch,
-    ExpertOrderDispatch,
-    PaddedDispatch,
+    PairDispatch,
     RowCap,
     RowLoad,
+    SlotDispatch,
+    TokenDispatch,
     dispatch_hooks,
 )
 from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
@@ -185,13 +185,13 @@ def shard_moe_layer(
 def make_dispatcher(group: DispatchGroup, ours: bool, *, padded: bool = False, replicas: int = 0,
                     replan_every: int = 100, max_rows_per_rank: int = 0, layer: str = "an MoE layer",
                     replica_forward=None):
-    """The dispatch strategy for one layer (dispatch.py): padded for pad_to_capacity, dropless for our experts,
-    expert order for others; hot-expert replicas (`replicas` slots per EP rank, re-placed every `replan_every`
+    """The dispatch strategy for one layer (dispatch.py): SlotDispatch for pad_to_capacity, TokenDispatch for our
+    experts, PairDispatch for others; hot-expert replicas (`replicas` slots per EP rank, re-placed every `replan_every`
     training forwards) wrap the last two; `max_rows_per_rank` / `layer`: the row cap (RowCap)."""
     if padded:
-        return PaddedDispatch(group)
+        return SlotDispatch(group)
     cap = RowCap(max_rows_per_rank, layer)
-    inner = DroplessDispatch(group, cap) if ours else ExpertOrderDispatch(group, cap)
+    inner = TokenDispatch(group, cap) if ours else PairDispatch(group, cap)
     if not replicas:
         return inner
     return ReplicaDispatch(inner, Replicas(replicas, replan_every, group.ep_group, group.etp_group), replica_forward)
