@@ -38,7 +38,7 @@ from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.parallel.placement import WeightPlan, plan_moe, split_gate_up_plans
 from dtensor_moe.parallel.shard import shard_moe_layer
 
-from .context_parallel import apply_cp
+from .cp_sdpa import apply_cp
 from .experts import adopt
 from .gpt_oss import expert_dims, finish_rows, gpt_oss_plans, is_gpt_oss, moe_fields
 from .replicas import dispatch_options

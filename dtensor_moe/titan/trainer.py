@@ -8,7 +8,7 @@ through `ExpertMeshParallelDims`, torchtitan's ParallelDims plus ours. torchtita
 `--parallelism.context_parallel_degree` and `--parallelism.pipeline_parallel_degree` fold in as
 MoEParallelDims' tp, cp and pp. Under CP torchtitan shards each batch and the loss as for its own CP
 (the token count over the data-parallel ranks, the loss summed over dp * cp, FSDP over dp_shard * cp);
-the attention is always ours (titan/context_parallel.py), on every device type.
+the attention is always ours (titan/cp_sdpa.py), on every device type.
 """
 
 import os
@@ -403,7 +403,7 @@ def _moes(model) -> list:
 
 
 def _check_cp(config: Trainer.Config, cp: int) -> None:
-    """What our context-parallel attention (titan/context_parallel.py) needs, checked while parsing."""
+    """What our context-parallel attention (titan/cp_sdpa.py) needs, checked while parsing."""
     p = config.parallelism
     if p.context_parallel_load_balancer not in ("headtail", None):
         raise ValueError(f"parallelism.context_parallel_load_balancer={p.context_parallel_load_balancer!r} with "

@@ -7,7 +7,7 @@ cp by the library's `attend_over_cp`; everything else (norms, the MoE, the loss)
 import torch
 from torch import nn
 
-from dtensor_moe.parallel.context_parallel import attend_over_cp
+from dtensor_moe.parallel.cp_attention import attend_over_cp
 from dtensor_moe.train.model import CausalAttention, rope
 
 

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 from torchtitan.distributed.context_parallel import cp_shard
 
-from dtensor_moe.parallel.context_parallel import attend_over_cp
+from dtensor_moe.parallel.cp_attention import attend_over_cp
 
 
 class _AttendOverCP:
