@@ -6,7 +6,7 @@ from dtensor_moe.validate import Range, above, at_least, check_fields
 
 __all__ = [
     "MoEConfig", "SCORE_FUNCS", "LOAD_BALANCE", "DROP_POLICIES", "ACTIVATIONS", "EXPERT_PRECISIONS",
-    "DISPATCH_PRECISIONS",
+    "DISPATCH_PRECISIONS", "effective_activation_memory",
 ]
 
 SCORE_FUNCS = ("softmax", "sigmoid", "topk_softmax")
@@ -216,3 +216,24 @@ class MoEConfig:
     def __post_init__(self):
         check_fields(self, "MoEConfig.", hidden_dim=at_least(1), **MOE_RULES)
         check_routing(self, "MoEConfig.")
+
+
+def effective_activation_memory(cfg) -> str:
+    """What a layer's routed experts keep for the backward, as the layer runs and the planner prices it:
+    `cfg.activation_memory`, except that "minimal" (each token row once with its pairs) needs the dropless path's
+    pairs: `pad_to_capacity` runs fixed slots and `expert_replicas` copies the pairs out, so both keep "standard".
+
+    Args:
+        cfg (MoEConfig): the layer's config (any object with activation_memory, pad_to_capacity, expert_replicas).
+
+    Returns:
+        str: "minimal" or "standard".
+
+    Example:
+        >>> effective_activation_memory(MoEConfig(dim=8, hidden_dim=8, num_experts=4, top_k=2, expert_replicas=1))
+        'standard'
+    """
+    if cfg.activation_memory == "minimal" and not cfg.pad_to_capacity and not cfg.expert_replicas:
+        return "minimal"
+    return "standard"
+

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dtensor_moe.config import effective_activation_memory
 from dtensor_moe.kernels.expert_autograd import grouped_swiglu, grouped_swiglu_pairs
 from dtensor_moe.routing.tables import PaddedCopies, PairRows, TokenCopies
 
@@ -197,7 +198,7 @@ class GroupedExperts(SwiGLUExperts, nn.Module):
     def from_config(cls, config) -> "GroupedExperts":
         clamp = (config.swiglu_alpha, config.swiglu_limit) if config.activation == "clamped_swiglu" else None
         return cls(config.dim, config.hidden_dim, config.num_experts, config.expert_biases, clamp,
-                   config.expert_precision, config.activation_memory)
+                   config.expert_precision, effective_activation_memory(config))
 
     def swiglu_weights(self, dtype: torch.dtype) -> tuple:
         return self.w13, self.w2, self.b13, self.b2

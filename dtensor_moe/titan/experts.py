@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtensor_moe.config import MoEConfig
+from dtensor_moe.config import MoEConfig, effective_activation_memory
 from dtensor_moe.experts import SwiGLUExperts
 from dtensor_moe.routing.tables import TokenCopies, expert_major
 
@@ -82,6 +82,6 @@ def adopt(moe: nn.Module, config: MoEConfig) -> None:
     routed = moe.routed_experts
     experts = routed.inner_experts
     _swap_class(experts, _GptOssSwiGLU if is_gpt_oss(experts) else _TitanSwiGLU)
-    experts.precision, experts.activation_memory = config.expert_precision, config.activation_memory
+    experts.precision, experts.activation_memory = config.expert_precision, effective_activation_memory(config)
     experts.clamp = (config.swiglu_alpha, config.swiglu_limit) if config.activation == "clamped_swiglu" else None
     _swap_class(routed, _OurRouting)

@@ -14,6 +14,7 @@ runs backward) and the copies' all-to-all over EP, each way.
 import math
 from typing import NamedTuple
 
+from dtensor_moe.config import effective_activation_memory
 from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.tools.planner.cache import PlanCache
 from dtensor_moe.tools.planner.geometry import chain_inter_fraction, pairwise_intra_fraction, ring_inter_fraction
@@ -84,7 +85,7 @@ def expert_activations(moe, dims: MoEParallelDims, ranks_per_token: float) -> fl
     pre-activation (2F), and each token row received once per EP rank it reaches (etp of them; without EP x ETP
     the rows are the layer's own input)."""
     k, D, F = moe.top_k, moe.dim, moe.hidden_dim
-    if moe.activation_memory == "minimal" and not moe.pad_to_capacity and not moe.expert_replicas:
+    if effective_activation_memory(moe) == "minimal":
         received = 0 if dims.ep * dims.etp == 1 else dims.etp * D * ranks_per_token
         return k * 2 * F + received
     return k * (2 * dims.etp * D + 3 * F)
