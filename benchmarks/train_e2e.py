@@ -94,6 +94,7 @@ import torch  # noqa: E402
 
 from dtensor_moe.train.config import TrainingConfig  # noqa: E402
 from dtensor_moe.train.metrics import peak_memory_bytes, write_json  # noqa: E402
+from dtensor_moe.train.optim import build_optimizer  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when run through runpy
 from depths import project  # noqa: E402
@@ -229,19 +230,6 @@ def parallelize_ours(model, option: str, dev: torch.device, compile_backend: str
     return parallelize_hf_model(model, dims, device_type=dev.type, activation_checkpoint=ac)
 
 
-def build_optimizer(model, dev: torch.device) -> torch.optim.Optimizer:
-    """AdamW with one parameter group per DTensor mesh (plain tensors in one): a fused kernel takes a group's tensors
-    in one call, and the library keeps DTensors of different meshes (dense and expert weights) out of one call
-    (train/optim.py); at one rank a single group runs as well."""
-    from torch.distributed.tensor import DTensor
-
-    by_mesh = {}
-    for p in model.parameters():
-        by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
-    return torch.optim.AdamW([{"params": ps} for ps in by_mesh.values()], lr=LR, betas=BETAS,
-                             weight_decay=WEIGHT_DECAY, fused=dev.type == "cuda")
-
-
 def token_batches_NBL(vocab: int, steps: int, batch: int, seq_len: int, dev: torch.device) -> torch.Tensor:
     """Every step's tokens, uniform over the vocabulary, from SEED: the same in every row."""
     g = torch.Generator().manual_seed(SEED)
@@ -324,7 +312,8 @@ def run_row(spec: dict) -> dict:
 
 def measure(model, cfg, spec: dict, dev: torch.device, t0: float) -> dict:
     """The row's training measurements; `t0`: when its model's build began."""
-    optimizer = build_optimizer(model, dev)  # before any forward: FSDP2 swaps in unsharded parameters there
+    # Before any forward: FSDP2 swaps in unsharded parameters there. The main job's AdamW: a group per mesh, fused.
+    optimizer = build_optimizer(model, LR, WEIGHT_DECAY, BETAS)
     tokens_NBL = token_batches_NBL(cfg.vocab_size, spec["warmup"] + spec["steps"], spec["batch"], spec["seq_len"], dev)
     sync(dev)
     build_s = time.perf_counter() - t0

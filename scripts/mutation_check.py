@@ -41,6 +41,10 @@ class Mutation:
 
 
 MUTATIONS = (
+    # Clipping over meshes: every mesh's gradients are scaled, not only the first group's.
+    Mutation("clip_one_mesh_only", "dtensor_moe/train/optim.py", "for group in by_mesh(params):",
+             "for group in by_mesh(params)[:1]:", ("tests/test_dense_parallel.py", "tests/test_pipeline.py"),
+             "clipping skips the expert mesh's grads"),
     # The floors: a core file importing a floor above it (as routing replay once imported moe.py).
     Mutation("routing_imports_the_layer", "dtensor_moe/routing/capacity.py", "import math\n",
              "import math\n\nfrom dtensor_moe.moe import MoE  # noqa: F401\n", ("tests/test_import_floors.py",),

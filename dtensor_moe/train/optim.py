@@ -13,12 +13,27 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["build_optimizer", "build_scheduler", "clip_grad_norm_", "global_grad_norm"]
+__all__ = ["build_optimizer", "build_scheduler", "by_mesh", "clip_grad_norm_", "global_grad_norm"]
 
 
-def build_optimizer(model, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    # foreach kernels group tensors by device and dtype, not by mesh; per-parameter is mesh-safe.
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), foreach=False)
+def by_mesh(params) -> list[list]:
+    """`params` grouped by DTensor mesh (plain tensors in one group), in first-seen order: a multi-tensor kernel
+    (foreach, fused) takes one group's tensors in one call, and DTensors of different meshes (the dense and the
+    expert weights) must never meet in one call."""
+    groups = {}
+    for p in params:
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return list(groups.values())
+
+
+def build_optimizer(model, lr: float, weight_decay: float, betas=(0.9, 0.95)) -> torch.optim.Optimizer:
+    """AdamW over `model`'s parameters, one parameter group per mesh (`by_mesh`), each stepped by one multi-tensor
+    call: fused on CUDA, foreach elsewhere (per-parameter steps over DTensors cost a DTensor dispatch per parameter
+    and op: 8.3 against 2.2 ms for 48 parameters on a CPU)."""
+    params = list(model.parameters())
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW([{"params": ps} for ps in by_mesh(params)], lr=lr, weight_decay=weight_decay,
+                             betas=betas, fused=fused, foreach=not fused)
 
 
 def build_scheduler(optimizer, warmup_steps: int, total_steps: int, min_ratio: float):
@@ -51,7 +66,7 @@ def global_grad_norm(params) -> torch.Tensor:
             by_split[None, ()].append(g)
     squares = []
     for (mesh, split), grads in by_split.items():
-        square = torch.nn.utils.get_total_norm(grads, foreach=False) ** 2
+        square = torch.nn.utils.get_total_norm(grads, foreach=True) ** 2  # local tensors: one mesh's parts
         for dim in split:
             dist.all_reduce(square, group=mesh.get_group(dim))
         squares.append(square)
@@ -66,5 +81,6 @@ def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
         norm = norm**2
         dist.all_reduce(norm, group=pp_group)
         norm = norm.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=False)
+    for group in by_mesh(params):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
     return norm
