@@ -19,11 +19,11 @@ from dtensor_moe.train.metrics import write_json
 from dtensor_moe.train.model import Block
 
 SIZES = {  # name: (kind, config, tokens as (B, L))
-    "block_d1024_e16_k2": ("block", ModelConfig(dim=1024, n_heads=16, num_experts=16, top_k=2, moe_hidden_dim=1024,
+    "block_d1024_e16_k2": ("block", ModelConfig(dim=1024, n_heads=16, num_experts=16, top_k=2, hidden_dim=1024,
                                                 num_shared_experts=1), (8, 1024)),
     "moe_deepseek_like": ("moe", MoEConfig(dim=7168, hidden_dim=2048, num_experts=256, top_k=8, score_func="sigmoid",
                                            num_shared_experts=1), (1, 8192)),
-    "tiny": ("block", ModelConfig(dim=64, n_heads=4, num_experts=8, top_k=2, moe_hidden_dim=32,
+    "tiny": ("block", ModelConfig(dim=64, n_heads=4, num_experts=8, top_k=2, hidden_dim=32,
                                   num_shared_experts=1), (2, 16)),
 }
 

@@ -208,7 +208,7 @@ def main_cases(device: str, run_root: str) -> list[SuiteCase]:
         job("bf16_selective_ac_fp8_parity", "bf16 mixed precision, selective AC, FP8 experts and payload, EDP2 x EP2 "
             "--parity", 4, ["parallel.ep=2", "parallel.etp=1", "training.dtype=bf16",
                             "training.activation_checkpoint=selective", "model.expert_precision=fp8",
-                            "model.dispatch_precision=fp8", "model.dim=128", "model.moe_hidden_dim=256"], tol=5e-2),
+                            "model.dispatch_precision=fp8", "model.dim=128", "model.hidden_dim=256"], tol=5e-2),
         # EP4, not EDP: a compiled layer gathers EDP-sharded experts with DTensor's functional collectives, which
         # crash on gloo with CUDA tensors (torch 2.11); EDP compiles over NCCL, one rank a GPU.
         job("compiled_ep4_parity", "training.compile (each block one graph) on 4 ranks EP4 --parity", 4,

@@ -17,7 +17,7 @@ EXPERT_PRECISIONS = ("bf16", "fp8")
 ACTIVATION_MEMORY = ("standard", "minimal")
 DISPATCH_PRECISIONS = ("bf16", "fp8")
 
-# Shared with train.config.ModelConfig, whose expert hidden dim is called moe_hidden_dim.
+# Shared with train.config.ModelConfig, which holds every MoEConfig field under the same name.
 MOE_RULES = dict(
     dim=at_least(1),
     num_experts=at_least(1),

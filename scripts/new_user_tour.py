@@ -140,7 +140,7 @@ def api_cases(tour: Tour, ckpt_ready):
     try:
         api(tour, P, "parallelize_moe(MoEParallelDims(2)) on a 1-process group",
             lambda: parallelize_moe(MoE(moe_cfg()), MoEParallelDims(2), device_type="cpu"), ["world_size"])
-        model = MoETransformer(ModelConfig(num_experts=4, moe_hidden_dim=8, dim=16, n_heads=2, max_seq_len=16))
+        model = MoETransformer(ModelConfig(num_experts=4, hidden_dim=8, dim=16, n_heads=2, max_seq_len=16))
         api(tour, P, "parallelize_model(activation_checkpoint='some')",
             lambda: parallelize_model(model, MoEParallelDims(1), device_type="cpu", activation_checkpoint="some"),
             ["activation_checkpoint", "selective"])

@@ -26,7 +26,7 @@ n_layers = 1
 n_heads = 2
 num_experts = 4
 top_k = 2
-moe_hidden_dim = 8
+hidden_dim = 8
 max_seq_len = 16
 
 [parallel]

@@ -350,7 +350,7 @@ def resume_after_import_case(tour: Tour) -> Result:
     from dtensor_moe.train.model import MoETransformer
 
     base = tour.scratch / "hf_resume"
-    cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=8, max_seq_len=16)
+    cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, num_experts=4, top_k=2, hidden_dim=8, max_seq_len=16)
     (base / "w").mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in split_gate_up(MoETransformer(cfg).state_dict()).items()},
               base / "w" / "model.safetensors")

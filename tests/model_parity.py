@@ -18,7 +18,7 @@ from dtensor_moe.train.model import MoETransformer
 from dtensor_moe.train.optim import clip_grad_norm_
 from dtensor_moe.train.parallel.parallelize_model import parallelize_model
 
-MODEL = dict(vocab_size=32, dim=16, n_layers=2, n_heads=4, num_experts=4, top_k=2, moe_hidden_dim=8,
+MODEL = dict(vocab_size=32, dim=16, n_layers=2, n_heads=4, num_experts=4, top_k=2, hidden_dim=8,
              num_shared_experts=1, load_balance="aux_loss", aux_loss_coeff=0.1, bias_update_rate=0.05)
 
 

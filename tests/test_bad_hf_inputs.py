@@ -237,7 +237,7 @@ def _main_job_export(out: Path) -> Path:
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
 
-    cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=8, max_seq_len=16)
+    cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, num_experts=4, top_k=2, hidden_dim=8, max_seq_len=16)
     out.mkdir(parents=True)
     save_file({k: v.contiguous() for k, v in split_gate_up(MoETransformer(cfg).state_dict()).items()},
               out / "model.safetensors")
@@ -278,7 +278,7 @@ def test_train_resume_after_import_into_the_run_dir_names_the_fix(tmp_path, caps
     assert cli.main(["import", str(_main_job_export(tmp_path / "w")), str(run)]) == 0
     capsys.readouterr()
     cfg = tmp_path / "tiny.toml"
-    cfg.write_text("[model]\ndim = 16\nn_layers = 1\nn_heads = 2\nnum_experts = 4\ntop_k = 2\nmoe_hidden_dim = 8\n"
+    cfg.write_text("[model]\ndim = 16\nn_layers = 1\nn_heads = 2\nnum_experts = 4\ntop_k = 2\nhidden_dim = 8\n"
                    "max_seq_len = 16\n[training]\nsteps = 2\nseq_len = 8\nglobal_batch = 2\n")
     assert cli.main(["train", "--config", str(cfg), "--run-dir", str(run), "--resume"]) == 2
     line = _one_line(capsys, "train")
@@ -323,7 +323,7 @@ def test_train_hf_path_without_its_extras_says_how_to_install_them(package, ckpt
 def test_train_without_tqdm_is_refused_before_launch(tmp_path, capsys, monkeypatch):
     _without(monkeypatch, "tqdm")
     cfg = tmp_path / "tiny.toml"
-    cfg.write_text("[model]\ndim = 16\nn_layers = 1\nn_heads = 2\nnum_experts = 4\ntop_k = 2\nmoe_hidden_dim = 8\n"
+    cfg.write_text("[model]\ndim = 16\nn_layers = 1\nn_heads = 2\nnum_experts = 4\ntop_k = 2\nhidden_dim = 8\n"
                    "max_seq_len = 16\n[training]\nsteps = 1\nseq_len = 8\nglobal_batch = 2\n")
     assert cli.main(["train", "--config", str(cfg), "--run-dir", str(tmp_path / "run")]) == 2
     assert "needs tqdm for the progress bar: pip install tqdm" in _one_line(capsys, "train")

@@ -24,7 +24,7 @@ from dtensor_moe.train.parallel.parallelize_model import parallelize_model
 
 from .harness import _free_port, run_on_ranks
 
-CFG = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=8,
+CFG = ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, num_experts=4, top_k=2, hidden_dim=8,
                   num_shared_experts=1, load_balance="aux_free_bias", bias_update_rate=1e-2, max_seq_len=16)
 GLOBAL_BATCH, SEQ = 8, 9
 SAVE_STEP = 3  # AdamW steps before the save: moments, lr schedule and expert_bias are all non-zero
@@ -165,7 +165,7 @@ def test_weights_only_checkpoint_needs_optimizer_none(tmp_path):
 
 
 def _load_other_config(rank, world, root):
-    cfg = ModelConfig(**{**CFG.__dict__, "n_layers": 3, "moe_hidden_dim": 16})
+    cfg = ModelConfig(**{**CFG.__dict__, "n_layers": 3, "hidden_dim": 16})
     model, opt, _ = build(world, {"ep": 2}, seed=0, cfg=cfg)
     load(root, model, opt)
 

@@ -18,7 +18,7 @@ def _model(n_layers=2, **kw):
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=32, dim=16, n_layers=n_layers, n_heads=2, num_experts=4, top_k=2,
-                      moe_hidden_dim=8, num_shared_experts=1, **kw)
+                      hidden_dim=8, num_shared_experts=1, **kw)
     return MoETransformer(cfg).double()
 
 

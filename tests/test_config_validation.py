@@ -141,7 +141,7 @@ def test_parallel_dims_types(args, kwargs, message):
             "model.dim / model.n_heads = 1 (the head dim) must be even for rotary embeddings; "
             "valid n_heads for dim 64: [1, 2, 4, 8, 16, 32]",
         ),
-        (ModelConfig, dict(moe_hidden_dim=0), "model.moe_hidden_dim must be >= 1, got 0"),
+        (ModelConfig, dict(hidden_dim=0), "model.hidden_dim must be >= 1, got 0"),
         (ModelConfig, dict(route_scale=math.nan), "model.route_scale must be a finite number > 0, got nan"),
         (ModelConfig, dict(norm_eps=0.0), "model.norm_eps must be > 0, got 0.0"),
         (ModelConfig, dict(max_seq_len=0), "model.max_seq_len must be >= 1, got 0"),
@@ -319,7 +319,7 @@ def test_tp_rules_read_the_same_from_the_config_and_the_model(model, tp, message
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.parallel.tensor_parallel import check_tp_model
 
-    cfg = ModelConfig(vocab_size=256, dim=16, n_layers=1, moe_hidden_dim=8, num_experts=4, **model)
+    cfg = ModelConfig(vocab_size=256, dim=16, n_layers=1, hidden_dim=8, num_experts=4, **model)
     assert _message(lambda: Config(model=cfg, parallel=ParallelConfig(tp=tp))) == message
     assert _message(lambda: check_tp_model(MoETransformer(cfg), tp)) == message.replace("parallel.", "")
 
@@ -340,7 +340,7 @@ def test_activation_checkpoint_modes_read_the_same_everywhere(mode):
 @pytest.mark.parametrize("model", [
     {},
     {"tie_embeddings": True, "num_shared_experts": 2, "n_layers": 3},
-    {"router_bias": True, "expert_biases": True, "num_experts": 6, "top_k": 3, "moe_hidden_dim": 24},
+    {"router_bias": True, "expert_biases": True, "num_experts": 6, "top_k": 3, "hidden_dim": 24},
 ])
 def test_num_params_counts_the_models_parameters(model):
     """The launcher's checkpoint-size estimate counts what MoETransformer actually holds."""

@@ -46,7 +46,7 @@ def test_export_file_opens_with_safetensors_and_keeps_names(exported):
     assert got.keys() == want.keys()
     assert "layers.0.moe.experts.w1" in got and got["layers.0.moe.experts.w1"].shape == (
         CFG.num_experts,
-        CFG.moe_hidden_dim,
+        CFG.hidden_dim,
         CFG.dim,
     )
     for k, v in want.items():

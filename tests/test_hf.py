@@ -220,7 +220,7 @@ def _main_job_export(out, n_layers: int, **moe) -> dict:
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
 
-    cfg = ModelConfig(vocab_size=32, dim=8, n_layers=n_layers, n_heads=2, moe_hidden_dim=6,
+    cfg = ModelConfig(vocab_size=32, dim=8, n_layers=n_layers, n_heads=2, hidden_dim=6,
                       **{"num_experts": 4, "top_k": 2, **moe})
     g = torch.Generator().manual_seed(3)
     state = {k: torch.randn(v.shape, generator=g).to(torch.float32 if k.endswith("expert_bias") else torch.bfloat16)

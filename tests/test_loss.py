@@ -121,7 +121,7 @@ def test_lm_loss_switches_the_model_to_hidden_states():
     torch.manual_seed(0)
     for tie in (False, True):
         model = MoETransformer(ModelConfig(vocab_size=40, dim=8, n_layers=1, n_heads=2, num_experts=4, top_k=2,
-                                           moe_hidden_dim=8, tie_embeddings=tie)).double()
+                                           hidden_dim=8, tie_embeddings=tie)).double()
         x, y = torch.randint(0, 40, (2, 6)), torch.randint(0, 40, (2, 6))
         assert lm_loss(model, 0) is cross_entropy and not model.return_hidden
         want = cross_entropy(model(x), y)

@@ -60,7 +60,7 @@ def _assert_imported_back(imported: dict, trained_state: dict, prefix: str):
 
 
 def test_built_in_model_checkpoint_to_transformers_and_back(tmp_path, monkeypatch):
-    model = ('dim = 32\nn_layers = 2\nn_heads = 4\nnum_experts = 4\ntop_k = 2\nmoe_hidden_dim = 16\n'
+    model = ('dim = 32\nn_layers = 2\nn_heads = 4\nnum_experts = 4\ntop_k = 2\nhidden_dim = 16\n'
              'num_shared_experts = 0\nload_balance = "aux_loss"\n')
     trained, hf, imported = _train_export(tmp_path, monkeypatch, model, "--model-type", "qwen3_moe")
     x_BLD = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))

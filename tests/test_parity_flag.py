@@ -20,7 +20,7 @@ n_layers = 2
 n_heads = 4
 num_experts = 8
 top_k = 2
-moe_hidden_dim = 32
+hidden_dim = 32
 num_shared_experts = 1
 load_balance = "aux_loss"
 

@@ -25,7 +25,7 @@ def _train_pp_and_reference(rank: int, world_size: int, schedule: str, n_layers:
     from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=32, dim=8, n_layers=n_layers, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=4,
+    cfg = ModelConfig(vocab_size=32, dim=8, n_layers=n_layers, n_heads=2, num_experts=4, top_k=2, hidden_dim=4,
                       num_shared_experts=1, load_balance=load_balance, aux_loss_coeff=0.1, bias_update_rate=0.05,
                       **({"seq_aux_loss_coeff": 0.05, "z_loss_coeff": 0.01} if tp == 1 else {}))
     ref = MoETransformer(cfg).double()
@@ -116,7 +116,7 @@ def _reshard_pp2_pp1_pp2(rank: int, world_size: int, root: str) -> dict:
     from dtensor_moe.train.parallel.parallelize_model import parallelize_model
     from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
-    cfg = ModelConfig(vocab_size=32, dim=8, n_layers=4, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=4,
+    cfg = ModelConfig(vocab_size=32, dim=8, n_layers=4, n_heads=2, num_experts=4, top_k=2, hidden_dim=4,
                       load_balance="aux_free_bias")
     pp1 = MoEParallelDims(world_size, ep=2)
     pp2 = MoEParallelDims(world_size, ep=2, pp=2)

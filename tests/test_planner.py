@@ -23,7 +23,7 @@ from .harness import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 # Odd vocab (250) and small dims so FSDP pads some shards and some ranks hold less than others.
-TINY = dict(vocab_size=250, dim=24, n_layers=2, n_heads=4, num_experts=4, top_k=2, moe_hidden_dim=20,
+TINY = dict(vocab_size=250, dim=24, n_layers=2, n_heads=4, num_experts=4, top_k=2, hidden_dim=20,
             num_shared_experts=1)
 FP32 = P.Workload(seq_len=8, micro_batch=2, dtype="fp32")
 

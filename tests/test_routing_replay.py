@@ -196,7 +196,7 @@ def test_compiled_blocks_compile_once_for_every_microbatch():
     from dtensor_moe.train.model import MoETransformer
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=32, dim=8, n_layers=2, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=4,
+    cfg = ModelConfig(vocab_size=32, dim=8, n_layers=2, n_heads=2, num_experts=4, top_k=2, hidden_dim=4,
                       load_balance="aux_loss")
     ref = MoETransformer(cfg).double()
     model, graphs = copy.deepcopy(ref), CompileCounter()
@@ -340,7 +340,7 @@ def _replay_under_pipeline(rank: int, world_size: int, schedule: str, n_layers: 
 
     seq, batch, mbs = 4, 8, 2
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=32, dim=8, n_layers=n_layers, n_heads=2, num_experts=4, top_k=2, moe_hidden_dim=4,
+    cfg = ModelConfig(vocab_size=32, dim=8, n_layers=n_layers, n_heads=2, num_experts=4, top_k=2, hidden_dim=4,
                       load_balance="aux_loss", aux_loss_coeff=0.1, seq_aux_loss_coeff=0.05, z_loss_coeff=0.01)
     ref = MoETransformer(cfg).double()
     dims = MoEParallelDims(world_size, ep=2, pp=2)

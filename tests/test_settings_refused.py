@@ -25,7 +25,7 @@ from .harness import run_on_ranks
 def _main_config(*overrides: str):
     from dtensor_moe.train.config import load_config
 
-    base = ["model.dim=16", "model.n_heads=2", "model.num_experts=4", "model.top_k=2", "model.moe_hidden_dim=8",
+    base = ["model.dim=16", "model.n_heads=2", "model.num_experts=4", "model.top_k=2", "model.hidden_dim=8",
             "model.n_layers=1", "model.max_seq_len=16", "training.seq_len=8", "training.global_batch=4",
             "data.source=synthetic", "parallel.nproc=2"]
     return load_config(None, [*base, *overrides])

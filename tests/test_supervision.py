@@ -17,7 +17,7 @@ from dtensor_moe.train.supervision import read_heartbeats
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["parallel.nproc=2", "parallel.ep=2", "parallel.etp=1", "model.dim=32", "model.n_layers=1",
-         "model.moe_hidden_dim=32", "training.seq_len=32", "training.global_batch=4", "data.source=synthetic"]
+         "model.hidden_dim=32", "training.seq_len=32", "training.global_batch=4", "data.source=synthetic"]
 
 
 def _launch(run_dir: Path, *extra: str) -> subprocess.Popen:

@@ -26,7 +26,7 @@ def _config_dirs() -> list[Path]:
 def load_config(path: Path) -> ModelSpec:
     """The model a training config trains: the built-in model of its [model] fields, or with `hf_path` the
     checkpoint's own architecture (its config.json, read as the main job reads it; [model] adds training choices)."""
-    from dtensor_moe.train.config import MOE_RENAMED, ModelConfig, read_toml
+    from dtensor_moe.train.config import ModelConfig, read_toml
 
     data = read_toml(str(path))  # a malformed file is named, with tomllib's line
     if "model" not in data:
@@ -39,7 +39,7 @@ def load_config(path: Path) -> ModelSpec:
         from dtensor_moe.train.hf_config import hf_model_fields
 
         try:
-            cfg = ModelConfig.from_dict(hf_model_fields(data["model"], MOE_RENAMED))
+            cfg = ModelConfig.from_dict(hf_model_fields(data["model"]))
             return spec_from_hf_config(json.loads(cfg.hf_config), cfg.moe_config(), name=path.stem)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None

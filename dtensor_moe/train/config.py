@@ -25,18 +25,16 @@ def is_override(arg: str) -> bool:
     return OVERRIDE.match(arg) is not None
 
 
-# ModelConfig's MoE fields are MoEConfig's (same names, types and defaults, plus defaults for the
-# ones MoEConfig requires), except that the expert hidden dim is called moe_hidden_dim.
-MOE_RENAMED = {"hidden_dim": "moe_hidden_dim"}
+# ModelConfig's MoE fields are MoEConfig's: the same names, types and defaults, plus defaults for the ones
+# MoEConfig requires.
 MOE_DEFAULTS = {"dim": 64, "hidden_dim": 64, "num_experts": 8, "top_k": 2}
 
 
 def _with_moe_fields(cls):
     """Adds MoEConfig's fields to `cls` (before @dataclass reads its annotations), after its own."""
     for f in fields(MoEConfig):
-        name = MOE_RENAMED.get(f.name, f.name)
-        cls.__annotations__[name] = f.type
-        setattr(cls, name, MOE_DEFAULTS.get(f.name, f.default))
+        cls.__annotations__[f.name] = f.type
+        setattr(cls, f.name, MOE_DEFAULTS.get(f.name, f.default))
     return cls
 
 
@@ -59,7 +57,7 @@ class ModelConfig:
 
     def __post_init__(self):
         check_fields(self, "model.", vocab_size=at_least(1), n_layers=at_least(1), n_heads=at_least(1),
-                     moe_hidden_dim=at_least(1), max_seq_len=at_least(1), norm_eps=above(0), **MOE_RULES)
+                     hidden_dim=at_least(1), max_seq_len=at_least(1), norm_eps=above(0), **MOE_RULES)
         check_routing(self, "model.")
         if self.hf_path:  # the transformers model's own attention: its head dims are its config's business
             return
@@ -84,7 +82,7 @@ class ModelConfig:
         return cls(**d)
 
     def moe_config(self) -> MoEConfig:
-        return MoEConfig(**{f.name: getattr(self, MOE_RENAMED.get(f.name, f.name)) for f in fields(MoEConfig)})
+        return MoEConfig(**{f.name: getattr(self, f.name) for f in fields(MoEConfig)})
 
     def num_params(self) -> int:
         """Parameters of train.model.MoETransformer for this config (of the checkpoint's tensors with hf_path),
@@ -93,7 +91,7 @@ class ModelConfig:
             from dtensor_moe.train.hf_config import checkpoint_numel
 
             return checkpoint_numel(self.hf_path)
-        D, E, F = self.dim, self.num_experts, self.moe_hidden_dim
+        D, E, F = self.dim, self.num_experts, self.hidden_dim
         moe = E * D + E * self.router_bias + 3 * E * F * D + 3 * self.num_shared_experts * F * D
         moe += (2 * E * F + E * D) * self.expert_biases
         block = 4 * D * D + 2 * D + moe
@@ -369,7 +367,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
         section, name = key.split(".")
         raw.setdefault(section, {})[name] = value
     if raw.get("model", {}).get("hf_path"):
-        raw["model"] = hf_model_fields(raw["model"], MOE_RENAMED)
+        raw["model"] = hf_model_fields(raw["model"])
     built = {}
     for section, cls in SECTIONS.items():
         values = raw.get(section, {})

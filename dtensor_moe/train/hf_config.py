@@ -26,10 +26,9 @@ def _read_config(path: str) -> tuple[dict, str]:
         raise ValueError(f"{cfg} is not valid JSON: {e}") from None
 
 
-def hf_model_fields(values: dict, moe_renamed: dict) -> dict:
-    """[model]'s `values` (with hf_path) completed from the checkpoint's config.json (`moe_renamed`: MoEConfig's
-    field -> [model]'s where they differ): a ValueError names a given field the checkpoint fixes otherwise, or a
-    training choice the family cannot save back."""
+def hf_model_fields(values: dict) -> dict:
+    """[model]'s `values` (with hf_path) completed from the checkpoint's config.json: a ValueError names a given
+    field the checkpoint fixes otherwise, or a training choice the family cannot save back."""
     path = values["hf_path"]
     missing = [m for m in ("transformers", "safetensors") if importlib.util.find_spec(m) is None]
     if missing:  # checked before dtensor_moe.hf, which imports them, is
@@ -48,7 +47,7 @@ def hf_model_fields(values: dict, moe_renamed: dict) -> dict:
     except (ValueError, TypeError) as e:
         raise ValueError(f"model.hf_path {path!r}: {e}") from None
     arch = [*ARCHITECTURE, *(("load_balance",) if moe.load_balance == "aux_free_bias" else ())]
-    fixed.update({moe_renamed.get(n, n): getattr(moe, n) for n in arch})
+    fixed.update({n: getattr(moe, n) for n in arch})
     fixed["hf_config"] = text
     conflicts = [f"model.{k} = {values[k]!r} (the checkpoint's: {v!r})" for k, v in fixed.items()
                  if k in values and values[k] != v and k != "hf_config"]
@@ -58,8 +57,7 @@ def hf_model_fields(values: dict, moe_renamed: dict) -> dict:
         raise ValueError(f"model.hf_path {path!r} fixes the architecture; {'; '.join(conflicts)}: drop these keys "
                          "from [model] (only the MoE's training choices may be given), or start from another "
                          "checkpoint")
-    renamed = {v: k for k, v in moe_renamed.items()}
-    options = {renamed.get(k, k): v for k, v in values.items() if renamed.get(k, k) in MoEConfig.__dataclass_fields__}
+    options = {k: v for k, v in values.items() if k in MoEConfig.__dataclass_fields__}
     try:
         with_training_options(family(get("model_type")), moe, {k: v for k, v in options.items() if k not in arch})
     except ValueError as e:
