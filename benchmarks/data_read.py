@@ -23,8 +23,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path, for the imports inside main)
 
 # benchmarks/RESULTS.md, "torch.compile": `dtensor-moe train`, 445M MoE LM, one H200, 32k tokens a step, eager.
 FASTEST_GPU_TOKENS_PER_S = 469_033

@@ -46,13 +46,13 @@ import argparse
 import copy
 import gc
 import json
-import os
 import re
-import sys
 import time
 from unittest import mock
 
 import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
+import expert_gemms  # noqa: E402
+import routing  # noqa: E402
 import torch
 import torch.distributed as dist
 from torch.autograd import DeviceType
@@ -64,10 +64,6 @@ from dtensor_moe.parallel import exchange
 from dtensor_moe.routing.router import Routing, combine_weights_TE
 from dtensor_moe.routing.token_rounding import round_tokens
 from dtensor_moe.train.metrics import write_json
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when run through runpy
-import expert_gemms  # noqa: E402
-import routing  # noqa: E402
 
 SHAPES = {  # name: (D, F, E, K, tokens per rank)
     "deepseek": (7168, 2048, 256, 8, 8192),

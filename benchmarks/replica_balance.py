@@ -27,15 +27,13 @@ import time
 from dataclasses import replace
 
 import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
+import routing  # noqa: E402
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, owned_box, parallelize_moe, plan_moe
 from dtensor_moe.tools import planner
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when run through runpy
-import routing  # noqa: E402
 
 TARGET = 1.15  # issue 29: max / mean rows per EP rank with replicas
 PARITY_TOL = 1e-10  # tests/test_parity.py's: float64 sums in another order

@@ -89,18 +89,15 @@ from datetime import datetime, timezone
 
 STARTED = time.perf_counter()  # run as a script, --budget-s counts from here: importing torch included
 
-import _checkout  # noqa: E402, F401  (this checkout's dtensor_moe on sys.path)
 import torch  # noqa: E402
+from _checkout import ROOT  # noqa: E402  (this checkout's dtensor_moe on sys.path)
+from depths import project  # noqa: E402
+from moe_layer import dense_peak_tflops, sync  # noqa: E402
 
 from dtensor_moe.train.config import TrainingConfig  # noqa: E402
 from dtensor_moe.train.metrics import peak_memory_bytes, write_json  # noqa: E402
 from dtensor_moe.train.optim import build_optimizer  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when run through runpy
-from depths import project  # noqa: E402
-from moe_layer import dense_peak_tflops, sync  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "benchmarks", "results", "train_e2e.json")
 MODELS = {"qwen3": 4, "deepseek": 4, "mixtral": 2}  # name: default layers
 # The real models' decoder depths, where --depths projects to (Qwen3-30B-A3B; the DeepSeek 16B shape; Mixtral-8x7B).
