@@ -235,16 +235,12 @@ def token_batches_NBL(vocab: int, steps: int, batch: int, seq_len: int, dev: tor
 
 def lm_loss(model, tokens_BL: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
     """transformers' shifted cross-entropy of `tokens_BL`: from its full logits (`labels=`), or with `chunk_tokens`
-    from the final norm's output by chunked_cross_entropy (parallelize_hf_model's docstring recipe)."""
-    import torch.nn.functional as F
-
-    from dtensor_moe.train.loss import IGNORE_INDEX, chunked_cross_entropy
+    by hf_lm_loss (parallelize_hf_model's docstring recipe)."""
+    from dtensor_moe.train.loss import hf_lm_loss
 
     if not chunk_tokens:
         return model(input_ids=tokens_BL, labels=tokens_BL, use_cache=False).loss
-    out = model(input_ids=tokens_BL, output_hidden_states=True, logits_to_keep=1, use_cache=False)
-    targets_BL = F.pad(tokens_BL[:, 1:], (0, 1), value=IGNORE_INDEX)  # the last position predicts nothing
-    return chunked_cross_entropy(out.hidden_states[-1], model.lm_head.weight, targets_BL, chunk_tokens)
+    return hf_lm_loss(model, tokens_BL, chunk_tokens, use_cache=False)
 
 
 def train(model, optimizer, tokens_NBL: torch.Tensor, dev: torch.device, chunk_tokens: int = 0

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dtensor_moe.cli import main
-from dtensor_moe.train.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, lm_loss
+from dtensor_moe.train.loss import IGNORE_INDEX, chunked_cross_entropy, cross_entropy, hf_lm_loss, lm_loss
 
 from .harness import run_on_ranks
 from .test_train import _ranks_in_pools
@@ -176,9 +176,7 @@ def _hf_recipe(rank: int, world_size: int, model_type: str) -> dict:
     want = F.cross_entropy(ref.logits[:, :-1].flatten(0, 1), tokens_BL[:, 1:].flatten())
     (want + moe_aux_loss(theirs)).backward()
 
-    out = model(input_ids=tokens_BL, output_hidden_states=True, logits_to_keep=1)
-    targets_BL = F.pad(tokens_BL[:, 1:], (0, 1), value=IGNORE_INDEX)
-    loss = chunked_cross_entropy(out.hidden_states[-1], model.lm_head.weight, targets_BL, chunk_tokens=3)
+    loss = hf_lm_loss(model, tokens_BL, chunk_tokens=3)
     (loss + moe_aux_loss(model)).backward()
     grads = dict(theirs.named_parameters())
     err = {n: (p.grad.full_tensor() - grads[n].grad.full_tensor()).abs().max().item()

@@ -79,18 +79,13 @@ def parallelize_hf_model(
     pipeline parallelism need the family's own plans: `dims` must have tp = cp = pp = 1 (so the tp gradient
     convention, `tp_grads`, does not arise).
 
-    The loss without full fp32 logits, as the main job computes it (`dtensor_moe.train.loss`): the final norm's
-    output and the head's weight, which the root unit keeps gathered from its forward to its backward, to the
-    chunked cross-entropy. `logits_to_keep=1` leaves transformers' own head one position; the targets are
-    transformers' shift of `labels`, whose last position has none (FSDP2 warns once that `hidden_states[0]`, the
-    embeddings', is a view: nothing writes it in place; tests/test_loss.py runs this):
+    The loss without full fp32 logits, as the main job computes it: `dtensor_moe.train.loss.hf_lm_loss`, the
+    final norm's output and the head's weight to the chunked cross-entropy (FSDP2 warns once that
+    `hidden_states[0]`, the embeddings', is a view: nothing writes it in place; tests/test_loss.py runs this):
 
-        import torch.nn.functional as F
-        from dtensor_moe.train.loss import IGNORE_INDEX, chunked_cross_entropy
+        from dtensor_moe.train.loss import hf_lm_loss
 
-        out = model(input_ids=tokens_BL, output_hidden_states=True, logits_to_keep=1)
-        targets_BL = F.pad(tokens_BL[:, 1:], (0, 1), value=IGNORE_INDEX)
-        loss = chunked_cross_entropy(out.hidden_states[-1], model.lm_head.weight, targets_BL, chunk_tokens=2048)
+        loss = hf_lm_loss(model, tokens_BL, chunk_tokens=2048)
         (loss + moe_aux_loss(model)).backward()  # loss: model(input_ids=tokens_BL, labels=tokens_BL).loss's
     """
     if not isinstance(model, nn.Module):

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "cross_entropy", "lm_loss"]
+__all__ = ["IGNORE_INDEX", "chunked_cross_entropy", "cross_entropy", "hf_lm_loss", "lm_loss"]
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets of this value add nothing to the loss or its mean
 
@@ -174,3 +174,28 @@ def lm_loss(model, chunk_tokens: int) -> Callable[[torch.Tensor, torch.Tensor], 
     if not chunk_tokens:
         return cross_entropy
     return lambda h_BLD, targets_BL: chunked_cross_entropy(h_BLD, model.head_weight(), targets_BL, chunk_tokens)
+
+
+def hf_lm_loss(model, tokens_BL: torch.Tensor, chunk_tokens: int = 2048, **forward_kwargs) -> torch.Tensor:
+    """A transformers causal LM's loss on `tokens_BL` without full fp32 logits: `model(input_ids=tokens_BL,
+    labels=tokens_BL).loss` (transformers' shifted cross-entropy), from the final norm's output and the head's
+    weight (which FSDP2's root unit keeps gathered from its forward to its backward) by `chunked_cross_entropy`.
+    `logits_to_keep=1` leaves transformers' own head one position; the last position predicts nothing.
+
+    Args:
+        model (nn.Module): the causal LM (e.g. after `parallelize_hf_model`), with an `lm_head`.
+        tokens_BL (Tensor): [B, L] token ids, the inputs and (shifted by one) the targets.
+        chunk_tokens (int): tokens per chunk of logits. Default 2048.
+        forward_kwargs: more arguments for the model's forward (e.g. use_cache=False).
+
+    Returns:
+        Tensor: the scalar mean cross-entropy; add `moe_aux_loss(model)` for the balance losses.
+
+    Example::
+
+        loss = hf_lm_loss(model, tokens_BL)
+        (loss + moe_aux_loss(model)).backward()
+    """
+    out = model(input_ids=tokens_BL, output_hidden_states=True, logits_to_keep=1, **forward_kwargs)
+    targets_BL = F.pad(tokens_BL[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return chunked_cross_entropy(out.hidden_states[-1], model.lm_head.weight, targets_BL, chunk_tokens)
