@@ -16,13 +16,13 @@ included) on the same input. On CUDA each shape also runs forward + backward
 
 import argparse
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
 import torch
 from torch.distributed.tensor import DTensor
 
-from dtensor_moe import MoE, MoEConfig
+from dtensor_moe import MoE, MoEConfig, MoERunOptions
 
 
 @dataclass
@@ -182,7 +182,7 @@ def main():
         x = torch.randn(1, T, D, device=dev, dtype=dtype)
         row = {"shape": name, "D": D, "F": F_, "E": E, "K": K, "tokens": T}
         for mode in ("standard", "minimal"):
-            moe = MoE(replace(cfg, activation_memory=mode)).to(dev, dtype)
+            moe = MoE(cfg, MoERunOptions(activation_memory=mode)).to(dev, dtype)
             moe.load_state_dict(base.state_dict())
             kept = kept_bytes(moe, x)
             row[f"{mode}_kept_bytes"] = kept.total

@@ -18,7 +18,7 @@ json.dump({"note": "forces FP8 for every expert GEMM of configs/gpu_2x.toml", "g
 PY
 run() {  # name, seed, expert precision, extra environment
   env $4 timeout 150 python3 -m dtensor_moe.cli train --config configs/gpu_2x.toml --run-dir "/tmp/runs/$1_s$2" \
-    parallel.nproc=1 parallel.ep=1 training.steps=200 training.seed=$2 model.expert_precision=$3 2>&1 \
+    parallel.nproc=1 parallel.ep=1 training.steps=200 training.seed=$2 moe_run.expert_precision=$3 2>&1 \
     | grep -v 'step/s' | tail -n 12 | tee -a "$LOG"
   [ "$2" = 0 ] && cp "/tmp/runs/$1_s$2/loss.png" "$OUT/loss_$1_s$2.png"  # $OUT brings back 8 files at most
 }

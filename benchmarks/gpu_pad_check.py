@@ -17,14 +17,14 @@ import json
 import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
 import torch
 
-from dtensor_moe import MoE, MoEConfig
+from dtensor_moe import MoE, MoEConfig, MoERunOptions
 from dtensor_moe.kernels import fp8
 
 
 def _layer(pad: bool, dtype, seed=0):
-    cfg = MoEConfig(dim=256, hidden_dim=512, num_experts=8, top_k=2, capacity_factor=1.0, pad_to_capacity=pad)
+    cfg = MoEConfig(dim=256, hidden_dim=512, num_experts=8, top_k=2)
     torch.manual_seed(seed)
-    moe = MoE(cfg).to("cuda", dtype)
+    moe = MoE(cfg, MoERunOptions(capacity_factor=1.0, pad_to_capacity=pad)).to("cuda", dtype)
     with torch.no_grad():
         moe.router.gate.weight[3] += 0.5  # an overloaded expert: pairs are dropped
     return moe

@@ -67,6 +67,7 @@ class SuiteCase:
 
 
 def layer_cases(device: str) -> list[SuiteCase]:
+    from dtensor_moe import MoERunOptions
     from tests.parity import Case, moe_config
 
     def layer(name, covers, world, tol_key, **case):
@@ -97,19 +98,21 @@ def layer_cases(device: str) -> list[SuiteCase]:
         layer("cp2_ep2_fp32", "CP2 (each rank part of every sequence) x EP2", 4, "float32", cp=2, ep=2,
               moe=cfg(load_balance="aux_loss", seq_aux_loss_coeff=0.3), batch_per_rank=(2, 3), seq_len=32),
         layer("ep4_fp8_experts", "FP8 experts (e4m3 rowwise GEMMs where the policy runs them) under EP4", 4, "fp8",
-              ep=4, moe=cfg(dim=128, hidden_dim=256, expert_precision="fp8"), **seq),
+              ep=4, moe=cfg(dim=128, hidden_dim=256), run=MoERunOptions(expert_precision="fp8"), **seq),
         layer("ep4_fp8_payload", "FP8 dispatch payload (e4m3 rows + a scale per row through the all-to-all), EP4", 4,
-              "fp8", ep=4, moe=cfg(dim=128, hidden_dim=256, dispatch_precision="fp8"), **seq),
+              "fp8", ep=4, moe=cfg(dim=128, hidden_dim=256),
+              run=MoERunOptions(dispatch_precision="fp8"), **seq),
         layer("ep2_compiled", "torch.compile (inductor, Triton on CUDA) of the EP2 layer, one fullgraph graph", 2,
               "bfloat16", ep=2, compile=True, moe=cfg(), **two),
         layer("ep2_replicas", "hot-expert replicas (expert_replicas 1) with every token on one expert, EP2", 2,
-              "bfloat16", ep=2, hot_expert=3, moe=cfg(expert_replicas=1), **two),
+              "bfloat16", ep=2, hot_expert=3, moe=cfg(), run=MoERunOptions(expert_replicas=1), **two),
         layer("ep2_token_rounding", "tile-aware token rounding (round_tokens_to 16), EP2", 2, "bfloat16", ep=2,
-              moe=cfg(round_tokens_to=16), **two),
+              moe=cfg(), run=MoERunOptions(round_tokens_to=16), **two),
         layer("ep2_routing_replay", "routing replay: no-grad eval forwards record, the training forwards replay", 2,
               "bfloat16", ep=2, replay=True, moe=cfg(), **two),
         layer("ep2_capacity_padded", "capacity 1.0 padded to capacity (static splits, pair-wise all-to-all), EP2", 2,
-              "bfloat16", ep=2, moe=cfg(capacity_factor=1.0, pad_to_capacity=True), batch_per_rank=(2, 2),
+              "bfloat16", ep=2, moe=cfg(),
+              run=MoERunOptions(capacity_factor=1.0, pad_to_capacity=True), batch_per_rank=(2, 2),
               seq_len=32),
         # The layers above keep the default minimal activations (received rows + H; the routing weights' gradient
         # from the down projection's input gradient); the reference keeps the standard ones. float32 here: in bf16
@@ -119,9 +122,11 @@ def layer_cases(device: str) -> list[SuiteCase]:
               ep=2, etp=2, microbatches=2, moe=cfg(expert_biases=True, activation="clamped_swiglu"), **seq),
         layer("ep2_etp2_standard_bf16", "activation_memory standard (every intermediate kept) under EP2 x ETP2, "
               "gpt-oss biases (silu gate)", 4, "bfloat16", ep=2, etp=2,
-              moe=cfg(expert_biases=True, activation_memory="standard"), **seq),
+              moe=cfg(expert_biases=True),
+              run=MoERunOptions(activation_memory="standard"), **seq),
         layer("ep2_compiled_standard", "activation_memory standard compiled (inductor, fullgraph), EP2", 2,
-              "bfloat16", ep=2, compile=True, moe=cfg(activation_memory="standard", load_balance="aux_loss"), **two),
+              "bfloat16", ep=2, compile=True, moe=cfg(load_balance="aux_loss"),
+              run=MoERunOptions(activation_memory="standard"), **two),
         layer("ep2_accumulate_wgrad", "EP2, D512 F1024, three microbatches: the weight-gradient kernels add into "
               ".grad on dispatched counts", 2, "bfloat16", ep=2, microbatches=3,
               moe=cfg(dim=512, hidden_dim=1024, num_shared_experts=1), **two),
@@ -207,8 +212,8 @@ def main_cases(device: str, run_root: str) -> list[SuiteCase]:
                   "suite's and NCCL's, one GPU a rank)", 4, "gloo", lambda: _refused(run_root, device)),
         job("bf16_selective_ac_fp8_parity", "bf16 mixed precision, selective AC, FP8 experts and payload, EDP2 x EP2 "
             "--parity", 4, ["parallel.ep=2", "parallel.etp=1", "training.dtype=bf16",
-                            "training.activation_checkpoint=selective", "model.expert_precision=fp8",
-                            "model.dispatch_precision=fp8", "model.dim=128", "model.hidden_dim=256"], tol=5e-2),
+                            "training.activation_checkpoint=selective", "moe_run.expert_precision=fp8",
+                            "moe_run.dispatch_precision=fp8", "model.dim=128", "model.hidden_dim=256"], tol=5e-2),
         # EP4, not EDP: a compiled layer gathers EDP-sharded experts with DTensor's functional collectives, which
         # crash on gloo with CUDA tensors (torch 2.11); EDP compiles over NCCL, one rank a GPU.
         job("compiled_ep4_parity", "training.compile (each block one graph) on 4 ranks EP4 --parity", 4,

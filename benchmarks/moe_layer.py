@@ -19,7 +19,7 @@ max/mean, over every rank's tokens). Two timings per layer:
   step:  one-microbatch training step: fresh gradients (zero_grad(set_to_none=True), so each weight
          gradient is its GEMM's output, nothing added), and where experts are FSDP-sharded (EDP)
          FSDP's all-gather in forward and backward and gradient reduce-scatter.
-`--dispatch-precision fp8` sends the parallel layers' token payload in e4m3 (MoEConfig.dispatch_precision);
+`--dispatch-precision fp8` sends the parallel layers' token payload in e4m3 (MoERunOptions.dispatch_precision);
 each row records the bytes one step's all-to-alls sent (`sent_bytes`, counted by parallel/exchange.py).
 In the same run: the ceilings (dense bf16 matmul, the grouped SwiGLU alone at each per-rank shape,
 equal-split all_to_all at each dispatch size), a numerics check of the benchmarked path against an
@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from dtensor_moe import MoE, MoEConfig, MoEParallelDims, grouped_swiglu, parallelize_moe
+from dtensor_moe import MoE, MoEConfig, MoEParallelDims, MoERunOptions, grouped_swiglu, parallelize_moe
 from dtensor_moe.kernels import policy
 from dtensor_moe.parallel import exchange
 from dtensor_moe.routing.router import Routing, combine_weights_TE
@@ -133,17 +133,17 @@ def bypass_router(moe: MoE, weights_TK, experts_TK, probs_TE=None):
     moe.router.forward = lambda x_TD, expert_bias=None: Routing(weights_TK, experts_TK, probs_TE, None)
 
 
-def rounded_experts(cfg: MoEConfig, weights_TK, experts_TK, probs_TE):
-    """experts_TK as the layer rounds them (cfg.round_tokens_to; dropped pairs id E), for the rows and GEMM columns."""
-    if not cfg.round_tokens_to:
+def rounded_experts(cfg: MoEConfig, run: MoERunOptions, weights_TK, experts_TK, probs_TE):
+    """experts_TK as the layer rounds them (run.round_tokens_to; dropped pairs id E), for the rows and GEMM columns."""
+    if not run.round_tokens_to:
         return experts_TK
     weight_TE = combine_weights_TE(cfg, probs_TE, None, experts_TK)
-    return round_tokens(experts_TK, experts_TK, weights_TK, weight_TE, cfg.round_tokens_to)[0]
+    return round_tokens(experts_TK, experts_TK, weights_TK, weight_TE, run.round_tokens_to)[0]
 
 
-def build_layer(cfg, mesh, world, dev, dtype, **parallel_kwargs):
+def build_layer(cfg, run, mesh, world, dev, dtype, **parallel_kwargs):
     with torch.device(dev):  # initialized on the device: the E256 layer is 11G parameters
-        moe = MoE(cfg)
+        moe = MoE(cfg, run)
     moe.to(dtype)
     if MESHES[mesh] is not None:
         parallelize_moe(moe, MoEParallelDims(world, **MESHES[mesh]), device_type=dev.type, **parallel_kwargs)
@@ -154,21 +154,21 @@ def _rel_err(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
-def check_numerics(cfg, mesh, rank, world, T, dev, dtype, mode, zipf) -> dict:
+def check_numerics(cfg, run, mesh, rank, world, T, dev, dtype, mode, zipf) -> dict:
     """The benchmarked path (dtype, parallelized) against an fp32 single-process reference over
     the global batch, routed in the row's mode; loss = mean over ranks, as in tests/parity.py. An fp8
     layer runs every expert GEMM in FP8 here (the policy bypassed: its table has no entry at these smaller D, F)."""
-    if cfg.expert_precision == "fp8":
+    if run.expert_precision == "fp8":
         with mock.patch.object(policy, "gemm_precision", lambda precision, *a: precision):
-            return _check_numerics(cfg, mesh, rank, world, T, dev, dtype, mode, zipf)
-    return _check_numerics(cfg, mesh, rank, world, T, dev, dtype, mode, zipf)
+            return _check_numerics(cfg, run, mesh, rank, world, T, dev, dtype, mode, zipf)
+    return _check_numerics(cfg, run, mesh, rank, world, T, dev, dtype, mode, zipf)
 
 
-def _check_numerics(cfg, mesh, rank, world, T, dev, dtype, mode, zipf) -> dict:
+def _check_numerics(cfg, run, mesh, rank, world, T, dev, dtype, mode, zipf) -> dict:
     n = world if MESHES[mesh] is not None else 1
     torch.manual_seed(1234)  # same reference weights and global batch on every rank
     with torch.device(dev):
-        ref = MoE(cfg)
+        ref = MoE(cfg, run)
         x = torch.randn(n * T, cfg.dim)
         probs_TE = torch.softmax(torch.randn(n * T, cfg.num_experts), -1)
         scores_TK, experts_TK = routing.routing_TK(probs_TE, cfg.top_k, mode, zipf, seed=1234)
@@ -198,8 +198,7 @@ def _check_numerics(cfg, mesh, rank, world, T, dev, dtype, mode, zipf) -> dict:
 def numerics_config(cfg: MoEConfig) -> MoEConfig:
     """Same E, K and routing pattern, smaller D/F so the fp32 reference fits beside the layer."""
     return MoEConfig(dim=min(cfg.dim, 1024), hidden_dim=min(cfg.hidden_dim, 512), num_experts=cfg.num_experts,
-                     top_k=cfg.top_k, load_balance="none", expert_precision=cfg.expert_precision,
-                     dispatch_precision=cfg.dispatch_precision, round_tokens_to=cfg.round_tokens_to)
+                     top_k=cfg.top_k, load_balance="none")
 
 
 KERNEL_KINDS = (
@@ -335,19 +334,21 @@ def bench_layer(name, mesh, mode, args, dev, world, rank, dtype, peak, precision
     local = MESHES[mesh] is None
     if local and rank != 0:
         return None
-    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K, load_balance="none", expert_precision=precision,
-                    dispatch_precision=args.dispatch_precision, round_tokens_to=args.round_tokens_to)
+    cfg = MoEConfig(dim=D, hidden_dim=F, num_experts=E, top_k=K, load_balance="none")
+    run = MoERunOptions(expert_precision=precision, dispatch_precision=args.dispatch_precision,
+                        round_tokens_to=args.round_tokens_to)
     what = (name, mesh, routing.label(mode, args.zipf))
     progress(rank, *what, "numerics check")
-    numerics = check_numerics(numerics_config(cfg), mesh, rank, world, min(T, 2048), dev, dtype, mode, args.zipf)
+    numerics = check_numerics(numerics_config(cfg), run, mesh, rank, world, min(T, 2048), dev, dtype, mode,
+                              args.zipf)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     progress(rank, *what, "build")
-    moe = build_layer(cfg, mesh, world, dev, dtype)
+    moe = build_layer(cfg, run, mesh, world, dev, dtype)
     x, weights_TK, experts_TK, probs_TE = routing.routed_inputs(rank, T, D, E, K, dev, dtype, mode, args.zipf,
                                                                 with_probs=True)
     bypass_router(moe, weights_TK, experts_TK, probs_TE)
-    routed_TK = rounded_experts(cfg, weights_TK, experts_TK, probs_TE)  # what the experts receive
+    routed_TK = rounded_experts(cfg, run, weights_TK, experts_TK, probs_TE)  # what the experts receive
 
     def step():
         moe(x).float().sum().backward()
@@ -621,10 +622,11 @@ def main():
     ap.add_argument("--precisions", nargs="+", default=["bf16"], choices=("bf16", "fp8"),
                     help="expert_precision of the layers: a row each, side by side")
     ap.add_argument("--dispatch-precision", choices=("bf16", "fp8"), default="bf16",
-                    help="MoEConfig.dispatch_precision of the parallel layers (fp8: the EP/ETP token payload in e4m3)")
+                    help="MoERunOptions.dispatch_precision of the parallel layers (fp8: the EP/ETP token payload "
+                         "in e4m3)")
     routing.add_arguments(ap)
     ap.add_argument("--round-tokens-to", type=int, default=0,
-                    help="MoEConfig.round_tokens_to of every layer (0: off); rows, GEMM columns and load at the "
+                    help="MoERunOptions.round_tokens_to of every layer (0: off); rows, GEMM columns and load at the "
                          "rounded counts; torchtitan's columns stay its unrounded run")
     gemm_source = ap.add_mutually_exclusive_group()
     gemm_source.add_argument("--gemm-rates", default=None,

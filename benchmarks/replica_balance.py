@@ -24,7 +24,6 @@ import os
 import socket
 import sys
 import time
-from dataclasses import replace
 
 import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
 import routing  # noqa: E402
@@ -32,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dtensor_moe import MoE, MoEConfig, MoEParallelDims, owned_box, parallelize_moe, plan_moe
+from dtensor_moe import MoE, MoEConfig, MoEParallelDims, MoERunOptions, owned_box, parallelize_moe, plan_moe
 from dtensor_moe.tools import planner
 
 TARGET = 1.15  # issue 29: max / mean rows per EP rank with replicas
@@ -65,7 +64,7 @@ def measure_rank(rank: int, world: int, args, K: int) -> list[dict]:
         ref.router.gate.weight.copy_(torch.eye(E, dtype=torch.float64))  # routing reads the features
     layers = {}
     for r in (0, args.replicas):
-        layer = MoE(replace(cfg, expert_replicas=r, replica_replan_every=1)).to(torch.float64)
+        layer = MoE(cfg, MoERunOptions(expert_replicas=r, replica_replan_every=1)).to(torch.float64)
         layer.load_state_dict(ref.state_dict())
         layers[r] = parallelize_moe(layer, dims, device_type="cpu")
     planned = {wp.name: wp for wp in plan_moe(cfg, dims)}

@@ -1,5 +1,5 @@
 """Issue 29's check that hot-expert replicas change nothing but who computes: the main job for N steps on CPU gloo
-ranks (EP = nproc), once without replicas and once with `model.expert_replicas`, the same seed and data; prints the
+ranks (EP = nproc), once without replicas and once with `moe_run.expert_replicas`, the same seed and data; prints the
 per-step loss and gradient-norm differences and the load both runs measured, writes a small JSON.
 
     .venv/bin/python benchmarks/replica_losses.py --steps 200 --out benchmarks/results/2026-12-03
@@ -21,8 +21,8 @@ def _train(run_dir: str, args, replicas: int) -> list[dict]:
     cmd = [sys.executable, "-m", "dtensor_moe.cli", "train", "--config", "configs/tiny_cpu.toml", "--run-dir", run_dir,
            f"parallel.nproc={args.nproc}", f"parallel.ep={args.nproc}", "parallel.etp=1",
            f"training.steps={args.steps}",
-           "model.load_balance=none", f"model.expert_replicas={replicas}",
-           f"model.replica_replan_every={args.replan_every}"]
+           "model.load_balance=none", f"moe_run.expert_replicas={replicas}",
+           f"moe_run.replica_replan_every={args.replan_every}"]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     print(f"  replicas={replicas}: {time.perf_counter() - t0:.0f} s", flush=True)

@@ -89,15 +89,15 @@ AT_ONCE=1 RUN_LIMIT=150 BG=""
 [ "${TOGETHER:-0}" = 1 ] && AT_ONCE=$(grep -ow -E 'topk|round128|round128_fp8' <<<"$OPTIONS" | wc -l) RUN_LIMIT=300 BG="&"
 for seed in ${SEEDS:-0 1 2}; do  # interleaved, so that a drift of the GPU over the minutes falls on no one option
   [[ $OPTIONS == *" topk "* ]] && eval run topk "$seed" '""' "$BG"
-  [[ $OPTIONS == *" round128 "* ]] && eval run round128 "$seed" '""' model.round_tokens_to=128 "$BG"
+  [[ $OPTIONS == *" round128 "* ]] && eval run round128 "$seed" '""' moe_run.round_tokens_to=128 "$BG"
   [[ $OPTIONS == *" round128_fp8 "* ]] && eval run round128_fp8 "$seed" "DTENSOR_MOE_FP8_RATES=$FORCE" \
-    model.round_tokens_to=128 model.expert_precision=fp8 "$BG"
+    moe_run.round_tokens_to=128 moe_run.expert_precision=fp8 "$BG"
   wait
 done
 AT_ONCE=1 RUN_LIMIT=150
 if [[ $OPTIONS == *" compiled "* ]]; then
   run topk_compiled 0 "" training.compile=true
-  run round128_compiled 0 "" training.compile=true model.round_tokens_to=128
+  run round128_compiled 0 "" training.compile=true moe_run.round_tokens_to=128
 fi
 python3 - "$OUT/train_rounding.json" <<'PY' 2>&1 | tee -a "$LOG"
 import json, statistics, sys

@@ -157,7 +157,7 @@ def _flags(row: str, compiled: bool, batch: int, args) -> list[str]:
     if row == "hook_titan":
         flags += ["--dtensor_moe.experts", "titan"]
     elif row == "hook_ours":
-        flags += ["--dtensor_moe.activation_memory", args.activation_memory]
+        flags += ["--dtensor_moe.run.activation_memory", args.activation_memory]
     return flags
 
 

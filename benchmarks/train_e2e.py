@@ -208,18 +208,18 @@ def one_rank_group(dev: torch.device):
 
 def parallelize_ours(model, option: str, dev: torch.device, compile_backend: str, tiny: bool):
     """The row's dtensor_moe model (module docstring: which call each option goes through)."""
-    from dtensor_moe import MoEParallelDims
+    from dtensor_moe import MoEParallelDims, MoERunOptions
     from dtensor_moe.hf.model import parallelize_hf_model, swap_moe_blocks
     from dtensor_moe.parallel.blocks import parallelize_blocks
 
     one_rank_group(dev)
-    moe_options = {"fp8": {"expert_precision": "fp8"}, "standard": {"activation_memory": "standard"},
-                   "rounding": {"round_tokens_to": 8 if tiny else ROUND_TOKENS_TO}}.get(option, {})
+    run = MoERunOptions(**{"fp8": {"expert_precision": "fp8"}, "standard": {"activation_memory": "standard"},
+                           "rounding": {"round_tokens_to": 8 if tiny else ROUND_TOKENS_TO}}.get(option, {}))
     # Our MoE is constructed on the device (its weights are then copied from transformers' block): drawing
     # gigabytes of placeholder experts on the host and moving them would take seconds a layer. The blocks are
     # swapped here, so parallelize_hf_model's own swap finds none left.
     with torch.device(dev):
-        swap_moe_blocks(model, **moe_options)
+        swap_moe_blocks(model, run)
     dims = MoEParallelDims(1)
     if option == "compiled":
         return parallelize_blocks(model, model.model.layers, dims, device_type=dev.type, compile=compile_backend)

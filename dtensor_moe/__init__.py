@@ -1,6 +1,7 @@
 """dtensor_moe: DTensor-native Mixture-of-Experts parallelism (EP x EDP x ETP folded over FSDP2).
 
-The layer: `MoE` (configured by `MoEConfig`; its parts `TopKRouter`, `GroupedExperts`, `grouped_swiglu`).
+The layer: `MoE` (configured by `MoEConfig`, its architecture, and `MoERunOptions`, how a run computes it; its
+parts `TopKRouter`, `GroupedExperts`, `grouped_swiglu`).
 Parallelizing it: `MoEParallelDims` (the degrees; `MoEMeshes` their meshes), then `ExpertParallel` in a
 `parallelize_module` plan (with `compile_moe` and `fully_shard_moe` after it) or `parallelize_moe`, the three
 chained over a module tree. The placement plan they follow:
@@ -22,6 +23,7 @@ _EXPORTS = {
     "grouped_swiglu": "kernels.expert_autograd",
     "MoE": "moe",
     "MoEConfig": "config",
+    "MoERunOptions": "config",
     "MoEMeshes": "parallel.mesh",
     "MoEParallelDims": "parallel.mesh",
     "Ownership": "parallel.placement",

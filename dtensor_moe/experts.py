@@ -93,7 +93,7 @@ class SwiGLUExperts:
     hook (dtensor_moe/titan/experts.py: its parameters, names and shapes stay that family's).
 
     A subclass provides `swiglu_weights(dtype)` and the attributes `clamp` ((alpha, limit) of the clamped gate, or
-    None), `precision` (MoEConfig.expert_precision) and `activation_memory` (MoEConfig.activation_memory); the
+    None), `precision` (MoERunOptions.expert_precision) and `activation_memory` (MoERunOptions.activation_memory); the
     forward below is the same for all of them.
     """
 
@@ -158,9 +158,9 @@ class GroupedExperts(SwiGLUExperts, nn.Module):
             Default False.
         clamp (tuple[float, float] | None): (alpha, limit) of gpt-oss's clamped SwiGLU, None for plain
             SwiGLU. Default None.
-        precision (str): the GEMMs' precision, `MoEConfig.expert_precision`: "bf16" or "fp8".
+        precision (str): the GEMMs' precision, `MoERunOptions.expert_precision`: "bf16" or "fp8".
             Default "bf16".
-        activation_memory (str): what the backward keeps, `MoEConfig.activation_memory`: "standard" (every
+        activation_memory (str): what the backward keeps, `MoERunOptions.activation_memory`: "standard" (every
             intermediate) or "minimal" (the token rows once and the gate / up pre-activation). Default "minimal".
 
     Forward: `experts(x, counts_E, copies)` copies tokens x [..., D] into expert order by their routing
@@ -195,10 +195,11 @@ class GroupedExperts(SwiGLUExperts, nn.Module):
             self.b13 = self.b2 = None
 
     @classmethod
-    def from_config(cls, config) -> "GroupedExperts":
+    def from_config(cls, config, options) -> "GroupedExperts":
+        """The experts of a layer of `config` (MoEConfig) run with `options` (MoERunOptions)."""
         clamp = (config.swiglu_alpha, config.swiglu_limit) if config.activation == "clamped_swiglu" else None
         return cls(config.dim, config.hidden_dim, config.num_experts, config.expert_biases, clamp,
-                   config.expert_precision, effective_activation_memory(config))
+                   options.expert_precision, effective_activation_memory(options))
 
     def swiglu_weights(self, dtype: torch.dtype) -> tuple:
         return self.w13, self.w2, self.b13, self.b2

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dtensor_moe.config import MoEConfig
+from dtensor_moe.config import MoEConfig, MoERunOptions, check_run_options
 from dtensor_moe.experts import GroupedExperts
 from dtensor_moe.kernels.recompute import recomputing
 from dtensor_moe.routing.capacity import capacity, kept_pairs
@@ -71,8 +71,10 @@ class MoE(nn.Module):
     counts over the ranks). docs/routing.md describes the routing and the losses.
 
     Args:
-        config (MoEConfig): the layer's configuration. The weights are initialized at construction
+        config (MoEConfig): the layer's architecture and routing. The weights are initialized at construction
             (`reset_parameters(std=0.02)`: normal or truncated-normal weights, zero biases).
+        options (MoERunOptions | None): how this run computes it (token dropping and rounding, precisions, what
+            the backward keeps, replicas, the row cap); None: `MoERunOptions()`, dropless in bf16.
 
     Shape:
         input x_BLD [..., dim], floating point, any leading dims (batch, sequence); the output has its
@@ -88,11 +90,13 @@ class MoE(nn.Module):
         >>> (y_BLD.square().mean() + sum(moe.losses())).backward()
     """
 
-    def __init__(self, config: MoEConfig):
+    def __init__(self, config: MoEConfig, options: MoERunOptions | None = None):
         super().__init__()
-        self.config = config
+        options = MoERunOptions() if options is None else options
+        check_run_options(config, options)
+        self.config, self.options = config, options
         self.router = TopKRouter(config)
-        self.experts = GroupedExperts.from_config(config)
+        self.experts = GroupedExperts.from_config(config, options)
         self.shared_experts = (
             FeedForward(config.dim, config.hidden_dim * config.num_shared_experts)
             if config.num_shared_experts > 0
@@ -121,7 +125,7 @@ class MoE(nn.Module):
             self.shared_experts.reset_parameters(std)
 
     def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
-        cfg = self.config
+        cfg, run = self.config, self.options
         if x_BLD.dim() < 1 or x_BLD.shape[-1] != cfg.dim or not x_BLD.is_floating_point():
             raise ValueError(f"MoE expects [..., dim={cfg.dim}] floating-point input, got shape {tuple(x_BLD.shape)} "
                              f"of {x_BLD.dtype}")
@@ -147,24 +151,24 @@ class MoE(nn.Module):
             self.z_loss = self._z_loss(r.logits_TE)
 
         weights_TK, experts_TK = r.weights_TK, r.experts_TK
-        if cfg.capacity_factor is not None:
+        if run.capacity_factor is not None:
             # Statistics and balance losses above see what the router asked for, before dropping.
-            keep_TK = kept_pairs(weights_TK, r.experts_TK, counts_E, cfg.capacity_factor, cfg.drop_policy)
+            keep_TK = kept_pairs(weights_TK, r.experts_TK, counts_E, run.capacity_factor, run.drop_policy)
             weights_TK = weights_TK * keep_TK
             # Dropped pairs get expert id E: they sort last and counts_E no longer counts them.
             experts_TK = torch.where(keep_TK, r.experts_TK, cfg.num_experts)
-        if cfg.round_tokens_to:  # after capacity, and after the statistics too (docs/routing.md, "Token rounding")
-            C = None if cfg.capacity_factor is None else capacity(len(x_TD), cfg.top_k, cfg.num_experts,
-                                                                   cfg.capacity_factor)
+        if run.round_tokens_to:  # after capacity, and after the statistics too (docs/routing.md, "Token rounding")
+            C = None if run.capacity_factor is None else capacity(len(x_TD), cfg.top_k, cfg.num_experts,
+                                                                   run.capacity_factor)
             if len(x_TD) and not torch.compiler.is_compiling():  # an empty forward rounds nothing away
-                _warn_unreachable_rounding(cfg, len(x_TD))
+                _warn_unreachable_rounding(cfg, run, len(x_TD))
             experts_TK, weights_TK = round_tokens_compiled(
                 r.experts_TK, experts_TK, weights_TK, combine_weights_TE(cfg, r.scores_TE, r.logits_TE, r.experts_TK),
-                cfg.round_tokens_to, C, cfg.num_expert_groups)
+                run.round_tokens_to, C, cfg.num_expert_groups)
         if experts_TK is not r.experts_TK:
             sorted_N, order_N, counts_E = expert_major(experts_TK.flatten(), cfg.num_experts)
-        if cfg.pad_to_capacity:  # every expert a block of exactly C rows: static shapes downstream
-            C = capacity(x_TD.shape[0], cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+        if run.pad_to_capacity:  # every expert a block of exactly C rows: static shapes downstream
+            C = capacity(x_TD.shape[0], cfg.top_k, cfg.num_experts, run.capacity_factor)
             copies = PaddedCopies.build(order_N, sorted_N, counts_E, weights_TK, C)
             counts_E = torch.full_like(counts_E, C)
         else:
@@ -242,12 +246,12 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
 
 
-def _warn_unreachable_rounding(cfg: MoEConfig, tokens: int) -> None:
+def _warn_unreachable_rounding(cfg: MoEConfig, run: MoERunOptions, tokens: int) -> None:
     """A forward too small for round_tokens_to rounds every pair away: warned, not raised, since under EP another
     rank with more tokens may be inside a collective already (the main job and the hook refuse it before launch)."""
     try:
-        check_rounding_reachable(cfg.round_tokens_to, tokens, cfg.top_k, cfg.num_experts, cfg.capacity_factor,
-                                 "this forward's", "MoEConfig.round_tokens_to")
+        check_rounding_reachable(run.round_tokens_to, tokens, cfg.top_k, cfg.num_experts, run.capacity_factor,
+                                 "this forward's", "MoERunOptions.round_tokens_to")
     except ValueError as e:
         warnings.warn(str(e))  # one location: Python's default filter shows it once
 

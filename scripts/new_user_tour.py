@@ -103,7 +103,7 @@ def api_cases(tour: Tour, ckpt_ready):
     import torch
     import torch.distributed as dist
 
-    from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe, plan_moe
+    from dtensor_moe import MoE, MoEConfig, MoEParallelDims, MoERunOptions, parallelize_moe, plan_moe
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.parallel.parallelize_model import parallelize_model
@@ -121,6 +121,11 @@ def api_cases(tour: Tour, ckpt_ready):
     api(tour, A, "MoEConfig(score_func='relu')", lambda: moe_cfg(score_func="relu"), ["score_func", "softmax"])
     api(tour, A, "MoEConfig(num_expert_groups=3) with num_experts=8", lambda: moe_cfg(num_expert_groups=3),
         ["num_expert_groups"])
+    api(tour, A, "MoERunOptions(capacity_factor=0)", lambda: MoERunOptions(capacity_factor=0), ["capacity_factor"])
+    api(tour, A, "MoERunOptions(pad_to_capacity=True) without a capacity_factor",
+        lambda: MoERunOptions(pad_to_capacity=True), ["pad_to_capacity", "capacity_factor"])
+    api(tour, A, "MoE(num_experts=8, MoERunOptions(expert_replicas=9))",
+        lambda: MoE(moe_cfg(), MoERunOptions(expert_replicas=9)), ["expert_replicas", "num_experts"])
     api(tour, A, "ModelConfig(dim=64, n_heads=3)", lambda: ModelConfig(n_heads=3), ["n_heads"])
     M = "API mesh/plan"
     api(tour, M, "MoEParallelDims(8, ep=2.0)", lambda: MoEParallelDims(8, ep=2.0), ["ep"])

@@ -41,17 +41,17 @@ def _passed(stdout: str) -> str:
 # (tried, run dir, overrides): the tiny job is 2 CPU ranks EP2, global batch 4 of 8 tokens: 16 tokens per rank and
 # forward (8 on TP2, 8 per microbatch under PP2).
 TRAIN = [
-    ("model.expert_replicas=1 and the row cap model.max_rows_per_rank=64 (EP2): the reference goes without both",
-     "pa_replicas", ["model.expert_replicas=1", "model.max_rows_per_rank=64"]),
-    ("model.capacity_factor=1.0 (EP2): each rank drops among its own 16 tokens' pairs", "pa_capacity",
-     ["model.capacity_factor=1.0"]),
-    ("model.round_tokens_to=4 (EP2): each rank rounds its own pairs", "pa_rounding", ["model.round_tokens_to=4"]),
+    ("moe_run.expert_replicas=1 and the row cap moe_run.max_rows_per_rank=64 (EP2): the reference goes without both",
+     "pa_replicas", ["moe_run.expert_replicas=1", "moe_run.max_rows_per_rank=64"]),
+    ("moe_run.capacity_factor=1.0 (EP2): each rank drops among its own 16 tokens' pairs", "pa_capacity",
+     ["moe_run.capacity_factor=1.0"]),
+    ("moe_run.round_tokens_to=4 (EP2): each rank rounds its own pairs", "pa_rounding", ["moe_run.round_tokens_to=4"]),
     ("4 ranks TP2 x EP2, capacity_factor 1.25 + round_tokens_to 2 + sequence-wise aux loss: each rank's slice of "
-     "each sequence", "pa_tp", ["parallel.nproc=4", "parallel.tp=2", "model.capacity_factor=1.25",
-                                "model.round_tokens_to=2", "model.seq_aux_loss_coeff=0.01"]),
+     "each sequence", "pa_tp", ["parallel.nproc=4", "parallel.tp=2", "moe_run.capacity_factor=1.25",
+                                "moe_run.round_tokens_to=2", "model.seq_aux_loss_coeff=0.01"]),
     ("4 ranks PP2 x EP2, 2 microbatches, capacity_factor 1.0, aux-free bias, routing replay", "pa_pp",
      ["parallel.nproc=4", "parallel.pp=2", "parallel.microbatches=2", "model.n_layers=2",
-      "model.capacity_factor=1.0", "model.load_balance=aux_free_bias", "training.routing_replay=true"]),
+      "moe_run.capacity_factor=1.0", "model.load_balance=aux_free_bias", "training.routing_replay=true"]),
 ]
 
 

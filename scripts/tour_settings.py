@@ -83,21 +83,21 @@ def config_cases(tour: Tour) -> list[Result]:
     """Class 1 and 8 through the CLI: refused before launch, or accepted and checked."""
     s, out = tour.scratch, []
     # The tiny job: global_batch 4 over 2 data-parallel ranks, seq_len 8: 16 tokens per rank per forward.
-    out.append(cli(tour, AREA, "train: model.max_rows_per_rank=100 with parallel.ep=1 (never enforced)",
-                   _tiny(tour, "--run-dir", str(s / "st_cap_ep1"), "parallel.ep=1", "model.max_rows_per_rank=100"),
-                   ["model.max_rows_per_rank", "parallel.ep"], run_dir=str(s / "st_cap_ep1")))
-    out.append(cli(tour, AREA, "train: model.round_tokens_to=64 above the 16 tokens a rank's MoE sees per forward",
-                   _tiny(tour, "--run-dir", str(s / "st_round"), "model.round_tokens_to=64"),
-                   ["model.round_tokens_to", "16"], run_dir=str(s / "st_round")))
-    out.append(cli(tour, AREA, "train: model.round_tokens_to=8 above the capacity (capacity_factor 0.5: 4 pairs)",
-                   _tiny(tour, "--run-dir", str(s / "st_round_cap"), "model.round_tokens_to=8",
-                         "model.capacity_factor=0.5"), ["model.round_tokens_to", "capacity"],
+    out.append(cli(tour, AREA, "train: moe_run.max_rows_per_rank=100 with parallel.ep=1 (never enforced)",
+                   _tiny(tour, "--run-dir", str(s / "st_cap_ep1"), "parallel.ep=1", "moe_run.max_rows_per_rank=100"),
+                   ["moe_run.max_rows_per_rank", "parallel.ep"], run_dir=str(s / "st_cap_ep1")))
+    out.append(cli(tour, AREA, "train: moe_run.round_tokens_to=64 above the 16 tokens a rank's MoE sees per forward",
+                   _tiny(tour, "--run-dir", str(s / "st_round"), "moe_run.round_tokens_to=64"),
+                   ["moe_run.round_tokens_to", "16"], run_dir=str(s / "st_round")))
+    out.append(cli(tour, AREA, "train: moe_run.round_tokens_to=8 above the capacity (capacity_factor 0.5: 4 pairs)",
+                   _tiny(tour, "--run-dir", str(s / "st_round_cap"), "moe_run.round_tokens_to=8",
+                         "moe_run.capacity_factor=0.5"), ["moe_run.round_tokens_to", "capacity"],
                    run_dir=str(s / "st_round_cap")))
-    out.append(cli(tour, AREA, "train: model.expert_replicas=1 with parallel.ep=1",
-                   _tiny(tour, "--run-dir", str(s / "st_rep_ep1"), "parallel.ep=1", "model.expert_replicas=1"),
+    out.append(cli(tour, AREA, "train: moe_run.expert_replicas=1 with parallel.ep=1",
+                   _tiny(tour, "--run-dir", str(s / "st_rep_ep1"), "parallel.ep=1", "moe_run.expert_replicas=1"),
                    ["expert_replicas", "ep"], run_dir=str(s / "st_rep_ep1")))
-    out.append(cli(tour, AREA, "train: model.expert_replicas=5 (the model has 4 experts)",
-                   _tiny(tour, "--run-dir", str(s / "st_rep_many"), "model.expert_replicas=5"),
+    out.append(cli(tour, AREA, "train: moe_run.expert_replicas=5 (the model has 4 experts)",
+                   _tiny(tour, "--run-dir", str(s / "st_rep_many"), "moe_run.expert_replicas=5"),
                    ["expert_replicas", "num_experts"], run_dir=str(s / "st_rep_many")))
     # plan: the checkpoint's architecture (4 experts: ep in {1, 2, 4}; the built-in 8 would allow ep 8).
     ckpt = _qwen3_dir(s / "st_qwen")
@@ -133,15 +133,16 @@ def config_cases(tour: Tour) -> list[Result]:
 def hook_cases(tour: Tour) -> list[Result]:
     """The torchtitan hook's config: the main job's checks, while parsing."""
     return [
-        hook_refused(tour, "--dtensor_moe.max_rows_per_rank 100 without --dtensor_moe.ep",
-                     ["--dtensor_moe.max_rows_per_rank", "100"], ["max_rows_per_rank", "--dtensor_moe.ep"], world=2),
-        hook_refused(tour, "--dtensor_moe.expert_replicas 9 at ep 2 (the model's layers have 8 experts)",
-                     ["--dtensor_moe.ep", "2", "--dtensor_moe.expert_replicas", "9"],
+        hook_refused(tour, "--dtensor_moe.run.max_rows_per_rank 100 without --dtensor_moe.ep",
+                     ["--dtensor_moe.run.max_rows_per_rank", "100"], ["max_rows_per_rank", "--dtensor_moe.ep"],
+                     world=2),
+        hook_refused(tour, "--dtensor_moe.run.expert_replicas 9 at ep 2 (the model's layers have 8 experts)",
+                     ["--dtensor_moe.ep", "2", "--dtensor_moe.run.expert_replicas", "9"],
                      ["expert_replicas", "num_experts"], world=2),
-        hook_refused(tour, "--dtensor_moe.round_tokens_to 64 above 2 x 16 tokens per forward",
-                     ["--dtensor_moe.ep", "2", "--dtensor_moe.round_tokens_to", "64", "--training.local_batch_size",
+        hook_refused(tour, "--dtensor_moe.run.round_tokens_to 64 above 2 x 16 tokens per forward",
+                     ["--dtensor_moe.ep", "2", "--dtensor_moe.run.round_tokens_to", "64", "--training.local_batch_size",
                       "2", "--training.seq_len", "16"], ["round_tokens_to", "32 tokens"], world=2),
-        hook_refused(tour, "--dtensor_moe.expert_replicas -1", ["--dtensor_moe.expert_replicas", "-1"],
+        hook_refused(tour, "--dtensor_moe.run.expert_replicas -1", ["--dtensor_moe.run.expert_replicas", "-1"],
                      ["expert_replicas"], world=1),
     ]
 
@@ -231,11 +232,12 @@ def hook_row_cap_case(tour: Tour) -> Result:
     status of 4 (ROW_CAP_RC; torchrun's own failure report names it)."""
     rc, err, out, dt = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                              "-m", "dtensor_moe.titan.cpu_train", *HOOK, "--dump_folder", str(tour.scratch / "st_hook"),
-                             "--dtensor_moe.ep", "2", "--dtensor_moe.max_rows_per_rank", "1", "--training.steps", "2"],
+                             "--dtensor_moe.ep", "2", "--dtensor_moe.run.max_rows_per_rank", "1", "--training.steps",
+                             "2"],
                             tour.scratch)
     text = err + out
     ours = [ln for ln in text.splitlines() if ln.startswith("dtensor_moe.titan:")]
-    r = Result(AREA, "hook: --dtensor_moe.max_rows_per_rank 1 exceeded on 2 ranks (EP2)",
+    r = Result(AREA, "hook: --dtensor_moe.run.max_rows_per_rank 1 exceeded on 2 ranks (EP2)",
                outcome="timeout" if rc is None else f"rc {rc}", message=(ours or [""])[0], seconds=dt)
     if rc is None:
         r.verdict, r.why = "hang", f"> {TIMEOUT_S:.0f} s"
@@ -253,7 +255,7 @@ def hook_row_cap_case(tour: Tour) -> Result:
 
 
 def resume_cases(tour: Tour) -> list[Result]:
-    """Class 8: a 2-step run saved without replicas resumes with model.expert_replicas=1 (rc 0, step 4 reached);
+    """Class 8: a 2-step run saved without replicas resumes with moe_run.expert_replicas=1 (rc 0, step 4 reached);
     a changed top_k is still refused in one line (another model)."""
     run_dir = tour.scratch / "st_resume"
     rc, err, _, dt = run_cli(_tiny(tour, "--run-dir", str(run_dir), "--steps", "2", "--checkpoint-every", "2"),
@@ -268,9 +270,9 @@ def resume_cases(tour: Tour) -> list[Result]:
         return "" if steps and max(steps) == 4 else f"steps {steps}"
 
     return [
-        cli(tour, AREA, "train --resume with model.expert_replicas=1 (saved without): same weights, resumed",
-            _tiny(tour, "--run-dir", str(run_dir), "--resume", "model.expert_replicas=1"), [], valid=False, expect_rc=0,
-            accepted_check=reached_4),
+        cli(tour, AREA, "train --resume with moe_run.expert_replicas=1 (saved without): same weights, resumed",
+            _tiny(tour, "--run-dir", str(run_dir), "--resume", "moe_run.expert_replicas=1"), [], valid=False,
+            expect_rc=0, accepted_check=reached_4),
         cli(tour, AREA, "train --resume with model.top_k=1 (saved with 2): another model, refused",
             _tiny(tour, "--run-dir", str(run_dir), "--resume", "--steps", "6", "model.top_k=1"),
             ["top_k", "another model config"], valid=False, guard=[str(run_dir / "checkpoints")]),

@@ -19,6 +19,7 @@ from dtensor_moe import (
     MoE,
     MoEConfig,
     MoEParallelDims,
+    MoERunOptions,
     owned_box,
     ownership,
     parallelize_moe,
@@ -40,10 +41,10 @@ def moe_config(*, num_experts: int, top_k: int, **kw) -> MoEConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class Case:
-    """A parity case: the layer (`moe`) and how the test folds, feeds and runs it. Both sides run `moe`
-    as it is, except that the reference never pads to capacity (both modes drop the same pairs) and, but with
-    FP8 experts, keeps the standard activations (so activation_memory "minimal" meets the other path); under
-    expert_precision "fp8" both quantize the same rows (CPU emulation), so parity stays tight."""
+    """A parity case: the layer (`moe`), its run options (`run`) and how the test folds, feeds and runs it. Both
+    sides run `MoE(moe, run)` as it is, except that the reference never pads to capacity (both modes drop the same
+    pairs) and, but with FP8 experts, keeps the standard activations (so activation_memory "minimal" meets the other
+    path); under expert_precision "fp8" both quantize the same rows (CPU emulation), so parity stays tight."""
 
     dp_replicate: int = 1
     ep: int = 1
@@ -51,6 +52,7 @@ class Case:
     cp: int = 1
     tp: int = 1
     moe: MoEConfig
+    run: MoERunOptions = MoERunOptions()  # capacity, padding, precisions, activation memory, replicas, rounding
     batch_per_rank: tuple[int, ...]  # sequences per data-parallel group: per rank when cp = tp = 1 (0 allowed)
     seq_len: int = 3  # a multiple of cp * tp: each of those ranks takes seq_len / (cp * tp) of every sequence
     hot_expert: int | None = None  # route (almost) every token to this expert
@@ -70,14 +72,14 @@ class Case:
 
 
 def build(case: Case, world_size: int):
-    cfg = case.moe
+    cfg, run = case.moe, case.run
     dims = MoEParallelDims(world_size, dp_replicate=case.dp_replicate, cp=case.cp, tp=case.tp, ep=case.ep, etp=case.etp)
     dtype = getattr(torch, case.dtype)
     g = torch.Generator().manual_seed(case.seed)
     # FP8 quantizes other operands on the two paths (dz W2 before the routing weight, not after): there the
     # reference runs the case's own path, and tests/test_activation_memory.py bounds FP8 "minimal" against exact.
-    memory = cfg.activation_memory if cfg.expert_precision == "fp8" else "standard"
-    ref = MoE(replace(cfg, pad_to_capacity=False, activation_memory=memory)).to(dtype)
+    memory = run.activation_memory if run.expert_precision == "fp8" else "standard"
+    ref = MoE(cfg, replace(run, pad_to_capacity=False, activation_memory=memory)).to(dtype)
     with torch.no_grad():
         for p in ref.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=dtype) * 0.5)
@@ -163,7 +165,7 @@ def parity_errors(rank: int, world_size: int, case: Case) -> tuple[dict, MoE]:
     dtype = getattr(torch, case.compute_dtype or case.dtype)
     err = functools.partial(_err, relative=dtype != torch.float64)
 
-    model = MoE(cfg).to(dtype=dtype, device=case.device)
+    model = MoE(cfg, case.run).to(dtype=dtype, device=case.device)
     model.load_state_dict(ref.state_dict())
     full = {n: p.detach().clone() for n, p in ref.named_parameters()}
     R = world_size
@@ -172,7 +174,7 @@ def parity_errors(rank: int, world_size: int, case: Case) -> tuple[dict, MoE]:
     # Reference: one process, the concatenated batch, loss = mean over ranks of each rank's loss.
     x_ref = x.clone().requires_grad_(True)
     y_ref = ref(x_ref)
-    if cfg.capacity_factor is None and not cfg.round_tokens_to:
+    if case.run.capacity_factor is None and not case.run.round_tokens_to:
         outs = [y_ref[_slice(case, dims, r)] for r in range(R)]
     else:
         # Capacity and token rounding are per rank's tokens: the reference output runs each rank's slice on its
@@ -223,7 +225,7 @@ def parity_errors(rank: int, world_size: int, case: Case) -> tuple[dict, MoE]:
     # From the second microbatch on, every expert weight gradient is summed by the GEMMs themselves.
     # Compiled graphs leave accumulation to autograd (the in-GEMM sum reads .grad, which a graph cannot),
     # and so do FP8 weight gradients (a fresh GEMM output).
-    in_gemm = 0 if case.compile or cfg.expert_precision == "fp8" else 2 * (n - 1)  # w13 and w2
+    in_gemm = 0 if case.compile or case.run.expert_precision == "fp8" else 2 * (n - 1)  # w13 and w2
     errs["accumulated_outside_gemm"] = float(n > 1 and fused.call_count != in_gemm)
     errs["grad:x"] = err(x_r.grad, x_ref.grad[mine] * R * n)
     # Each rank's gradient shard against its owned box of the reference gradient: the boxes tile every

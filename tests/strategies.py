@@ -5,9 +5,10 @@ ETP > 1 (at one rank: tokens and 1 <= top_k < E). Each edge (`EDGES`) joins a ca
 fourteen, so about 70% of the cases have none and a few have two; a NaN or +-Inf token joins one in seven.
 `python -m tests.strategies` prints the shares.
 
-Hypothesis draws the layer's options and sizes; the case's structure (the folding of both meshes, E, top_k,
-the edges, the non-finite token, compile, FP8, expert replicas and token rounding) comes from coins seeded with
-a checksum of those draws.
+Hypothesis draws the layer's options (its MoEConfig fields and the drop policy of its MoERunOptions) and sizes;
+the case's structure (the folding of both meshes, E, top_k, the edges, the non-finite token, compile, and the
+run options: capacity, padding, FP8, expert replicas, token rounding, activation memory) comes from coins seeded
+with a checksum of those draws.
 Hypothesis's own choices are not independent across examples (it favours small values and re-draws
 near-copies of earlier examples), so their shares wandered between seeds: a one-in-fourteen sampled_from held
 in 2% to 20% of 200 cases, ETP > 1 in 6 of 48 four-rank cases with one seed and 41 with another. Shrinking
@@ -21,6 +22,7 @@ from dataclasses import replace
 
 from hypothesis import strategies as st
 
+from dtensor_moe import MoERunOptions
 from dtensor_moe.parallel.mesh import divisors
 
 from .parity import Case, moe_config
@@ -69,6 +71,7 @@ def cases(draw, world_size: int):
         pad=draw(st.booleans()),  # pad_to_capacity, where there is a capacity
     )
     coins = random.Random(zlib.crc32(repr((world_size, options, sizes)).encode()))
+    run = MoERunOptions(drop_policy=options.pop("drop_policy"))  # drawn with the layer's options: the same coins
     edges = {e for e in EDGES if coins.random() < 1 / 14}
     dp_replicate, cp, tp, ep, etp = folding(coins, world_size, expert_axes="no_expert_axes" not in edges)
     if "one_expert" in edges:  # one expert cannot be split over EP ranks: those become EDP ranks
@@ -88,24 +91,25 @@ def cases(draw, world_size: int):
     # Capacity dropping one case in three, a second microbatch (gradient accumulation) one in four.
     capacity_factor = coins.choice((0.5, 1.0)) if coins.random() < 1 / 3 else None
     layer = moe_config(**options, hidden_dim=etp * sizes["hidden"], num_experts=num_experts, top_k=top_k,
-                       num_expert_groups=groups, num_limited_groups=limited, capacity_factor=capacity_factor)
-    case = Case(dp_replicate=dp_replicate, ep=ep, etp=etp, cp=cp, tp=tp, moe=layer, batch_per_rank=tuple(batch),
+                       num_expert_groups=groups, num_limited_groups=limited)
+    case = Case(dp_replicate=dp_replicate, ep=ep, etp=etp, cp=cp, tp=tp, moe=layer,
+                run=replace(run, capacity_factor=capacity_factor), batch_per_rank=tuple(batch),
                 seq_len=cp * tp * (sizes["seq"] if cp * tp == 1 else min(sizes["seq"], 2)),
                 hot_expert=coins.randrange(num_experts) if "hot_expert" in edges else None, seed=sizes["seed"],
                 microbatches=2 if coins.random() < 1 / 4 else 1)
     # Dropless: the single-process layer runs capacity-dropped pairs as zero-weight rows, and 0 * Inf = NaN
     # leaves a dropped non-finite token (tests/test_moe_local.py::test_dropped_nonfinite_token_stays_isolated).
     if coins.random() < 1 / 7:
-        case = replace(case, moe=replace(case.moe, capacity_factor=None), nonfinite_token=coins.randrange(65),
+        case = replace(case, run=replace(case.run, capacity_factor=None), nonfinite_token=coins.randrange(65),
                        nonfinite_value=float(coins.choice(NONFINITE)))
     # Padding to capacity needs the same token count on every rank of the expert group (static splits).
-    if case.moe.capacity_factor is not None and sizes["pad"]:
-        case = replace(case, moe=replace(case.moe, pad_to_capacity=True), batch_per_rank=(batch[0],) * dp_groups)
+    if case.run.capacity_factor is not None and sizes["pad"]:
+        case = replace(case, run=replace(case.run, pad_to_capacity=True), batch_per_rank=(batch[0],) * dp_groups)
     # Compiled (dynamo + AOTAutograd, no codegen; fullgraph) one case in sixteen on 1 rank and one in 32 on 2,
     # every 2-rank folding (EP, ETP, EDP, HSDP, CP, TP) included: a compiled case traces anew on every rank,
     # 10-30x an eager case (half the draw's time at 1 and 2 ranks), so larger foldings compile in the named
     # cases only (test_parity.COMPILED), and padded ones in compiled_padded_ep2 only.
-    if world_size <= 2 and not case.moe.pad_to_capacity and coins.random() < 1 / (16 * world_size):
+    if world_size <= 2 and not case.run.pad_to_capacity and coins.random() < 1 / (16 * world_size):
         case = replace(case, compile="aot_eager")
     # FP8 experts one draw in four where the quantization blocks are the reference's, i.e. pure EP: ETP
     # splits the rows the forward's w2 and h scales span, and data parallelism (replicas, EDP) splits an
@@ -116,22 +120,22 @@ def cases(draw, world_size: int):
     # gradients reach the experts scaled by 1 / world, and float32 scales (amax / 448) divide exactly only by
     # powers of two (pure EP on 6 ranks differed by ~1e-7, float32 rounding).
     if (ep == world_size and world_size & (world_size - 1) == 0 and cp * tp == 1 and not case.compile
-            and case.moe.capacity_factor is None and coins.random() < 1 / 4):
-        case = replace(case, moe=replace(case.moe, expert_precision="fp8"))
+            and case.run.capacity_factor is None and coins.random() < 1 / 4):
+        case = replace(case, run=replace(case.run, expert_precision="fp8"))
     # Hot-expert replicas where the dispatch runs them (EP > 1, not padded, eager), half of those cases: one or two
     # slots a rank, re-placed every forward (a second microbatch's placement from the first's counts) or rarely.
     # Not with FP8 experts: a replica's rows are quantized in blocks of their own.
-    if (ep > 1 and not case.moe.pad_to_capacity and not case.compile and case.moe.expert_precision != "fp8"
+    if (ep > 1 and not case.run.pad_to_capacity and not case.compile and case.run.expert_precision != "fp8"
             and coins.random() < 1 / 2):
-        case = replace(case, moe=replace(case.moe, expert_replicas=coins.choice((1, 2)),
+        case = replace(case, run=replace(case.run, expert_replicas=coins.choice((1, 2)),
                                          replica_replan_every=coins.choice((1, 100))))
     # Token rounding one case in four, to tiles small enough for these few pairs per expert (3: any int is a
     # tile). Drawn after the others, so every choice above stays as it was. Not padded (refused), not with a
     # non-finite token (the single-process layer runs dropped pairs as zero-weight rows: 0 * Inf, as for
     # capacity), not with FP8 experts (those rows would join its scales' amax).
-    if (not case.moe.pad_to_capacity and case.nonfinite_token is None and case.moe.expert_precision != "fp8"
+    if (not case.run.pad_to_capacity and case.nonfinite_token is None and case.run.expert_precision != "fp8"
             and coins.random() < 1 / 4):
-        case = replace(case, moe=replace(case.moe, round_tokens_to=coins.choice((2, 3, 4, 8))))
+        case = replace(case, run=replace(case.run, round_tokens_to=coins.choice((2, 3, 4, 8))))
     # Routing replay one eager case in five (after the other coins, which it leaves as they were): the training
     # forwards replay what a no-grad eval rollout of the same tokens recorded, so nothing may change.
     if not case.compile and coins.random() < 1 / 5:
@@ -140,7 +144,7 @@ def cases(draw, world_size: int):
     # the reference runs "standard" (but with FP8 experts, tests/parity.build), so the two paths meet in every
     # folding, padded and replica cases included (which run "standard" there anyway).
     if coins.random() < 1 / 3:
-        case = replace(case, moe=replace(case.moe, activation_memory="standard"))
+        case = replace(case, run=replace(case.run, activation_memory="standard"))
     return case
 
 
@@ -163,13 +167,13 @@ def kinds(case: Case, world_size: int) -> dict[str, bool]:
         "EP > 1 with tokens and K < E": case.ep > 1 and any(b) and K < E,
         "NaN token": bad and case.nonfinite_value != case.nonfinite_value,
         "Inf token": bad and abs(case.nonfinite_value) == float("inf"),
-        "capacity dropping": case.moe.capacity_factor is not None,
-        "pad_to_capacity": case.moe.pad_to_capacity,
+        "capacity dropping": case.run.capacity_factor is not None,
+        "pad_to_capacity": case.run.pad_to_capacity,
         "compiled": bool(case.compile),
-        "fp8 experts": case.moe.expert_precision == "fp8",
+        "fp8 experts": case.run.expert_precision == "fp8",
         "CP or TP > 1": case.cp * case.tp > 1,
-        "expert replicas": case.moe.expert_replicas > 0,
-        "token rounding": case.moe.round_tokens_to > 0,
+        "expert replicas": case.run.expert_replicas > 0,
+        "token rounding": case.run.round_tokens_to > 0,
         "routing replay": case.replay,
     }
 

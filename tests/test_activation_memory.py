@@ -1,4 +1,4 @@
-"""MoEConfig.activation_memory = "minimal": the same outputs and gradients as "standard", keeping at most 1.25x
+"""MoERunOptions.activation_memory = "minimal": the same outputs and gradients as "standard", keeping at most 1.25x
 the minimum (the gate / up pre-activation H and O(pairs) tables, beside the caller's input) for the backward."""
 
 from dataclasses import replace
@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from benchmarks.activation_memory import kept_bytes, minimum_bytes
-from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
+from dtensor_moe import MoE, MoEConfig, MoEParallelDims, MoERunOptions, parallelize_moe
 
 from .harness import run_on_ranks
 
 
-def _pair(cfg: MoEConfig, dtype=torch.float64, seed=0) -> tuple[MoE, MoE]:
-    """The layer standard and minimal, the same weights (random enough that every path carries gradient)."""
-    layers = [MoE(replace(cfg, activation_memory=m)).to(dtype) for m in ("standard", "minimal")]
+def _pair(cfg: MoEConfig, run: MoERunOptions = MoERunOptions(), dtype=torch.float64, seed=0) -> tuple[MoE, MoE]:
+    """The layer run standard and minimal, the same weights (random enough that every path carries gradient)."""
+    layers = [MoE(cfg, replace(run, activation_memory=m)).to(dtype) for m in ("standard", "minimal")]
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for ps in zip(*(m.parameters() for m in layers)):
@@ -38,22 +38,24 @@ def _run(moe: MoE, x: torch.Tensor, microbatches: int = 1):
     return outs, x.grad, {n: p.grad for n, p in moe.named_parameters()}
 
 
+# (MoEConfig fields, MoERunOptions fields) beside the layer's sizes.
 CONFIGS = {
-    "softmax": dict(),
-    "biases_clamped": dict(expert_biases=True, activation="clamped_swiglu", score_func="topk_softmax",
-                           router_bias=True),
-    "shared_aux_loss": dict(num_shared_experts=1, load_balance="aux_loss", score_func="sigmoid"),
-    "capacity": dict(capacity_factor=0.7, load_balance="aux_free_bias"),
-    "rounding": dict(round_tokens_to=3),
-    "padded": dict(capacity_factor=1.0, pad_to_capacity=True),
+    "softmax": (dict(), dict()),
+    "biases_clamped": (dict(expert_biases=True, activation="clamped_swiglu", score_func="topk_softmax",
+                            router_bias=True), dict()),
+    "shared_aux_loss": (dict(num_shared_experts=1, load_balance="aux_loss", score_func="sigmoid"), dict()),
+    "capacity": (dict(load_balance="aux_free_bias"), dict(capacity_factor=0.7)),
+    "rounding": (dict(), dict(round_tokens_to=3)),
+    "padded": (dict(), dict(capacity_factor=1.0, pad_to_capacity=True)),
 }
 
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_minimal_matches_standard(name):
     """Outputs, the input gradient and every parameter gradient, float64, over two accumulating forwards."""
-    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, **CONFIGS[name])
-    standard, minimal = _pair(cfg)
+    layer, run = CONFIGS[name]
+    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, **layer)
+    standard, minimal = _pair(cfg, MoERunOptions(**run))
     x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     ys, dx, grads = _run(standard, x, microbatches=2)
     ys_m, dx_m, grads_m = _run(minimal, x, microbatches=2)
@@ -81,7 +83,7 @@ def test_minimal_keeps_at_most_1_25x_the_minimum(shape):
     cfg = MoEConfig(**shape)
     standard, minimal = _pair(cfg, dtype=torch.float32)
     x = torch.randn(1, 256, cfg.dim)
-    kept = {m.config.activation_memory: kept_bytes(m, x) for m in (standard, minimal)}
+    kept = {m.options.activation_memory: kept_bytes(m, x) for m in (standard, minimal)}
     least = minimum_bytes(cfg, x.shape[1], torch.float32, kept["minimal"].index_bytes)
     assert kept["minimal"].total <= 1.25 * least, (kept, least)
     assert kept["standard"].total > 2.5 * least  # what the option exists for (and the counter sees it)
@@ -93,7 +95,7 @@ def _ep_kept(rank: int, world_size: int, ep: int, etp: int):
     cfg = MoEConfig(dim=64, hidden_dim=16 * etp, num_experts=8, top_k=4)
     out = []
     for mode in ("standard", "minimal"):
-        moe = MoE(replace(cfg, activation_memory=mode))
+        moe = MoE(cfg, MoERunOptions(activation_memory=mode))
         moe.reset_parameters()
         parallelize_moe(moe, MoEParallelDims(world_size, ep=ep, etp=etp), device_type="cpu")
         x = torch.randn(1, 128, cfg.dim, generator=torch.Generator().manual_seed(rank))
@@ -116,13 +118,13 @@ def test_minimal_fp8_errs_as_standard_fp8_does():
     other roundings, each as far from the exact layer (float64, no FP8) as the other."""
     cfg = MoEConfig(dim=64, hidden_dim=48, num_experts=4, top_k=2)
     exact, _ = _pair(cfg)
-    standard, minimal = _pair(replace(cfg, expert_precision="fp8"))
+    standard, minimal = _pair(cfg, MoERunOptions(expert_precision="fp8"))
     x = torch.randn(2, 16, cfg.dim, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     (y, ), dx, grads = _run(exact, x)
     errs = {}
     for m in (standard, minimal):
         (y_m, ), dx_m, grads_m = _run(m, x)
-        errs[m.config.activation_memory] = [float((a - b).norm() / b.norm()) for a, b in
+        errs[m.options.activation_memory] = [float((a - b).norm() / b.norm()) for a, b in
                                             [(y_m, y), (dx_m, dx)] + [(grads_m[n], grads[n]) for n in grads]]
     assert all(0 < s < 0.1 for s in errs["standard"]), errs
     assert all(m <= 1.5 * s + 1e-3 for m, s in zip(errs["minimal"], errs["standard"])), errs
@@ -133,11 +135,12 @@ TOKENS = 256
 
 def _kept_by_mode(rank: int, world_size: int, replicas: int) -> dict[str, int]:
     """Bytes the layer keeps for the backward under EP2, standard and minimal, with `replicas` slots per EP rank."""
-    cfg = MoEConfig(dim=64, hidden_dim=32, num_experts=8, top_k=4, expert_replicas=replicas, replica_replan_every=1)
+    cfg = MoEConfig(dim=64, hidden_dim=32, num_experts=8, top_k=4)
+    run = MoERunOptions(expert_replicas=replicas, replica_replan_every=1)
     out = {}
     for mode in ("standard", "minimal"):
         torch.manual_seed(0)
-        moe = MoE(replace(cfg, activation_memory=mode))
+        moe = MoE(cfg, replace(run, activation_memory=mode))
         parallelize_moe(moe, MoEParallelDims(world_size, ep=2), device_type="cpu")
         moe.train()
         x = torch.randn(1, TOKENS, cfg.dim, generator=torch.Generator().manual_seed(rank))
@@ -151,14 +154,13 @@ def test_the_planner_prices_what_the_layer_keeps(replicas):
     token) and as the layer keeps it (float32 bytes, EP2): equal within 5% without replicas (measured 0.2% and
     0.4% on the two ranks), none with replicas, whose slots keep the standard path's tensors (a planner pricing
     them as minimal would price 2.6x fewer elements than are kept)."""
-    from types import SimpleNamespace
-
     from dtensor_moe.tools.planner.tokens import distinct_ranks, expert_activations
 
     dims = MoEParallelDims(2, ep=2)
-    spec = dict(top_k=4, dim=64, hidden_dim=32, pad_to_capacity=False, expert_replicas=replicas)
+    cfg = MoEConfig(dim=64, hidden_dim=32, num_experts=8, top_k=4)
     ranks_per_token = distinct_ranks(8, 4, 2, 1, 1)
-    priced = {mode: expert_activations(SimpleNamespace(**spec, activation_memory=mode), dims, ranks_per_token)
+    priced = {mode: expert_activations(cfg, MoERunOptions(activation_memory=mode, expert_replicas=replicas), dims,
+                                       ranks_per_token)
               for mode in ("standard", "minimal")}
     saved_priced = (priced["standard"] - priced["minimal"]) * TOKENS * 4
     for kept in run_on_ranks(2, _kept_by_mode, replicas):

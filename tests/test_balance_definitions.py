@@ -18,7 +18,7 @@ import math
 import pytest
 import torch
 
-from dtensor_moe import MoE, MoEConfig
+from dtensor_moe import MoE, MoEConfig, MoERunOptions
 
 # The layer counts in float32 (counts_E.float()) whatever its dtype, so its aux loss and bias update carry float32
 # rounding (~1e-8 relative) in a float64 layer; every formula mutation moves them by far more.
@@ -33,9 +33,9 @@ SKEWED_TE = [[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4], [
 BALANCED_TE = [[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]]
 
 
-def _identity_router_moe(score_func: str, **kw) -> MoE:
+def _identity_router_moe(score_func: str, run: MoERunOptions | None = None, **kw) -> MoE:
     """dim = E = 4 and gate = identity: the router's logits are the input rows."""
-    moe = MoE(MoEConfig(dim=4, hidden_dim=4, num_experts=4, score_func=score_func, **kw)).double()
+    moe = MoE(MoEConfig(dim=4, hidden_dim=4, num_experts=4, score_func=score_func, **kw), run).double()
     with torch.no_grad():
         moe.router.gate.weight.copy_(torch.eye(4, dtype=torch.float64))
     return moe
@@ -73,7 +73,7 @@ def test_aux_loss_matches_megatron(score_func, capacity_factor):
     counts every routed pair (the router's choices, before dropping)."""
     torch.manual_seed(0)
     moe = MoE(MoEConfig(dim=8, hidden_dim=6, num_experts=6, top_k=2, score_func=score_func, load_balance="aux_loss",
-                        aux_loss_coeff=0.3, capacity_factor=capacity_factor)).double()
+                        aux_loss_coeff=0.3), MoERunOptions(capacity_factor=capacity_factor)).double()
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.5)
     x_BLD = torch.randn(3, 5, 8, dtype=torch.float64)
@@ -124,8 +124,8 @@ def test_aux_free_bias_update_hand_computed(capacity_factor):
     each imbalance, and resets the counts; an update with no forward since moves nothing. At capacity 0.5
     (one pair per expert in either forward: two of expert 0's three pairs in the first are dropped) the counts
     are the same: the update balances what the router asks for."""
-    moe = _identity_router_moe("softmax", top_k=2, load_balance="aux_free_bias", bias_update_rate=0.05,
-                               capacity_factor=capacity_factor)
+    moe = _identity_router_moe("softmax", MoERunOptions(capacity_factor=capacity_factor), top_k=2,
+                               load_balance="aux_free_bias", bias_update_rate=0.05)
     bias0_E = torch.tensor([0.01, -0.02, 0.0, 0.03], dtype=torch.float64)
     moe.expert_bias.copy_(bias0_E)
     moe(_routed_tokens([(0, 1), (0, 2), (0, 3)]))

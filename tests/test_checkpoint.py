@@ -391,6 +391,44 @@ def test_config_change_that_keeps_shapes_is_refused(tmp_path, change, listed):
     assert _unchanged(model, before) == []
 
 
+def test_checkpoint_holds_the_architecture_not_the_run_options(tmp_path):
+    """model_config.json is the ModelConfig (the architecture) and nothing of [moe_run]: a model saved while running
+    with capacity, rounding, standard activations and FP8 loads into one run with the defaults, bit for bit, and
+    the main job's --resume takes other moe_run values while it refuses another model.top_k."""
+    import json
+    from dataclasses import asdict, fields, replace
+
+    from dtensor_moe import MoERunOptions
+    from dtensor_moe.cli.train import _resume_target
+    from dtensor_moe.train.checkpoint import MODEL_CONFIG
+    from dtensor_moe.train.config import Config, TrainingConfig
+
+    arch = replace(CFG, vocab_size=256)  # the main job's Config: byte-level data
+    run = MoERunOptions(capacity_factor=1.25, drop_policy="position", round_tokens_to=2, activation_memory="standard",
+                        expert_precision="fp8", max_rows_per_rank=64)
+    torch.manual_seed(0)
+    model = MoETransformer(arch, run)
+    assert all(layer.moe.options == run for layer in model.layers.values())
+    save(tmp_path / "run" / "checkpoints", 1, model)
+    saved = json.loads((step_dir(tmp_path / "run" / "checkpoints", 1) / MODEL_CONFIG).read_text())
+    assert saved == json.loads(json.dumps(asdict(arch)))
+    run_fields = {f.name for f in fields(MoERunOptions)}
+    assert not run_fields & set(saved), run_fields & set(saved)  # e.g. no "capacity_factor", no "expert_replicas"
+
+    torch.manual_seed(1)
+    fresh = MoETransformer(arch)  # MoERunOptions() everywhere
+    assert load(tmp_path / "run" / "checkpoints", fresh) == {"step": 1}
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+
+    cfg = Config(model=arch, moe_run=run, training=TrainingConfig(steps=4, seq_len=8))
+    args = type("Args", (), {"resume": "latest"})()
+    for other in (MoERunOptions(), MoERunOptions(expert_replicas=2, dispatch_precision="fp8", round_tokens_to=4)):
+        assert _resume_target(args, replace(cfg, moe_run=other), str(tmp_path / "run")).name == "step_00000001"
+    with pytest.raises(ValueError, match=r"was saved with another model config \(top_k: saved 2 vs config 1\)"):
+        _resume_target(args, replace(cfg, model=replace(arch, top_k=1)), str(tmp_path / "run"))
+
+
 def test_keep_last_never_deletes_the_step_just_saved(tmp_path):
     """Resumed from step 1 with steps 5 and 6 of an earlier run on disk: saving step 2 keeps step 2."""
     _saved_steps(tmp_path, steps=(1, 5, 6))

@@ -12,14 +12,16 @@ from .harness import run_on_ranks
 from .parity import inductor_settings
 
 
-def _model(n_layers=2, **kw):
+def _model(n_layers=2, run=None, **kw):
+    """The main job's model of `kw`'s architecture, its MoE layers run with `run` (a dict of MoERunOptions fields)."""
+    from dtensor_moe import MoERunOptions
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
 
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=32, dim=16, n_layers=n_layers, n_heads=2, num_experts=4, top_k=2,
                       hidden_dim=8, num_shared_experts=1, **kw)
-    return MoETransformer(cfg).double()
+    return MoETransformer(cfg, MoERunOptions(**(run or {}))).double()
 
 
 def test_compiled_block_has_no_graph_breaks_and_recompiles_at_most_once():
@@ -31,7 +33,7 @@ def test_compiled_block_has_no_graph_breaks_and_recompiles_at_most_once():
     # without breaks.
     model = _model(n_layers=1, load_balance="aux_loss", num_expert_groups=2, num_limited_groups=1, router_bias=True,
                    expert_biases=True, activation="clamped_swiglu", swiglu_limit=1.0, seq_aux_loss_coeff=0.1,
-                   z_loss_coeff=0.01, capacity_factor=1.0)
+                   z_loss_coeff=0.01, run=dict(capacity_factor=1.0))
     eager = copy.deepcopy(model)
     torch._dynamo.reset()
     counters.clear()
@@ -55,9 +57,9 @@ def test_compiled_block_has_no_graph_breaks_and_recompiles_at_most_once():
 GLOBAL_BATCH = 4  # sequences per step, split over the ranks: the same batches on 2 and 4 ranks
 
 
-def train_steps(rank, world_size, ep, compile, ac, steps=3, layer=None):
+def train_steps(rank, world_size, ep, compile, ac, steps=3, run=None):
     """Loss per step of parallelize_model(compile, ac) on the same global batches at any world size, and
-    how many EP/ETP row movements each step ran."""
+    how many EP/ETP row movements each step ran. `run`: MoERunOptions fields of the MoE layers."""
     import torch.nn.functional as F
 
     from dtensor_moe import MoEParallelDims
@@ -65,7 +67,7 @@ def train_steps(rank, world_size, ep, compile, ac, steps=3, layer=None):
     from dtensor_moe.train.parallel.parallelize_model import parallelize_model
 
     torch._dynamo.reset()
-    model = _model(**{"load_balance": "aux_free_bias", **(layer or {})})
+    model = _model(load_balance="aux_free_bias", run=run)
     parallelize_model(model, MoEParallelDims(world_size, ep=ep), device_type="cpu", compile=compile,
                       activation_checkpoint=ac)
     moved = mock.patch.object(exchange._Topology, "there", autospec=True, side_effect=exchange._Topology.there)

@@ -3,10 +3,11 @@
 import math
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
 
-from dtensor_moe.config import MoEConfig
+from dtensor_moe.config import MoEConfig, MoERunOptions
 from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.train.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainingConfig, load_config
 
@@ -57,47 +58,72 @@ MOE = dict(dim=8, hidden_dim=8, num_experts=8, top_k=2)
         (dict(router_bias=0), "MoEConfig.router_bias must be a bool (true or false), got 0 (int)"),
         (dict(seq_aux_loss_coeff=-1), "MoEConfig.seq_aux_loss_coeff must be >= 0, got -1"),
         (dict(z_loss_coeff=math.nan), "MoEConfig.z_loss_coeff must be a finite number >= 0, got nan"),
-        (
-            dict(capacity_factor=0),
-            "MoEConfig.capacity_factor must be a finite number > 0, or None (no capacity limit), got 0",
-        ),
-        (
-            dict(capacity_factor="1"),
-            "MoEConfig.capacity_factor must be a finite number > 0, or None (no capacity limit), got '1'",
-        ),
-        (
-            dict(capacity_factor=math.inf),
-            "MoEConfig.capacity_factor must be a finite number > 0, or None (no capacity limit), got inf",
-        ),
-        (dict(drop_policy="random"), "MoEConfig.drop_policy must be one of ['probs', 'position'], got 'random'"),
-        (
-            dict(pad_to_capacity=True),
-            "MoEConfig.pad_to_capacity=True needs MoEConfig.capacity_factor (a finite "
-            "number > 0; every expert gets exactly ceil(tokens * top_k / num_experts * "
-            "capacity_factor) rows), got MoEConfig.capacity_factor=None; valid: "
-            "pad_to_capacity false, or a capacity_factor",
-        ),
-        (
-            dict(pad_to_capacity=1, capacity_factor=1.0),
-            "MoEConfig.pad_to_capacity must be a bool (true or false), got 1 (int)",
-        ),
         (dict(activation="gelu"), "MoEConfig.activation must be one of ['swiglu', 'clamped_swiglu'], got 'gelu'"),
         (dict(swiglu_limit=0.0), "MoEConfig.swiglu_limit must be > 0, got 0.0"),
         (dict(expert_biases=1), "MoEConfig.expert_biases must be a bool (true or false), got 1 (int)"),
-        (dict(round_tokens_to=-128), "MoEConfig.round_tokens_to must be >= 0, got -128"),
-        (dict(round_tokens_to=128.0), "MoEConfig.round_tokens_to must be an int >= 0, got 128.0"),
-        (dict(round_tokens_to=True), "MoEConfig.round_tokens_to must be an int >= 0, got True (bool)"),
-        (
-            dict(round_tokens_to=128, capacity_factor=1.0, pad_to_capacity=True),
-            "MoEConfig.round_tokens_to (128) needs unpadded routing, got MoEConfig.pad_to_capacity=True (every "
-            "expert's block is its capacity, whatever the counts); valid: round_tokens_to 0, or pad_to_capacity false",
-        ),
     ],
 )
 def test_moe_config_types_and_ranges(kwargs, message):
     with pytest.raises(ValueError) as err:
         MoEConfig(**{**MOE, **kwargs})
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (
+            dict(capacity_factor=0),
+            "MoERunOptions.capacity_factor must be a finite number > 0, or None (no capacity limit), got 0",
+        ),
+        (
+            dict(capacity_factor="1"),
+            "MoERunOptions.capacity_factor must be a finite number > 0, or None (no capacity limit), got '1'",
+        ),
+        (
+            dict(capacity_factor=math.inf),
+            "MoERunOptions.capacity_factor must be a finite number > 0, or None (no capacity limit), got inf",
+        ),
+        (dict(drop_policy="random"), "MoERunOptions.drop_policy must be one of ['probs', 'position'], got 'random'"),
+        (
+            dict(pad_to_capacity=True),
+            "MoERunOptions.pad_to_capacity=True needs MoERunOptions.capacity_factor (a finite "
+            "number > 0; every expert gets exactly ceil(tokens * top_k / num_experts * "
+            "capacity_factor) rows), got MoERunOptions.capacity_factor=None; valid: "
+            "pad_to_capacity false, or a capacity_factor",
+        ),
+        (
+            dict(pad_to_capacity=1, capacity_factor=1.0),
+            "MoERunOptions.pad_to_capacity must be a bool (true or false), got 1 (int)",
+        ),
+        (dict(round_tokens_to=-128), "MoERunOptions.round_tokens_to must be >= 0, got -128"),
+        (dict(round_tokens_to=128.0), "MoERunOptions.round_tokens_to must be an int >= 0, got 128.0"),
+        (dict(round_tokens_to=True), "MoERunOptions.round_tokens_to must be an int >= 0, got True (bool)"),
+        (
+            dict(round_tokens_to=128, capacity_factor=1.0, pad_to_capacity=True),
+            "MoERunOptions.round_tokens_to (128) needs unpadded routing, got MoERunOptions.pad_to_capacity=True (every "
+            "expert's block is its capacity, whatever the counts); valid: round_tokens_to 0, or pad_to_capacity false",
+        ),
+        (dict(expert_replicas=-1), "MoERunOptions.expert_replicas must be >= 0, got -1"),
+        (dict(expert_precision="fp16"), "MoERunOptions.expert_precision must be one of ['bf16', 'fp8'], got 'fp16'"),
+        (
+            dict(activation_memory="least"),
+            "MoERunOptions.activation_memory must be one of ['standard', 'minimal'], got 'least'",
+        ),
+    ],
+)
+def test_run_options_types_and_ranges(kwargs, message):
+    with pytest.raises(ValueError) as err:
+        MoERunOptions(**kwargs)
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("field", sorted(f.name for f in fields(MoERunOptions)))
+def test_run_options_are_no_moe_config_fields(field):
+    """What a run computes the layer with is MoERunOptions alone: MoEConfig, what a checkpoint holds, takes none."""
+    assert field not in {f.name for f in fields(MoEConfig)}
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument '{field}'"):
+        MoEConfig(**MOE, **{field: getattr(MoERunOptions(), field)})
 
 
 def test_ints_are_fine_for_float_fields():
@@ -155,11 +181,6 @@ def test_parallel_dims_types(args, kwargs, message):
             dict(num_expert_groups=3),
             "model.num_experts (8) must be divisible by model.num_expert_groups (3); "
             "valid num_expert_groups: [1, 2, 4, 8]",
-        ),
-        (
-            ModelConfig,
-            dict(capacity_factor=-1.0),
-            "model.capacity_factor must be a finite number > 0, or None (no capacity limit), got -1.0",
         ),
         (ParallelConfig, dict(ep=2.0), "parallel.ep must be an int >= 1, got 2.0"),
         (ParallelConfig, dict(nproc=0), "parallel.nproc must be >= 1, got 0"),
@@ -240,12 +261,49 @@ def test_backend_defaults_to_auto():
         (["model.num_expert_groups=4", "model.num_limited_groups=1", "model.top_k=3"],
          "model.top_k (3) must be <= num_limited_groups * num_experts / num_expert_groups (1 * 8 / 4 = 2), the experts "
          "the kept groups hold; valid top_k: 1..2"),
+        # [moe_run]: MoERunOptions' checks, named as the section's keys.
+        (["moe_run.capacity_factor=-1.0"],
+         "moe_run.capacity_factor must be a finite number > 0, or None (no capacity limit), got -1.0"),
+        (["moe_run.pad_to_capacity=true"],
+         "moe_run.pad_to_capacity=True needs moe_run.capacity_factor (a finite number > 0; every expert gets exactly "
+         "ceil(tokens * top_k / num_experts * capacity_factor) rows), got moe_run.capacity_factor=None; valid: "
+         "pad_to_capacity false, or a capacity_factor"),
+        # ... and against [model]: a slot holds a copy of one of the layer's experts.
+        (["moe_run.expert_replicas=9"],
+         "moe_run.expert_replicas (9) must be in 0..num_experts (8): each slot holds a copy of one expert, and more "
+         "slots than experts have nothing to hold; valid: moe_run.expert_replicas 0..8"),
     ],
 )
 def test_cross_section_and_override_values(overrides, message):
     with pytest.raises(ValueError) as err:
         load_config("configs/tiny_cpu.toml", overrides)
     assert str(err.value) == message
+
+
+def test_moe_run_section_of_a_config_file(tmp_path):
+    """[moe_run] is Config.moe_run, a MoERunOptions (what [model], the checkpoint's architecture, no longer holds);
+    overrides set its keys as moe_run.<key>, and an unknown key is refused naming the valid ones."""
+    path = tmp_path / "run.toml"
+    path.write_text("[model]\nnum_experts = 8\ntop_k = 2\n[moe_run]\ncapacity_factor = 1.25\n"
+                    "drop_policy = \"position\"\nexpert_replicas = 2\nactivation_memory = \"standard\"\n")
+    cfg = load_config(str(path), ["moe_run.round_tokens_to=4"])
+    assert cfg.moe_run == MoERunOptions(capacity_factor=1.25, drop_policy="position", expert_replicas=2,
+                                        activation_memory="standard", round_tokens_to=4)
+    assert not hasattr(cfg.model, "capacity_factor") and cfg.model.moe_config().top_k == 2
+    assert load_config(None).moe_run == MoERunOptions()  # no [moe_run]: the defaults
+    valid = sorted(f.name for f in fields(MoERunOptions))
+    path.write_text("[model]\ntop_k = 2\n[moe_run]\ncapacity = 1.25\n")
+    with pytest.raises(ValueError) as err:
+        load_config(str(path))
+    assert str(err.value) == f"unknown [moe_run] keys ['capacity']; valid keys: {valid}"
+    with pytest.raises(ValueError) as err:
+        load_config(None, ["moe_run.replicas=1"])
+    assert str(err.value) == f"unknown [moe_run] keys ['replicas']; valid keys: {valid}"
+    # A run option under [model] (where it was before MoERunOptions) is an unknown [model] key.
+    path.write_text("[model]\ntop_k = 2\ncapacity_factor = 1.25\n")
+    moved = r"^unknown \[model\] keys \['capacity_factor'\]; \['capacity_factor'\] are \[moe_run\] keys "
+    with pytest.raises(ValueError, match=moved):
+        load_config(str(path))
 
 
 def test_missing_and_malformed_config_files(tmp_path):

@@ -5,10 +5,12 @@ float64: the parity draw covers more meshes, tests/strategies.py); the FP8 dispa
 the unquantized one under EP2 and EP2 x ETP2, with the bytes the all-to-alls counted."""
 
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
+from dtensor_moe import MoE, MoEConfig, MoEParallelDims, MoERunOptions, parallelize_moe
 from dtensor_moe.kernels import fp8
 from dtensor_moe.parallel import exchange
 
@@ -118,7 +120,7 @@ def _layer_errors(dtype=torch.float32, tokens=37):
     ref = MoE(cfg).to(dtype)
     for p in ref.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    f8 = MoE(MoEConfig(**{**cfg.__dict__, "expert_precision": "fp8"})).to(dtype)
+    f8 = MoE(cfg, MoERunOptions(expert_precision="fp8")).to(dtype)
     f8.load_state_dict(ref.state_dict())
     x = torch.randn(2, tokens, 32, dtype=dtype)
     res = []
@@ -142,7 +144,7 @@ def fp8_ep2_against_fp32(rank, world_size):
     ref = MoE(cfg)
     for p in ref.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    model = MoE(MoEConfig(**{**cfg.__dict__, "expert_precision": "fp8"}))
+    model = MoE(cfg, MoERunOptions(expert_precision="fp8"))
     model.load_state_dict(ref.state_dict())
     x = torch.randn(2 * world_size, 9, 32)
     x_ref = x.clone().requires_grad_(True)
@@ -168,8 +170,8 @@ def fp8_payload_against_unquantized(rank, world_size, etp, pad=False):
     """The bf16 layer under EP2 (x ETP) with dispatch_precision "fp8" and "bf16" on the same inputs:
     (relative errors of the output and every gradient, the bytes each payload sent). `pad`: the
     pad_to_capacity path (its rows are "slots")."""
-    cfg = MoEConfig(dim=64, hidden_dim=32, num_experts=4, top_k=2,
-                    **(dict(capacity_factor=1.0, pad_to_capacity=True) if pad else {}))
+    cfg = MoEConfig(dim=64, hidden_dim=32, num_experts=4, top_k=2)
+    run = MoERunOptions(capacity_factor=1.0, pad_to_capacity=True) if pad else MoERunOptions()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2 * world_size, 9, 64, generator=g).to(torch.bfloat16)
     dy = torch.randn(x.shape, generator=g).to(torch.bfloat16)
@@ -177,7 +179,7 @@ def fp8_payload_against_unquantized(rank, world_size, etp, pad=False):
     res, sent = [], []
     for payload in ("bf16", "fp8"):
         torch.manual_seed(0)
-        model = MoE(MoEConfig(**{**cfg.__dict__, "dispatch_precision": payload}))
+        model = MoE(cfg, replace(run, dispatch_precision=payload))
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.2)
         parallelize_moe(model.to(torch.bfloat16), MoEParallelDims(world_size, ep=2, etp=etp), device_type="cpu")
@@ -219,8 +221,8 @@ def test_fp8_dispatch_payload(world_size, etp, pad):
 @pytest.mark.parametrize("field", ["expert_precision", "dispatch_precision"])
 @pytest.mark.parametrize("bad", ["fp16", "FP8", ""])
 def test_precisions_validated(field, bad):
-    with pytest.raises(ValueError, match=field):
-        MoEConfig(dim=8, hidden_dim=8, num_experts=2, top_k=1, **{field: bad})
+    with pytest.raises(ValueError, match=rf"MoERunOptions\.{field} must be one of \['bf16', 'fp8'\], got '{bad}'"):
+        MoERunOptions(**{field: bad})
 
 
 def test_policy_picks_fp8_only_where_measured_faster():

@@ -50,6 +50,29 @@ def test_from_hf_block_matches_transformers(model_type, top_k):
     assert _rel(outs[1][0], outs[0][0]) < TOL and _rel(outs[1][1], outs[0][1]) < TOL
 
 
+def test_from_hf_block_takes_run_options_apart_from_training_options():
+    """How the block runs is `options` (MoERunOptions); `training_options` are the MoEConfig fields its config does
+    not fix. A run option given as a training option is refused, naming where it goes."""
+    from dtensor_moe import MoERunOptions
+    from dtensor_moe.hf import from_hf_block, swap_moe_blocks
+
+    model = hf_model("qwen3_moe")
+    run = MoERunOptions(capacity_factor=1.5, activation_memory="standard")
+    moe = from_hf_block(moe_block(model, "qwen3_moe"), run, aux_loss_coeff=0.01)
+    assert moe.options == run and moe.config.aux_loss_coeff == 0.01
+    assert from_hf_block(moe_block(model, "qwen3_moe")).options == MoERunOptions()
+    with pytest.raises(ValueError) as err:
+        from_hf_block(moe_block(model, "qwen3_moe"), expert_precision="fp8", capacity_factor=1.0)
+    assert str(err.value) == ("qwen3_moe: ['capacity_factor', 'expert_precision'] are run options, not MoEConfig "
+                              "fields; valid: pass them as options=MoERunOptions(capacity_factor=..., "
+                              "expert_precision=...)")
+    with pytest.raises(ValueError, match=r"\['expert_precision'\] are run options, not MoEConfig fields; valid: pass "
+                                         r"them as options=MoERunOptions\(expert_precision=\.\.\.\)"):
+        swap_moe_blocks(hf_model("qwen3_moe"), expert_precision="fp8")
+    swapped = swap_moe_blocks(model, run)
+    assert swapped and all(m.options == run for m in swapped.values())
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     dirs = {}

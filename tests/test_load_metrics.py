@@ -33,8 +33,8 @@ def _forced_routing():
 
     route, build = TopKRouter.forward, MoETransformer.__init__
 
-    def tagged(self, cfg):
-        build(self, cfg)
+    def tagged(self, cfg, options=None):
+        build(self, cfg, options)
         for i, moe in self.moe_layers().items():  # pipeline stages are copies: they keep the tag
             moe.router.layer = i
 

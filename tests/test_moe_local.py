@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dtensor_moe import MoE, MoEConfig
+from dtensor_moe import MoE, MoEConfig, MoERunOptions
 from dtensor_moe.kernels.expert_autograd import grouped_swiglu
 
 
@@ -82,9 +82,9 @@ def naive_moe(moe: MoE, x_BLD, route=naive_route):
     return out.view_as(x_BLD)
 
 
-def _random_moe(**kwargs) -> MoE:
+def _random_moe(run: MoERunOptions | None = None, **kwargs) -> MoE:
     torch.manual_seed(0)
-    moe = MoE(MoEConfig(**{**dict(dim=8, hidden_dim=6, num_experts=4, top_k=2), **kwargs})).double()
+    moe = MoE(MoEConfig(**{**dict(dim=8, hidden_dim=6, num_experts=4, top_k=2), **kwargs}), run).double()
     for p in moe.parameters():
         torch.nn.init.normal_(p, std=0.5)
     if moe.expert_bias is not None:
@@ -356,8 +356,8 @@ def megatron_keep(weights_TK, experts_TK, num_experts, capacity_factor, drop_pol
 # 12 tokens, K = 2, E = 4: capacity 6 * factor, rounded up at 0.7 (4.2 -> 5).
 @pytest.mark.parametrize("capacity_factor", [0.5, 0.7, 1.0, 4.0])
 def test_capacity_drops_exactly_megatrons_pairs(drop_policy, capacity_factor):
-    moe = _random_moe(num_experts=4, top_k=2, num_shared_experts=1, capacity_factor=capacity_factor,
-                      drop_policy=drop_policy)
+    moe = _random_moe(MoERunOptions(capacity_factor=capacity_factor, drop_policy=drop_policy), num_experts=4,
+                      top_k=2, num_shared_experts=1)
     with torch.no_grad():  # most tokens prefer expert 1: it overflows
         moe.router.gate.weight[1] += 2.0
     x = torch.randn(3, 4, 8, dtype=torch.float64)
@@ -383,8 +383,8 @@ def test_dropped_nonfinite_token_stays_isolated():
     """A capacity-dropped pair contributes nothing (docs/routing.md): an infinite token whose only pair is dropped
     gets output 0 (no shared experts), and the finite tokens' loss keeps finite gradients. Found by the parity draw
     with Inf tokens, which leaves non-finite tokens out of capacity cases until this passes."""
-    moe = MoE(MoEConfig(dim=4, hidden_dim=4, num_experts=2, top_k=1, score_func="sigmoid", capacity_factor=0.5,
-                        drop_policy="position")).double()
+    moe = MoE(MoEConfig(dim=4, hidden_dim=4, num_experts=2, top_k=1, score_func="sigmoid"),
+              MoERunOptions(capacity_factor=0.5, drop_policy="position")).double()
     with torch.no_grad():  # every token to expert 0, whose capacity ceil(4 * 1 / 2 * 0.5) = 1 keeps token 0 only
         moe.router.gate.weight.copy_(torch.tensor([[1.0, 0, 0, 0], [-1.0, 0, 0, 0]]))
     x_TD = torch.ones(4, 4, dtype=torch.float64)

@@ -7,6 +7,8 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 
+from dtensor_moe import MoERunOptions
+
 from .harness import run_on_ranks
 from .parity import Case, check_parity, moe_config
 from .strategies import WORLD_SIZES, cases
@@ -40,13 +42,14 @@ NAMED = {
                                               z_loss_coeff=0.01))),
     # Capacity 0.5: at most half the pairs fit, each rank drops some (the reference: per rank's slice).
     "hsdp2_edp2_ep2": (8, Case(dp_replicate=2, ep=2, batch_per_rank=(1, 1, 2, 0, 1, 2, 1, 1),
-                               moe=moe_config(num_experts=6, top_k=3, num_shared_experts=1, capacity_factor=0.5,
-                                              drop_policy="position"))),
+                               moe=moe_config(num_experts=6, top_k=3, num_shared_experts=1),
+                               run=MoERunOptions(capacity_factor=0.5, drop_policy="position"))),
     # One expert at capacity 0.5 under ETP2 x EDP2: tokens whose only pair is dropped are sent nowhere
     # (their rows' gradient comes back as zeros; an IndexError before).
     "etp2_edp2_tokens_sent_nowhere": (4, Case(etp=2, batch_per_rank=(0, 1, 2, 2), seq_len=1, seed=9074, microbatches=2,
                                               moe=moe_config(num_experts=1, top_k=1, dim=6, route_norm=False,
-                                                             capacity_factor=0.5, z_loss_coeff=0.01))),
+                                                             z_loss_coeff=0.01),
+                                              run=MoERunOptions(capacity_factor=0.5))),
     "ep8": (8, Case(ep=8, moe=moe_config(num_experts=8, top_k=2), batch_per_rank=BATCH8)),
     "edp8": (8, Case(moe=moe_config(num_experts=4, top_k=2), batch_per_rank=BATCH8)),
     "etp8": (8, Case(etp=8, moe=moe_config(num_experts=4, top_k=2, hidden_dim=16), batch_per_rank=BATCH8)),
@@ -66,7 +69,8 @@ NAMED = {
                                        seq_aux_loss_coeff=0.3, z_loss_coeff=0.01))),
     "cp2_tp2_etp2_hsdp2": (8, Case(dp_replicate=2, etp=2, cp=2, tp=2, batch_per_rank=(2, 1), seq_len=4,
                                    moe=moe_config(num_experts=4, top_k=2, load_balance="aux_free_bias",
-                                                  seq_aux_loss_coeff=0.3, capacity_factor=1.0))),
+                                                  seq_aux_loss_coeff=0.3),
+                                   run=MoERunOptions(capacity_factor=1.0))),
     "single_process": (1, Case(moe=moe_config(num_experts=4, top_k=2, load_balance="aux_loss"), batch_per_rank=(3,))),
     # Second microbatch: expert weight gradients are added into .grad by the GEMMs themselves.
     # Groups aligned with EP ranks (two experts each), gpt-oss's router.
@@ -77,12 +81,13 @@ NAMED = {
                                          batch_per_rank=(2, 1, 0, 3, 1, 2, 1, 1), microbatches=3)),
     # FP8 experts (CPU emulation): pure EP quantizes exactly the reference's rows and expert blocks; here the
     # standard experts (ep4_fp8: the default minimal ones), each against a reference of its own path.
-    "ep2_fp8_accumulate": (2, Case(ep=2, moe=moe_config(num_experts=4, top_k=2, expert_precision="fp8",
-                                                        activation_memory="standard"),
+    "ep2_fp8_accumulate": (2, Case(ep=2, moe=moe_config(num_experts=4, top_k=2),
+                                   run=MoERunOptions(expert_precision="fp8", activation_memory="standard"),
                                    batch_per_rank=(2, 1), microbatches=2)),
     "ep4_fp8": (4, Case(ep=4, batch_per_rank=(2, 1, 0, 3),
                         moe=moe_config(num_experts=8, top_k=2, dim=16, hidden_dim=32, load_balance="aux_loss",
-                                       expert_biases=True, expert_precision="fp8"))),
+                                       expert_biases=True),
+                        run=MoERunOptions(expert_precision="fp8"))),
     # gpt-oss experts: b1/b3 F-sharded on ETP, b2 replicated there and added by one ETP rank; the minimal-memory
     # routing weights' gradient from ETP partials, b2's term on the one rank that adds it.
     "gpt_oss_experts_edp2_ep2_etp2": (8, Case(ep=2, etp=2, batch_per_rank=(2, 1, 0, 3, 1, 2, 1, 1), microbatches=2,
@@ -139,13 +144,14 @@ COMPILED = {
                                                        seq_aux_loss_coeff=0.3, z_loss_coeff=0.01,
                                                        num_expert_groups=2))),
     "compiled_ep2": (2, Case(ep=2, batch_per_rank=(2, 1), compile="aot_eager",
-                             moe=moe_config(num_experts=4, top_k=2, num_shared_experts=1, capacity_factor=0.5,
+                             moe=moe_config(num_experts=4, top_k=2, num_shared_experts=1,
                                             load_balance="aux_loss", seq_aux_loss_coeff=0.3, z_loss_coeff=0.01,
-                                            num_expert_groups=2))),
+                                            num_expert_groups=2),
+                             run=MoERunOptions(capacity_factor=0.5))),
     "compiled_gpt_oss_experts_ep2_etp2": (4, Case(ep=2, etp=2, batch_per_rank=(2, 1, 0, 3), compile="aot_eager",
                                                   moe=moe_config(num_experts=4, top_k=2, load_balance="aux_free_bias",
-                                                                 expert_biases=True, activation="clamped_swiglu",
-                                                                 activation_memory="standard"))),
+                                                                 expert_biases=True, activation="clamped_swiglu"),
+                                                  run=MoERunOptions(activation_memory="standard"))),
     # Experts sharded over EDP / replicated over HSDP: gathered and reduce-scattered inside the graph.
     "compiled_edp2_ep2": (4, Case(ep=2, moe=moe_config(num_experts=4, top_k=2, load_balance="aux_loss"),
                                   batch_per_rank=(2, 1, 0, 3), microbatches=2, compile="aot_eager")),
@@ -153,8 +159,8 @@ COMPILED = {
                                    batch_per_rank=(1, 2, 3, 0), compile="aot_eager")),
     # pad_to_capacity: static pair-wise dispatch, one graph (fullgraph), a NaN token among the padded slots.
     "compiled_padded_ep2": (2, Case(ep=2, batch_per_rank=(2, 2), nonfinite_token=1, compile="aot_eager",
-                                    moe=moe_config(num_experts=4, top_k=2, capacity_factor=0.5, pad_to_capacity=True,
-                                                   expert_biases=True))),
+                                    moe=moe_config(num_experts=4, top_k=2, expert_biases=True),
+                                    run=MoERunOptions(capacity_factor=0.5, pad_to_capacity=True))),
     "nan_token_ep2": (2, Case(ep=2, moe=moe_config(num_experts=4, top_k=2, load_balance="aux_loss"),
                               batch_per_rank=(2, 2), nonfinite_token=1)),
     "nan_token_ep2_etp2": (4, Case(ep=2, etp=2, moe=moe_config(num_experts=4, top_k=2), batch_per_rank=(2, 1, 0, 3),
@@ -178,9 +184,9 @@ def rows_the_experts_receive(rank, world_size):
     from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
     from dtensor_moe.routing.capacity import kept_pairs
 
-    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, capacity_factor=0.5, drop_policy="probs")
+    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2)
     torch.manual_seed(0)
-    moe = MoE(cfg).double()
+    moe = MoE(cfg, MoERunOptions(capacity_factor=0.5, drop_policy="probs")).double()
     with torch.no_grad():
         moe.router.gate.weight[1] += 2.0
     x = torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
@@ -221,10 +227,10 @@ def _padded_step(rank: int, world_size: int, pad: bool):
     from dtensor_moe.parallel import dispatch
 
     # Standard activations: the unpadded experts then run grouped_swiglu too, whose row counts are recorded.
-    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, capacity_factor=0.5, pad_to_capacity=pad,
-                    activation_memory="standard")
+    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2)
+    run = MoERunOptions(capacity_factor=0.5, pad_to_capacity=pad, activation_memory="standard")
     torch.manual_seed(0)
-    moe = MoE(cfg).double()
+    moe = MoE(cfg, run).double()
     with torch.no_grad():
         moe.router.gate.weight[1] += 2.0  # an overloaded expert: pairs are dropped
     x = torch.randn(2, 3, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank), requires_grad=True)
@@ -283,8 +289,9 @@ def _uneven_padded_forward(rank, world_size):
 
     from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
 
-    moe = parallelize_moe(MoE(MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, capacity_factor=1.0,
-                                        pad_to_capacity=True)), MoEParallelDims(world_size, ep=2), device_type="cpu")
+    moe = parallelize_moe(MoE(MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2),
+                              MoERunOptions(capacity_factor=1.0, pad_to_capacity=True)),
+                          MoEParallelDims(world_size, ep=2), device_type="cpu")
     moe(torch.randn(1, 4 + 4 * rank, 8))  # capacities 2 and 4
 
 

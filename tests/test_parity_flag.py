@@ -70,14 +70,14 @@ def _train_with_parity(tmp_path, capsys, monkeypatch, overrides: list[str]) -> t
 # ranks, cp parts and sequence-parallel tp parts of each sequence, microbatches; the balance losses that sum over
 # the ranks (aux, sequence-wise over the cp / tp pieces, z) and the aux-free bias; routing replay's entries.
 CASES = {
-    "replicas_ep2": ["parallel.nproc=2", "parallel.ep=2", "model.expert_replicas=1", "model.max_rows_per_rank=128"],
-    "capacity_cp2_ep2": ["parallel.nproc=4", "parallel.cp=2", "parallel.ep=2", "model.capacity_factor=1.0",
+    "replicas_ep2": ["parallel.nproc=2", "parallel.ep=2", "moe_run.expert_replicas=1", "moe_run.max_rows_per_rank=128"],
+    "capacity_cp2_ep2": ["parallel.nproc=4", "parallel.cp=2", "parallel.ep=2", "moe_run.capacity_factor=1.0",
                          "model.seq_aux_loss_coeff=0.01", "model.z_loss_coeff=0.001"],
     "rounding_tp2_ep2_microbatches": ["parallel.nproc=4", "parallel.tp=2", "parallel.ep=2", "parallel.microbatches=2",
-                                      "model.round_tokens_to=4", "model.load_balance=aux_free_bias",
+                                      "moe_run.round_tokens_to=4", "model.load_balance=aux_free_bias",
                                       "model.seq_aux_loss_coeff=0.01"],
-    "capacity_rounding_replicas_replay": ["parallel.nproc=2", "parallel.ep=2", "model.capacity_factor=1.25",
-                                          "model.round_tokens_to=2", "model.expert_replicas=1",
+    "capacity_rounding_replicas_replay": ["parallel.nproc=2", "parallel.ep=2", "moe_run.capacity_factor=1.25",
+                                          "moe_run.round_tokens_to=2", "moe_run.expert_replicas=1",
                                           "training.routing_replay=true"],
 }
 
@@ -89,27 +89,28 @@ def test_parity_passes_a_correct_run(tmp_path, capsys, monkeypatch, overrides):
     assert report["steps"] == 3 and report["tolerance"] == 1e-5, report
     ref_cmd = cmds[-1]
     ref = json.loads(ref_cmd[ref_cmd.index("dtensor_moe.train.loop") + 1])
-    assert ref["parallel"]["nproc"] == 1 and ref["model"]["expert_replicas"] == 0
-    assert ref["model"]["max_rows_per_rank"] == 0
+    assert ref["parallel"]["nproc"] == 1 and ref["moe_run"]["expert_replicas"] == 0
+    assert ref["moe_run"]["max_rows_per_rank"] == 0
 
 
 @pytest.mark.parametrize("overrides, slices", [
     ([], []),  # no capacity, no rounding: the reference sees the global batch, as before
-    (["parallel.nproc=2", "parallel.ep=2", "model.expert_replicas=1"], []),
-    (["parallel.nproc=2", "parallel.ep=2", "model.capacity_factor=1.0"], ["2", "1"]),
-    (["parallel.nproc=8", "parallel.dp_replicate=2", "parallel.cp=2", "parallel.tp=2", "model.round_tokens_to=2"],
+    (["parallel.nproc=2", "parallel.ep=2", "moe_run.expert_replicas=1"], []),
+    (["parallel.nproc=2", "parallel.ep=2", "moe_run.capacity_factor=1.0"], ["2", "1"]),
+    (["parallel.nproc=8", "parallel.dp_replicate=2", "parallel.cp=2", "parallel.tp=2", "moe_run.round_tokens_to=2"],
      ["2", "4"]),
-    (["parallel.nproc=4", "parallel.pp=2", "parallel.ep=2", "parallel.microbatches=2", "model.capacity_factor=2.0"],
+    (["parallel.nproc=4", "parallel.pp=2", "parallel.ep=2", "parallel.microbatches=2", "moe_run.capacity_factor=2.0"],
      ["2", "1"]),  # the slices are one pipeline stage's data-parallel ranks
-    (["parallel.nproc=1", "model.capacity_factor=1.0"], []),  # one rank is the reference
+    (["parallel.nproc=1", "moe_run.capacity_factor=1.0"], []),  # one rank is the reference
 ])
 def test_reference_command(tmp_path, overrides, slices):
     cfg = load_config_text(tmp_path, overrides)
     assert train_cli._reference_slices(cfg) == slices
     ref = train_cli._reference_config(cfg)
-    assert (ref.parallel.nproc, ref.parallel.ep, ref.model.expert_replicas, ref.model.max_rows_per_rank) == (1, 1, 0, 0)
-    assert ref.model.capacity_factor == cfg.model.capacity_factor
-    assert ref.model.round_tokens_to == cfg.model.round_tokens_to
+    run = ref.moe_run
+    assert (ref.parallel.nproc, ref.parallel.ep, run.expert_replicas, run.max_rows_per_rank) == (1, 1, 0, 0)
+    assert ref.moe_run.capacity_factor == cfg.moe_run.capacity_factor
+    assert ref.moe_run.round_tokens_to == cfg.moe_run.round_tokens_to
 
 
 def load_config_text(tmp_path, overrides):

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from dtensor_moe.cli.plan import resolve
+from dtensor_moe.config import MoERunOptions
 from dtensor_moe.parallel.mesh import EXPERT_AXES, PP_STAGES_PER_RANK, MoEParallelDims
 from dtensor_moe.parallel.placement import plan_moe, rank_coords
 from dtensor_moe.tools import planner as P
-from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, spec_from_model_config
+from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, ModelSpec, spec_from_model_config
 
 from .harness import run_on_ranks
 
@@ -26,6 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=250, dim=24, n_layers=2, n_heads=4, num_experts=4, top_k=2, hidden_dim=20,
             num_shared_experts=1)
 FP32 = P.Workload(seq_len=8, micro_batch=2, dtype="fp32")
+
+
+def _spec(model: str) -> ModelSpec:
+    """A preset's ModelSpec (`resolve` also gives how the MoE layers run: a preset runs the defaults)."""
+    spec, run = resolve(model)
+    assert run == MoERunOptions(), (model, run)
+    return spec
 
 
 def _measure_states(rank, world, model_kwargs, dims_kwargs, schedule="1f1b"):
@@ -181,7 +189,7 @@ def test_node_fractions_match_rank_placement(G):
 def test_rates_node_fractions_follow_the_mesh_geometry():
     """Rates takes each group's (size, stride) from the degrees, not mesh_geometry: they must agree;
     foldings sharing a rates_key share their Rates."""
-    spec, G = resolve("mixtral-8x7b"), 4
+    spec, G = _spec("mixtral-8x7b"), 4
     work = _work("gpipe", 1, seq_len=64)
     seen = {}
     for dims in P.foldings(32, spec, work, G):
@@ -197,7 +205,7 @@ def test_rates_node_fractions_follow_the_mesh_geometry():
 def test_footprint_key_covers_what_the_plan_reads():
     """Foldings that share a footprint key get the same footprint from a fresh plan (the memo is sound):
     no PlanCache, so every folding's weights are planned anew."""
-    spec = resolve("qwen3-30b-a3b")
+    spec = _spec("qwen3-30b-a3b")
     seen = {}
     for dims in P.foldings(256, spec, P.Workload(seq_len=64)):
         fp = P.footprint(P.fsdp_units(spec, dims), dims)
@@ -206,7 +214,7 @@ def test_footprint_key_covers_what_the_plan_reads():
 
 
 def test_plan_ranks_fitting_candidates_and_explains():
-    spec, work = resolve("mixtral-8x7b"), P.Workload(seq_len=4096)
+    spec, work = _spec("mixtral-8x7b"), P.Workload(seq_len=4096)
     hw = P.Hardware(gpus=64, gpus_per_node=8, gpu_mem_gib=80)
     cands = P.plan(spec, work, hw)
     fits = [c for c in cands if c.fits]
@@ -230,7 +238,7 @@ def test_plan_ranks_fitting_candidates_and_explains():
 
 def test_comm_model_limits():
     """A single rank sends nothing; EP traffic grows with top_k; ETP inside a node is intra-only."""
-    spec = resolve("qwen3-30b-a3b")
+    spec = _spec("qwen3-30b-a3b")
     work = P.Workload(seq_len=1024)
     one = P.evaluate(spec, MoEParallelDims(1), work, P.Hardware(1, 8, 80))
     assert one.intra == one.inter == 0
@@ -249,7 +257,7 @@ def test_bad_inputs_name_the_constraint():
         P.Hardware(gpus=12, gpus_per_node=8)
 
 
-MIXTRAL = resolve("mixtral-8x7b")
+MIXTRAL = _spec("mixtral-8x7b")
 NAN, INF = float("nan"), float("inf")
 
 
@@ -325,8 +333,8 @@ def _cli(argv):
     ("--pp", "-1", "an int >= 0, got -1"),
     ("--skew", "-1", "a finite number >= 0 (0: balanced routing), got -1.0"),
     ("--skew", "nan", "a finite number >= 0 (0: balanced routing), got nan"),
-    ("--replicas", "-1", "an int in 0..num_experts (8 for mixtral-8x7b; MoEConfig.expert_replicas' range), got -1"),
-    ("--replicas", "9", "an int in 0..num_experts (8 for mixtral-8x7b; MoEConfig.expert_replicas' range), got 9"),
+    ("--replicas", "-1", "an int in 0..num_experts (8 for mixtral-8x7b; MoERunOptions.expert_replicas' range), got -1"),
+    ("--replicas", "9", "an int in 0..num_experts (8 for mixtral-8x7b; MoERunOptions.expert_replicas' range), got 9"),
 ])
 def test_plan_cli_rejects_bad_flags_in_one_line(flag, value, valid):
     """Zero bandwidths used to divide by zero, `--top -3` silently dropped rows: now rc 2 and one line."""
@@ -423,10 +431,18 @@ def test_planner_package_layout_and_torch_free():
 def test_config_toml(tmp_path):
     path = tmp_path / "tiny.toml"
     path.write_text("[model]\n" + "\n".join(f"{k} = {v}" for k, v in TINY.items()) + "\n[train]\nsteps = 3\n")
-    spec = resolve(str(path))
+    spec, run = resolve(str(path))
     assert spec.vocab_size == 250 and spec.moe.num_shared_experts == 1 and spec.name == "tiny"
+    assert run == MoERunOptions()  # no [moe_run]: the defaults
+    path.write_text(path.read_text() + "[moe_run]\nexpert_replicas = 2\nactivation_memory = \"standard\"\n")
+    spec_run, run = resolve(str(path))
+    assert spec_run == spec and run == MoERunOptions(expert_replicas=2, activation_memory="standard")
     path.write_text("[model]\nbogus = 1\n")
     with pytest.raises(ValueError, match="unknown \\[model\\] keys"):
+        resolve(str(path))
+    path.write_text("[model]\ntop_k = 2\n[moe_run]\nactivation_memory = \"least\"\n")
+    with pytest.raises(ValueError, match=r"tiny\.toml: \[moe_run\]: MoERunOptions\.activation_memory must be one of "
+                                         r"\['standard', 'minimal'\], got 'least'"):
         resolve(str(path))
 
 
@@ -447,7 +463,7 @@ def _fake_pg_main(rank: int):
 
     world = 16384
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    spec, work = resolve("deepseek-v3-671b"), P.Workload()
+    spec, work = _spec("deepseek-v3-671b"), P.Workload()
     hw = P.Hardware(world, 8, 141)
     best = next(c for c in P.plan(spec, work, hw) if c.fits).dims
     report = {}
@@ -540,7 +556,7 @@ def test_distinct_ranks_matches_sampled_routing():
 
 
 def test_group_limited_routing_shrinks_the_priced_all_to_all():
-    spec, work = resolve("deepseek-v3-671b"), P.Workload()
+    spec, work = _spec("deepseek-v3-671b"), P.Workload()
     assert (spec.moe.num_expert_groups, spec.moe.num_limited_groups) == (8, 4)
     dims = MoEParallelDims(64, ep=8, etp=1)
     fp = P.footprint(P.fsdp_units(spec, dims), dims)
@@ -559,7 +575,7 @@ def _work(schedule, microbatches, **kw):
 
 
 def test_pipeline_stages_schedules_and_bubble_by_hand():
-    spec = resolve("deepseek-v3-671b")
+    spec = _spec("deepseek-v3-671b")
     # 61 layers over 16 stages: stages 0-12 hold 4, 13-15 hold 3; the 3 dense layers lead.
     assert P.stage_share(spec, 16, "1f1b", 0) == P.StageShare(3, 1, True, False)
     assert P.stage_share(spec, 16, "1f1b", 1) == P.StageShare(0, 4, False, False)
@@ -648,14 +664,14 @@ def _exhaustive(spec, dims, work, hw):
 
 
 def test_pipeline_search():
-    spec = resolve("deepseek-v3-671b")
+    spec = _spec("deepseek-v3-671b")
     assert P.pipeline_degrees(16384, spec, P.Workload()) == [1]  # 1f1b needs microbatches >= pp
     assert P.pipeline_degrees(16384, spec, _work("1f1b", 16)) == [1, 2, 4, 8, 16]
     assert P.pipeline_degrees(16384, spec, _work("gpipe", 1)) == [1, 2, 4, 8, 16, 32]  # pp * 1 <= 61 layers
     assert P.pipeline_degrees(16384, spec, _work("interleaved_1f1b", 16)) == [1, 2, 4, 8, 16]  # 2 * pp <= 61
     assert P.pipeline_degrees(8, spec, _work("gpipe", 1), 8) == [1, 2, 4, 8]  # inside one node any pp
     assert P.pipeline_degrees(64, spec, _work("gpipe", 1), 16) == [1, 2, 4]  # stages of whole 16-GPU nodes
-    spec, work = resolve("qwen3-30b-a3b"), _work("1f1b", 8, seq_len=1024)
+    spec, work = _spec("qwen3-30b-a3b"), _work("1f1b", 8, seq_len=1024)
     cands = P.plan(spec, work, P.Hardware(64, 8, 80))
     assert {c.dims.pp for c in cands} == {1, 2, 4, 8}
     for c in cands[:50] + [c for c in cands if c.dims.pp == 8][:5]:
@@ -679,7 +695,7 @@ def test_plan_equals_exhaustive_search(model, gpus, schedule, microbatches, top)
     """Every candidate plan returns (memoized footprints and weight costs, per-folding rates, dominated
     pipeline ranks skipped) equals the one built from every pipeline rank and fresh plans, in the same
     order: the ranked table cannot change."""
-    spec, work = resolve(model), _work(schedule, microbatches, seq_len=1024 if top is None else 4096)
+    spec, work = _spec(model), _work(schedule, microbatches, seq_len=1024 if top is None else 4096)
     hw = P.Hardware(gpus, 8, 80 if top is None else 141)
     cands = P.plan(spec, work, hw)
     assert len({c.dims.pp for c in cands}) > 2
@@ -716,7 +732,7 @@ def test_plan_cli_pp():
 
 # ---- skewed routing (Workload.skew, --skew) and hot-expert replicas (--replicas) ------------------------------------
 
-DSV3_16B = resolve("deepseek_v3_16b")  # 64 experts, top-6
+DSV3_16B = _spec("deepseek_v3_16b")  # 64 experts, top-6
 
 
 def test_skew_popularity_is_the_benchmarks():
@@ -779,9 +795,9 @@ def test_skewed_rows_per_ep_rank_e64_ep8():
     assert flat.rows == flat.replica_rows == (256,) * 8 and flat.copies == 0
 
 
-def _skewed(skew: float, replicas: int, dims=MoEParallelDims(64, ep=8), spec=DSV3_16B):
-    spec = replace(spec, moe=replace(spec.moe, expert_replicas=replicas))
-    return P.evaluate(spec, dims, P.Workload(skew=skew), P.Hardware(64, 8, 80))
+def _skewed(skew: float, replicas: int, dims=MoEParallelDims(64, ep=8), spec=DSV3_16B, memory="minimal"):
+    work = P.Workload(skew=skew, moe_run=MoERunOptions(expert_replicas=replicas, activation_memory=memory))
+    return P.evaluate(spec, dims, work, P.Hardware(64, 8, 80))
 
 
 def _total(t: P.Traffic) -> float:
@@ -794,9 +810,10 @@ def test_skew_prices_the_busiest_ep_rank():
     price of their weight copies (sent to the slots each forward and again when recomputing, their gradients
     back; held with the layer's activations, their gradients while it runs backward), and the step is faster."""
     # The standard experts' activations, which replicas keep (expert_activations): the same formula both ways.
-    standard = replace(DSV3_16B, moe=replace(DSV3_16B.moe, activation_memory="standard"))
-    flat, skewed, replicas = (_skewed(s, r, spec=standard) for s, r in ((0, 0), (1.2, 0), (1.2, 2)))
-    assert flat == P.evaluate(standard, MoEParallelDims(64, ep=8), P.Workload(), P.Hardware(64, 8, 80))
+    standard = MoERunOptions(activation_memory="standard")
+    r = 2  # replica slots per EP rank
+    flat, skewed, replicas = (_skewed(s, n, memory="standard") for s, n in ((0, 0), (1.2, 0), (1.2, r)))
+    assert flat == P.evaluate(DSV3_16B, MoEParallelDims(64, ep=8), P.Workload(moe_run=standard), P.Hardware(64, 8, 80))
     assert flat.balance is None and "replica_weights" not in flat.comm
     b = skewed.balance
     assert b.imbalance == b.replica_imbalance > 2.5
@@ -805,22 +822,22 @@ def test_skew_prices_the_busiest_ep_rank():
     assert _total(replicas.comm["ep_all_to_all"]) == pytest.approx(a2a * replicas.balance.replica_imbalance, rel=1e-12)
     assert replicas.balance.replica_imbalance <= 1.15 and replicas.balance.rows == b.rows
     # By hand: 26 MoE layers, seq 4096 a rank, bf16, full recompute; a slot is w1, w2, w3 of one expert.
-    moe, T, D, F, K = DSV3_16B.moe, 4096, DSV3_16B.dim, DSV3_16B.moe.hidden_dim, DSV3_16B.moe.top_k
+    T, D, F, K = 4096, DSV3_16B.dim, DSV3_16B.moe.hidden_dim, DSV3_16B.moe.top_k
     slot = 3 * F * D * 2
     assert _total(replicas.comm["replica_weights"]) == 26 * 3 * replicas.balance.copies * slot
     routed = T * 2 * K * (2 * D + 3 * F)  # one MoE layer's routed activations at the mean rows
     assert skewed.memory.activations - flat.memory.activations == pytest.approx(routed * (b.imbalance - 1))
     assert replicas.memory.activations - flat.memory.activations == pytest.approx(
-        routed * (replicas.balance.replica_imbalance - 1) + 2 * moe.expert_replicas * slot + 2 * 2 * slot)
+        routed * (replicas.balance.replica_imbalance - 1) + 2 * r * slot)  # the r slots' copies and their gradients
     assert flat.comm_time_s < replicas.comm_time_s < skewed.comm_time_s
     # Slots without skew: held (the dispatcher allocates them), never filled under balanced routing.
-    assert _skewed(0, 2, spec=standard).comm["replica_weights"] == P.Traffic(0, 0)
+    assert _skewed(0, r, memory="standard").comm["replica_weights"] == P.Traffic(0, 0)
 
 
 def test_skewed_search_is_never_faster():
     """Every folding's step under skew takes at least its balanced time (equal where ep = 1); the foldings and
     their weights' costs do not change."""
-    spec, work, hw = resolve("qwen3-30b-a3b"), P.Workload(seq_len=1024), P.Hardware(64, 8, 80)
+    spec, work, hw = _spec("qwen3-30b-a3b"), P.Workload(seq_len=1024), P.Hardware(64, 8, 80)
     flat = {c.dims: c for c in P.plan(spec, work, hw)}
     skewed = P.plan(spec, replace(work, skew=1.2), hw)
     assert len(skewed) == len(flat)
@@ -828,6 +845,19 @@ def test_skewed_search_is_never_faster():
         f = flat[c.dims]
         assert c.comm_time_s >= f.comm_time_s and c.memory[:4] == f.memory[:4]
         assert (c.comm_time_s == f.comm_time_s) == (c.dims.ep == 1), c.dims
+
+
+def test_search_with_replicas_skips_foldings_without_ep():
+    """Workload.moe_run's replica slots hold other EP ranks' experts: the search ranks only ep > 1 foldings with
+    them (the placement plan, the architecture's, accepts ep 1 either way), the same ones as without replicas."""
+    spec, hw = _spec("mixtral-8x7b"), P.Hardware(8, 8, 80)
+    work = P.Workload(seq_len=1024)
+    plain = P.plan(spec, work, hw)
+    with_r = P.plan(spec, replace(work, moe_run=MoERunOptions(expert_replicas=1)), hw)
+    assert any(c.dims.ep == 1 for c in plain) and with_r and all(c.dims.ep > 1 for c in with_r)
+    assert {c.dims for c in with_r} == {c.dims for c in plain if c.dims.ep > 1}
+    with pytest.raises(ValueError, match=r"Workload\.moe_run must be a dtensor_moe\.MoERunOptions, got dict"):
+        P.Workload(moe_run={"expert_replicas": 1})
 
 
 def test_plan_cli_skew_and_replicas():
@@ -862,14 +892,16 @@ def test_minimal_activation_memory_prices_pre_activations_and_received_rows(ep, 
     """activation_memory "minimal": per token the MoE layer's routed experts keep top_k * 2F (the gate / up
     pre-activation) plus, under EP x ETP, each received token row once (etp * D per EP rank it reaches), where
     "standard" keeps top_k * (2 etp D + 3F); everything else in the layer is unchanged."""
-    minimal = PRESETS["deepseek-v3-671b"]  # the default
-    spec = replace(minimal, moe=replace(minimal.moe, activation_memory="standard"))
-    dims, work = MoEParallelDims(64, ep=ep, etp=etp), P.Workload(seq_len=4096, recompute="none")
+    spec = PRESETS["deepseek-v3-671b"]
+    minimal = P.Workload(seq_len=4096, recompute="none")  # the default
+    assert minimal.moe_run.activation_memory == "minimal"
+    work = replace(minimal, moe_run=MoERunOptions(activation_memory="standard"))
+    dims = MoEParallelDims(64, ep=ep, etp=etp)
     T, b, k, D, F = 4096, 2, spec.moe.top_k, spec.dim, spec.moe.hidden_dim
     routing = spec.moe.num_experts, k, ep, spec.moe.num_expert_groups, spec.moe.num_limited_groups
     received = 0 if ep * etp == 1 else etp * D * P.distinct_ranks(*routing)
-    per_layer = P.rates(spec, dims, work).moe_layer - P.rates(minimal, dims, work).moe_layer
+    per_layer = P.rates(spec, dims, work).moe_layer - P.rates(spec, dims, minimal).moe_layer
     assert per_layer == pytest.approx(T * b * (k * (2 * etp * D + 3 * F) - (k * 2 * F + received)))
     # The whole model's estimate drops by that much per MoE layer, nothing else.
-    drop = P.activation_bytes(spec, dims, work) - P.activation_bytes(minimal, dims, work)
+    drop = P.activation_bytes(spec, dims, work) - P.activation_bytes(spec, dims, minimal)
     assert drop == pytest.approx(spec.n_moe_layers * per_layer)

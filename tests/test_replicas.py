@@ -1,22 +1,28 @@
-"""Hot-expert replicas (MoEConfig.expert_replicas): the placement plan alone, and the dispatched layer against the
+"""Hot-expert replicas (MoERunOptions.expert_replicas): the placement plan alone, and the dispatched layer against the
 single-process float64 reference (outputs, every gradient) with replicas on gloo CPU ranks; the row cap."""
 
 from dataclasses import replace
 
 import pytest
 
+from dtensor_moe import MoERunOptions
+
 from .harness import run_on_ranks
 from .parity import Case, moe_config, parity_errors
 from .test_parity import TOL, assert_parity
 
 NAMED = {
-    "ep2_r1": (2, Case(ep=2, moe=moe_config(num_experts=4, top_k=2, expert_replicas=1), batch_per_rank=(2, 1))),
+    "ep2_r1": (2, Case(ep=2, moe=moe_config(num_experts=4, top_k=2), run=MoERunOptions(expert_replicas=1),
+                       batch_per_rank=(2, 1))),
     "ep2_etp2_r2_biases": (4, Case(ep=2, etp=2, batch_per_rank=(2, 1, 0, 3),
-                                   moe=moe_config(num_experts=4, top_k=2, expert_replicas=2, expert_biases=True))),
-    "edp2_ep2_r1_accumulate": (4, Case(ep=2, moe=moe_config(num_experts=4, top_k=2, expert_replicas=1),
-                                       batch_per_rank=(2, 1, 0, 3), microbatches=2)),
-    "ep4_r2_one_hot_expert": (4, Case(ep=4, moe=moe_config(num_experts=4, top_k=1, expert_replicas=2),
-                                      batch_per_rank=(2, 3, 1, 2), hot_expert=3)),
+                                   moe=moe_config(num_experts=4, top_k=2, expert_biases=True),
+                                   run=MoERunOptions(expert_replicas=2))),
+    "edp2_ep2_r1_accumulate": (4, Case(ep=2, moe=moe_config(num_experts=4, top_k=2),
+                                       run=MoERunOptions(expert_replicas=1), batch_per_rank=(2, 1, 0, 3),
+                                       microbatches=2)),
+    "ep4_r2_one_hot_expert": (4, Case(ep=4, moe=moe_config(num_experts=4, top_k=1),
+                                      run=MoERunOptions(expert_replicas=2), batch_per_rank=(2, 3, 1, 2),
+                                      hot_expert=3)),
 }
 
 
@@ -52,8 +58,8 @@ SKEWED = dict(ep=8, zipf=1.2, batch_per_rank=(4,) * 8, seq_len=32)  # 128 tokens
 def test_skewed_rows_per_rank(r, record_property):
     """E=64 over EP=8, Zipf 1.2 routing (benchmarks/routing.py's skewed mode): rows per EP rank max / mean, exact
     parity either way; replicas (r=2) bring the hottest rank within 15% of the mean and move weights both ways."""
-    case = Case(**SKEWED, moe=moe_config(num_experts=64, top_k=2, dim=64, hidden_dim=2, expert_replicas=r,
-                                         replica_replan_every=1))
+    case = Case(**SKEWED, moe=moe_config(num_experts=64, top_k=2, dim=64, hidden_dim=2),
+                run=MoERunOptions(expert_replicas=r, replica_replan_every=1))
     per_rank = run_on_ranks(8, _balance, case)
     worst = {k: max(errs[k] for errs, _, _ in per_rank) for k in per_rank[0][0]}
     assert all(v <= TOL for v in worst.values()), {k: v for k, v in worst.items() if not v <= TOL}
@@ -129,7 +135,7 @@ def test_replica_gradients_land_in_the_owner():
     base = Case(ep=4, batch_per_rank=(2, 3, 1, 2), hot_expert=1, seq_len=4,
                 moe=moe_config(num_experts=4, top_k=1, expert_biases=True))
     without = run_on_ranks(4, _hot_expert_grads, base)
-    with_r = run_on_ranks(4, _hot_expert_grads, replace(base, moe=replace(base.moe, expert_replicas=1)))
+    with_r = run_on_ranks(4, _hot_expert_grads, replace(base, run=replace(base.run, expert_replicas=1)))
     for errs, _, _ in with_r:
         assert all(v <= TOL for v in errs.values()), errs
     rows0, rows1 = without[0][1], with_r[0][1]
@@ -164,9 +170,10 @@ def _checkpointed_steps(rank: int, world_size: int):
 
     from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
 
-    cfg = MoEConfig(dim=4, hidden_dim=2, num_experts=4, top_k=1, expert_replicas=1, replica_replan_every=1)
+    cfg = MoEConfig(dim=4, hidden_dim=2, num_experts=4, top_k=1)
+    run = MoERunOptions(expert_replicas=1, replica_replan_every=1)
     torch.manual_seed(0)
-    models = [MoE(cfg).double() for _ in range(2)]
+    models = [MoE(cfg, run).double() for _ in range(2)]
     with torch.no_grad():
         models[0].router.gate.weight[:, 0] = torch.tensor([1.0, 0.0, -1.0, 0.0], dtype=torch.float64)
     models[1].load_state_dict(models[0].state_dict())
@@ -204,8 +211,8 @@ def _capped_forward(rank: int, world_size: int, cap: int):
 
     from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe
 
-    cfg = MoEConfig(dim=4, hidden_dim=2, num_experts=4, top_k=1, max_rows_per_rank=cap)
-    model = nn.ModuleDict({"block": nn.ModuleDict({"moe": MoE(cfg)})})
+    cfg = MoEConfig(dim=4, hidden_dim=2, num_experts=4, top_k=1)
+    model = nn.ModuleDict({"block": nn.ModuleDict({"moe": MoE(cfg, MoERunOptions(max_rows_per_rank=cap))})})
     with torch.no_grad():
         model.block.moe.router.gate.weight[:, 0] = torch.tensor([9.0, 0.0, 0.0, 0.0])  # rank 0's expert 0 is hot
     parallelize_moe(model, MoEParallelDims(world_size, ep=2), device_type="cpu")
@@ -226,27 +233,48 @@ def test_row_cap_raises_on_every_rank():
 
 
 @pytest.mark.parametrize("options,match", [
-    (dict(expert_replicas=-1), r"MoEConfig.expert_replicas must be in 0..num_experts \(4\), got -1"),
-    (dict(expert_replicas=5), r"MoEConfig.expert_replicas \(5\) must be <= num_experts \(4\); valid expert_replicas"),
-    (dict(replica_replan_every=0), r"MoEConfig.replica_replan_every must be >= 1, got 0"),
-    (dict(max_rows_per_rank=-1), r"MoEConfig.max_rows_per_rank must be >= 0, got -1"),
+    (dict(expert_replicas=-1), r"MoERunOptions.expert_replicas must be >= 0, got -1"),
+    # The options alone hold 5 slots; the layer of 4 experts refuses them.
+    (dict(expert_replicas=5), r"MoERunOptions.expert_replicas \(5\) must be in 0..num_experts \(4\): each slot holds "
+                              r"a copy of one expert, .*; valid: MoERunOptions.expert_replicas 0..4"),
+    (dict(replica_replan_every=0), r"MoERunOptions.replica_replan_every must be >= 1, got 0"),
+    (dict(max_rows_per_rank=-1), r"MoERunOptions.max_rows_per_rank must be >= 0, got -1"),
     (dict(expert_replicas=1, capacity_factor=1.0, pad_to_capacity=True),
-     r"MoEConfig.expert_replicas \(1\) needs the dropless dispatch, got MoEConfig.pad_to_capacity=True"),
+     r"MoERunOptions.expert_replicas \(1\) needs the dropless dispatch, got MoERunOptions.pad_to_capacity=True"),
 ])
 def test_bad_replica_options(options, match):
-    from dtensor_moe import MoEConfig
+    from dtensor_moe import MoE, MoEConfig
 
     with pytest.raises(ValueError, match=match):
-        MoEConfig(dim=4, hidden_dim=2, num_experts=4, top_k=1, **options)
+        MoE(MoEConfig(dim=4, hidden_dim=2, num_experts=4, top_k=1), MoERunOptions(**options))
+
+
+def test_replica_slots_are_bounded_by_the_layers_experts():
+    """MoERunOptions knows no num_experts: check_run_options (which MoE calls) bounds the slots by the config's."""
+    from dtensor_moe import MoE, MoEConfig
+    from dtensor_moe.config import check_run_options
+
+    run = MoERunOptions(expert_replicas=5)  # fine on its own
+    check_run_options(MoEConfig(dim=4, hidden_dim=2, num_experts=8, top_k=1), run)
+    with pytest.raises(ValueError, match=r"^moe_run.expert_replicas \(5\) must be in 0..num_experts \(4\)"):
+        check_run_options(MoEConfig(dim=4, hidden_dim=2, num_experts=4, top_k=1), run, "moe_run.")
+    with pytest.raises(ValueError, match=r"^MoERunOptions.expert_replicas \(5\) must be in 0..num_experts \(4\)"):
+        MoE(MoEConfig(dim=4, hidden_dim=2, num_experts=4, top_k=1), run)  # the layer checks them at construction
 
 
 def test_replicas_need_ep():
-    from dtensor_moe import MoEConfig, MoEParallelDims, plan_moe
+    """The placement plan is the architecture's (replicas place nothing in it); parallelizing a layer with replica
+    slots on ep 1 is refused before any collective, by parallelize_moe and ExpertParallel alike."""
+    from dtensor_moe import ExpertParallel, MoE, MoEConfig, MoEParallelDims, parallelize_moe, plan_moe
 
-    cfg = MoEConfig(dim=4, hidden_dim=2, num_experts=4, top_k=1, expert_replicas=1)
-    with pytest.raises(ValueError, match=r"expert_replicas \(1\) needs ep > 1 .* valid: expert_replicas 0, or ep in "
-                                         r"\[2, 4\]"):
-        plan_moe(cfg, MoEParallelDims(4))
+    cfg = MoEConfig(dim=4, hidden_dim=2, num_experts=4, top_k=1)
+    dims = MoEParallelDims(4)
+    assert plan_moe(cfg, dims) == plan_moe(cfg, dims)  # no run options in the plan: nothing to refuse there
+    match = r"expert_replicas \(1\) needs ep > 1 .*, got ep 1; valid: expert_replicas 0, or ep in \[2, 4\]"
+    with pytest.raises(ValueError, match=match):
+        parallelize_moe(MoE(cfg, MoERunOptions(expert_replicas=1)), dims, device_type="cpu")
+    with pytest.raises(ValueError, match=match):
+        ExpertParallel(dims, fully_shard=False)._apply(MoE(cfg, MoERunOptions(expert_replicas=1)), None)
 
 
 def _adam_steps(rank: int, world_size: int):
@@ -259,9 +287,9 @@ def _adam_steps(rank: int, world_size: int):
 
     out = []
     for r in (0, 2):
-        cfg = MoEConfig(dim=4, hidden_dim=2, num_experts=4, top_k=2, expert_replicas=r, expert_biases=True)
+        cfg = MoEConfig(dim=4, hidden_dim=2, num_experts=4, top_k=2, expert_biases=True)
         torch.manual_seed(0)
-        model = MoE(cfg).double()
+        model = MoE(cfg, MoERunOptions(expert_replicas=r)).double()
         with torch.no_grad():
             model.router.gate.weight[3, 0] = 9.0
         parallelize_moe(model, MoEParallelDims(world_size, ep=2), device_type="cpu")
@@ -298,7 +326,7 @@ def _unitless_experts(rank: int, world_size: int):
     grads = []
     for r in (0, 1):
         torch.manual_seed(0)
-        model = MoE(MoEConfig(dim=4, hidden_dim=2, num_experts=4, top_k=2, expert_replicas=r)).double()
+        model = MoE(MoEConfig(dim=4, hidden_dim=2, num_experts=4, top_k=2), MoERunOptions(expert_replicas=r)).double()
         with torch.no_grad():
             model.router.gate.weight[0, 0] = 9.0
         parallelize_module(model, init_device_mesh("cpu", (world_size,)),

@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe, record_routing, replay_routing
+from dtensor_moe import MoE, MoEConfig, MoEParallelDims, MoERunOptions, parallelize_moe, record_routing, replay_routing
 
 from .harness import run_on_ranks
 
@@ -35,11 +35,11 @@ def test_row_cap_without_expert_parallelism_is_refused_before_launch():
     """max_rows_per_rank is read from the expert-parallel dispatch: on a mesh without one it never acts."""
     from dtensor_moe.cli.train import _check
 
-    cfg = _main_config("model.max_rows_per_rank=100", "parallel.ep=1")
-    with pytest.raises(ValueError, match=r"model\.max_rows_per_rank \(100\) needs parallel\.ep > 1") as e:
+    cfg = _main_config("moe_run.max_rows_per_rank=100", "parallel.ep=1")
+    with pytest.raises(ValueError, match=r"moe_run\.max_rows_per_rank \(100\) needs parallel\.ep > 1") as e:
         _check(cfg, 2)
     assert "valid:" in str(e.value)
-    _check(_main_config("model.max_rows_per_rank=100", "parallel.ep=2"), 2)  # EP2: the cap acts
+    _check(_main_config("moe_run.max_rows_per_rank=100", "parallel.ep=2"), 2)  # EP2: the cap acts
 
 
 def test_rounding_multiple_above_the_tokens_per_rank_is_refused_before_launch():
@@ -47,13 +47,13 @@ def test_rounding_multiple_above_the_tokens_per_rank_is_refused_before_launch():
     ever holds 32 pairs and every pair would be rounded away (the experts compute nothing, rc 0)."""
     from dtensor_moe.cli.train import _check
 
-    with pytest.raises(ValueError, match=r"model\.round_tokens_to \(32\).*16 tokens") as e:
-        _check(_main_config("model.round_tokens_to=32", "parallel.ep=2"), 2)
+    with pytest.raises(ValueError, match=r"moe_run\.round_tokens_to \(32\).*16 tokens") as e:
+        _check(_main_config("moe_run.round_tokens_to=32", "parallel.ep=2"), 2)
     assert "valid:" in str(e.value)
-    _check(_main_config("model.round_tokens_to=16", "parallel.ep=2"), 2)  # reachable: accepted
+    _check(_main_config("moe_run.round_tokens_to=16", "parallel.ep=2"), 2)  # reachable: accepted
     # A capacity keeps each expert below the multiple just as well: ceil(16 * 2 / 4 * 0.5) = 4 pairs at most.
-    with pytest.raises(ValueError, match=r"model\.round_tokens_to \(8\).*capacity"):
-        _check(_main_config("model.round_tokens_to=8", "model.capacity_factor=0.5", "parallel.ep=2"), 2)
+    with pytest.raises(ValueError, match=r"moe_run\.round_tokens_to \(8\).*capacity"):
+        _check(_main_config("moe_run.round_tokens_to=8", "moe_run.capacity_factor=0.5", "parallel.ep=2"), 2)
 
 
 def test_place_replicas_refuses_bad_arguments_by_name():
@@ -92,7 +92,8 @@ def test_plan_of_an_hf_path_config_plans_the_checkpoint(model_type, want, tmp_pa
     hf_model(model_type).save_pretrained(ckpt)
     toml = tmp_path / "ft.toml"
     toml.write_text(f'[model]\nhf_path = "{ckpt}"\naux_loss_coeff = 0.01\n')
-    spec = resolve(str(toml))
+    spec, run = resolve(str(toml))
+    assert run == MoERunOptions()  # no [moe_run]: the defaults
     got = (spec.dim, spec.moe.num_experts, spec.moe.top_k, spec.moe.hidden_dim, spec.vocab_size, spec.n_layers,
            spec.n_dense_layers, spec.dense_hidden_dim)
     assert got == want
@@ -126,17 +127,19 @@ def test_plan_replicas_on_one_gpu_says_they_need_ep():
 
 
 def test_resume_check_ignores_settings_that_change_no_weight():
+    """Replicas, their re-placement and the row cap are [moe_run] options: the model config the resume check
+    compares (what a checkpoint holds) is the same under any of them."""
     from dtensor_moe.train.checkpoint import config_diff
-    from dtensor_moe.train.config import ModelConfig
 
-    saved = asdict(ModelConfig(num_experts=4, top_k=2))
-    for change in (dict(expert_replicas=2), dict(replica_replan_every=7), dict(max_rows_per_rank=500)):
-        assert config_diff(saved, asdict(ModelConfig(num_experts=4, top_k=2, **change))) == [], change
-    assert config_diff(saved, asdict(ModelConfig(num_experts=4, top_k=1))) == ["top_k: saved 2 vs model 1"]
+    saved = asdict(_main_config().model)
+    for change in ("moe_run.expert_replicas=2", "moe_run.replica_replan_every=7", "moe_run.max_rows_per_rank=500"):
+        cfg = _main_config(change)
+        assert cfg.moe_run != MoERunOptions() and config_diff(saved, asdict(cfg.model)) == [], change
+    assert config_diff(saved, asdict(replace(_main_config().model, top_k=1))) == ["top_k: saved 2 vs model 1"]
 
 
 def test_resume_with_replicas_turned_on_is_accepted(tmp_path):
-    """--resume of a run saved without replicas, now with model.expert_replicas = 1: same weights, accepted."""
+    """--resume of a run saved without replicas, now with moe_run.expert_replicas = 1: same weights, accepted."""
     from dtensor_moe.cli.train import _resume_target
     from dtensor_moe.train.checkpoint import MODEL_CONFIG, save
 
@@ -145,9 +148,9 @@ def test_resume_with_replicas_turned_on_is_accepted(tmp_path):
 
     root = tmp_path / "run" / "checkpoints"
     save(root, 2, build_model(cfg.model), keep_last=1)
-    assert json.loads(next(root.glob(f"step_*/{MODEL_CONFIG}")).read_text())["expert_replicas"] == 0
+    assert "expert_replicas" not in json.loads(next(root.glob(f"step_*/{MODEL_CONFIG}")).read_text())
     args = type("Args", (), {"resume": "latest"})()
-    on = replace(cfg, model=replace(cfg.model, expert_replicas=1))
+    on = replace(cfg, moe_run=replace(cfg.moe_run, expert_replicas=1))
     assert _resume_target(args, on, str(tmp_path / "run")).name.startswith("step_")
     other = replace(cfg, model=replace(cfg.model, top_k=1))
     with pytest.raises(ValueError, match="another model config"):
@@ -175,20 +178,20 @@ def _hook_refusal(capsys, monkeypatch, world: int, *extra: str) -> str:
 
 
 def test_hook_row_cap_without_expert_parallelism_is_refused(capsys, monkeypatch):
-    line = _hook_refusal(capsys, monkeypatch, 2, "--dtensor_moe.max_rows_per_rank", "100")
-    assert "--dtensor_moe.max_rows_per_rank (100) needs --dtensor_moe.ep > 1" in line and "valid:" in line, line
+    line = _hook_refusal(capsys, monkeypatch, 2, "--dtensor_moe.run.max_rows_per_rank", "100")
+    assert "--dtensor_moe.run.max_rows_per_rank (100) needs --dtensor_moe.ep > 1" in line and "valid:" in line, line
 
 
 def test_hook_refuses_more_replica_slots_than_experts(capsys, monkeypatch):
-    """The main job refuses model.expert_replicas > model.num_experts; the hook did not (8 experts here)."""
-    line = _hook_refusal(capsys, monkeypatch, 2, "--dtensor_moe.ep", "2", "--dtensor_moe.expert_replicas", "9")
+    """The main job refuses moe_run.expert_replicas > model.num_experts; the hook did not (8 experts here)."""
+    line = _hook_refusal(capsys, monkeypatch, 2, "--dtensor_moe.ep", "2", "--dtensor_moe.run.expert_replicas", "9")
     assert "expert_replicas (9)" in line and "num_experts (8)" in line and "valid:" in line, line
 
 
 def test_hook_rounding_multiple_above_the_tokens_per_rank_is_refused(capsys, monkeypatch):
-    line = _hook_refusal(capsys, monkeypatch, 2, "--dtensor_moe.ep", "2", "--dtensor_moe.round_tokens_to", "64",
+    line = _hook_refusal(capsys, monkeypatch, 2, "--dtensor_moe.ep", "2", "--dtensor_moe.run.round_tokens_to", "64",
                          "--training.local_batch_size", "2", "--training.seq_len", "16")
-    assert "--dtensor_moe.round_tokens_to (64)" in line and "32 tokens" in line and "valid:" in line, line
+    assert "--dtensor_moe.run.round_tokens_to (64)" in line and "32 tokens" in line and "valid:" in line, line
 
 
 # --- class 6: what one rank finds, every rank reports ---------------------------------------------------------------
@@ -239,7 +242,7 @@ def _hook_row_cap(rank: int, world: int, dump: str) -> tuple[tuple, list[str]]:
     from dtensor_moe.titan import trainer as hook
 
     argv = ["--module", "dtensor_moe.titan", "--config", "deepseek_v3_debugmodel_cpu", "--dump_folder", dump,
-            "--dtensor_moe.ep", "2", "--dtensor_moe.max_rows_per_rank", "1", "--training.steps", "1"]
+            "--dtensor_moe.ep", "2", "--dtensor_moe.run.max_rows_per_rank", "1", "--training.steps", "1"]
     err = io.StringIO()
 
     def leave(code, wait):

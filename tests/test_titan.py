@@ -191,33 +191,51 @@ def test_checkpoint_resume(runs):
     (("--config", "deepseek_v3_debugmodel", "--parallelism.context_parallel_degree", "2"),
      "needs SDPA attention: layers[0].attention.inner_attention is FlexAttention.Config"),
     (("--dtensor_moe.experts", "theirs"), "--dtensor_moe.experts 'theirs' is not one of ['ours', 'titan']"),
-    (("--dtensor_moe.experts", "titan", "--dtensor_moe.activation_memory", "standard"),
-     "--dtensor_moe.activation_memory standard acts on dtensor_moe's experts only, not with --dtensor_moe.experts "
-     "titan; valid: --dtensor_moe.experts ours, or --dtensor_moe.activation_memory minimal"),
-    (("--dtensor_moe.experts", "titan", "--dtensor_moe.expert_precision", "fp8"),
-     "--dtensor_moe.expert_precision fp8 acts on dtensor_moe's experts only"),
-    (("--dtensor_moe.dispatch_precision", "fp8"), "--dtensor_moe.dispatch_precision fp8 sets the payload of the EP / "
-                                                  "ETP token exchange, and --dtensor_moe.ep 1 --dtensor_moe.etp 1 "
-                                                  "exchanges none"),
-    (("--dtensor_moe.activation_memory", "least"), "--dtensor_moe.activation_memory 'least' is not one of "
-                                                   "['standard', 'minimal']"),
+    (("--dtensor_moe.experts", "titan", "--dtensor_moe.run.activation_memory", "standard"),
+     "--dtensor_moe.run.activation_memory standard acts on dtensor_moe's experts only, not with --dtensor_moe.experts "
+     "titan; valid: --dtensor_moe.experts ours, or --dtensor_moe.run.activation_memory minimal"),
+    (("--dtensor_moe.experts", "titan", "--dtensor_moe.run.expert_precision", "fp8"),
+     "--dtensor_moe.run.expert_precision fp8 acts on dtensor_moe's experts only"),
+    (("--dtensor_moe.run.dispatch_precision", "fp8"), "--dtensor_moe.run.dispatch_precision fp8 sets the payload of "
+                                                      "the EP / ETP token exchange, and --dtensor_moe.ep 1 "
+                                                      "--dtensor_moe.etp 1 exchanges none"),
+    # MoERunOptions' own checks, named as the flag (the hook reads the values off the command line first).
+    (("--dtensor_moe.run.activation_memory", "least"), "--dtensor_moe.run.activation_memory must be one of "
+                                                       "['standard', 'minimal'], got 'least'"),
+    # torchtitan's router drops no pairs: the capacity options keep their defaults.
+    (("--dtensor_moe.run.capacity_factor", "1.0"), "--dtensor_moe.run.capacity_factor 1.0 is not supported with "
+                                                   "--module dtensor_moe.titan (the hook's dispatch is dropless); "
+                                                   "valid: --dtensor_moe.run.capacity_factor None"),
+    (("--dtensor_moe.run.drop_policy", "position"), "--dtensor_moe.run.drop_policy 'position' is not supported with "
+                                                    "--module dtensor_moe.titan"),
 ])
-def test_config_rejects_bad_combinations(capsys, flags, message):
+def test_config_rejects_bad_combinations(capsys, monkeypatch, flags, message):
     """Our Config's checks while torchtitan parses the command line: one line and exit status 2, no process group."""
-    _assert_refused(capsys, _argv("deepseek_v3_debugmodel_cpu", "/unused", *flags), message)
+    _assert_refused(capsys, _argv("deepseek_v3_debugmodel_cpu", "/unused", *flags), message, monkeypatch)
 
 
 def test_unknown_hook_flag_is_one_line(capsys, monkeypatch):
     """Refused while torchtitan loads the config function, before its parser's error box on every rank."""
     argv = _argv("deepseek_v3_debugmodel_cpu", "/unused", "--dtensor_moe.expert_parallel", "2")
-    monkeypatch.setattr(sys, "argv", ["torchtitan.train", *argv])  # what torchrun's ranks parse
-    monkeypatch.delenv("RANK", raising=False)
     _assert_refused(capsys, argv, "--dtensor_moe.expert_parallel is not an option of the hook; valid: "
-                                  "--dtensor_moe.activation_memory, --dtensor_moe.dispatch_precision, ")
+                                  "--dtensor_moe.dp_replicate, --dtensor_moe.ep, --dtensor_moe.etp, "
+                                  "--dtensor_moe.experts, --dtensor_moe.load_balance_coeff, "
+                                  "--dtensor_moe.run.activation_memory, --dtensor_moe.run.capacity_factor, "
+                                  "--dtensor_moe.run.dispatch_precision, --dtensor_moe.run.drop_policy, "
+                                  "--dtensor_moe.run.expert_precision, --dtensor_moe.run.expert_replicas, "
+                                  "--dtensor_moe.run.max_rows_per_rank, --dtensor_moe.run.pad_to_capacity, "
+                                  "--dtensor_moe.run.replica_replan_every, --dtensor_moe.run.round_tokens_to",
+                    monkeypatch)
 
 
-def _assert_refused(capsys, argv, message):
+def _assert_refused(capsys, argv, message, monkeypatch=None):
+    """`argv` refused while parsing, in one line. With `monkeypatch`, as torchrun's ranks parse it: also the
+    process's sys.argv, which the hook reads its flags off while torchtitan loads the config function."""
     from torchtitan.config import ConfigManager
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(sys, "argv", ["torchtitan.train", *argv])  # what torchrun's ranks parse
+        monkeypatch.delenv("RANK", raising=False)
 
     with pytest.raises(SystemExit) as exit_:
         ConfigManager().parse_args(argv)

@@ -97,8 +97,8 @@ def _merged(ranks: list[dict]) -> dict:
 def _case(references, mesh: str, experts: str, memory: str, precision: str, payload: str = "bf16") -> None:
     ranks, flags = MESHES[mesh]
     name = f"{mesh}_ours_{memory}_{precision}_payload_{payload}" if experts == "ours" else f"{mesh}_titan"
-    ours = ("--dtensor_moe.activation_memory", memory, "--dtensor_moe.expert_precision", precision,
-            "--dtensor_moe.dispatch_precision", payload)
+    ours = ("--dtensor_moe.run.activation_memory", memory, "--dtensor_moe.run.expert_precision", precision,
+            "--dtensor_moe.run.dispatch_precision", payload)
     argv = _argv("deepseek_v3_debugmodel_cpu", references["root"] / name, *references["seed"], *_steps(*flags),
                  "--dtensor_moe.experts", experts, *(ours if experts == "ours" else ()))
     run = _merged(run_on_ranks(ranks, _run, argv))

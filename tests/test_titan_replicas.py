@@ -1,4 +1,4 @@
-"""Hot-expert replicas through the torchtitan hook (`--dtensor_moe.expert_replicas`), on 2 CPU gloo ranks.
+"""Hot-expert replicas through the torchtitan hook (`--dtensor_moe.run.expert_replicas`), on 2 CPU gloo ranks.
 
 `deepseek_v3_debugmodel_cpu` (2 MoE layers of 8 experts, top-2, a shared expert) at EP=2, STEPS steps from one
 seed checkpoint, with one replica slot per EP rank re-placed every forward (`replica_replan_every 1`: the
@@ -69,7 +69,7 @@ def _ep2(dump, *extra: str) -> list[str]:
     return _argv("deepseek_v3_debugmodel_cpu", dump, "--dtensor_moe.ep", "2", "--training.steps", str(STEPS), *extra)
 
 
-_REPLICAS = ("--dtensor_moe.expert_replicas", "1", "--dtensor_moe.replica_replan_every", "1")
+_REPLICAS = ("--dtensor_moe.run.expert_replicas", "1", "--dtensor_moe.run.replica_replan_every", "1")
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +109,13 @@ def test_replicas_match_no_replicas(runs, fp32, grad_rtol):
 def test_replicas_refuse_compile(capsys):
     """One line while parsing, before any process group."""
     argv = _argv("deepseek_v3_debugmodel_cpu", "/unused", "--dtensor_moe.ep", "2", *_REPLICAS, "--compile.enable")
-    _assert_refused(capsys, argv, "--dtensor_moe.expert_replicas 1 with --compile.enable (compile.components "
+    _assert_refused(capsys, argv, "--dtensor_moe.run.expert_replicas 1 with --compile.enable (compile.components "
                                   "['model', 'loss']) is not supported")
 
 
-def test_replicas_need_ep(capsys):
+def test_replicas_need_ep(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's: ep 2 would fit
     _assert_refused(capsys, _argv("deepseek_v3_debugmodel_cpu", "/unused", *_REPLICAS),
-                    "--dtensor_moe.expert_replicas 1 needs --dtensor_moe.ep > 1")
+                    "--dtensor_moe.run.expert_replicas (1) needs --dtensor_moe.ep > 1 (a replica holds another EP "
+                    "rank's expert), got --dtensor_moe.ep 1; valid: --dtensor_moe.run.expert_replicas 0, or "
+                    "--dtensor_moe.ep in [2]")

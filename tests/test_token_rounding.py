@@ -1,7 +1,7 @@
-"""Tile-aware token rounding (MoEConfig.round_tokens_to, dtensor_moe/routing/token_rounding.py): round_tokens against a
-plain Python loop over experts and tokens that follows docs/routing.md's rule, on random draws (ties, capacity-
-dropped pairs, groups); the layer's invariants on random configs (every expert's rows a multiple of M, at most K
-distinct experts a token, the added pairs weighted by the router's formula, deterministic); statistics and
+"""Tile-aware token rounding (MoERunOptions.round_tokens_to, dtensor_moe/routing/token_rounding.py): round_tokens
+against a plain Python loop over experts and tokens that follows docs/routing.md's rule, on random draws (ties,
+capacity-dropped pairs, groups); the layer's invariants on random configs (every expert's rows a multiple of M, at
+most K distinct experts a token, the added pairs weighted by the router's formula, deterministic); statistics and
 balance losses before rounding; routing replay; one fullgraph graph under torch.compile; the main job's
 override; and EP / ETP meshes (the experts receive multiples of M, parity with one process run per rank's
 slice). The parity draw (tests/strategies.py) rounds one case in four too."""
@@ -14,7 +14,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dtensor_moe import MoE, MoEConfig, MoEParallelDims, parallelize_moe, record_routing, replay_routing
+from dtensor_moe import (
+    MoE,
+    MoEConfig,
+    MoEParallelDims,
+    MoERunOptions,
+    parallelize_moe,
+    record_routing,
+    replay_routing,
+)
 from dtensor_moe.routing import token_rounding
 from dtensor_moe.routing.router import combine_weights_TE
 from dtensor_moe.routing.token_rounding import CANDIDATES, ROUNDS, round_tokens
@@ -192,10 +200,10 @@ def layers(draw):
     limited = draw(st.integers(-(-K // (E // groups)), groups))
     cfg = MoEConfig(dim=6, hidden_dim=4, num_experts=E, top_k=K, num_expert_groups=groups, num_limited_groups=limited,
                     score_func=draw(st.sampled_from(["softmax", "sigmoid", "topk_softmax"])),
-                    route_norm=draw(st.booleans()), route_scale=draw(st.sampled_from([1.0, 2.5])),
-                    capacity_factor=draw(st.sampled_from([None, 0.5, 1.0, 2.0])),
-                    round_tokens_to=draw(st.integers(1, 8)))
-    return cfg, draw(st.integers(0, 40)), draw(st.integers(0, 2**16))
+                    route_norm=draw(st.booleans()), route_scale=draw(st.sampled_from([1.0, 2.5])))
+    run = MoERunOptions(capacity_factor=draw(st.sampled_from([None, 0.5, 1.0, 2.0])),
+                        round_tokens_to=draw(st.integers(1, 8)))
+    return cfg, run, draw(st.integers(0, 40)), draw(st.integers(0, 2**16))
 
 
 @SETTINGS
@@ -204,10 +212,10 @@ def test_layer_invariants(case):
     """Every expert's rows a multiple of M, at most K distinct experts a token, a kept pair's weight the router's,
     an added pair's the router's formula at that expert (never one the router chose), the same twice
     (deterministic)."""
-    cfg, T, seed = case
-    E, M = cfg.num_experts, cfg.round_tokens_to
+    cfg, run, T, seed = case
+    E, M = cfg.num_experts, run.round_tokens_to
     torch.manual_seed(seed)
-    moe = MoE(cfg).double()
+    moe = MoE(cfg, run).double()
     x = torch.randn(T, cfg.dim, dtype=torch.float64)
     experts_TK, weights_TK, counts_E, _ = _routed(moe, x)
     again_TK, again_w, _, _ = _routed(moe, x)
@@ -234,7 +242,7 @@ def test_statistics_and_balance_losses_see_the_routers_choices():
               z_loss_coeff=0.01)
     torch.manual_seed(0)
     plain = MoE(MoEConfig(**kw)).double()
-    rounded = MoE(MoEConfig(**kw, round_tokens_to=4)).double()
+    rounded = MoE(MoEConfig(**kw), MoERunOptions(round_tokens_to=4)).double()
     rounded.load_state_dict(plain.state_dict())
     x = torch.randn(3, 5, 8, dtype=torch.float64)
     y_plain, y_rounded = plain(x), rounded(x)
@@ -248,8 +256,8 @@ def test_routing_replay_records_the_routers_choices_and_replays_exactly():
     """Replay records the router's choices (before rounding); the replayed forward rounds them again, the same
     way, so with the same weights it is the recorded forward, bitwise, and its gradients reach the gate."""
     torch.manual_seed(0)
-    moe = MoE(MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, round_tokens_to=3,
-                        capacity_factor=1.5)).double()
+    moe = MoE(MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2),
+              MoERunOptions(round_tokens_to=3, capacity_factor=1.5)).double()
     x = torch.randn(2, 7, 8, dtype=torch.float64)
     with torch.no_grad(), record_routing(moe) as recorded:
         y = moe(x)
@@ -268,9 +276,8 @@ def test_compiled_layer_is_one_graph():
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
-    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, round_tokens_to=3, capacity_factor=1.0,
-                    num_expert_groups=2, load_balance="aux_loss")
-    eager = MoE(cfg).double()
+    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, num_expert_groups=2, load_balance="aux_loss")
+    eager = MoE(cfg, MoERunOptions(round_tokens_to=3, capacity_factor=1.0)).double()
     model = copy.deepcopy(eager)
     torch._dynamo.reset()
     counters.clear()
@@ -299,9 +306,8 @@ def test_eager_layer_rounds_in_its_own_compiled_graph(monkeypatch):
     from dtensor_moe.kernels import policy
 
     torch.manual_seed(0)
-    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, round_tokens_to=3, capacity_factor=1.0,
-                    num_expert_groups=2)
-    eager = MoE(cfg).double()
+    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, num_expert_groups=2)
+    eager = MoE(cfg, MoERunOptions(round_tokens_to=3, capacity_factor=1.0)).double()
     model = copy.deepcopy(eager)
     torch._dynamo.reset()
     counters.clear()
@@ -326,10 +332,10 @@ def test_eager_layer_rounds_in_its_own_compiled_graph(monkeypatch):
 def test_main_job_override():
     from dtensor_moe.train.config import load_config
 
-    cfg = load_config(None, ["model.round_tokens_to=128"])
-    assert cfg.model.moe_config().round_tokens_to == 128
-    with pytest.raises(ValueError, match=r"model.round_tokens_to must be >= 0, got -1"):
-        load_config(None, ["model.round_tokens_to=-1"])
+    cfg = load_config(None, ["moe_run.round_tokens_to=128"])
+    assert cfg.moe_run.round_tokens_to == 128
+    with pytest.raises(ValueError, match=r"moe_run.round_tokens_to must be >= 0, got -1"):
+        load_config(None, ["moe_run.round_tokens_to=-1"])
 
 
 def _rows_at_the_experts(rank, world_size, M):
@@ -338,9 +344,9 @@ def _rows_at_the_experts(rank, world_size, M):
     import torch.distributed as dist
 
 
-    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2, round_tokens_to=M)
+    cfg = MoEConfig(dim=8, hidden_dim=6, num_experts=4, top_k=2)
     torch.manual_seed(0)
-    moe = MoE(cfg).double()
+    moe = MoE(cfg, MoERunOptions(round_tokens_to=M)).double()
     xs = [torch.randn(16, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
           for r in range(world_size)]
     sent_E = sum(_routed(moe, x)[2] for x in xs)  # one process on each rank's tokens
@@ -361,13 +367,13 @@ def test_experts_receive_multiples_of_the_tile_under_ep_and_etp():
 
 PARITY = {
     "ep2_aux_free_bias": (2, Case(ep=2, batch_per_rank=(3, 2), moe=moe_config(
-        num_experts=4, top_k=2, round_tokens_to=2, load_balance="aux_free_bias"))),
+        num_experts=4, top_k=2, load_balance="aux_free_bias"), run=MoERunOptions(round_tokens_to=2))),
     # Capacity, then rounding (never past the capacity), groups, a second microbatch, a rank without tokens.
     "edp2_ep2_capacity_groups": (4, Case(ep=2, batch_per_rank=(2, 3, 0, 2), microbatches=2, moe=moe_config(
-        num_experts=4, top_k=2, round_tokens_to=3, capacity_factor=1.0, num_expert_groups=2, num_limited_groups=1,
-        load_balance="aux_loss", seq_aux_loss_coeff=0.3))),
+        num_experts=4, top_k=2, num_expert_groups=2, num_limited_groups=1, load_balance="aux_loss",
+        seq_aux_loss_coeff=0.3), run=MoERunOptions(round_tokens_to=3, capacity_factor=1.0))),
     "compiled_ep2_etp1": (2, Case(ep=2, batch_per_rank=(2, 3), compile="aot_eager", moe=moe_config(
-        num_experts=4, top_k=2, round_tokens_to=4, score_func="topk_softmax"))),
+        num_experts=4, top_k=2, score_func="topk_softmax"), run=MoERunOptions(round_tokens_to=4))),
 }
 
 
@@ -479,12 +485,12 @@ def _titan_ep(rank, world_size, M, ours):
     for m, dispatched in ((ref, False), (moe, True)):
         round_titan_tokens(m, moe_config(m), M, dispatched=dispatched)
         if ours:
-            adopt(m, moe_config(m))
+            adopt(m, moe_config(m), MoERunOptions())
     with torch.no_grad():
         want = ref(x)
     unrounded = _titan_moe()
     if ours:
-        adopt(unrounded, moe_config(unrounded))
+        adopt(unrounded, moe_config(unrounded), MoERunOptions())
     with torch.no_grad():
         unrounded = unrounded(x)
     dims = MoEParallelDims(world_size, ep=2, etp=2)
@@ -510,16 +516,33 @@ def test_titan_hook_under_ep_and_etp(ours, rtol):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--dtensor_moe.round_tokens_to", "-1"), "dtensor_moe.round_tokens_to=-1 is not supported with --module "
-                                              "dtensor_moe.titan; valid: 0 (off) or a positive integer"),
-    (("--dtensor_moe.round_tokens_to", "128", "--dtensor_moe.ep", "2", "--dtensor_moe.expert_replicas", "1"),
-     "--dtensor_moe.round_tokens_to 128 with --dtensor_moe.expert_replicas 1 is not supported"),
+    (("--dtensor_moe.run.round_tokens_to", "-1"), "--dtensor_moe.run.round_tokens_to must be >= 0, got -1"),
+    (("--dtensor_moe.run.round_tokens_to=-1",), "--dtensor_moe.run.round_tokens_to must be >= 0, got -1"),
+    (("--dtensor_moe.run.round_tokens_to", "128", "--dtensor_moe.ep", "2", "--dtensor_moe.run.expert_replicas", "1"),
+     "--dtensor_moe.run.round_tokens_to 128 with --dtensor_moe.run.expert_replicas 1 is not supported"),
 ])
-def test_titan_flag_is_checked_while_parsing(capsys, flags, message):
+def test_titan_flag_is_checked_while_parsing(capsys, monkeypatch, flags, message):
+    """As torchrun's ranks parse the command line (sys.argv): one line naming the flag, exit status 2."""
     pytest.importorskip("torchtitan")
     from .test_titan import _argv, _assert_refused
 
-    _assert_refused(capsys, _argv("deepseek_v3_debugmodel_cpu", "/unused", *flags), message)
+    _assert_refused(capsys, _argv("deepseek_v3_debugmodel_cpu", "/unused", *flags), message, monkeypatch)
+
+
+def test_titan_flag_value_parsed_from_other_argv_still_names_the_field(capsys):
+    """ConfigManager().parse_args(argv) on an argv that is not the process's: MoERunOptions' own check, raised
+    inside torchtitan's parser, still ends it with exit status 2 and a message naming the field."""
+    pytest.importorskip("torchtitan")
+    from torchtitan.config import ConfigManager
+
+    from .test_titan import _argv
+
+    with pytest.raises(SystemExit) as exit_:
+        ConfigManager().parse_args(_argv("deepseek_v3_debugmodel_cpu", "/unused", "--dtensor_moe.run.round_tokens_to",
+                                         "-1"))
+    assert exit_.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())  # the parser's error box wraps its lines
+    assert "round_tokens_to must be >= 0, got -1" in err, err
 
 
 def test_titan_flag_reaches_parallelize():
@@ -529,13 +552,13 @@ def test_titan_flag_reaches_parallelize():
     from .test_titan import _argv
 
     config = ConfigManager().parse_args(_argv("deepseek_v3_debugmodel_cpu", "/unused",
-                                              "--dtensor_moe.round_tokens_to", "16"))
-    assert config.dtensor_moe.round_tokens_to == 16
+                                              "--dtensor_moe.run.round_tokens_to", "16"))
+    assert config.dtensor_moe.run.round_tokens_to == 16
 
 
 def test_a_forward_too_small_for_the_multiple_warns_once_it_rounds_every_pair_away():
     """MoE(...) used directly: 5 tokens cannot fill a tile of 8 for any expert, so every pair would be rounded
     away and the experts compute nothing: a warning naming the field (the main job and the hook refuse it)."""
-    moe = MoE(MoEConfig(dim=8, hidden_dim=4, num_experts=4, top_k=2, round_tokens_to=8))
-    with pytest.warns(UserWarning, match=r"MoEConfig.round_tokens_to \(8\) is more than any expert can hold"):
+    moe = MoE(MoEConfig(dim=8, hidden_dim=4, num_experts=4, top_k=2), MoERunOptions(round_tokens_to=8))
+    with pytest.warns(UserWarning, match=r"MoERunOptions.round_tokens_to \(8\) is more than any expert can hold"):
         moe(torch.randn(1, 5, 8))

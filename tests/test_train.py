@@ -57,18 +57,22 @@ def test_tiny_cpu_run_falls_and_matches_one_process(tmp_path, capsys, monkeypatc
     assert parity["steps"] == 8 and parity["max_abs_delta"] <= 1e-4
 
 
-@pytest.mark.parametrize("model, tail", [
+@pytest.mark.parametrize("moe_run, tail", [
     ({}, "tokens, bf16"),
     ({"expert_precision": "fp8"}, "tokens, bf16, FP8 experts"),
     ({"expert_precision": "fp8", "dispatch_precision": "fp8"}, "tokens, bf16, FP8 experts, FP8 dispatch"),
 ])
-def test_summary_names_fp8(model, tail):
-    """The console's first line says when experts or the dispatch payload ran in FP8 (the dtype alone said bf16)."""
+def test_summary_names_fp8(moe_run, tail):
+    """The console's first line says when experts or the dispatch payload ran in FP8 (the dtype alone said bf16):
+    [moe_run]'s precisions, as summary.json's config holds them."""
+    from dataclasses import asdict
+
+    from dtensor_moe import MoERunOptions
     from dtensor_moe.train.metrics import summary_lines
 
-    m = {"n_layers": 4, "dim": 1024, "num_experts": 16, "top_k": 2, "num_shared_experts": 1, "expert_precision": "bf16",
-         "dispatch_precision": "bf16", **model}
-    summary = {"config": {"model": m, "training": {"steps": 200, "global_batch": 32, "seq_len": 1024, "dtype": "bf16"}},
+    m = {"n_layers": 4, "dim": 1024, "num_experts": 16, "top_k": 2, "num_shared_experts": 1}
+    summary = {"config": {"model": m, "moe_run": asdict(MoERunOptions(**moe_run)),
+                          "training": {"steps": 200, "global_batch": 32, "seq_len": 1024, "dtype": "bf16"}},
                "mesh": {"dp_replicate": 1, "dp_shard": 1, "edp": 1, "ep": 1, "etp": 1}, "model_params": 445e6,
                "world_size": 1, "device": "NVIDIA H200", "final_loss": None}
     assert summary_lines(summary, "/nonexistent")[0].endswith(tail)
@@ -91,8 +95,8 @@ def test_summary_names_fp8(model, tail):
             ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"],
             r"model.n_layers \(2\) must be >= the pipeline stages \(4",
         ),
-        (["training.compile=true", "model.expert_replicas=1"],
-         r"training.compile = true with model.expert_replicas \(1\) is not supported"),
+        (["training.compile=true", "moe_run.expert_replicas=1"],
+         r"training.compile = true with moe_run.expert_replicas \(1\) is not supported"),
         (["parallel.pp_schedule=zb"], r"parallel.pp_schedule must be one of \['gpipe', '1f1b', 'interleaved_1f1b'\]"),
         (
             ["parallel.pp=2", "parallel.microbatches=3", "parallel.pp_schedule=gpipe"],

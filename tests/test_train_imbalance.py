@@ -29,7 +29,7 @@ def test_replicas_train_exactly_like_no_replicas(tmp_path, capsys, monkeypatch):
     common = ["--steps", "6", "parallel.nproc=4", "parallel.ep=4", "parallel.etp=1", "model.load_balance=none"]
     base = _train(tmp_path / "off", *common)
     capsys.readouterr()
-    rep = _train(tmp_path / "on", *common, "model.expert_replicas=2", "model.replica_replan_every=2")
+    rep = _train(tmp_path / "on", *common, "moe_run.expert_replicas=2", "moe_run.replica_replan_every=2")
     assert _max_dloss(base, rep) <= 1e-6
     assert all(len(r["replica_ep_imbalance"]) == 2 and r["worst_replica_ep_imbalance"] >= 1 for r in rep)
     assert "replica_ep_imbalance" not in base[0]
@@ -53,11 +53,11 @@ def test_routing_replay_switch_trains_like_the_router(overrides, tmp_path, monke
 
 
 def test_row_cap_stops_every_rank_with_one_line(tmp_path):
-    """model.max_rows_per_rank below what the router sends: the real launcher stops all ranks and prints one line
+    """moe_run.max_rows_per_rank below what the router sends: the real launcher stops all ranks and prints one line
     naming the layer, the rows and the cap (no traceback, no torchrun report), exit code 4."""
     cmd = [sys.executable, "-m", "dtensor_moe.cli", "train", "--config", "configs/tiny_cpu.toml", "--run-dir",
            str(tmp_path / "run"), "--steps", "2", "parallel.nproc=2", "parallel.ep=2", "parallel.etp=1",
-           "model.max_rows_per_rank=100"]
+           "moe_run.max_rows_per_rank=100"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 4, out.stderr
     # What stderr holds besides the progress bar (its last frame ends without a newline).

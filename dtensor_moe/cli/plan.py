@@ -8,6 +8,7 @@ import math
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from dtensor_moe.config import MoERunOptions
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims, divisors
 from dtensor_moe.parallel.placement import check_pipeline
 from dtensor_moe.tools.planner.report import candidate_dict, explain_choice, table
@@ -23,12 +24,17 @@ def _config_dirs() -> list[Path]:
     return [Path.cwd() / "configs", Path(__file__).resolve().parents[2] / "configs"]  # the checkout's, when editable
 
 
-def load_config(path: Path) -> ModelSpec:
-    """The model a training config trains: the built-in model of its [model] fields, or with `hf_path` the
-    checkpoint's own architecture (its config.json, read as the main job reads it; [model] adds training choices)."""
+def load_config(path: Path) -> tuple[ModelSpec, MoERunOptions]:
+    """The model a training config trains and how its MoE layers run: the built-in model of its [model] fields, or
+    with `hf_path` the checkpoint's own architecture (its config.json, read as the main job reads it; [model] adds
+    training choices), and its [moe_run] section."""
     from dtensor_moe.train.config import ModelConfig, read_toml
 
     data = read_toml(str(path))  # a malformed file is named, with tomllib's line
+    try:
+        run = MoERunOptions(**data.get("moe_run", {}))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: [moe_run]: {e}") from None
     if "model" not in data:
         raise ValueError(
             f"{path}: a training config needs a [model] table (fields of dtensor_moe.train.model.ModelConfig)"
@@ -40,16 +46,17 @@ def load_config(path: Path) -> ModelSpec:
 
         try:
             cfg = ModelConfig.from_dict(hf_model_fields(data["model"]))
-            return spec_from_hf_config(json.loads(cfg.hf_config), cfg.moe_config(), name=path.stem)
+            return spec_from_hf_config(json.loads(cfg.hf_config), cfg.moe_config(), name=path.stem), run
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
-    return spec_from_model_config(ModelConfig.from_dict(data["model"]), name=path.stem)
+    return spec_from_model_config(ModelConfig.from_dict(data["model"]), name=path.stem), run
 
 
-def resolve(model: str) -> ModelSpec:
-    """A preset name, a path to a training config TOML, or the stem of one in a `configs/` folder."""
+def resolve(model: str) -> tuple[ModelSpec, MoERunOptions]:
+    """A preset name (run with the default options), a path to a training config TOML, or the stem of one in a
+    `configs/` folder."""
     if model in PRESETS:
-        return PRESETS[model]
+        return PRESETS[model], MoERunOptions()
     path = Path(model)
     if path.is_file():
         return load_config(path)
@@ -84,7 +91,7 @@ def add_arguments(p):
                    "max/mean rows per EP rank without and with --replicas and prices the busiest EP rank "
                    "(0, the default: balanced routing)")
     p.add_argument("--replicas", type=int, default=None,
-                   help="hot-expert replica slots per EP rank (MoEConfig.expert_replicas, 0..num_experts; "
+                   help="hot-expert replica slots per EP rank (MoERunOptions.expert_replicas, 0..num_experts; "
                    "default: the model's own)")
     p.add_argument("--top", type=int, default=10, help="rows to show (>= 1)")
     p.add_argument("--json", action="store_true")
@@ -104,15 +111,15 @@ def _check_flags(args):
                          f"valid --pp: {divisors(args.gpus)} (or 0: try each)")
 
 
-def _with_replicas(args, spec: ModelSpec) -> ModelSpec:
-    """The model with --replicas slots per EP rank, in MoEConfig.expert_replicas' range."""
+def _with_replicas(args, spec: ModelSpec, run: MoERunOptions) -> MoERunOptions:
+    """`run` with --replicas slots per EP rank, in MoERunOptions.expert_replicas' range."""
     if args.replicas is None:
-        return spec
+        return run
     E = spec.moe.num_experts
     if not 0 <= args.replicas <= E:
         raise ValueError(f"--replicas must be an int in 0..num_experts ({E} for {spec.name}; "
-                         f"MoEConfig.expert_replicas' range), got {args.replicas}")
-    return replace(spec, moe=replace(spec.moe, expert_replicas=args.replicas))
+                         f"MoERunOptions.expert_replicas' range), got {args.replicas}")
+    return replace(run, expert_replicas=args.replicas)
 
 
 def _check_pipeline_flags(args, spec: ModelSpec):
@@ -129,18 +136,20 @@ def run(args) -> int:
     t0 = time.perf_counter()
     try:
         _check_flags(args)
-        spec = _with_replicas(args, resolve(args.model))
+        spec, run = resolve(args.model)
+        run = _with_replicas(args, spec, run)
         _check_pipeline_flags(args, spec)
         work = Workload(args.seq_len, args.micro_batch, args.dtype, args.optimizer, args.recompute, args.microbatches,
-                        args.pp_schedule, args.skew)
+                        args.pp_schedule, args.skew, run)
         hw = Hardware(args.gpus, args.gpus_per_node, args.gpu_mem, args.intra_bw * 1e9, args.inter_bw * 1e9)
     except ValueError as e:
         print(f"dtensor-moe plan: {e}", file=sys.stderr)
         return 2
     cands = plan(spec, work, hw, args.pp or None)
-    if spec.moe.expert_replicas and not cands:
-        # plan_moe refuses replicas on ep 1, so no folding of this world was left to rank.
-        print(f"dtensor-moe plan: --replicas {spec.moe.expert_replicas} needs ep > 1 (a replica slot holds another "
+    replicas = run.expert_replicas
+    if replicas and not cands:
+        # The search skips ep 1 with replicas, so no folding of this world was left to rank.
+        print(f"dtensor-moe plan: --replicas {replicas} needs ep > 1 (a replica slot holds another "
               f"EP rank's expert), and no folding of --gpus {hw.gpus} has ep > 1 for {spec.name} "
               f"({spec.moe.num_experts} experts); valid: --replicas 0, or --gpus 2 or more (ep must divide the "
               f"experts)", file=sys.stderr)
@@ -152,7 +161,7 @@ def run(args) -> int:
                                       if tried == [1] and work.pp_schedule == "1f1b" else "")
     if args.json:
         print(json.dumps({
-            "model": spec.name, "replicas": spec.moe.expert_replicas, "hardware": asdict(hw), "workload": asdict(work),
+            "model": spec.name, "replicas": replicas, "hardware": asdict(hw), "workload": asdict(work),
             "note": TP_NOTE, "pp_tried": tried, "enumerated": len(cands), "fitting": len(fitting), "elapsed_s": elapsed,
             "candidates": [candidate_dict(c) for c in cands[: args.top]],
         }, indent=1))
@@ -161,7 +170,7 @@ def run(args) -> int:
           f"micro-batch {work.micro_batch} x {work.microbatches} microbatch(es), {work.dtype} compute / fp32 master, "
           f"{work.optimizer}, recompute={work.recompute}, pp schedule {work.pp_schedule}"
           + (f", routing skew {work.skew:g} (Zipf)" if work.skew else "")
-          + (f", {spec.moe.expert_replicas} replica slot(s) per EP rank" if spec.moe.expert_replicas else ""))
+          + (f", {replicas} replica slot(s) per EP rank" if replicas else ""))
     print(f"{len(cands)} foldings enumerated ({TP_NOTE}; {pp_note}); {len(fitting)} fit; planned in {elapsed:.2f} s")
     shown = fitting[: args.top] if fitting else cands[: args.top]
     if not fitting:

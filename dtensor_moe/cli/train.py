@@ -259,22 +259,24 @@ def _check(cfg: Config, world: int):
     """Every config error, raised before any process group or collective exists."""
     from dtensor_moe.parallel.compile import check_compile
     from dtensor_moe.parallel.placement import check_pipeline, plan_moe
+    from dtensor_moe.parallel.replicas import check_replica_mesh
     from dtensor_moe.train.data import check_global_batch
     from dtensor_moe.train.parallel.parallelize_model import check_model_parallel
 
     p, m = cfg.parallel, cfg.model  # types and ranges of every field were checked when the config was built
     dims = parallel_dims(cfg, world)
     plan_moe(m.moe_config(), dims)
+    check_replica_mesh(cfg.moe_run.expert_replicas, m.num_experts, dims, "moe_run.expert_replicas", "parallel.ep")
     check_compile(cfg.training.activation_checkpoint, cfg.training.compile, "training.")
     check_model_parallel(dims, cfg.training.compile, "training.")
     check_pipeline(dims, p.pp_schedule, p.num_microbatches, m.n_layers, m.tie_embeddings)
     # CP and TP ranks split each sequence; the other ranks read different sequences.
     check_global_batch(cfg.training.global_batch, dims.dp_replicate * dims.dp_shard, p.num_microbatches)
-    check_row_cap(m.max_rows_per_rank, dims.ep, dims.etp)
+    check_row_cap(cfg.moe_run.max_rows_per_rank, dims.ep, dims.etp)
     dp = dims.dp_replicate * dims.dp_shard
     tokens = cfg.training.global_batch // (dp * p.num_microbatches) * (cfg.training.seq_len // (dims.cp * dims.tp))
     check_rounding_reachable(
-        m.round_tokens_to, tokens, m.top_k, m.num_experts, m.capacity_factor,
+        cfg.moe_run.round_tokens_to, tokens, m.top_k, m.num_experts, cfg.moe_run.capacity_factor,
         f"each rank's MoE per forward: training.global_batch {cfg.training.global_batch} / {dp} data-parallel ranks"
         + (f" / {p.num_microbatches} microbatches" if p.num_microbatches > 1 else "")
         + f" x training.seq_len {cfg.training.seq_len}" + (f" / cp*tp {dims.cp * dims.tp}" if dims.cp * dims.tp > 1
@@ -326,7 +328,7 @@ def _reference_config(cfg: Config) -> Config:
     an expert's rows are computed; a refusal past a bound): the reference goes without them."""
     return replace(cfg, parallel=replace(cfg.parallel, nproc=1, dp_replicate=1, ep=1, etp=1, tp=1, cp=1, pp=1,
                                          microbatches=cfg.parallel.num_microbatches, backend="auto"),
-                   model=replace(cfg.model, expert_replicas=0, max_rows_per_rank=0),
+                   moe_run=replace(cfg.moe_run, expert_replicas=0, max_rows_per_rank=0),
                    training=replace(cfg.training, compile=False, activation_checkpoint="none"))
 
 
@@ -335,8 +337,8 @@ def _reference_slices(cfg: Config) -> list[str]:
     factor drops and round_tokens_to rounds each rank's own pairs): its MoE layers then run each of the run's
     data-parallel ranks' share of a microbatch (DP groups of sequences), under cp / tp each rank's part of them (SEQ
     parts of each sequence), on its own (train/reference.py); [] otherwise."""
-    m = cfg.model
-    if m.capacity_factor is None and not m.round_tokens_to:
+    run = cfg.moe_run
+    if run.capacity_factor is None and not run.round_tokens_to:
         return []
     dims = parallel_dims(cfg, cfg.parallel.nproc)
     dp, seq = dims.dp_replicate * dims.dp_shard, dims.cp * dims.tp

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from dtensor_moe.config import MoEConfig
+from dtensor_moe.config import MoEConfig, MoERunOptions
 from dtensor_moe.hf.layout import Fused, GptOss, PerExpert
 
 
@@ -292,6 +292,10 @@ def with_training_options(fam: Family, config: MoEConfig, options: dict) -> MoEC
     """`config` (read from a Hugging Face config) with the training choices in `options`; a ValueError names an
     option that would change what the checkpoint fixes (ARCHITECTURE, and load_balance where the family holds an
     aux-free routing bias or cannot hold one)."""
+    run = sorted(set(options) & set(MoERunOptions.__dataclass_fields__))
+    if run:
+        raise ValueError(f"{fam.model_type}: {run} are run options, not MoEConfig fields; valid: pass them as "
+                         f"options=MoERunOptions({', '.join(f'{n}=...' for n in run)})")
     fixed = sorted(set(options) & set(ARCHITECTURE))
     if fixed:
         raise ValueError(f"{fam.model_type}: {fixed} are fixed by the Hugging Face config; valid options: the training "

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from dtensor_moe.config import MoERunOptions
 from dtensor_moe.durable import publish_files
 from dtensor_moe.hf.block import SPARSE_BLOCKS, from_hf_block
 from dtensor_moe.hf.convert import to_hf
@@ -40,15 +41,15 @@ class TupleMoE(MoE):
         return super().forward(x_BLD), None
 
 
-def swap_moe_blocks(model: nn.Module, **moe_options) -> dict[str, MoE]:
+def swap_moe_blocks(model: nn.Module, options: MoERunOptions | None = None, **training_options) -> dict[str, MoE]:
     """Replaces every sparse-MoE block of a transformers model (Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock,
-    DeepseekV3MoE, GptOssMLP) by our `MoE` with the same weights and routing (`from_hf_block`), in place;
-    `moe_options` are the training choices of `MoEConfig` (aux_loss_coeff, capacity_factor, expert_precision,
+    DeepseekV3MoE, GptOssMLP) by our `MoE` with the same weights and routing (`from_hf_block`), in place, run with
+    `options`; `training_options` are the `MoEConfig` fields the Hugging Face config does not fix (aux_loss_coeff,
     ...; see `from_hf_block`). Returns the swapped layers by qualified name."""
     swapped = {}
     for name, block in list(model.named_modules()):
         if type(block).__name__ in SPARSE_BLOCKS:
-            moe = from_hf_block(block, **moe_options)
+            moe = from_hf_block(block, options, **training_options)
             if type(block).__name__ == "GptOssMLP":
                 moe.__class__ = TupleMoE
             parent, _, attr = name.rpartition(".")
@@ -70,10 +71,12 @@ def parallelize_hf_model(
     mp_policy=None,
     reshard_after_forward: bool = True,
     activation_checkpoint: str = "none",
-    **moe_options,
+    options: MoERunOptions | None = None,
+    **training_options,
 ) -> nn.Module:
     """A transformers MoE causal LM (every rank holding the same weights) trained by this library: its sparse
-    blocks swapped for our `MoE` (`swap_moe_blocks`, with `moe_options`), the experts sharded by the placement
+    blocks swapped for our `MoE` run with `options` (`swap_moe_blocks`; `training_options`: the `MoEConfig` fields
+    its Hugging Face config does not fix, e.g. aux_loss_coeff), the experts sharded by the placement
     plan (EP, ETP, FSDP2 over EDP / HSDP), each decoder layer and the root one FSDP2 / HSDP unit on the
     data-parallel ranks (`parallelize_blocks`, activation checkpointing per layer). Dense tensor, context and
     pipeline parallelism need the family's own plans: `dims` must have tp = cp = pp = 1 (so the tp gradient
@@ -103,7 +106,7 @@ def parallelize_hf_model(
     if layers is None:
         raise ValueError(f"parallelize_hf_model takes a transformers causal LM with its decoder layers at "
                          f"model.model.layers, got {type(model).__name__}")
-    swap_moe_blocks(model, **moe_options)
+    swap_moe_blocks(model, options, **training_options)
     if not any(isinstance(m, MoE) for m in model.modules()):
         raise ValueError(f"{type(model).__name__} has no sparse-MoE block we map; valid blocks: {SPARSE_BLOCKS}")
     return parallelize_blocks(model, layers, dims, device_type=device_type, mp_policy=mp_policy,

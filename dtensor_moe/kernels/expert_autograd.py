@@ -110,7 +110,7 @@ class _SwiGLUOptions:
     (policy.weight_grad_accumulation; None under torch.compile) picks how the backward adds weight
     gradients into existing ones. `host_counts`: the per-expert row counts on the host, or None.
     `clamp`: (alpha, limit) of the clamped gate, None for silu. `add_b2` False: another rank adds b2
-    to these partial outputs. `precision`: MoEConfig.expert_precision."""
+    to these partial outputs. `precision`: MoERunOptions.expert_precision."""
 
     weight_grad_scale: float
     accumulate: Callable[[torch.Size], str] | None
@@ -240,7 +240,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
 
 
 class _PairSwiGLU(torch.autograd.Function):
-    """The minimal-memory path (MoEConfig.activation_memory = "minimal"): the rows x_RD, each token once, in;
+    """The minimal-memory path (MoERunOptions.activation_memory = "minimal"): the rows x_RD, each token once, in;
     each row's routing-weighted sum of its pairs' expert outputs out, z_r = sum_n weight_n y_n over the pairs n
     that read row r (`PairRows`). The same math as expand -> _GroupedSwiGLU -> combine, keeping less.
 
@@ -317,7 +317,7 @@ def grouped_swiglu(
             Default None.
         add_b2 (bool): False where another rank adds b2 to these partial outputs (ETP). Default True.
         precision (str): "fp8" runs the GEMMs in FP8 where kernels/policy.py picks it
-            (`MoEConfig.expert_precision`); "bf16" never. Default "bf16".
+            (`MoERunOptions.expert_precision`); "bf16" never. Default "bf16".
 
     Returns:
         Tensor: y_ND [N, D], one output row per input row, in x_ND's dtype.
@@ -342,7 +342,7 @@ def grouped_swiglu_pairs(x_RD, pairs, counts_E, w13_E2FD, w2_EDF, weight_grad_sc
                          clamp: tuple[float, float] | None = None, add_b2: bool = True,
                          precision: str = "bf16") -> torch.Tensor:
     """`pairs.combine(grouped_swiglu(pairs.expand(x_RD), counts_E, ...))` keeping only x_RD, the gate / up
-    pre-activation and O(pairs) tables for the backward (`_PairSwiGLU`; MoEConfig.activation_memory "minimal").
+    pre-activation and O(pairs) tables for the backward (`_PairSwiGLU`; MoERunOptions.activation_memory "minimal").
 
     Args: x_RD [R, D] rows, each token once; pairs (routing/tables.py's PairRows, read by its row_N, weight_N and
     readers_RK): the expert-major pairs over them, counts_E [E] of them per expert; the rest as

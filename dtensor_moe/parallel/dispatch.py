@@ -22,7 +22,7 @@ that as ExpertInput.weight_grad_scale and apply it to the weight gradients alone
 activation gradient around it is scaled (and unscaled for its input): `dispatch_hooks`.
 
 What a forward computed is the caller's to keep: each exchange names `rows_per_rank` (rows each EP rank computes;
-eager dropless steps), which the hooks add to the caller's `RowLoad`. `RowCap` (MoEConfig.max_rows_per_rank)
+eager dropless steps), which the hooks add to the caller's `RowLoad`. `RowCap` (MoERunOptions.max_rows_per_rank)
 raises before the tokens move.
 """
 
@@ -50,7 +50,7 @@ class DispatchGroup:
         ep_group, etp_group: the process groups (EP: experts split, ETP: each expert's F split).
         ep_etp_divisor: the weight gradients are divided by it (module docstring): EP*ETP under averaging
             reductions, 1 where they sum.
-        dispatch_precision: MoEConfig.dispatch_precision; "fp8" sends the tokens as the FP8 payload.
+        dispatch_precision: MoERunOptions.dispatch_precision; "fp8" sends the tokens as the FP8 payload.
     """
 
     def __init__(self, ep_group, etp_group, ep_etp_divisor: float = 1.0, dispatch_precision: str = "bf16"):
@@ -65,7 +65,7 @@ class DispatchGroup:
 
 
 class RowCapExceeded(ValueError):
-    """Raised when a forward would exceed `MoEConfig.max_rows_per_rank`: an EP rank would compute more
+    """Raised when a forward would exceed `MoERunOptions.max_rows_per_rank`: an EP rank would compute more
     expert rows than the cap.
 
     Raised alike on every rank of the EP x ETP group, before the tokens move, with a message naming the
@@ -86,7 +86,7 @@ class RowCapExceeded(ValueError):
 
 
 class RowCap:
-    """MoEConfig.max_rows_per_rank for one layer (0: no cap), read from each dropless step's counts table.
+    """MoERunOptions.max_rows_per_rank for one layer (0: no cap), read from each dropless step's counts table.
 
     The table is all-gathered, the same on every rank of the EP x ETP group, so the cap raises `RowCapExceeded`
     on all of them alike, before the tokens move. `layer` names the layer in the message, with the forward."""

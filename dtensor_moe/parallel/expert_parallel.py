@@ -173,7 +173,7 @@ if hasattr(torch._dynamo.eval_frame, "skip_code"):
 
 def check_compilable(layers, compile, prefix: str) -> None:
     """What a compiled layer needs of `layers` (moe_placement_plans'), checked before any collective."""
-    if compile and any(m.config.expert_replicas for m, _ in layers):
+    if compile and any(m.options.expert_replicas for m, _ in layers):
         raise ValueError(f"{prefix}compile={compile!r} with expert_replicas > 0 is not supported (the replicas' "
                          "split needs the counts on the host, eagerly); valid: compile=False, or expert_replicas 0")
 

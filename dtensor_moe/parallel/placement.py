@@ -131,11 +131,6 @@ def _validate(config: MoEConfig, dims: MoEParallelDims):
             f"hidden_dim ({F}) must be divisible by etp ({dims.etp}) so each ETP rank owns an equal F slice; "
             f"valid etp with ep={dims.ep}: {valid}"
         )
-    if config.expert_replicas and dims.ep == 1:
-        # A replica copies another EP rank's expert; the layer's copies are transient, never in the plan.
-        raise ValueError(f"expert_replicas ({config.expert_replicas}) needs ep > 1 (a replica holds another EP "
-                         f"rank's expert), got ep=1; valid: expert_replicas 0, or ep in "
-                         f"{[d for d in divisors(dims.dp_shard * dims.cp * dims.tp) if E % d == 0 and d > 1]}")
 
 
 def _local_shape(global_shape, steps, sizes) -> tuple[int, ...]:

@@ -1,4 +1,4 @@
-"""Hot-expert replicas in the dropless dispatch (MoEConfig.expert_replicas; the plan itself: replicas.py).
+"""Hot-expert replicas in the dropless dispatch (MoERunOptions.expert_replicas; the plan itself: replicas.py).
 
 Each forward: the EP x ETP group all-gathers its per-expert pair counts (one more host sync), every rank computes
 the same split of each replicated expert's pairs between owner and replicas (`source_segments`), and the pairs are
@@ -211,7 +211,8 @@ class _ReplicaExchange:
 
 
 class ReplicaDispatch:
-    """Hot-expert replica slots (MoEConfig.expert_replicas) over a token or pair strategy (TokenDispatch, PairDispatch).
+    """Hot-expert replica slots (MoERunOptions.expert_replicas) over a token or pair strategy (TokenDispatch,
+    PairDispatch).
 
     Args:
         inner (TokenDispatch | PairDispatch): the strategy the relabelled pairs travel by (its

@@ -1,4 +1,4 @@
-"""Hot-expert replicas (MoEConfig.expert_replicas): where copies of the hottest experts go, and how each replicated
+"""Hot-expert replicas (MoERunOptions.expert_replicas): where copies of the hottest experts go, and how each replicated
 expert's rows split between its owner and its replicas. Plain, deterministic integer arithmetic, torch-free: the
 dispatcher runs it on the counts every rank of an EP x ETP group all-gathered (so every rank computes the same
 plan), and `dtensor-moe plan` can run it on predicted counts.
@@ -17,7 +17,7 @@ order of its pairs): the owner takes the first share, each replica the next, in 
 import math
 from collections.abc import Sequence
 
-__all__ = ["place_replicas", "rows_per_rank", "shares", "holders", "source_segments", "check_slots"]
+__all__ = ["place_replicas", "rows_per_rank", "shares", "holders", "source_segments", "check_replica_mesh"]
 
 
 def _water_fill(rows: int, levels: Sequence[int]) -> list[int]:
@@ -120,14 +120,17 @@ def place_replicas(load_E: Sequence[int], ep: int, r: int, candidates: int = 4) 
     return tuple(tuple(row) for row in slots)
 
 
-def check_slots(replicas: int, num_experts: int, name: str = "expert_replicas", experts: str = "num_experts",
-                valid: str = "") -> None:
-    """Replica slots per EP rank within 0..num_experts (MoEConfig.expert_replicas' range), named as the caller's
-    user wrote them: the main job's MoEConfig checks it so, the torchtitan hook and the planner through this."""
-    if not 0 <= replicas <= num_experts:
-        raise ValueError(f"{name} ({replicas}) must be in 0..{experts} ({num_experts}): each slot holds a copy of "
-                         f"one expert, and more slots than experts have nothing to hold; valid: {name} "
-                         f"0..{num_experts}{valid}")
+def check_replica_mesh(replicas: int, num_experts: int, dims, name: str = "expert_replicas", ep: str = "ep") -> None:
+    """Replica slots need an EP mesh: a slot holds a copy of another EP rank's expert. `dims`: MoEParallelDims;
+    `name`, `ep`: the option and the EP degree as the caller's user wrote them (the main job's
+    `moe_run.expert_replicas` and `parallel.ep`, the hook's flags)."""
+    if replicas and dims.ep == 1:
+        n = dims.dp_shard * dims.cp * dims.tp
+        valid = [d for d in range(2, n + 1) if n % d == 0 and num_experts % d == 0]
+        other = (f"{ep} in {valid}" if valid
+                 else f"more ranks ({n} rank(s) fold no {ep} > 1 that divides {num_experts} experts)")
+        raise ValueError(f"{name} ({replicas}) needs {ep} > 1 (a replica holds another EP rank's expert), got "
+                         f"{ep} 1; valid: {name} 0, or {other}")
 
 
 def _check_plan_args(load_E, ep, r, candidates) -> None:

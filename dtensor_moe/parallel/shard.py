@@ -29,6 +29,7 @@ from dtensor_moe.parallel.dispatch import (
 from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
 from dtensor_moe.parallel.placement import WeightPlan, plan_moe
 from dtensor_moe.parallel.replica_dispatch import ReplicaDispatch, Replicas
+from dtensor_moe.parallel.replicas import check_replica_mesh
 
 # `tp_grads`: how the gradients of the tp ranks' copies of an MoE's weights combine under sequence parallelism
 # (dims.tp > 1: every tp rank hands the layer its own slice of each sequence, so each holds a copy of the router
@@ -141,7 +142,7 @@ def shard_moe_layer(
     `gather_in_forward` (compiled layers): no FSDP unit for our experts; under EDP / HSDP their weights are
     DTensors on the whole expert mesh, gathered over EDP in the forward and their gradients reduce-scattered
     back, both DTensor redistributions inside the graph (kernels/expert_autograd.py, gather_for_compute).
-    `dispatch_precision`: MoEConfig.dispatch_precision, the EP/ETP token payload's. `dispatch_options`:
+    `dispatch_precision`: MoERunOptions.dispatch_precision, the EP/ETP token payload's. `dispatch_options`:
     `make_dispatcher`'s strategy, replica and row-cap arguments (`dispatch_options(moe)`; replicas run with our
     experts, or others given a `replica_forward`).
     """
@@ -244,6 +245,8 @@ def moe_placement_plans(module: nn.Module, dims: MoEParallelDims, caller: str = 
     Remembers each layer's path in `module` for the dispatcher's errors (`dispatch_options`)."""
     moes = [m for m in module.modules() if isinstance(m, MoE)]
     plans = [plan_moe(m.config, dims) for m in moes]
+    for m in moes:
+        check_replica_mesh(m.options.expert_replicas, m.config.num_experts, dims)
     _LAYER_NAMES.update((m, n or type(module).__name__) for n, m in module.named_modules() if isinstance(m, MoE))
     done = [n for n, m in module.named_modules() if isinstance(m, MoE) and isinstance(m.experts.w2, DTensor)]
     if done:
@@ -257,10 +260,11 @@ _LAYER_NAMES: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDicti
 
 
 def dispatch_options(moe: MoE) -> dict:
-    """An MoE's `make_dispatcher` options from its config: padding, replica slots and the row cap, named for errors."""
-    cfg = moe.config
-    return dict(padded=cfg.pad_to_capacity, replicas=cfg.expert_replicas, replan_every=cfg.replica_replan_every,
-                max_rows_per_rank=cfg.max_rows_per_rank, layer=f"MoE layer {_LAYER_NAMES.get(moe, '')!r}")
+    """An MoE's `make_dispatcher` options from its run options: padding, replica slots and the row cap, named for
+    errors."""
+    run = moe.options
+    return dict(padded=run.pad_to_capacity, replicas=run.expert_replicas, replan_every=run.replica_replan_every,
+                max_rows_per_rank=run.max_rows_per_rank, layer=f"MoE layer {_LAYER_NAMES.get(moe, '')!r}")
 
 
 def fsdp_kwargs(mp_policy, reshard_after_forward: bool) -> dict:
@@ -285,7 +289,7 @@ def place_moe(moe: MoE, plans: tuple[WeightPlan, ...], dims: MoEParallelDims, me
     dispatcher hooks, `tp_grads`: TP_GRADS), its statistics over the data-parallel ranks, and its `placement`
     (MoEPlacement) for `fully_shard_layer` and compile_moe. ExpertParallel and parallelize_blocks both call it."""
     shard_moe_layer(moe, plans, dims, meshes, None, tp_grads=tp_grads, gather_in_forward=gather_in_forward,
-                    dispatch_precision=moe.config.dispatch_precision, dispatch_options=dispatch_options(moe))
+                    dispatch_precision=moe.options.dispatch_precision, dispatch_options=dispatch_options(moe))
     moe.stats = DataParallelStats(meshes, dims)
     moe.placement = MoEPlacement(dims, meshes, plans, gather_in_forward)
 

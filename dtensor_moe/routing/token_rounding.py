@@ -1,4 +1,4 @@
-"""Tile-aware token rounding (MoEConfig.round_tokens_to = M > 0): after the router (and capacity dropping), every
+"""Tile-aware token rounding (MoERunOptions.round_tokens_to = M > 0): after the router (and capacity dropping), every
 expert's pairs on this rank are rounded to a multiple of M, so that the grouped GEMMs run whole M-row tiles.
 
 The rule, on one forward's tokens on one rank (no collective; docs/routing.md, "Token rounding"):
@@ -161,7 +161,7 @@ def round_tokens_compiled(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_rounding_reachable(multiple: int, tokens: int, top_k: int, num_experts: int, capacity_factor, where: str,
-                             name: str = "model.round_tokens_to"):
+                             name: str = "moe_run.round_tokens_to"):
     """round_tokens_to above what any expert can hold in one forward on one rank (each token's experts differ, so
     at most `tokens` pairs; with a capacity factor at most its capacity, routing/capacity.py's ceil formula) rounds
     every expert's pairs down to 0: the experts would compute nothing and the run end with rc 0. `where` says how

@@ -67,6 +67,7 @@ from torchtitan.models.qwen3 import config_registry as titan_qwen3
 from torchtitan.tools.utils import device_type
 from torchtitan.trainer import Trainer as TitanTrainer
 
+from dtensor_moe.config import MoERunOptions
 from dtensor_moe.tools.presets import TITAN_MODELS
 
 from . import moonshot
@@ -127,7 +128,7 @@ def _check_moe_layers(model) -> None:
 
 def _as(config: TitanTrainer.Config, cls, parallelize_fn, **parallelism) -> TitanTrainer.Config:
     """`config` as a `cls` config with `parallelize_fn`, the settings every hook run needs and `parallelism`."""
-    _refuse_unknown_flags(sys.argv[1:])
+    _refuse_bad_flags(sys.argv[1:])
     known = {f.name for f in fields(cls.Config)}
     kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name in known}
     kwargs.update(
@@ -146,16 +147,45 @@ def _shipped_data(config: TitanTrainer.Config) -> TitanTrainer.Config:
     return config
 
 
-def _refuse_unknown_flags(argv: list[str]) -> None:
-    """An unknown `--dtensor_moe.*` flag, refused in one line from rank 0 while torchtitan loads the config function
-    (every config function here comes through `_as`), before its own parser prints an error box on every rank."""
-    known = {f.name for f in fields(ExpertParallelConfig)}
-    for arg in argv:
+def _refuse_bad_flags(argv: list[str]) -> None:
+    """An unknown `--dtensor_moe.*` flag, or `--dtensor_moe.run.*` values MoERunOptions refuses, in one line from
+    rank 0 while torchtitan loads the config function (every config function here comes through `_as`), before
+    its own parser prints an error box on every rank."""
+    known = {f.name for f in fields(ExpertParallelConfig) if f.name != "run"}
+    run_types = {f.name: f.type for f in fields(MoERunOptions)}
+    known |= {f"run.{name}" for name in run_types}
+    run = {}
+    for i, arg in enumerate(argv):
         if arg.startswith("--dtensor_moe."):
-            name = arg.removeprefix("--dtensor_moe.").split("=", 1)[0].replace("-", "_")
+            name, eq, value = arg.removeprefix("--dtensor_moe.").partition("=")
+            name = name.replace("-", "_")
             if name not in known:
                 _refuse(ValueError(f"--dtensor_moe.{name} is not an option of the hook; valid: "
                                    f"{', '.join(f'--dtensor_moe.{k}' for k in sorted(known))}"))
+            if name.startswith("run.") and (eq or i + 1 < len(argv)):
+                field = name.removeprefix("run.")
+                run[field] = _typed(value if eq else argv[i + 1], run_types[field])
+    try:
+        MoERunOptions(**{k: v for k, v in run.items() if v is not _UNPARSED})
+    except ValueError as e:
+        _refuse(ValueError(str(e).replace("MoERunOptions.", "--dtensor_moe.run.")))
+
+
+_UNPARSED = object()  # a value of the wrong type: torchtitan's parser names it
+
+
+def _typed(text: str, kind):
+    """A flag's text as the MoERunOptions field of type `kind` holds it (the parser's conversions)."""
+    if kind is bool:
+        return {"true": True, "false": False}.get(text.lower(), _UNPARSED)
+    if kind is str:
+        return text
+    if text == "None" and kind == float | None:
+        return None
+    try:
+        return int(text) if kind is int else float(text)
+    except ValueError:
+        return _UNPARSED
 
 
 # ---- torchtitan's MoE configs ------------------------------------------------------------------------

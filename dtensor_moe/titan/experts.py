@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dtensor_moe.config import MoEConfig, effective_activation_memory
+from dtensor_moe.config import MoEConfig, MoERunOptions, effective_activation_memory
 from dtensor_moe.experts import SwiGLUExperts
 from dtensor_moe.routing.tables import TokenCopies, expert_major
 
@@ -54,7 +54,7 @@ class _GptOssSwiGLU(SwiGLUExperts):
 
 class _OurRouting:
     """Over torchtitan's RoutedExperts: our routing tables in place of its token dispatcher: the router's choices and
-    weights go to the experts as `TokenCopies` (dropped pairs, expert id E from --dtensor_moe.round_tokens_to, are
+    weights go to the experts as `TokenCopies` (dropped pairs, expert id E from --dtensor_moe.run.round_tokens_to, are
     neither sent nor computed under EP / ETP)."""
 
     def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
@@ -76,12 +76,13 @@ def _swap_class(module: nn.Module, ours: type) -> None:
     module.__class__ = cls
 
 
-def adopt(moe: nn.Module, config: MoEConfig) -> None:
-    """torchtitan MoE `moe`'s routed experts computed by ours, with `config`'s expert_precision, activation_memory
-    and (gpt-oss) clamped gate. Before the placement: `shard_moe_layer` then hooks the dropless dispatch on them."""
+def adopt(moe: nn.Module, config: MoEConfig, run: MoERunOptions) -> None:
+    """torchtitan MoE `moe`'s routed experts computed by ours, with `run`'s expert_precision and activation_memory
+    and `config`'s (gpt-oss) clamped gate. Before the placement: `shard_moe_layer` then hooks the dropless dispatch
+    on them."""
     routed = moe.routed_experts
     experts = routed.inner_experts
     _swap_class(experts, _GptOssSwiGLU if is_gpt_oss(experts) else _TitanSwiGLU)
-    experts.precision, experts.activation_memory = config.expert_precision, effective_activation_memory(config)
+    experts.precision, experts.activation_memory = run.expert_precision, effective_activation_memory(run)
     experts.clamp = (config.swiglu_alpha, config.swiglu_limit) if config.activation == "clamped_swiglu" else None
     _swap_class(routed, _OurRouting)

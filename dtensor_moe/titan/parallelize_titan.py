@@ -32,7 +32,7 @@ from torchtitan.models.common.moe import MoE
 from torchtitan.models.deepseek_v3.mtp import apply_fsdp_to_mtp_decoder
 from torchtitan.tools.utils import device_type
 
-from dtensor_moe.config import MoEConfig
+from dtensor_moe.config import MoEConfig, MoERunOptions
 from dtensor_moe.parallel.compile import apply_compile
 from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.parallel.placement import WeightPlan, plan_moe, split_gate_up_plans
@@ -54,10 +54,9 @@ _TITAN_NAMES = {
 }
 
 
-def moe_config(moe: MoE, options=None) -> MoEConfig:
+def moe_config(moe: MoE) -> MoEConfig:
     """The MoEConfig the plan needs, read off a torchtitan MoE module (works on the meta device): torchtitan's
-    grouped experts or gpt-oss's (biases, fused gate / up, clamped SwiGLU). `options`: the hook's
-    `ExpertParallelConfig` (None: the defaults), for our experts' precisions and activation memory."""
+    grouped experts or gpt-oss's (biases, fused gate / up, clamped SwiGLU)."""
     experts, router = moe.routed_experts.inner_experts, moe.router
     gpt_oss = is_gpt_oss(experts)
     E, F, D = expert_dims(experts) if gpt_oss else experts.w1_EFD.shape
@@ -78,9 +77,6 @@ def moe_config(moe: MoE, options=None) -> MoEConfig:
         num_shared_experts=shared,
         router_bias=router.gate.bias is not None,
         **(moe_fields(experts) if gpt_oss else {}),
-        **({} if options is None else dict(expert_precision=options.expert_precision,
-                                           activation_memory=options.activation_memory,
-                                           dispatch_precision=options.dispatch_precision)),
     )
 
 
@@ -145,22 +141,22 @@ def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_co
     reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled)
     names = {m: n for n, m in model.named_modules()}
     options = parallel_dims.options
-    rounding = options.round_tokens_to if options is not None else 0
+    run = MoERunOptions() if options is None else options.run
     ours = options is None or options.experts == "ours"
     for moe, moe_plans in zip(moes, plans):
-        config = moe_config(moe, options)
-        if rounding:  # --dtensor_moe.round_tokens_to (titan/token_rounding.py)
-            round_titan_tokens(moe, config, rounding, dims.ep * dims.etp > 1)
+        config = moe_config(moe)
+        if run.round_tokens_to:  # --dtensor_moe.run.round_tokens_to (titan/token_rounding.py)
+            round_titan_tokens(moe, config, run.round_tokens_to, dims.ep * dims.etp > 1)
         if ours:  # --dtensor_moe.experts ours (titan/experts.py)
-            adopt(moe, config)
+            adopt(moe, config, run)
         # torchtitan's loss is a global sum and its FSDP reductions sum (divide factor 1): expert
         # weight gradients must stay sums too (fsdp_sums: no EP*ETP division in the dispatcher), and the tp
         # ranks' copies sum like torchtitan's TP weights' (tp_grads="sum", by those reductions themselves).
         fsdp_kwargs = {"mp_policy": mp_policy, "reshard_after_forward": reshard}
-        # Replicas and the row cap (titan/replicas.py): --dtensor_moe.expert_replicas, max_rows_per_rank.
+        # Replicas and the row cap (titan/replicas.py): --dtensor_moe.run.expert_replicas, max_rows_per_rank.
         shard_moe_layer(moe, moe_plans, dims, meshes, fsdp_kwargs, tp_grads="sum", fsdp_sums=True,
-                        dispatch_precision=config.dispatch_precision,
-                        dispatch_options=dispatch_options(options, f"MoE layer {names[moe]!r}", dims.etp))
+                        dispatch_precision=run.dispatch_precision,
+                        dispatch_options=dispatch_options(run, f"MoE layer {names[moe]!r}", dims.etp))
         if not ours and is_gpt_oss(moe.routed_experts.inner_experts):
             finish_rows(moe.routed_experts.inner_experts, dims.etp)
 

@@ -1,5 +1,5 @@
-"""Hot-expert replicas through the hook: `--dtensor_moe.expert_replicas R` (with `replica_replan_every`) and the
-row cap `--dtensor_moe.max_rows_per_rank M`, the main job's MoEConfig fields of the same names.
+"""Hot-expert replicas through the hook: `--dtensor_moe.run.expert_replicas R` (with `replica_replan_every`) and the
+row cap `--dtensor_moe.run.max_rows_per_rank M`, the MoERunOptions fields of the same names.
 
 torchtitan's experts take one row per (token, expert) pair in expert order. With replicas the dispatcher sorts
 those rows by virtual slot (stably; its combine sorts them back), so the replica slots' rows travel as any
@@ -30,10 +30,8 @@ def replica_forward(experts: nn.Module, x_RD, counts_E, weights: dict, etp: int)
         experts._parameters.update(saved)
 
 
-def dispatch_options(config, layer: str, etp: int) -> dict:
-    """`make_dispatcher`'s replica and row-cap arguments from the hook's `ExpertParallelConfig` (None: defaults)."""
-    if config is None:
-        return {}
-    return dict(replicas=config.expert_replicas, replan_every=config.replica_replan_every,
-                max_rows_per_rank=config.max_rows_per_rank, layer=layer,
+def dispatch_options(run, layer: str, etp: int) -> dict:
+    """`make_dispatcher`'s replica and row-cap arguments from the hook's `--dtensor_moe.run` (MoERunOptions)."""
+    return dict(replicas=run.expert_replicas, replan_every=run.replica_replan_every,
+                max_rows_per_rank=run.max_rows_per_rank, layer=layer,
                 replica_forward=partial(replica_forward, etp=etp))

@@ -1,4 +1,4 @@
-"""`--dtensor_moe.round_tokens_to M`: tile-aware token rounding (MoEConfig.round_tokens_to,
+"""`--dtensor_moe.run.round_tokens_to M`: tile-aware token rounding (MoERunOptions.round_tokens_to,
 dtensor_moe/routing/token_rounding.py) for torchtitan's MoE, the same rule on each rank's tokens as our layer's.
 
 torchtitan's MoE routes, counts (its `tokens_per_expert_E`, which steers the aux-loss-free bias: the router's
@@ -30,7 +30,7 @@ def round_titan_tokens(moe: nn.Module, cfg: MoEConfig, multiple: int, dispatched
     """Rounds every forward's pairs of torchtitan MoE `moe` (whose routing `cfg` describes) to multiples of
     `multiple`; `dispatched`: our dispatch strategy runs its experts (ep * etp > 1)."""
     if type(moe).forward is not MoE.forward:  # its steps are the ones repeated below
-        raise ValueError(f"--dtensor_moe.round_tokens_to is not supported for {type(moe).__name__}, which has its "
+        raise ValueError(f"--dtensor_moe.run.round_tokens_to is not supported for {type(moe).__name__}, which has its "
                          f"own forward; valid: torchtitan's MoE and its subclasses that keep MoE.forward")
     groups = moe.router.num_expert_groups or 1
 

@@ -23,10 +23,10 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.linear import ScaledBiasRowwiseLinear
 from torchtitan.trainer import Trainer as TitanTrainer
 
-from dtensor_moe.config import ACTIVATION_MEMORY, DISPATCH_PRECISIONS, EXPERT_PRECISIONS
+from dtensor_moe.config import MoERunOptions, check_replica_slots
 from dtensor_moe.parallel.dispatch import RowCapExceeded
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.parallel.replicas import check_slots
+from dtensor_moe.parallel.replicas import check_replica_mesh
 from dtensor_moe.routing.token_rounding import check_rounding_reachable
 from dtensor_moe.train.config import check_row_cap
 from dtensor_moe.train.supervision import INTERRUPTED_RC, PREEMPTED_RC, ROW_CAP_RC, StopRequests
@@ -49,28 +49,16 @@ class ExpertParallelConfig:
     load_balance_coeff: float | None = None
     """Every MoE layer's load_balance_coeff (torchtitan's aux-loss-free routing bias, expert_bias_E, moved by
     this much a step): 0 trains no bias; unset keeps the model config's (the hook's Qwen3 configs train none)."""
-    expert_replicas: int = 0
-    """Hot-expert replica slots per EP rank (MoEConfig.expert_replicas; titan/replicas.py): each holds a copy of
-    another EP rank's hot expert for the forward, the same math; 0: off. Needs ep > 1 and no --compile.enable."""
-    replica_replan_every: int = 100
-    """Training forwards between re-placements of the replica slots (MoEConfig.replica_replan_every)."""
-    max_rows_per_rank: int = 0
-    """> 0: a forward in which an EP rank would compute more expert rows raises RowCapExceeded on every rank,
-    naming the layer and the rows (MoEConfig.max_rows_per_rank); 0: no cap."""
-    round_tokens_to: int = 0
-    """> 0: tile-aware token rounding (MoEConfig.round_tokens_to; titan/token_rounding.py): each expert's (token,
-    expert) pairs of one forward on one rank rounded to a multiple of this (the grouped GEMMs' row tile, 128 on
-    Hopper); 0: off."""
     experts: str = "ours"
     """Who computes the routed experts (titan/experts.py): "ours" (dtensor_moe's dropless dispatch and kernels on
     torchtitan's own expert parameters) or "titan" (torchtitan's experts behind our expert-order dispatch). The
     state dict is the same under both: a checkpoint of one resumes under the other."""
-    activation_memory: str = "minimal"
-    """What our routed experts keep for the backward (MoEConfig.activation_memory): "minimal" or "standard"."""
-    expert_precision: str = "bf16"
-    """Our routed experts' GEMMs (MoEConfig.expert_precision): "bf16", or "fp8" (e4m3 where measured faster)."""
-    dispatch_precision: str = "bf16"
-    """The EP / ETP token payload (MoEConfig.dispatch_precision): "bf16" (the activations' dtype) or "fp8"."""
+    run: MoERunOptions = field(default_factory=MoERunOptions)
+    """How our MoE layers run, the main job's `[moe_run]` (`dtensor_moe.MoERunOptions`), as
+    `--dtensor_moe.run.<field>`: expert_replicas / replica_replan_every (titan/replicas.py; needs ep > 1 and no
+    --compile.enable), max_rows_per_rank, round_tokens_to (titan/token_rounding.py), activation_memory and
+    expert_precision (our experts only), dispatch_precision. torchtitan's router drops no tokens here:
+    capacity_factor, drop_policy and pad_to_capacity keep their defaults."""
 
 
 @dataclass
@@ -105,7 +93,11 @@ class Trainer(TitanTrainer):
             with_hf_adapter(self)  # gpt-oss: an HF adapter that keeps the experts (titan/hf.py)
             try:
                 _check_config(self)
-                check_degrees(self, _world_size(self))
+                dims = check_degrees(self, _world_size(self))
+                experts = [m.num_experts for m in _moes(self.model_spec.model)]
+                if experts:
+                    check_replica_mesh(self.dtensor_moe.run.expert_replicas, min(experts), dims,
+                                       "--dtensor_moe.run.expert_replicas", "--dtensor_moe.ep")
             except ValueError as e:
                 _refuse(e)
 
@@ -327,62 +319,56 @@ def _check_tp(config: Trainer.Config, tp: int) -> None:
 
 
 def _check_experts(config: Trainer.Config) -> None:
-    """--dtensor_moe.experts and what only our experts read (titan/experts.py), checked while parsing. Which experts
-    a model may have is wrap_config's check (config_registry._check_moe_layers: torchtitan's GroupedExperts or
-    gpt-oss's, under either option), made before this config exists."""
-    ours = config.dtensor_moe
-    for name, valid in (("experts", EXPERTS), ("activation_memory", ACTIVATION_MEMORY),
-                        ("expert_precision", EXPERT_PRECISIONS), ("dispatch_precision", DISPATCH_PRECISIONS)):
-        if getattr(ours, name) not in valid:
-            raise ValueError(f"--dtensor_moe.{name} {getattr(ours, name)!r} is not one of {list(valid)}")
+    """--dtensor_moe.experts and the run options only our experts read (titan/experts.py), checked while parsing;
+    MoERunOptions checked its own fields when it was built. Which experts a model may have is wrap_config's check
+    (config_registry._check_moe_layers: torchtitan's GroupedExperts or gpt-oss's, under either option), made before
+    this config exists."""
+    ours, run = config.dtensor_moe, config.dtensor_moe.run
+    if ours.experts not in EXPERTS:
+        raise ValueError(f"--dtensor_moe.experts {ours.experts!r} is not one of {list(EXPERTS)}")
+    default = MoERunOptions()
+    for name in ("capacity_factor", "drop_policy", "pad_to_capacity"):
+        # torchtitan's router and our dropless dispatch keep every pair: no capacity to drop or pad to.
+        if getattr(run, name) != getattr(default, name):
+            raise ValueError(f"--dtensor_moe.run.{name} {getattr(run, name)!r} is not supported with --module "
+                             f"dtensor_moe.titan (the hook's dispatch is dropless); valid: "
+                             f"--dtensor_moe.run.{name} {getattr(default, name)!r}")
     if ours.experts == "titan":
-        for name, default in (("activation_memory", "minimal"), ("expert_precision", "bf16")):
-            if getattr(ours, name) != default:
-                raise ValueError(f"--dtensor_moe.{name} {getattr(ours, name)} acts on dtensor_moe's experts only, "
+        for name in ("activation_memory", "expert_precision"):
+            if getattr(run, name) != getattr(default, name):
+                raise ValueError(f"--dtensor_moe.run.{name} {getattr(run, name)} acts on dtensor_moe's experts only, "
                                  f"not with --dtensor_moe.experts titan; valid: --dtensor_moe.experts ours, or "
-                                 f"--dtensor_moe.{name} {default}")
-    if ours.dispatch_precision == "fp8" and ours.ep * ours.etp == 1:
-        raise ValueError("--dtensor_moe.dispatch_precision fp8 sets the payload of the EP / ETP token exchange, and "
-                         "--dtensor_moe.ep 1 --dtensor_moe.etp 1 exchanges none; valid: --dtensor_moe.ep or "
-                         "--dtensor_moe.etp > 1, or --dtensor_moe.dispatch_precision bf16")
+                                 f"--dtensor_moe.run.{name} {getattr(default, name)}")
+    if run.dispatch_precision == "fp8" and ours.ep * ours.etp == 1:
+        raise ValueError("--dtensor_moe.run.dispatch_precision fp8 sets the payload of the EP / ETP token exchange, "
+                         "and --dtensor_moe.ep 1 --dtensor_moe.etp 1 exchanges none; valid: --dtensor_moe.ep or "
+                         "--dtensor_moe.etp > 1, or --dtensor_moe.run.dispatch_precision bf16")
 
 
 def _check_replicas(config: Trainer.Config) -> None:
     """The replica and row-cap options (titan/replicas.py), checked while parsing."""
     ours, compile_ = config.dtensor_moe, config.compile
-    for name, low in (("expert_replicas", 0), ("replica_replan_every", 1), ("max_rows_per_rank", 0)):
-        value = getattr(ours, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"dtensor_moe.{name}={value!r} is not supported with --module dtensor_moe.titan; "
-                             f"valid: an integer >= {low}")
-    r = ours.expert_replicas
-    check_row_cap(ours.max_rows_per_rank, ours.ep, ours.etp,
-                  ("--dtensor_moe.max_rows_per_rank", "--dtensor_moe.ep", "--dtensor_moe.etp"))
+    r = ours.run.expert_replicas
+    check_row_cap(ours.run.max_rows_per_rank, ours.ep, ours.etp,
+                  ("--dtensor_moe.run.max_rows_per_rank", "--dtensor_moe.ep", "--dtensor_moe.etp"))
     experts = [m.num_experts for m in _moes(config.model_spec.model)]
-    if experts:  # the main job's MoEConfig range, 0..num_experts (the fewest experts of any layer)
-        check_slots(r, min(experts), "--dtensor_moe.expert_replicas", "num_experts")
-    if r and ours.ep == 1:
-        raise ValueError(f"--dtensor_moe.expert_replicas {r} needs --dtensor_moe.ep > 1 (a replica holds another "
-                         "EP rank's expert), got ep 1; valid: --dtensor_moe.expert_replicas 0, or --dtensor_moe.ep 2 "
-                         "or more")
+    if experts:  # MoERunOptions' range against the model, 0..num_experts (the fewest experts of any layer)
+        check_replica_slots(r, min(experts), "--dtensor_moe.run.expert_replicas", "num_experts")
     if r and compile_.enable and "model" in compile_.components:
-        raise ValueError(f"--dtensor_moe.expert_replicas {r} with --compile.enable (compile.components "
+        raise ValueError(f"--dtensor_moe.run.expert_replicas {r} with --compile.enable (compile.components "
                          f"{list(compile_.components)}) is not supported: the replicas' split of an expert's rows "
-                         "needs each step's counts on the host, eagerly; valid: --dtensor_moe.expert_replicas 0, or "
-                         "no --compile.enable (or --compile.components without 'model')")
+                         "needs each step's counts on the host, eagerly; valid: --dtensor_moe.run.expert_replicas 0, "
+                         "or no --compile.enable (or --compile.components without 'model')")
 
 
 def _check_rounding(config: Trainer.Config) -> None:
-    """--dtensor_moe.round_tokens_to (titan/token_rounding.py), checked while parsing."""
-    ours = config.dtensor_moe
-    M = ours.round_tokens_to
-    if isinstance(M, bool) or not isinstance(M, int) or M < 0:
-        raise ValueError(f"dtensor_moe.round_tokens_to={M!r} is not supported with --module dtensor_moe.titan; "
-                         "valid: 0 (off) or a positive integer, the grouped GEMMs' row tile (128 on Hopper)")
-    if M and ours.expert_replicas:
+    """--dtensor_moe.run.round_tokens_to (titan/token_rounding.py), checked while parsing."""
+    run = config.dtensor_moe.run
+    M = run.round_tokens_to
+    if M and run.expert_replicas:
         # The replicas' split of torchtitan's rows by virtual slot has not been checked with dropped rows.
-        raise ValueError(f"--dtensor_moe.round_tokens_to {M} with --dtensor_moe.expert_replicas "
-                         f"{ours.expert_replicas} is not supported; valid: one of them 0")
+        raise ValueError(f"--dtensor_moe.run.round_tokens_to {M} with --dtensor_moe.run.expert_replicas "
+                         f"{run.expert_replicas} is not supported; valid: one of them 0")
     if M:
         p, t = config.parallelism, config.training
         pp = p.pipeline_parallel_degree > 1
@@ -393,7 +379,7 @@ def _check_rounding(config: Trainer.Config) -> None:
                  + (f" / cp*tp {split}" if split > 1 else ""))
         for m in _moes(config.model_spec.model):
             check_rounding_reachable(M, batch * (t.seq_len // split), m.router.top_k, m.num_experts, None, where,
-                                     "--dtensor_moe.round_tokens_to")
+                                     "--dtensor_moe.run.round_tokens_to")
 
 
 def _moes(model) -> list:

@@ -362,22 +362,15 @@ def describe_mismatch(found: dict[str, tuple], expected: dict[str, tuple], sourc
     return "\n".join(lines)
 
 
-# Model config fields that change how a layer runs, never a weight or what it means: a checkpoint saved with any
-# value of them is the same model under any other (hot-expert replicas compute the math of none, the row cap only
-# stops a run, the precisions are the job's, as training.dtype is, and so is what the backward keeps). Turning them
-# on or off at --resume is allowed.
-RUN_ONLY_FIELDS = ("expert_replicas", "replica_replan_every", "max_rows_per_rank", "expert_precision",
-                   "dispatch_precision", "activation_memory")
-
-
 def config_diff(saved: dict | None, current: dict | None, now: str = "model") -> list[str]:
-    """`field: saved X vs <now> Y` for each field both configs have and that differs (RUN_ONLY_FIELDS aside)."""
+    """`field: saved X vs <now> Y` for each field both configs have and that differs. Both are model configs, the
+    architecture: how a run computes the model (the main job's `[moe_run]`) is not saved, so a resume may change it."""
     if saved is None or current is None:
         return []
     return [
         f"{k}: saved {saved[k]!r} vs {now} {current[k]!r}"
         for k in sorted(saved.keys() & current.keys())
-        if saved[k] != current[k] and k not in RUN_ONLY_FIELDS
+        if saved[k] != current[k]
     ]
 
 

@@ -4,7 +4,7 @@ import re
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
 
-from dtensor_moe.config import MOE_RULES, MoEConfig, check_routing
+from dtensor_moe.config import MOE_RULES, MoEConfig, MoERunOptions, check_groups, check_run_options
 from dtensor_moe.parallel.activation_checkpoint import check_activation_checkpoint
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK
 from dtensor_moe.train.hf_config import check_hf_parallel, hf_model_fields
@@ -41,7 +41,8 @@ def _with_moe_fields(cls):
 @dataclass(frozen=True)
 @_with_moe_fields
 class ModelConfig:
-    """The main job's model: these fields, then every MoEConfig field (its layers' MoE)."""
+    """The main job's model, what a checkpoint holds: these fields, then every MoEConfig field (its layers'
+    MoE architecture and routing). How the run computes the MoE layers is the `[moe_run]` section."""
 
     vocab_size: int = 256
     n_layers: int = 2
@@ -58,7 +59,7 @@ class ModelConfig:
     def __post_init__(self):
         check_fields(self, "model.", vocab_size=at_least(1), n_layers=at_least(1), n_heads=at_least(1),
                      hidden_dim=at_least(1), max_seq_len=at_least(1), norm_eps=above(0), **MOE_RULES)
-        check_routing(self, "model.")
+        check_groups(self, "model.")
         if self.hf_path:  # the transformers model's own attention: its head dims are its config's business
             return
         # Rotary embeddings rotate feature pairs, so the head dim must be even too.
@@ -246,6 +247,9 @@ class DataConfig:
 @dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
+    # How the run computes the MoE layers (token dropping and rounding, precisions, replicas, the row cap): not in
+    # checkpoints, so a resume may change them.
+    moe_run: MoERunOptions = field(default_factory=MoERunOptions)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -257,11 +261,12 @@ class Config:
                 f"training.seq_len ({t.seq_len}) must be <= model.max_seq_len ({m.max_seq_len}); "
                 f"valid seq_len: 1..{m.max_seq_len} (or raise model.max_seq_len)"
             )
-        p = self.parallel
-        if t.compile and m.expert_replicas:
-            raise ValueError(f"training.compile = true with model.expert_replicas ({m.expert_replicas}) is not "
+        p, run = self.parallel, self.moe_run
+        check_run_options(m, run, "moe_run.")
+        if t.compile and run.expert_replicas:
+            raise ValueError(f"training.compile = true with moe_run.expert_replicas ({run.expert_replicas}) is not "
                              "supported: the replicas' split of an expert's rows needs the step's counts on the host, "
-                             "eagerly; valid: training.compile = false, or model.expert_replicas = 0")
+                             "eagerly; valid: training.compile = false, or moe_run.expert_replicas = 0")
         if m.hf_path:
             check_hf_parallel(m.hf_path, p, t)
         check_tp_heads(m.n_heads, p.tp, "parallel.")
@@ -291,7 +296,7 @@ class Config:
         return asdict(self)
 
 
-def check_row_cap(max_rows: int, ep: int, etp: int, names=("model.max_rows_per_rank", "parallel.ep", "parallel.etp")):
+def check_row_cap(max_rows: int, ep: int, etp: int, names=("moe_run.max_rows_per_rank", "parallel.ep", "parallel.etp")):
     """A row cap acts in the expert-parallel dispatch only: on a mesh without expert axes (ep * etp = 1) no
     forward reads it, so it would be accepted and never enforced. `names`: the cap's, ep's and etp's as the user
     wrote them (the main job's fields; the torchtitan hook's flags)."""
@@ -302,7 +307,16 @@ def check_row_cap(max_rows: int, ep: int, etp: int, names=("model.max_rows_per_r
                          f"act; valid: {cap} 0 (no cap), or {ep_name} 2 or more")
 
 
-SECTIONS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig, "data": DataConfig}
+SECTIONS = {"model": ModelConfig, "moe_run": MoERunOptions, "parallel": ParallelConfig, "training": TrainingConfig,
+            "data": DataConfig}
+
+
+def _section(name: str, cls, values: dict):
+    try:
+        return cls(**values)
+    except ValueError as e:
+        # MoERunOptions names its fields by its class ("MoERunOptions.x"); the user wrote [moe_run] x.
+        raise ValueError(str(e).replace(f"{cls.__name__}.", f"{name}.")) from None
 
 
 def _parse_value(text: str):
@@ -374,6 +388,8 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
         known = {f.name for f in fields(cls)}
         bad = set(values) - known
         if bad:
-            raise ValueError(f"unknown [{section}] keys {sorted(bad)}; valid keys: {sorted(known)}")
-        built[section] = cls(**values)
+            moved = sorted(bad & {f.name for f in fields(MoERunOptions)}) if section == "model" else []
+            hint = f"; {moved} are [moe_run] keys (how the run computes the MoE layers)" if moved else ""
+            raise ValueError(f"unknown [{section}] keys {sorted(bad)}{hint}; valid keys: {sorted(known)}")
+        built[section] = _section(section, cls, values)
     return Config(**built)

@@ -76,7 +76,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     dims = parallel_dims(cfg, world)
 
     torch.manual_seed(t.seed)  # same full weights on every rank before sharding
-    model = build_model(cfg.model).to(device)
+    model = build_model(cfg.model, cfg.moe_run).to(device)
     n_params = sum(p.numel() for p in model.parameters())  # counted before sharding: the whole model
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if t.dtype == "bf16" else None
 
@@ -113,7 +113,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     del model  # with pp > 1 each stage holds a copy of its own layers
     # One module with the original parameter names over this rank's stages: optimizer and checkpoints.
     model = stage_view(parts)
-    load = ExpertLoad(parts, dims, cfg.model, device)
+    load = ExpertLoad(parts, dims, cfg.model, cfg.moe_run.expert_replicas, device)
     optimizer = build_optimizer(model, t.lr, t.weight_decay)
     scheduler = build_scheduler(optimizer, t.warmup_steps, t.steps, t.min_lr_ratio)
     train_tokens, held_tokens, data_info = load_data(cfg)
@@ -388,10 +388,9 @@ def _checkpointing(args, run_dir: str, total_steps: int, data: dict | None = Non
 
 
 if __name__ == "__main__":  # the parity reference: python -m dtensor_moe.train.loop CONFIG_JSON RUN_DIR [DP SEQ]
-    from dtensor_moe.train.config import DataConfig, ModelConfig, ParallelConfig, TrainingConfig
+    from dtensor_moe.train.config import SECTIONS
 
     raw = json.loads(sys.argv[1])
-    ref = Config(ModelConfig(**raw["model"]), ParallelConfig(**raw["parallel"]), TrainingConfig(**raw["training"]),
-                 DataConfig(**raw["data"]))
+    ref = Config(**{name: cls(**raw[name]) for name, cls in SECTIONS.items()})
     slices = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 3 else None
     train_ranks(ref, sys.argv[2], label="1-process reference", moe_slices=slices)

@@ -78,12 +78,12 @@ class ExpertLoad:
     rank 0: per layer the two imbalances, and the worst layer's values and rows (its vectors only, so a row stays
     O(layers + experts)). The aux-free bias update reads the same sums (`update_expert_bias`)."""
 
-    def __init__(self, parts, dims, config: ModelConfig, device: torch.device):
+    def __init__(self, parts, dims, config: ModelConfig, expert_replicas: int, device: torch.device):
         self.moes = {i: moe for part in parts for i, moe in part.moe_layers().items()}
         self.n_layers, self.ep = config.n_layers, dims.ep
         # With replicas the rows an EP rank computes are no longer its owned experts' rows: the dispatchers count
         # them (each rank of an EP x ETP group holds its group's; the all-reduce sums groups, hence the divisor).
-        self.replicas = config.expert_replicas > 0 and dims.ep > 1
+        self.replicas = expert_replicas > 0 and dims.ep > 1
         self.group_size = dims.ep * dims.etp
         owner_E = torch.tensor(expert_ep_ranks(config.moe_config(), dims))
         self.owner_E, self.owner_on_device_E = owner_E, owner_E.to(device)
@@ -286,9 +286,10 @@ def _si(n: float) -> str:
 def summary_lines(summary: dict, run_dir: str, parity_line: str | None = None) -> list[str]:
     """What the run trained and how it went, for the console (from summary.json)."""
     m, t, mesh = summary["config"]["model"], summary["config"]["training"], summary["mesh"]
+    run = summary["config"]["moe_run"]
     shared = f" + {m['num_shared_experts']} shared" if m["num_shared_experts"] else ""
     fp8 = "".join(f", FP8 {what}" for key, what in (("expert_precision", "experts"), ("dispatch_precision", "dispatch"))
-                  if m.get(key) == "fp8")
+                  if run[key] == "fp8")
     what = "MoE LM"
     if m.get("hf_path"):
         what = f"Hugging Face {json.loads(m['hf_config'])['model_type']} from {m['hf_path']}"

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dtensor_moe.config import MoERunOptions
 from dtensor_moe.moe import MoE
 from dtensor_moe.train.config import ModelConfig
 
@@ -57,12 +58,12 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, options: MoERunOptions | None):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.moe = MoE(cfg.moe_config())
+        self.moe = MoE(cfg.moe_config(), options)
 
     def forward(self, x_BLD):
         h_BLD = x_BLD + self.attention(self.attention_norm(x_BLD))
@@ -94,13 +95,14 @@ class MoEModel(nn.Module):
 class MoETransformer(MoEModel):
     """`layers` is keyed by layer index (ModuleDict): a pipeline stage keeps a subset under the same
     names, so checkpoints reshard across stage splits. A stage may lack `tok_embeddings` (it takes
-    hidden states) or `norm` and `output` (it returns hidden states); forward skips what is absent."""
+    hidden states) or `norm` and `output` (it returns hidden states); forward skips what is absent. `config` is
+    what checkpoints hold; `options` (None: the defaults) how the run computes the MoE layers."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, options: MoERunOptions | None = None):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, options) for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.reset_parameters()
@@ -147,9 +149,9 @@ class HFCausalLM(MoEModel):
         self.model, self.lm_head = hf_model.model, hf_model.lm_head
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig) -> "HFCausalLM":
+    def from_config(cls, cfg: ModelConfig, options: MoERunOptions | None = None) -> "HFCausalLM":
         """The checkpoint at cfg.hf_path in float32, its sparse blocks swapped for our MoE with cfg's training
-        choices; refused if its config.json is no longer the one the run was configured from."""
+        choices and `options`; refused if its config.json is no longer the one the run was configured from."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -161,7 +163,7 @@ class HFCausalLM(MoEModel):
             if json.load(f) != json.loads(cfg.hf_config):
                 raise ValueError(f"{cfg.hf_path}/config.json changed since this run was configured; start it again")
         hf = AutoModelForCausalLM.from_pretrained(cfg.hf_path, dtype=torch.float32)
-        swap_moe_blocks(hf, **training_options(cfg.moe_config()))
+        swap_moe_blocks(hf, options, **training_options(cfg.moe_config()))
         return cls(hf, cfg)
 
     @property
@@ -179,5 +181,6 @@ class HFCausalLM(MoEModel):
         return {i: block.mlp for i, block in enumerate(self.model.layers) if isinstance(block.mlp, MoE)}
 
 
-def build_model(cfg: ModelConfig) -> MoEModel:
-    return HFCausalLM.from_config(cfg) if cfg.hf_path else MoETransformer(cfg)
+def build_model(cfg: ModelConfig, options: MoERunOptions | None = None) -> MoEModel:
+    """The main job's model of `cfg` (a transformers model with cfg.hf_path), its MoE layers run with `options`."""
+    return HFCausalLM.from_config(cfg, options) if cfg.hf_path else MoETransformer(cfg, options)

@@ -225,6 +225,8 @@ def plan(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None, c
     gc.disable()
     try:
         for dims in foldings(hw.gpus, spec, work, hw.gpus_per_node, pp):
+            if work.moe_run.expert_replicas and dims.ep == 1:  # a replica slot holds another EP rank's expert
+                continue
             if dims.pp not in ranks:
                 ranks[dims.pp] = pipeline_ranks(spec, dims.pp, work)
             key = footprint_key(dims), dims.pp

@@ -1,5 +1,5 @@
 """Skewed routing (`Workload.skew`): the rows each EP rank computes when some experts are hot, without and with
-hot-expert replicas (MoEConfig.expert_replicas), and the straggler factor, max / mean rows per EP rank, by which
+hot-expert replicas (MoERunOptions.expert_replicas), and the straggler factor, max / mean rows per EP rank, by which
 the slowest EP rank stretches the step's routed rows (all-to-all, ETP gather, expert activations).
 
 The popularity is benchmarks/routing.py's skewed routing (tests/parity.py's `Case.zipf`), so the planner prices

@@ -77,15 +77,15 @@ class Rates(NamedTuple):
     replica_sent: int  # the busiest EP rank's replica weight copies per MoE layer per step, both ways (bytes)
 
 
-def expert_activations(moe, dims: MoEParallelDims, ranks_per_token: float) -> float:
-    """Elements the routed experts keep for the backward per token of a rank (MoEConfig.activation_memory;
+def expert_activations(moe, options, dims: MoEParallelDims, ranks_per_token: float) -> float:
+    """Elements the routed experts keep for the backward per token of a rank (MoERunOptions.activation_memory;
     docs/parallelism.md, "Activation memory"). After the ETP gather a rank holds etp * top_k pairs per token of
     F/etp-wide hidden activations, so those parts do not depend on etp. standard: per pair the token's copy and
     the expert's output (D each, etp of them) and three F-wide tensors; minimal: per pair the gate / up
     pre-activation (2F), and each token row received once per EP rank it reaches (etp of them; without EP x ETP
-    the rows are the layer's own input)."""
+    the rows are the layer's own input). `moe`: MoEConfig; `options`: MoERunOptions."""
     k, D, F = moe.top_k, moe.dim, moe.hidden_dim
-    if effective_activation_memory(moe) == "minimal":
+    if effective_activation_memory(options) == "minimal":
         received = 0 if dims.ep * dims.etp == 1 else dims.etp * D * ranks_per_token
         return k * 2 * F + received
     return k * (2 * dims.etp * D + 3 * F)
@@ -101,7 +101,7 @@ def rates(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node:
     attention = sum(s[0] + s[-1] for _, s in spec.attention if len(s) == 2)
     common = T * b * 3 * D + T * b * attention  # two norm inputs and the residual, plus attention
     skewed = None if not work.skew else balance(moe.num_experts, k, dims.ep, dims.ep * dims.etp * T, work.skew,
-                                                moe.expert_replicas, cache)
+                                                work.moe_run.expert_replicas, cache)
     straggler = 1 if skewed is None else skewed.replica_imbalance  # an int 1 keeps the balanced bytes exact
     # A replica slot holds this ETP rank's F slice of w13 (two) and w2 (and of b13, with all of b2).
     slot = 3 * (F // dims.etp) * D + (2 * (F // dims.etp) + D) * moe.expert_biases
@@ -111,14 +111,14 @@ def rates(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node:
     ranks_per_token = (distinct_ranks(*routing) if cache is None
                        else cache.distinct_ranks.get_or_make(routing, lambda: distinct_ranks(*routing)))
     rows = 2 * ranks_per_token
-    experts = expert_activations(moe, dims, ranks_per_token) * straggler + 3 * F * moe.num_shared_experts
+    experts = expert_activations(moe, work.moe_run, dims, ranks_per_token) * straggler + 3 * F * moe.num_shared_experts
     # (size, stride) of the groups as mesh_geometry has them (etp innermost, then ep; tp innermost,
     # then cp; stages outermost), without building it: a search has one Rates per rates_key.
     return Rates(
         recompute,
         block_input=T * D * b,
         # fp32 router scores; the replica slots' weight copies, saved for the layer's backward
-        moe_layer=common + T * b * experts + T * moe.num_experts * 4 + moe.expert_replicas * slot * b,
+        moe_layer=common + T * b * experts + T * moe.num_experts * 4 + work.moe_run.expert_replicas * slot * b,
         dense_layer=common + T * b * 3 * spec.dense_hidden_dim,
         # Logits (replicated over tp) and their fp32 copy for the loss per microbatch; one gradient of them.
         logits=T * dims.tp * spec.vocab_size * (b + 4), logits_grad=T * dims.tp * spec.vocab_size * 4,
@@ -135,7 +135,7 @@ def rates(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node:
         kv=M * (3 + recompute) * (dims.cp - 1) * T * spec.kv_width * b,
         cp_inter=ring_inter_fraction(dims.cp, dims.tp, G),
         balance=skewed,
-        replica_copies=moe.expert_replicas * slot * b,
+        replica_copies=work.moe_run.expert_replicas * slot * b,
         # Owners send the copies each forward (again when recomputing); their gradients come back.
         replica_sent=0 if skewed is None else M * (2 + recompute) * skewed.copies * slot * b,
     )

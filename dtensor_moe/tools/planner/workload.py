@@ -3,11 +3,13 @@ the byte sizes both imply.
 
 A step is `microbatches` microbatches of `micro_batch` sequences per data-parallel rank. Between
 blocks a rank holds seq_len / (cp * tp) tokens of each sequence (`tokens_per_rank`). Routing is balanced
-across the experts unless `skew` > 0 (Zipf popularity: skew.py).
+across the experts unless `skew` > 0 (Zipf popularity: skew.py). `moe_run`: how the MoE layers run (replica
+slots, what the experts keep for the backward), the main job's `[moe_run]`.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from dtensor_moe.config import MoERunOptions
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims
 from dtensor_moe.validate import at_least, check_choice, check_fields, check_int, check_positive
 
@@ -30,6 +32,7 @@ class Workload:
     microbatches: int = 1  # per step: pipeline microbatches, or gradient accumulation without pp
     pp_schedule: str = "1f1b"
     skew: float = 0.0  # expert popularity 1 / rank ** skew (skew.py); 0: every expert alike
+    moe_run: MoERunOptions = field(default_factory=MoERunOptions)
 
     def __post_init__(self):
         check_int("Workload.seq_len", self.seq_len)
@@ -40,6 +43,8 @@ class Workload:
         check_choice("Workload.optimizer", self.optimizer, OPTIMIZER_MOMENTS)
         check_choice("Workload.recompute", self.recompute, RECOMPUTE)
         check_fields(self, "Workload.", skew=at_least(0))
+        if not isinstance(self.moe_run, MoERunOptions):
+            raise ValueError(f"Workload.moe_run must be a dtensor_moe.MoERunOptions, got {type(self.moe_run).__name__}")
 
     @property
     def compute_bytes(self) -> int:
