@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, owned_box, parallelize_moe, plan_moe
-from dtensor_moe.tools import planner
+from dtensor_moe.tools import folding
 
 TARGET = 1.15  # issue 29: max / mean rows per EP rank with replicas
 PARITY_TOL = 1e-10  # tests/test_parity.py's: float64 sums in another order
@@ -120,12 +120,12 @@ def measure(args, K: int) -> list[dict]:
 
 def results(args, K: int, measured: list[dict]) -> list[dict]:
     """The measured rows with the planner's prediction beside them."""
-    predicted = planner.balance(args.experts, K, args.ep, args.ep * args.tokens_per_rank, args.zipf, args.replicas)
+    predicted = folding.balance(args.experts, K, args.ep, args.ep * args.tokens_per_rank, args.zipf, args.replicas)
     out = []
     for m in measured:
         rows, ratio = ((predicted.replica_rows, predicted.replica_imbalance) if m["replicas"]
                        else (predicted.rows, predicted.imbalance))
-        out.append({"top_k": K, **m, "max_over_mean": planner.max_over_mean(m["rows_per_rank"]),
+        out.append({"top_k": K, **m, "max_over_mean": folding.max_over_mean(m["rows_per_rank"]),
                     "planner_rows_per_rank": list(rows), "planner_max_over_mean": ratio})
     return out
 
@@ -147,7 +147,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = parser().parse_args()
-    ours, theirs = planner.popularity(args.experts, args.zipf), routing.popularity_E(args.experts, args.zipf).tolist()
+    ours, theirs = folding.popularity(args.experts, args.zipf), routing.popularity_E(args.experts, args.zipf).tolist()
     assert all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(ours, theirs)), "the planner's popularity is routing's"
     t0 = time.perf_counter()
     rows = [r for K in args.top_k for r in results(args, K, measure(args, K))]

@@ -147,13 +147,13 @@ def _kept_by_mode(rank: int, world_size: int, replicas: int) -> dict[str, int]:
 
 @pytest.mark.parametrize("replicas", [0, 1])
 def test_the_planner_prices_what_the_layer_keeps(replicas):
-    """What minimal saves over standard, per the planner (tools/planner/tokens.py expert_activations, elements a
+    """What minimal saves over standard, per the planner (tools/folding/tokens.py expert_activations, elements a
     token) and as the layer keeps it (float32 bytes, EP2): equal within 5% without replicas (measured 0.2% and
     0.4% on the two ranks), none with replicas, whose slots keep the standard path's tensors (a planner pricing
     them as minimal would price 2.6x fewer elements than are kept)."""
     from types import SimpleNamespace
 
-    from dtensor_moe.tools.planner.tokens import distinct_ranks, expert_activations
+    from dtensor_moe.tools.folding.tokens import distinct_ranks, expert_activations
 
     dims = MoEParallelDims(2, ep=2)
     spec = dict(top_k=4, dim=64, hidden_dim=32, pad_to_capacity=False, expert_replicas=replicas)

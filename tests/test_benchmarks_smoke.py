@@ -188,7 +188,7 @@ def test_replica_balance_smoke():
     """benchmarks/replica_balance.py's ranks on 2 gloo ranks, tiny: rows per EP rank covering every pair, float64
     parity with and without replicas, the planner's figure beside each row; the replicas even the rows out."""
     from benchmarks import replica_balance as rb
-    from dtensor_moe.tools.planner import max_over_mean
+    from dtensor_moe.tools.folding import max_over_mean
 
     args = rb.parser().parse_args(["--experts", "8", "--ep", "2", "--top-k", "2", "--tokens-per-rank", "32",
                                    "--replicas", "1", "--batches", "2"])

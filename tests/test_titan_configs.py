@@ -31,7 +31,7 @@ from dtensor_moe.titan import moonshot  # noqa: E402
 from dtensor_moe.titan.models import planner_spec  # noqa: E402
 from dtensor_moe.titan.parallelize_titan import parallelize_titan, titan_plan  # noqa: E402
 from dtensor_moe.titan.trainer import Trainer  # noqa: E402
-from dtensor_moe.tools import planner as P  # noqa: E402
+from dtensor_moe.tools import folding as P  # noqa: E402
 from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS  # noqa: E402
 
 REAL_SIZE = ("deepseek_v3_16b", "deepseek_v3_236b", "deepseek_v3_671b", "qwen3_30b_a3b", "qwen3_235b_a22b",

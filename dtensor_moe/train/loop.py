@@ -191,7 +191,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     states = [None] * world
     dist.all_gather_object(states, state)
     if writer:
-        from dtensor_moe.tools.planner import predicted_state_bytes
+        from dtensor_moe.tools.folding import predicted_state_bytes
 
         rows = writer.rows
         steady = [r["tokens_per_s"] for r in rows[3:]] or [r["tokens_per_s"] for r in rows]

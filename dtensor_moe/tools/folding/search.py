@@ -15,14 +15,14 @@ from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import MoEParallelDims, divisors
 from dtensor_moe.parallel.placement import check_pipeline
-from dtensor_moe.tools.planner.cache import PlanCache
-from dtensor_moe.tools.planner.memory import Memory, rank_activations
-from dtensor_moe.tools.planner.pipeline import PipelineRank, StageShare, bubble_fraction, pipeline_ranks
-from dtensor_moe.tools.planner.skew import Balance
-from dtensor_moe.tools.planner.tokens import rates
-from dtensor_moe.tools.planner.traffic import Held, Traffic, comm_time, ranks_held_costs, seconds, token_traffic
-from dtensor_moe.tools.planner.units import UnitPart, share_footprint, share_parts
-from dtensor_moe.tools.planner.workload import GiB, Hardware, Workload, step_tokens_per_rank
+from dtensor_moe.tools.folding.cache import PlanCache
+from dtensor_moe.tools.folding.memory import Memory, rank_activations
+from dtensor_moe.tools.folding.pipeline import PipelineRank, StageShare, bubble_fraction, pipeline_ranks
+from dtensor_moe.tools.folding.skew import Balance
+from dtensor_moe.tools.folding.tokens import rates
+from dtensor_moe.tools.folding.traffic import Held, Traffic, comm_time, ranks_held_costs, seconds, token_traffic
+from dtensor_moe.tools.folding.units import UnitPart, share_footprint, share_parts
+from dtensor_moe.tools.folding.workload import GiB, Hardware, Workload, step_tokens_per_rank
 from dtensor_moe.tools.presets import ModelSpec
 
 TP_NOTE = "dense tp (sequence-parallel) with its cp x tp group inside a node; the experts' tensor parallelism is etp"
@@ -99,7 +99,7 @@ def _stage_foldings(world: int, pp: int, spec: ModelSpec, work: Workload, gpus_p
 def _with_experts(dense: MoEParallelDims, ep: int, etp: int) -> MoEParallelDims:
     """replace(dense, ep=ep, etp=etp) without re-running MoEParallelDims' checks per folding (a large
     share of a big search's function calls): `dense` passed them, and all that ep and etp add is
-    that ep * etp divides dp_shard * cp * tp, which the loops above ensure (tests/test_planner.py
+    that ep * etp divides dp_shard * cp * tp, which the loops above ensure (tests/test_folding_search.py
     rebuilds every folding of a search through the constructor)."""
     dims = object.__new__(MoEParallelDims)
     dims.__dict__.update(dense.__dict__, ep=ep, etp=etp)
@@ -108,7 +108,7 @@ def _with_experts(dense: MoEParallelDims, ep: int, etp: int) -> MoEParallelDims:
 
 def footprint_key(dims: MoEParallelDims) -> tuple:
     """What rank 0's footprint depends on: the sizes of the axes the plan shards over (dp_shard*cp,
-    tp, ep, etp and so edp) and whether the dense axis is dp_shard or dp_shard_cp. tests/test_planner.py
+    tp, ep, etp and so edp) and whether the dense axis is dp_shard or dp_shard_cp. tests/test_folding_search.py
     checks this against a fresh plan for every folding of a smaller world."""
     return dims.dp_shard * dims.cp, dims.cp > 1, dims.tp, dims.ep, dims.etp
 

@@ -16,7 +16,7 @@ import pytest
 from dtensor_moe.cli.plan import resolve
 from dtensor_moe.parallel.mesh import EXPERT_AXES, PP_STAGES_PER_RANK, MoEParallelDims
 from dtensor_moe.parallel.placement import plan_moe, rank_coords
-from dtensor_moe.tools import planner as P
+from dtensor_moe.tools import folding as P
 from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, spec_from_model_config
 
 from .harness import run_on_ranks
@@ -369,7 +369,7 @@ def test_planner_package_layout_and_torch_free():
     import importlib
 
     from dtensor_moe.cli import SUBCOMMANDS
-    from dtensor_moe.tools.planner import (
+    from dtensor_moe.tools.folding import (
         cache,
         geometry,
         memory,
@@ -394,17 +394,17 @@ def test_planner_package_layout_and_torch_free():
     assert all(getattr(P, name) is not None for name in P.__all__)
     order = ["cache", "workload", "skew", "geometry", "pipeline", "units", "tokens", "memory", "traffic", "search",
              "report"]
-    pkg = ROOT / "dtensor_moe" / "tools" / "planner"
+    pkg = ROOT / "dtensor_moe" / "tools" / "folding"
     assert sorted(order + ["__init__"]) == sorted(p.stem for p in pkg.glob("*.py"))
     for i, name in enumerate(order):
         tree = ast.parse((pkg / f"{name}.py").read_text())
         modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        planner = {m.rsplit(".", 1)[-1] for m in modules if m.startswith("dtensor_moe.tools.planner.")}
-        assert planner <= set(order[:i]), (name, planner - set(order[:i]))
+        siblings = {m.rsplit(".", 1)[-1] for m in modules if m.startswith("dtensor_moe.tools.folding.")}
+        assert siblings <= set(order[:i]), (name, siblings - set(order[:i]))
         # Memo tables are a PlanCache's, made per search: no functools caches at module level.
         assert "functools" not in modules and "lru_cache" not in (pkg / f"{name}.py").read_text(), name
-        importlib.import_module(f"dtensor_moe.tools.planner.{name}")
+        importlib.import_module(f"dtensor_moe.tools.folding.{name}")
     mod = __import__(SUBCOMMANDS["plan"][0], fromlist=["run"])
     assert callable(mod.add_arguments) and callable(mod.run)
     code = ("import sys, io, contextlib; from dtensor_moe.cli import main\n"
@@ -476,7 +476,7 @@ def _fake_pg_main(rank: int):
 
 def test_fake_process_group_16k():
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-            "from tests.test_planner import _fake_pg_main; _fake_pg_main(12345)")
+            "from tests.test_folding_search import _fake_pg_main; _fake_pg_main(12345)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
@@ -519,7 +519,7 @@ def test_distinct_ranks_matches_sampled_routing():
     """The dispatch's rows per token (the planner's all-to-all volume) against uniform top-k draws."""
     import torch
 
-    from dtensor_moe.tools.planner import distinct_ranks
+    from dtensor_moe.tools.folding import distinct_ranks
 
     g = torch.Generator().manual_seed(0)
     for E, K, ep in [(16, 4, 4), (256, 8, 2), (8, 2, 2), (6, 6, 3)]:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK
 from dtensor_moe.parallel.placement import rank_layers
-from dtensor_moe.tools.planner.workload import Workload
+from dtensor_moe.tools.folding.workload import Workload
 from dtensor_moe.tools.presets import ModelSpec
 
 

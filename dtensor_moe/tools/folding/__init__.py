@@ -20,15 +20,15 @@ table, the top choice in plain words, JSON rows (the CLI is `dtensor_moe.cli.pla
 Torch-free: planning a preset imports neither torch nor the training code.
 """
 
-from dtensor_moe.tools.planner.cache import Memo, PlanCache
-from dtensor_moe.tools.planner.geometry import (
+from dtensor_moe.tools.folding.cache import Memo, PlanCache
+from dtensor_moe.tools.folding.geometry import (
     chain_inter_fraction,
     mesh_geometry,
     node_span,
     pairwise_intra_fraction,
     ring_inter_fraction,
 )
-from dtensor_moe.tools.planner.memory import (
+from dtensor_moe.tools.folding.memory import (
     Memory,
     activation_bytes,
     memory_of,
@@ -37,7 +37,7 @@ from dtensor_moe.tools.planner.memory import (
     rank_memory,
     state_bytes,
 )
-from dtensor_moe.tools.planner.pipeline import (
+from dtensor_moe.tools.folding.pipeline import (
     PipelineRank,
     StageShare,
     bubble_fraction,
@@ -45,8 +45,8 @@ from dtensor_moe.tools.planner.pipeline import (
     pipeline_ranks,
     stage_share,
 )
-from dtensor_moe.tools.planner.report import candidate_dict, explain_choice, table
-from dtensor_moe.tools.planner.search import (
+from dtensor_moe.tools.folding.report import candidate_dict, explain_choice, table
+from dtensor_moe.tools.folding.search import (
     TP_NOTE,
     Candidate,
     evaluate,
@@ -56,7 +56,7 @@ from dtensor_moe.tools.planner.search import (
     plan,
     rates_key,
 )
-from dtensor_moe.tools.planner.skew import (
+from dtensor_moe.tools.folding.skew import (
     Balance,
     balance,
     expert_rows,
@@ -65,8 +65,8 @@ from dtensor_moe.tools.planner.skew import (
     popularity,
     popularity_order,
 )
-from dtensor_moe.tools.planner.tokens import Rates, distinct_ranks, rates
-from dtensor_moe.tools.planner.traffic import (
+from dtensor_moe.tools.folding.tokens import Rates, distinct_ranks, rates
+from dtensor_moe.tools.folding.traffic import (
     Held,
     Traffic,
     comm_bytes,
@@ -77,7 +77,7 @@ from dtensor_moe.tools.planner.traffic import (
     token_traffic,
     traffic_of,
 )
-from dtensor_moe.tools.planner.units import (
+from dtensor_moe.tools.folding.units import (
     Footprint,
     Unit,
     UnitPart,
@@ -89,7 +89,7 @@ from dtensor_moe.tools.planner.units import (
     share_parts,
     unit_part,
 )
-from dtensor_moe.tools.planner.workload import (
+from dtensor_moe.tools.folding.workload import (
     COMPUTE_BYTES,
     MASTER_BYTES,
     OPTIMIZER_MOMENTS,

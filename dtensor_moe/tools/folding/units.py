@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.parallel.placement import ShardStep, WeightPlan, axis_sizes, owned_box, plan_moe
-from dtensor_moe.tools.planner.cache import PlanCache
-from dtensor_moe.tools.planner.pipeline import StageShare
+from dtensor_moe.tools.folding.cache import PlanCache
+from dtensor_moe.tools.folding.pipeline import StageShare
 from dtensor_moe.tools.presets import ModelSpec
 
 

@@ -22,7 +22,7 @@ import random
 from typing import NamedTuple
 
 from dtensor_moe.parallel.replicas import place_replicas, rows_per_rank
-from dtensor_moe.tools.planner.cache import PlanCache
+from dtensor_moe.tools.folding.cache import PlanCache
 
 POPULARITY_SEED = 0  # benchmarks/routing.py's
 # The dispatcher places replicas from counts summed over replica_replan_every forwards (100 by default); their
