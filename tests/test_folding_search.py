@@ -196,7 +196,7 @@ def test_rates_node_fractions_follow_the_mesh_geometry():
 
 def test_footprint_key_covers_what_the_plan_reads():
     """Foldings that share a footprint key get the same footprint from a fresh plan (the memo is sound):
-    no PlanCache, so every folding's weights are planned anew."""
+    no CostCache, so every folding's weights are planned anew."""
     spec = resolve("qwen3-30b-a3b")
     seen = {}
     for dims in P.foldings(256, spec, P.Workload(seq_len=64)):
@@ -205,10 +205,10 @@ def test_footprint_key_covers_what_the_plan_reads():
     assert len(seen) > 20
 
 
-def test_plan_ranks_fitting_candidates_and_explains():
+def test_rank_foldings_puts_fitting_candidates_first_and_explains():
     spec, work = resolve("mixtral-8x7b"), P.Workload(seq_len=4096)
     hw = P.Hardware(gpus=64, gpus_per_node=8, gpu_mem_gib=80)
-    cands = P.plan(spec, work, hw)
+    cands = P.rank_foldings(spec, work, hw)
     fits = [c for c in cands if c.fits]
     assert fits and len(fits) < len(cands)
     assert all(c.memory.total <= 80 * P.GiB for c in fits)
@@ -224,7 +224,7 @@ def test_plan_ranks_fitting_candidates_and_explains():
     text = P.explain_choice(spec, best, fits[1], hw)
     assert f"ep={best.dims.ep}, etp={best.dims.etp}, edp={best.dims.edp}" in text
     # More memory per GPU never removes a fitting candidate.
-    more = P.plan(spec, work, P.Hardware(gpus=64, gpus_per_node=8, gpu_mem_gib=141))
+    more = P.rank_foldings(spec, work, P.Hardware(gpus=64, gpus_per_node=8, gpu_mem_gib=141))
     assert sum(c.fits for c in more) >= len(fits)
 
 
@@ -385,11 +385,12 @@ def test_planner_package_layout_and_torch_free():
     )
 
     assert predicted_state_bytes is memory.predicted_state_bytes
-    assert P.plan is search.plan and P.explain_choice is report.explain_choice and P.Workload is workload.Workload
-    assert P.Hardware is workload.Hardware and P.mesh_geometry is geometry.mesh_geometry
+    assert P.rank_foldings is search.rank_foldings and P.explain_choice is report.explain_choice
+    assert P.Workload is workload.Workload and P.Hardware is workload.Hardware
+    assert P.mesh_geometry is geometry.mesh_geometry
     assert P.pipeline_ranks is pipeline.pipeline_ranks and P.Footprint is units.Footprint
     assert P.Rates is tokens.Rates and P.distinct_ranks is tokens.distinct_ranks
-    assert P.Memory is memory.Memory and P.Traffic is traffic.Traffic and P.PlanCache is cache.PlanCache
+    assert P.Memory is memory.Memory and P.Traffic is traffic.Traffic and P.CostCache is cache.CostCache
     assert P.balance is skew.balance and P.Balance is skew.Balance
     assert all(getattr(P, name) is not None for name in P.__all__)
     order = ["cache", "workload", "skew", "geometry", "pipeline", "units", "tokens", "memory", "traffic", "search",
@@ -402,7 +403,7 @@ def test_planner_package_layout_and_torch_free():
         modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         siblings = {m.rsplit(".", 1)[-1] for m in modules if m.startswith("dtensor_moe.tools.folding.")}
         assert siblings <= set(order[:i]), (name, siblings - set(order[:i]))
-        # Memo tables are a PlanCache's, made per search: no functools caches at module level.
+        # Memo tables are a CostCache's, made per search: no functools caches at module level.
         assert "functools" not in modules and "lru_cache" not in (pkg / f"{name}.py").read_text(), name
         importlib.import_module(f"dtensor_moe.tools.folding.{name}")
     mod = __import__(SUBCOMMANDS["plan"][0], fromlist=["run"])
@@ -449,7 +450,7 @@ def _fake_pg_main(rank: int):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     spec, work = resolve("deepseek-v3-671b"), P.Workload()
     hw = P.Hardware(world, 8, 141)
-    best = next(c for c in P.plan(spec, work, hw) if c.fits).dims
+    best = next(c for c in P.rank_foldings(spec, work, hw) if c.fits).dims
     report = {}
     for dims in (best, MoEParallelDims(world, dp_replicate=4, cp=2, ep=64, etp=4)):
         t0 = time.perf_counter()
@@ -621,12 +622,12 @@ def test_pipeline_traffic_and_memory_by_hand():
     assert sends == P.Traffic(M * T * D * b, 0)
 
 
-PLANS = P.PlanCache()  # the weight plans of _exhaustive's foldings, across its searches
+PLANS = P.CostCache()  # the weight plans of _exhaustive's foldings, across its searches
 
 
 def _exhaustive(spec, dims, work, hw):
     """The candidate from every pipeline rank (range(pp), none skipped as dominated), each rank's footprint
-    summed from its units' weight plans: what plan's memos (share_parts, footprint_key, rates_key), Rates/Held
+    summed from its units' weight plans: what rank_foldings' memos (share_parts, footprint_key, rates_key), Rates/Held
     split and rank pruning must reproduce exactly. The plans themselves are memoized on what they read
     (test_footprint_key_covers_what_the_plan_reads plans every folding afresh)."""
     worst_mem = worst_comm = None
@@ -656,7 +657,7 @@ def test_pipeline_search():
     assert P.pipeline_degrees(8, spec, _work("gpipe", 1), 8) == [1, 2, 4, 8]  # inside one node any pp
     assert P.pipeline_degrees(64, spec, _work("gpipe", 1), 16) == [1, 2, 4]  # stages of whole 16-GPU nodes
     spec, work = resolve("qwen3-30b-a3b"), _work("1f1b", 8, seq_len=1024)
-    cands = P.plan(spec, work, P.Hardware(64, 8, 80))
+    cands = P.rank_foldings(spec, work, P.Hardware(64, 8, 80))
     assert {c.dims.pp for c in cands} == {1, 2, 4, 8}
     for c in cands[:50] + [c for c in cands if c.dims.pp == 8][:5]:
         assert c.tokens == 8 * 1024 / (c.dims.cp * c.dims.tp * c.dims.pp)
@@ -667,7 +668,7 @@ def test_pipeline_search():
         for r in P.pipeline_ranks(spec, c.dims.pp, work):
             want = P.footprint(P.fsdp_units(spec, c.dims, r.share, 8), c.dims)
             assert P.share_footprint(parts, r.share) == want
-    assert P.plan(spec, work, P.Hardware(64, 8, 80), pp=4) == [c for c in cands if c.dims.pp == 4]
+    assert P.rank_foldings(spec, work, P.Hardware(64, 8, 80), pp=4) == [c for c in cands if c.dims.pp == 4]
 
 
 @pytest.mark.parametrize("model,gpus,schedule,microbatches,top", [
@@ -675,13 +676,13 @@ def test_pipeline_search():
     ("mixtral-8x7b", 32, "interleaved_1f1b", 8, None),
     ("deepseek-v3-671b", 16384, "1f1b", 16, 12),  # the 16k search's top rows
 ])
-def test_plan_equals_exhaustive_search(model, gpus, schedule, microbatches, top):
-    """Every candidate plan returns (memoized footprints and weight costs, per-folding rates, dominated
+def test_rank_foldings_equals_exhaustive_search(model, gpus, schedule, microbatches, top):
+    """Every candidate rank_foldings returns (memoized footprints and weight costs, per-folding rates, dominated
     pipeline ranks skipped) equals the one built from every pipeline rank and fresh plans, in the same
     order: the ranked table cannot change."""
     spec, work = resolve(model), _work(schedule, microbatches, seq_len=1024 if top is None else 4096)
     hw = P.Hardware(gpus, 8, 80 if top is None else 141)
-    cands = P.plan(spec, work, hw)
+    cands = P.rank_foldings(spec, work, hw)
     assert len({c.dims.pp for c in cands}) > 2
     for c in cands[:top]:
         assert c == _exhaustive(spec, c.dims, work, hw), c.dims
@@ -821,8 +822,8 @@ def test_skewed_search_is_never_faster():
     """Every folding's step under skew takes at least its balanced time (equal where ep = 1); the foldings and
     their weights' costs do not change."""
     spec, work, hw = resolve("qwen3-30b-a3b"), P.Workload(seq_len=1024), P.Hardware(64, 8, 80)
-    flat = {c.dims: c for c in P.plan(spec, work, hw)}
-    skewed = P.plan(spec, replace(work, skew=1.2), hw)
+    flat = {c.dims: c for c in P.rank_foldings(spec, work, hw)}
+    skewed = P.rank_foldings(spec, replace(work, skew=1.2), hw)
     assert len(skewed) == len(flat)
     for c in skewed:
         f = flat[c.dims]

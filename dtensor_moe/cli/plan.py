@@ -11,7 +11,7 @@ from pathlib import Path
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims, divisors
 from dtensor_moe.parallel.placement import check_pipeline
 from dtensor_moe.tools.folding.report import candidate_dict, explain_choice, table
-from dtensor_moe.tools.folding.search import TP_NOTE, pipeline_degrees, plan
+from dtensor_moe.tools.folding.search import TP_NOTE, pipeline_degrees, rank_foldings
 from dtensor_moe.tools.folding.workload import COMPUTE_BYTES, OPTIMIZER_MOMENTS, RECOMPUTE, Hardware, Workload
 from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, ModelSpec, spec_from_hf_config, spec_from_model_config
 from dtensor_moe.validate import check_int, check_positive
@@ -137,7 +137,7 @@ def run(args) -> int:
     except ValueError as e:
         print(f"dtensor-moe plan: {e}", file=sys.stderr)
         return 2
-    cands = plan(spec, work, hw, args.pp or None)
+    cands = rank_foldings(spec, work, hw, args.pp or None)
     if spec.moe.expert_replicas and not cands:
         # plan_moe refuses replicas on ep 1, so no folding of this world was left to rank.
         print(f"dtensor-moe plan: --replicas {spec.moe.expert_replicas} needs ep > 1 (a replica slot holds another "

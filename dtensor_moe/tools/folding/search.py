@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import MoEParallelDims, divisors
 from dtensor_moe.parallel.placement import check_pipeline
-from dtensor_moe.tools.folding.cache import PlanCache
+from dtensor_moe.tools.folding.cache import CostCache
 from dtensor_moe.tools.folding.memory import Memory, rank_activations
 from dtensor_moe.tools.folding.pipeline import PipelineRank, StageShare, bubble_fraction, pipeline_ranks
 from dtensor_moe.tools.folding.skew import Balance
@@ -148,10 +148,10 @@ class _Tokens(NamedTuple):
 
 
 def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware,
-             held: tuple[Held, ...] | None = None, cache: PlanCache | None = None) -> Candidate:
+             held: tuple[Held, ...] | None = None, cache: CostCache | None = None) -> Candidate:
     """Every pipeline rank that can be the worst (`pipeline_ranks`, with what its weights cost): the
     most memory, the slowest traffic."""
-    cache = PlanCache() if cache is None else cache
+    cache = CostCache() if cache is None else cache
     if held is None:
         held = _held(spec, dims, work, hw, pipeline_ranks(spec, dims.pp, work), {}, cache)
     ranks = tuple(h.rank for h in held)
@@ -159,7 +159,7 @@ def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardwar
 
 
 def _held(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware, ranks: tuple[PipelineRank, ...],
-          parts: dict, cache: PlanCache) -> tuple[Held, ...]:
+          parts: dict, cache: CostCache) -> tuple[Held, ...]:
     """What each rank's weights cost; the units' parts memoized in `parts` on footprint_key and
     whether pp is 1 (the root's all-gathers per step differ), across pp and dp_replicate."""
     key = footprint_key(dims), dims.pp == 1
@@ -174,7 +174,7 @@ def _weights(held: tuple[Held, ...], hw: Hardware) -> tuple[_Weights, ...]:
 
 
 def _tokens(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware,
-            ranks: tuple[PipelineRank, ...], cache: PlanCache) -> _Tokens:
+            ranks: tuple[PipelineRank, ...], cache: CostCache) -> _Tokens:
     r, out = rates(spec, dims, work, hw.gpus_per_node, cache), []
     for rank in ranks:
         traffic = token_traffic(r, rank)
@@ -206,11 +206,11 @@ def _candidate(dims: MoEParallelDims, hw: Hardware, weights: tuple[_Weights, ...
 _UNSEEN = object()
 
 
-def plan(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None, cache: PlanCache | None = None
+def rank_foldings(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None, cache: CostCache | None = None
          ) -> list[Candidate]:
     """All valid candidates (with `pp`, or every pp the search tries), sorted by `_candidate`'s key.
-    The cost model's memo tables are `cache`'s, a fresh PlanCache unless given one."""
-    cache = PlanCache() if cache is None else cache
+    The cost model's memo tables are `cache`'s, a fresh CostCache unless given one."""
+    cache = CostCache() if cache is None else cache
     # What a pipeline rank's weights cost depends on the folding only through footprint_key and pp,
     # what its tokens cost only through rates_key: each computed once, shared by the foldings. These
     # tables are keyed without spec, work and hw, which one search fixes, so they live only here.

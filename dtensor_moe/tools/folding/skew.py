@@ -22,7 +22,7 @@ import random
 from typing import NamedTuple
 
 from dtensor_moe.parallel.replicas import place_replicas, rows_per_rank
-from dtensor_moe.tools.folding.cache import PlanCache
+from dtensor_moe.tools.folding.cache import CostCache
 
 POPULARITY_SEED = 0  # benchmarks/routing.py's
 # The dispatcher places replicas from counts summed over replica_replan_every forwards (100 by default); their
@@ -88,7 +88,7 @@ def inclusion(p: list[float], k: int) -> list[float]:
     return out
 
 
-def expert_rows(E: int, k: int, tokens: int, skew: float, cache: PlanCache | None = None) -> list[int]:
+def expert_rows(E: int, k: int, tokens: int, skew: float, cache: CostCache | None = None) -> list[int]:
     """Expected rows per expert (rounded) when `tokens` tokens each route to k distinct experts."""
 
     def make():
@@ -121,7 +121,7 @@ class Balance(NamedTuple):
 
 
 def placement(E: int, k: int, ep: int, skew: float, replicas: int,
-              cache: PlanCache | None = None) -> tuple[tuple[int, ...], ...]:
+              cache: CostCache | None = None) -> tuple[tuple[int, ...], ...]:
     """The replica slots parallel/replicas.py places from the expected rows of PLACEMENT_TOKENS tokens."""
 
     def make():
@@ -131,7 +131,7 @@ def placement(E: int, k: int, ep: int, skew: float, replicas: int,
 
 
 def balance(E: int, k: int, ep: int, tokens: int, skew: float, replicas: int,
-            cache: PlanCache | None = None) -> Balance:
+            cache: CostCache | None = None) -> Balance:
     """Rows per EP rank for `tokens` tokens of an EP x ETP group routed with `skew`, and `replicas` slots a rank."""
     load, E_local = expert_rows(E, k, tokens, skew, cache), E // ep
     slots = placement(E, k, ep, skew, replicas, cache)
