@@ -486,7 +486,7 @@ def test_fake_process_group_16k():
 
 
 def test_plan_cli_16k():
-    """The CLI at 16,384 GPUs: its table and choice (its time is benchmarks/planner_speed.py's)."""
+    """The CLI at 16,384 GPUs: its table and choice (its time is benchmarks/folding_search_speed.py's)."""
     cmd = [sys.executable, "-m", "dtensor_moe.cli", "plan", "--model", "deepseek-v3-671b", "--gpus", "16384",
            "--gpus-per-node", "8", "--gpu-mem", "141"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
