@@ -4,7 +4,7 @@
     python benchmarks/mesh_configs.py --config configs/gpu_8x.toml --nproc 8 ...   # 8 GPUs
 
 Each mesh runs `dtensor-moe train --parity` (the 1-process run of the same model and data is the
-reference), and the table puts the planner's predicted param+grad+optimizer bytes next to the
+reference), and the table puts `dtensor-moe plan`'s predicted param+grad+optimizer bytes next to the
 measured local bytes of rank 0.
 """
 
@@ -62,7 +62,7 @@ def main() -> int:
             "final_loss": s["final_loss"], "device": s["device"], "torch": s["torch"],
         })
     print(
-        f"{'mesh':<14} {'tok/s/rank':>10} {'peak GiB':>9} {'max|dloss|':>11} {'state MiB meas':>15} {'planner':>8} rc"
+        f"{'mesh':<14} {'tok/s/rank':>10} {'peak GiB':>9} {'max|dloss|':>11} {'state MiB meas':>15} {'pred MiB':>8} rc"
     )
     for r in rows:
         if "final_loss" not in r:

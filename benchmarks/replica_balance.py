@@ -12,7 +12,7 @@ with the same weights, one without replicas and one with `--replicas` slots re-p
 (replica_replan_every 1): batch 0 runs with slots placed from its own counts, every later batch with slots placed
 from the previous batch's. Rows per EP rank are the layer's `expert_parallel.load.last` after each forward; parity is
 the max |difference| of the output, the input gradient and every parameter gradient (each rank's shard against its
-box of the reference gradient), over the ranks. The planner's figure is `planner.balance` on the same E, top_k,
+box of the reference gradient), over the ranks. The folding search's figure is `folding.balance` on the same E, top_k,
 ep, tokens per EP group and zipf: the expected counts, replicas placed from them (the measurement samples the
 counts and places from the previous batch's).
 """
@@ -119,7 +119,7 @@ def measure(args, K: int) -> list[dict]:
 
 
 def results(args, K: int, measured: list[dict]) -> list[dict]:
-    """The measured rows with the planner's prediction beside them."""
+    """The measured rows with the folding search's prediction beside them."""
     predicted = folding.balance(args.experts, K, args.ep, args.ep * args.tokens_per_rank, args.zipf, args.replicas)
     out = []
     for m in measured:
@@ -148,13 +148,13 @@ def parser() -> argparse.ArgumentParser:
 def main() -> int:
     args = parser().parse_args()
     ours, theirs = folding.popularity(args.experts, args.zipf), routing.popularity_E(args.experts, args.zipf).tolist()
-    assert all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(ours, theirs)), "the planner's popularity is routing's"
+    assert all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(ours, theirs)), "the search's popularity is routing's"
     t0 = time.perf_counter()
     rows = [r for K in args.top_k for r in results(args, K, measure(args, K))]
     elapsed = time.perf_counter() - t0
     print(f"E={args.experts} EP={args.ep} (CPU gloo), {args.tokens_per_rank} tokens a rank, skewed routing zipf "
           f"{args.zipf:g}, float64; {elapsed:.0f} s")
-    print("| top_k | replicas | batch (slots from) | rows per EP rank | max/mean measured | planner predicts "
+    print("| top_k | replicas | batch (slots from) | rows per EP rank | max/mean measured | predicted "
           "| max abs err out / grads |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -219,7 +219,7 @@ class MoEConfig:
 
 
 def effective_activation_memory(cfg) -> str:
-    """What a layer's routed experts keep for the backward, as the layer runs and the planner prices it:
+    """What a layer's routed experts keep for the backward, as the layer runs and `dtensor-moe plan` prices it:
     `cfg.activation_memory`, except that "minimal" (each token row once with its pairs) needs the dropless path's
     pairs: `pad_to_capacity` runs fixed slots and `expert_replicas` copies the pairs out, so both keep "standard".
 

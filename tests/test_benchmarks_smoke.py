@@ -186,7 +186,7 @@ def test_memory_smoke(tmp_path):
 
 def test_replica_balance_smoke():
     """benchmarks/replica_balance.py's ranks on 2 gloo ranks, tiny: rows per EP rank covering every pair, float64
-    parity with and without replicas, the planner's figure beside each row; the replicas even the rows out."""
+    parity with and without replicas, the folding search's figure beside each row; the replicas even the rows out."""
     from benchmarks import replica_balance as rb
     from dtensor_moe.tools.folding import max_over_mean
 

@@ -361,7 +361,7 @@ def test_plan_cli_gpus_flag():
     assert rc == 0 and len(rows) == 1
 
 
-def test_planner_package_layout_and_torch_free():
+def test_folding_package_layout_and_torch_free():
     """The cost model is one module per concept, each importing only those before it (no cycles);
     the package re-exports their names; planning a preset from the CLI, a torchtitan config's too, imports
     neither torch nor the training code (with skewed routing and replicas too)."""
@@ -459,7 +459,7 @@ def _fake_pg_main(rank: int):
         assert tuple(meshes.expert.shape) == dims.expert_shape and tuple(meshes.dense.shape) == dims.dense_shape
         assert tuple(meshes.expert.get_coordinate()) == tuple(dims.expert_coords(rank).values())
         geo = P.mesh_geometry(dims)
-        for axis in ("dp_replicate", "edp", "ep", "etp"):  # the planner's groups are the real process groups
+        for axis in ("dp_replicate", "edp", "ep", "etp"):  # the search's groups are the real process groups
             size, stride = geo[axis]
             base = rank - dims.expert_coords(rank)[axis] * stride
             group = dist.get_process_group_ranks(meshes.expert.get_group(axis))
@@ -517,7 +517,7 @@ def test_plan_json():
 
 
 def test_distinct_ranks_matches_sampled_routing():
-    """The dispatch's rows per token (the planner's all-to-all volume) against uniform top-k draws."""
+    """The dispatch's rows per token (the search's all-to-all volume) against uniform top-k draws."""
     import torch
 
     from dtensor_moe.tools.folding import distinct_ranks
@@ -721,7 +721,7 @@ DSV3_16B = resolve("deepseek_v3_16b")  # 64 experts, top-6
 
 
 def test_skew_popularity_is_the_benchmarks():
-    """The planner's Zipf popularity, drawn without torch, is benchmarks/routing.py's (tests/parity.py's Case.zipf):
+    """The search's Zipf popularity, drawn without torch, is benchmarks/routing.py's (tests/parity.py's Case.zipf):
     the same seeded shuffle of the expert ids, the same weights."""
     import torch
 

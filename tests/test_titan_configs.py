@@ -5,7 +5,7 @@ device: no process group, no training.
   included, gets a placement from our plan whose shapes are its parameters' (what parallelize_titan checks
   before its first collective);
 - the configs of torchtitan's models build torchtitan's own model (same parameter names and shapes as the
-  model of torchtitan's config, or flavor, of that name), and the planner's preset of that name is what
+  model of torchtitan's config, or flavor, of that name), and `dtensor-moe plan`'s preset of that name is what
   `planner_spec` reads off it, with torchtitan's parameter count;
 - the real-size names parse through torchtitan's own ConfigManager with our degrees; a bad name is one line;
 - every MoE config torchtitan 0.3.0 registers is a config here or refused by wrap_config with a ValueError.
@@ -86,7 +86,7 @@ def test_config_builds_through_the_hook(name):
     assert type(own.model) is type(config.model_spec.model) and own.flavor == config.model_spec.flavor
     titans = _build(own.model)
     assert _shapes(model) == _shapes(titans)
-    # The planner's preset of this name: torchtitan's sizes (its parameter count, multi-token prediction left out).
+    # The preset of this name: torchtitan's sizes (its parameter count, multi-token prediction left out).
     spec = PRESETS[name]
     assert spec == planner_spec(config.model_spec.model, name)
     mtp = sum(p.numel() for n, p in titans.named_parameters() if n.startswith("mtp_layers."))

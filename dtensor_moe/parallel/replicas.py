@@ -67,7 +67,7 @@ def shares(load_E: Sequence[int], ep: int, slots: Sequence[Sequence[int]]) -> tu
 
 
 def rows_per_rank(load_E: Sequence[int], ep: int, slots: Sequence[Sequence[int]]) -> list[int]:
-    """The rows each EP rank computes under `slots` (the planner's prediction; the dispatcher's split)."""
+    """The rows each EP rank computes under `slots` (the folding search's prediction; the dispatcher's split)."""
     return shares(load_E, ep, slots)[1]
 
 
@@ -123,7 +123,7 @@ def place_replicas(load_E: Sequence[int], ep: int, r: int, candidates: int = 4) 
 def check_slots(replicas: int, num_experts: int, name: str = "expert_replicas", experts: str = "num_experts",
                 valid: str = "") -> None:
     """Replica slots per EP rank within 0..num_experts (MoEConfig.expert_replicas' range), named as the caller's
-    user wrote them: the main job's MoEConfig checks it so, the torchtitan hook and the planner through this."""
+    user wrote them: the main job's MoEConfig checks it so, the torchtitan hook and `dtensor-moe plan` through this."""
     if not 0 <= replicas <= num_experts:
         raise ValueError(f"{name} ({replicas}) must be in 0..{experts} ({num_experts}): each slot holds a copy of "
                          f"one expert, and more slots than experts have nothing to hold; valid: {name} "

@@ -214,7 +214,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
                 "median_tokens_per_s_per_rank": statistics.median(steady) / world if steady else None,
                 "peak_mem_per_rank_gib": max((r["peak_mem_per_rank_gib"] for r in rows), key=max, default=None),
                 "load": load_summary(rows),
-                # Measured local bytes after the last step vs the planner's prediction (dtensor-moe plan), which
+                # Measured local bytes after the last step vs the folding search's prediction (dtensor-moe plan), which
                 # models our own transformer (a Hugging Face model's attention is its family's).
                 "state_bytes_per_rank": states,
                 "planner_state_bytes_per_rank": None if cfg.model.hf_path else [

@@ -11,13 +11,13 @@ The cost model, one concept a module (each imports only those above it):
 - `units`: FSDP units from the placement plan and rank 0's `Footprint` of them.
 - `tokens`: what a folding's tokens cost per unit of a rank's share (`Rates`, `distinct_ranks`).
 - `memory`: bytes per rank (state, gathered working set, activations) and `predicted_state_bytes`
-  (the training loop's check of the planner against measured bytes).
+  (the training loop's check of the cost model against measured bytes).
 - `traffic`: bytes sent per step split intra-/inter-node (`token_traffic`, the weights' `Held`), seconds.
 Then `search`: enumerate the foldings (pp the schedule runs, stages of whole nodes; dense tp within a
 node), evaluate each (`Candidate`: the worst pipeline rank), rank them (`rank_foldings`); and `report`: the
 table, the top choice in plain words, JSON rows (the CLI is `dtensor_moe.cli.plan`).
 
-Torch-free: planning a preset imports neither torch nor the training code.
+Torch-free: `dtensor-moe plan` of a preset imports neither torch nor the training code.
 """
 
 from dtensor_moe.tools.folding.cache import CostCache, Memo

@@ -1,4 +1,4 @@
-"""The planner's memo tables, in one object a search owns.
+"""The cost model's memo tables, in one object a search owns.
 
 A search costs tens of thousands of foldings that share a few hundred placements, so the costly
 steps (planning weights, summing them into per-unit parts, the routing statistics) are memoized on
@@ -33,7 +33,7 @@ class Memo(dict):
 
 
 class CostCache:
-    """The planner's memo tables, by what they hold (units.py and tokens.py name their keys)."""
+    """The cost model's memo tables, by what they hold (units.py and tokens.py name their keys)."""
 
     __slots__ = ("outer_plans", "outer_parts", "moe_plans", "moe_parts", "distinct_ranks", "inclusion", "placement")
 

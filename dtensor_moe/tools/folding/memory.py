@@ -97,7 +97,7 @@ def memory_of(r: Rates, held) -> Memory:
 
 def predicted_state_bytes(model_cfg, dims: MoEParallelDims, rank: int, optimizer: str = "adamw",
                           pp_schedule: str = "1f1b") -> dict[str, int]:
-    """Params, grads and optimizer-state bytes the planner predicts for `rank` of a training run of
+    """Params, grads and optimizer-state bytes the cost model predicts for `rank` of a training run of
     `dtensor_moe.train.model.ModelConfig` (sharded state is fp32 whatever the compute dtype): the
     layers of its pipeline stages, sharded over its stage's ranks."""
     spec = spec_from_model_config(model_cfg)

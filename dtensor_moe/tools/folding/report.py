@@ -1,4 +1,4 @@
-"""The planner's output: the ranked table, the top choice in plain words, JSON rows."""
+"""The folding search's output: the ranked table, the top choice in plain words, JSON rows."""
 
 from dtensor_moe.tools.folding.geometry import mesh_geometry, node_span
 from dtensor_moe.tools.folding.search import Candidate

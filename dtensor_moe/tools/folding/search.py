@@ -1,4 +1,4 @@
-"""The planner's search: enumerate the foldings, cost each with the cost model, rank them.
+"""The folding search: enumerate the foldings, cost each with the cost model, rank them.
 
 Pipeline parallelism is outermost: pp > 1 only where the schedule runs it (`check_pipeline`: layers
 per stage, microbatches) and, beyond one node, with each stage on whole nodes (PP's sends cross

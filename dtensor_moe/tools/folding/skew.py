@@ -2,7 +2,7 @@
 hot-expert replicas (MoEConfig.expert_replicas), and the straggler factor, max / mean rows per EP rank, by which
 the slowest EP rank stretches the step's routed rows (all-to-all, ETP gather, expert activations).
 
-The popularity is benchmarks/routing.py's skewed routing (tests/parity.py's `Case.zipf`), so the planner prices
+The popularity is benchmarks/routing.py's skewed routing (tests/parity.py's `Case.zipf`), so the search prices
 what the tests and benchmarks measure: expert weights 1 / rank ** skew, the ranks 1..E a permutation of the
 expert ids drawn as `torch.randperm(E)` from a generator seeded 0 (`popularity_order` draws the same one without
 torch: torch's CPU generator is MT19937 seeded as in `init_genrand`, its randperm a Fisher-Yates shuffle). The

@@ -30,7 +30,7 @@ class Unit:
 
 
 class Footprint(NamedTuple):  # a tuple: one per pipeline rank of every (footprint_key, pp) of a search
-    """Rank 0's share of every FSDP unit: all the planner needs of the weights."""
+    """Rank 0's share of every FSDP unit: all the cost model needs of the weights."""
 
     sharded: tuple[tuple[str, int, int], ...]  # (FSDP axis, all-gathers per step, elements held)
     tensors: int  # parameter tensors (AdamW keeps a step counter per tensor)
