@@ -1,5 +1,5 @@
 """Tiny torchtitan MoE models for CPU ranks (torchtitan's own debug flavors need a GPU), and the folding
-search's view of any torchtitan MoE decoder (`planner_spec`).
+search's view of any torchtitan MoE decoder (`spec_from_titan_config`).
 
 `deepseek_v3_tiny`: the architecture of torchtitan's `deepseek_v3` "debugmodel" (MLA attention, one
 dense layer then MoE layers with shared experts, softmax top-k routing, YaRN RoPE), built with
@@ -162,7 +162,7 @@ def gpt_oss_tiny(vocab_size: int, max_seq_len: int = 256, window: int = 8) -> Gp
     return config
 
 
-def planner_spec(model_config, name: str) -> ModelSpec:
+def spec_from_titan_config(model_config, name: str) -> ModelSpec:
     """The folding search's `ModelSpec` (dtensor_moe/tools/presets.py) of the torchtitan decoder `model_config` builds,
     read off that model on the meta device: torchtitan's own sizes. Multi-token-prediction layers are left
     out, as the presets leave DeepSeek-V3's out. The folding search prices one attention and one MoE shape

@@ -8,7 +8,7 @@ each model's released config.json (Hugging Face), with the main job's attention 
 underscores are the torchtitan hook's `--config` names (dtensor_moe/titan/config_registry.py): torchtitan
 0.3.0's models as that hook trains them (torchtitan's fused wqkv, its routing), kept here so that the
 folding search needs no torch; tests/test_titan_configs.py checks each equals what
-`dtensor_moe.titan.models.planner_spec` reads off torchtitan's own model. Multi-token-prediction layers
+`dtensor_moe.titan.models.spec_from_titan_config` reads off torchtitan's own model. Multi-token-prediction layers
 are left out (671B counts the main model only).
 """
 
