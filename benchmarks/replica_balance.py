@@ -126,7 +126,7 @@ def results(args, K: int, measured: list[dict]) -> list[dict]:
         rows, ratio = ((predicted.replica_rows, predicted.replica_imbalance) if m["replicas"]
                        else (predicted.rows, predicted.imbalance))
         out.append({"top_k": K, **m, "max_over_mean": folding.max_over_mean(m["rows_per_rank"]),
-                    "planner_rows_per_rank": list(rows), "planner_max_over_mean": ratio})
+                    "predicted_rows_per_rank": list(rows), "predicted_max_over_mean": ratio})
     return out
 
 
@@ -160,7 +160,7 @@ def main() -> int:
     for r in rows:
         placed = "" if not r["replicas"] else " (own counts)" if r["batch"] == 0 else f" (batch {r['batch'] - 1})"
         print(f"| {r['top_k']} | {r['replicas']} | {r['batch']}{placed} | {r['rows_per_rank']} | "
-              f"{r['max_over_mean']:.3f} | {r['planner_max_over_mean']:.3f} | "
+              f"{r['max_over_mean']:.3f} | {r['predicted_max_over_mean']:.3f} | "
               f"{r['max_abs_err_out']:.1e} / {r['max_abs_err_grad']:.1e} |")
     parity = max(max(r["max_abs_err_out"], r["max_abs_err_grad"]) for r in rows)
     met = {f"top_k {K}": max(r["max_over_mean"] for r in rows if r["replicas"] and r["top_k"] == K) <= TARGET

@@ -197,10 +197,10 @@ def test_replica_balance_smoke():
     for r in rows:
         assert sum(r["rows_per_rank"]) == 2 * 32 * 2 and r["max_over_mean"] == max_over_mean(r["rows_per_rank"])
         assert max(r["max_abs_err_out"], r["max_abs_err_grad"]) <= rb.PARITY_TOL, r
-        assert r["planner_max_over_mean"] == max_over_mean(r["planner_rows_per_rank"]) >= 1
+        assert r["predicted_max_over_mean"] == max_over_mean(r["predicted_rows_per_rank"]) >= 1
     assert all(r["max_over_mean"] < w["max_over_mean"] for w, r in zip(rows[::2], rows[1::2]))
     print("\n" + "\n".join(f"r={r['replicas']} batch {r['batch']}: {r['rows_per_rank']} {r['max_over_mean']:.3f} "
-                           f"(planner {r['planner_max_over_mean']:.3f})" for r in rows))
+                           f"(predicted {r['predicted_max_over_mean']:.3f})" for r in rows))
 
 
 @pytest.mark.parametrize("E, N", [(5, 300), (5, 20), (5, 5000), (1, 700)])

@@ -217,7 +217,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
                 # Measured local bytes after the last step vs the folding search's prediction (dtensor-moe plan), which
                 # models our own transformer (a Hugging Face model's attention is its family's).
                 "state_bytes_per_rank": states,
-                "planner_state_bytes_per_rank": None if cfg.model.hf_path else [
+                "predicted_state_bytes_per_rank": None if cfg.model.hf_path else [
                     predicted_state_bytes(cfg.model, dims, r, pp_schedule=p.pp_schedule) for r in range(world)
                 ],
                 "torch": torch.__version__,
