@@ -97,7 +97,7 @@ MUTATIONS = (
              (f"{PARITY}[tp2_ep2]",), "sequence statistics not summed over TP pieces"),
     Mutation("tp_output_grad_scale", "dtensor_moe/parallel/shard.py",
              "ScaleGrad.apply(out, float(tp))", "ScaleGrad.apply(out, 1.0)",
-             ("tests/test_expert_parallel_style.py::test_expert_parallel_in_a_tp_plan_matches_the_reference",),
+             ("tests/test_expert_parallel_style.py::test_expert_parallel_among_tp_styles_matches_the_reference",),
              "under sequence-parallel TP the MoE's gradients are not summed over tp"),
     Mutation("bias_update_sign", "dtensor_moe/moe.py",
              "torch.sign(tpe.mean() - tpe)", "(tpe.mean() - tpe)",
