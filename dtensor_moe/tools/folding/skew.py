@@ -13,7 +13,7 @@ torch.multinomial without replacement): an expert's expected rows are tokens x i
 at skew 1.2 and top_k 4: 0.78 rows a token, not 1.17).
 
 Rows per EP rank: the expected rows per expert (rounded) summed over each owner's block, and split over the
-replica slots that parallel/replicas.py's plan places (the dispatcher runs it on counts, `placement` on
+replica slots that parallel/replicas.py's `place_replicas` fills (the dispatcher runs it on counts, `placement` on
 expected ones) as the dispatcher splits each forward's rows (`rows_per_rank`).
 """
 
@@ -26,7 +26,7 @@ from dtensor_moe.tools.folding.cache import CostCache
 
 POPULARITY_SEED = 0  # benchmarks/routing.py's
 # The dispatcher places replicas from counts summed over replica_replan_every forwards (100 by default); their
-# expected values at this many tokens leave no rounding in the plan, which then serves every folding of an ep.
+# expected values at this many tokens leave no rounding in the slots, which then serve every folding of an ep.
 PLACEMENT_TOKENS = 2**20
 _MT_N = 624
 
@@ -107,7 +107,7 @@ class Balance(NamedTuple):
 
     rows: tuple[int, ...]  # rows each EP rank computes without replicas
     replica_rows: tuple[int, ...]  # with the model's replica slots, placed by `slots` (rows, without any)
-    slots: tuple[tuple[int, ...], ...]  # parallel/replicas.py's plan: slots[q][j] the expert slot j holds, -1 empty
+    slots: tuple[tuple[int, ...], ...]  # place_replicas' slots: slots[q][j] the expert slot j holds, -1 empty
     copies: int  # weight copies the busiest EP rank sends or receives per forward (owners send to replica slots)
     hottest: int  # the expert with the largest weight
 
