@@ -2,7 +2,7 @@
 sends, and the bubble.
 
 Pipeline parallelism is outermost. A pipeline rank's `StageShare` is the layers of its stages
-(`plan.rank_layers`), the embedding on the first, the norm and head on the last. The schedule
+(`placement.rank_layers`), the embedding on the first, the norm and head on the last. The schedule
 decides the activations in flight (gpipe: every microbatch, 1f1b: pp - rank on rank `rank`,
 interleaved: torch's warm-up count of chunks) and the bubble ((pp - 1) / v / (microbatches + (pp -
 1) / v) for v stages per rank), which stretches the step: time per token is the communication time

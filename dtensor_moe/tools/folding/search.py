@@ -185,7 +185,7 @@ def _tokens(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware
 def _candidate(dims: MoEParallelDims, hw: Hardware, weights: tuple[_Weights, ...], tokens: _Tokens
                ) -> tuple[Candidate, tuple]:
     """The rank with the most memory and the slowest rank (its time added up as comm_time adds its
-    traffic: the tokens' collectives, then the weights'); ties go to the earlier rank. With plan's
+    traffic: the tokens' collectives, then the weights'); ties go to the earlier rank. With rank_foldings'
     sort key: those that fit first, by time per token; then the rest by memory."""
     worst_mem = worst_comm = None
     for w, t in zip(weights, tokens.ranks):
