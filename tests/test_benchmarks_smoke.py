@@ -263,13 +263,13 @@ def _imports_before_checkout(path: Path) -> list[str]:
     return early
 
 
-def test_benchmark_scripts_run_without_the_package_installed(tmp_path):
-    """`python benchmarks/<script>.py` from a clone where dtensor_moe is not installed (the GPU machine): every
-    script that imports this checkout's code does so after `_checkout` puts the checkout on sys.path, and
-    train_e2e.py runs (`--help`) under `python -S`, which leaves out the editable install's .pth, with only
-    torch's site-packages on PYTHONPATH."""
-    scripts = sorted((ROOT / "benchmarks").glob("*.py"))
-    late = {p.name: _imports_before_checkout(p) for p in scripts}
+def test_scripts_run_without_the_package_installed(tmp_path):
+    """`python benchmarks/<script>.py` (or tests/gpu/) from a clone where dtensor_moe is not installed (the GPU
+    machine): every script that imports this checkout's code does so after its folder's `_checkout` puts the
+    checkout on sys.path, and train_e2e.py and the GPU suite run (`--help`) under `python -S`, which leaves out the
+    editable install's .pth, with only torch's site-packages on PYTHONPATH."""
+    scripts = sorted(p for folder in ("benchmarks", "tests/gpu") for p in (ROOT / folder).glob("*.py"))
+    late = {str(p.relative_to(ROOT)): _imports_before_checkout(p) for p in scripts}
     assert not {name: early for name, early in late.items() if early}, late
     site = str(Path(torch.__file__).parents[1])
     env = {**os.environ, "PYTHONPATH": site}
@@ -277,6 +277,7 @@ def test_benchmark_scripts_run_without_the_package_installed(tmp_path):
     probe = subprocess.run([sys.executable, "-S", "-c", find], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=60)
     assert probe.stdout.strip() == "None", probe  # the package is not importable there, so the next line proves it
-    run = subprocess.run([sys.executable, "-S", str(ROOT / "benchmarks" / "train_e2e.py"), "--help"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and "usage:" in run.stdout, run.stderr[-2000:]
+    for script in ("benchmarks/train_e2e.py", "tests/gpu/gpu_suite.py"):
+        run = subprocess.run([sys.executable, "-S", str(ROOT / script), "--help"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and "usage:" in run.stdout, (script, run.stderr[-2000:])

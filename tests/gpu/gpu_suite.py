@@ -1,9 +1,9 @@
 """The GPU suite: every way to use dtensor_moe run on the GPU, several ranks included, each against a
 one-process reference on the same GPU and inputs (outputs and every gradient, or every step's loss).
 
-    python benchmarks/gpu_suite.py                                  # the GPU machine: writes gpu_suite.json
-    python benchmarks/gpu_suite.py --only 'layer_ep2*' 'hf_*'       # some cases (fnmatch patterns)
-    python benchmarks/gpu_suite.py --device cpu --only layer_ep2_fp32 --out /tmp/s.json   # CPU smoke
+    python tests/gpu/gpu_suite.py                                  # the GPU machine: writes gpu_suite.json
+    python tests/gpu/gpu_suite.py --only 'layer_ep2*' 'hf_*'       # some cases (fnmatch patterns)
+    python tests/gpu/gpu_suite.py --device cpu --only layer_ep2_fp32 --out /tmp/s.json   # CPU smoke
 
 One GPU serves several ranks: they share it over gloo, which carries CUDA tensors through the host (NCCL
 refuses two ranks on one GPU); one-rank cases run over NCCL. Timings of shared-GPU runs mean nothing here,
@@ -17,7 +17,7 @@ correctness does. What each case covers is its `covers` line; the groups:
            by transformers' `from_pretrained`;
   hf_*     Hugging Face models trained directly (`parallelize_hf_model`, the four families), EP2 over gloo and
            one rank over NCCL, against transformers' own model trained in this process (tests/test_hf_train.py);
-  titan_*  the torchtitan hook (benchmarks/titan_torch211.py; its `titan_blocker` when it cannot run).
+  titan_*  the torchtitan hook (tests/gpu/titan_torch211.py; its `titan_blocker` when it cannot run).
 Writes {"date", "torch", "device", "seconds", "cases": [{"name", "covers", "ranks", "backend", "passed",
 "max_rel_err", "tol", "seconds", "error"?}], "titan_blocker"} and prints a line per case.
 """
@@ -309,7 +309,7 @@ def _hf(run_root: str, device: str, family: str, world: int) -> dict:
 def titan_cases(device: str, run_root: str) -> list[SuiteCase]:
     def titan(nproc, backend):
         return SuiteCase(f"titan_hook_{nproc}rank_{backend}", "torchtitan 0.3.0's Trainer with --module "
-                         f"dtensor_moe.titan on {nproc} rank(s) over {backend} (benchmarks/titan_torch211.py)", nproc,
+                         f"dtensor_moe.titan on {nproc} rank(s) over {backend} (tests/gpu/titan_torch211.py)", nproc,
                          backend,
                          lambda: _titan(run_root, nproc, backend))
 
@@ -330,7 +330,7 @@ def _titan(run_root: str, nproc: int, backend: str) -> dict:
 def _titan_run(run_root: str, nproc: int, backend: str, name: str, *flags: str) -> dict:
     out = os.path.join(run_root, f"{name}.json")
     # FlexAttention compiled without max-autotune (other tiles, the same math), so a case takes minutes, not ten.
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "titan_torch211.py"), "--nproc", str(nproc),
+    proc = subprocess.run([sys.executable, titan_torch211.__file__, "--nproc", str(nproc),
                            "--backend", backend, "--out", out, "--steps", "4", "--no-flex-autotune", *flags,
                            "--timeout", os.environ.get("GPU_SUITE_TITAN_TIMEOUT_S", "240")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
