@@ -444,7 +444,7 @@ def main() -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--only", nargs="+", default=["*"], help="fnmatch patterns of case names")
     ap.add_argument("--budget-s", type=float, default=540, help="start no case after this many seconds")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu_suite.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "gpu_suite.json"))
     ap.add_argument("--run-root", default=None, help="the cases' run directories (default: a temporary one)")
     ap.add_argument("--merge", action="store_true", help="keep the cases of --out's run of the same date (UTC) and "
                     "device that this call does not run: one file from several calls")
