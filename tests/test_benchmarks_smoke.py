@@ -250,7 +250,8 @@ def test_titan_e2e_smoke(tmp_path):
 
 
 def _imports_before_checkout(path: Path) -> list[str]:
-    """The module-level imports of this checkout's code (dtensor_moe, tests) that come before `import _checkout`."""
+    """The module-level imports of this checkout's code (dtensor_moe, tests, tools) that come before
+    `import _checkout`."""
     import ast
 
     early = []
@@ -259,17 +260,17 @@ def _imports_before_checkout(path: Path) -> list[str]:
             [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
         if "_checkout" in names:
             return early
-        early += [n for n in names if n.split(".")[0] in ("dtensor_moe", "tests")]
+        early += [n for n in names if n.split(".")[0] in ("dtensor_moe", "tests", "tools")]
     return early
 
 
-def test_benchmark_scripts_run_without_the_package_installed(tmp_path):
-    """`python benchmarks/<script>.py` from a clone where dtensor_moe is not installed (the GPU machine): every
-    script that imports this checkout's code does so after `_checkout` puts the checkout on sys.path, and
-    train_e2e.py runs (`--help`) under `python -S`, which leaves out the editable install's .pth, with only
-    torch's site-packages on PYTHONPATH."""
-    scripts = sorted((ROOT / "benchmarks").glob("*.py"))
-    late = {p.name: _imports_before_checkout(p) for p in scripts}
+def test_scripts_run_without_the_package_installed(tmp_path):
+    """`python benchmarks/<script>.py` (or tests/gpu/, tools/tune/) from a clone where dtensor_moe is not installed
+    (the GPU machine): every script that imports this checkout's code does so after its folder's `_checkout` puts the
+    checkout on sys.path, and train_e2e.py, the GPU suite and a tuner run (`--help`) under `python -S`, which leaves
+    out the editable install's .pth, with only torch's site-packages on PYTHONPATH."""
+    scripts = sorted(p for folder in ("benchmarks", "tests/gpu", "tools/tune") for p in (ROOT / folder).glob("*.py"))
+    late = {str(p.relative_to(ROOT)): _imports_before_checkout(p) for p in scripts}
     assert not {name: early for name, early in late.items() if early}, late
     site = str(Path(torch.__file__).parents[1])
     env = {**os.environ, "PYTHONPATH": site}
@@ -277,6 +278,7 @@ def test_benchmark_scripts_run_without_the_package_installed(tmp_path):
     probe = subprocess.run([sys.executable, "-S", "-c", find], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=60)
     assert probe.stdout.strip() == "None", probe  # the package is not importable there, so the next line proves it
-    run = subprocess.run([sys.executable, "-S", str(ROOT / "benchmarks" / "train_e2e.py"), "--help"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and "usage:" in run.stdout, run.stderr[-2000:]
+    for script in ("benchmarks/train_e2e.py", "tests/gpu/gpu_suite.py", "tools/tune/wgrad_probe.py"):
+        run = subprocess.run([sys.executable, "-S", str(ROOT / script), "--help"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and "usage:" in run.stdout, (script, run.stderr[-2000:])
