@@ -4,7 +4,7 @@
     python benchmarks/mesh_configs.py --config configs/gpu_8x.toml --nproc 8 ...   # 8 GPUs
 
 Each mesh runs `dtensor-moe train --parity` (the 1-process run of the same model and data is the
-reference), and the table puts the planner's predicted param+grad+optimizer bytes next to the
+reference), and the table puts `dtensor-moe plan`'s predicted param+grad+optimizer bytes next to the
 measured local bytes of rank 0.
 """
 
@@ -54,22 +54,22 @@ def main() -> int:
             s = json.load(f)
         with open(os.path.join(run_dir, "parity.json")) as f:
             p = json.load(f)
-        got, want = s["state_bytes_per_rank"][0], s["planner_state_bytes_per_rank"][0]
+        got, want = s["state_bytes_per_rank"][0], s["predicted_state_bytes_per_rank"][0]
         rows.append({
             "mesh": name, "rc": rc, "tokens_per_s_per_rank": s["median_tokens_per_s_per_rank"],
             "peak_mem_gib_max": max(s["peak_mem_per_rank_gib"]), "parity_max_abs_dloss": p["max_abs_delta"],
-            "parity_tolerance": p["tolerance"], "state_bytes_rank0": got, "planner_state_bytes_rank0": want,
+            "parity_tolerance": p["tolerance"], "state_bytes_rank0": got, "predicted_state_bytes_rank0": want,
             "final_loss": s["final_loss"], "device": s["device"], "torch": s["torch"],
         })
     print(
-        f"{'mesh':<14} {'tok/s/rank':>10} {'peak GiB':>9} {'max|dloss|':>11} {'state MiB meas':>15} {'planner':>8} rc"
+        f"{'mesh':<14} {'tok/s/rank':>10} {'peak GiB':>9} {'max|dloss|':>11} {'state MiB meas':>15} {'pred MiB':>8} rc"
     )
     for r in rows:
         if "final_loss" not in r:
             print(f"{r['mesh']:<14} {'failed':>10} {'':>9} {'':>11} {'':>15} {'':>8} {r['rc']}")
             continue
         meas = sum(r["state_bytes_rank0"].values()) / 2**20
-        pred = sum(r["planner_state_bytes_rank0"].values()) / 2**20
+        pred = sum(r["predicted_state_bytes_rank0"].values()) / 2**20
         print(f"{r['mesh']:<14} {r['tokens_per_s_per_rank']:>10.0f} {r['peak_mem_gib_max']:>9.2f} "
               f"{r['parity_max_abs_dloss']:>11.2e} {meas:>15.2f} {pred:>8.2f} {r['rc']}")
     write_json(args.out, rows)

@@ -51,7 +51,6 @@ import time
 from unittest import mock
 
 import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
-import expert_gemms  # noqa: E402
 import routing  # noqa: E402
 import torch
 import torch.distributed as dist
@@ -64,6 +63,7 @@ from dtensor_moe.parallel import exchange
 from dtensor_moe.routing.router import Routing, combine_weights_TE
 from dtensor_moe.routing.token_rounding import round_tokens
 from dtensor_moe.train.metrics import write_json
+from tools.tune import expert_gemms  # the experts' GEMMs timed alone (--gemm-timing)
 
 SHAPES = {  # name: (D, F, E, K, tokens per rank)
     "deepseek": (7168, 2048, 256, 8, 8192),

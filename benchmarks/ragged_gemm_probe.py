@@ -21,8 +21,10 @@ TRITON_INTERPRET=1 (tests/test_triton_kernels.py).
 import functools
 import json
 
+import _checkout  # noqa: F401  (this checkout on sys.path: tools/tune/ holds the GEMM timer)
 import torch
-from expert_gemms import cuda_ms, probe_cli, rel
+
+from tools.tune.expert_gemms import cuda_ms, probe_cli, rel
 
 SHAPES = {"deepseek": (7168, 2048, 256, 8, 8192), "qwen": (2048, 768, 128, 8, 16384),
           "mixtral": (4096, 14336, 8, 2, 8192), "e64": (4096, 1536, 64, 6, 16384)}  # D, F, E, K, T

@@ -12,7 +12,7 @@ with the same weights, one without replicas and one with `--replicas` slots re-p
 (replica_replan_every 1): batch 0 runs with slots placed from its own counts, every later batch with slots placed
 from the previous batch's. Rows per EP rank are the layer's `expert_parallel.load.last` after each forward; parity is
 the max |difference| of the output, the input gradient and every parameter gradient (each rank's shard against its
-box of the reference gradient), over the ranks. The planner's figure is `planner.balance` on the same E, top_k,
+box of the reference gradient), over the ranks. The folding search's figure is `folding.balance` on the same E, top_k,
 ep, tokens per EP group and zipf: the expected counts, replicas placed from them (the measurement samples the
 counts and places from the previous batch's).
 """
@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dtensor_moe import MoE, MoEConfig, MoEParallelDims, MoERunOptions, owned_box, parallelize_moe, plan_moe
-from dtensor_moe.tools import planner
+from dtensor_moe.tools import folding
 
 TARGET = 1.15  # issue 29: max / mean rows per EP rank with replicas
 PARITY_TOL = 1e-10  # tests/test_parity.py's: float64 sums in another order
@@ -118,14 +118,14 @@ def measure(args, K: int) -> list[dict]:
 
 
 def results(args, K: int, measured: list[dict]) -> list[dict]:
-    """The measured rows with the planner's prediction beside them."""
-    predicted = planner.balance(args.experts, K, args.ep, args.ep * args.tokens_per_rank, args.zipf, args.replicas)
+    """The measured rows with the folding search's prediction beside them."""
+    predicted = folding.balance(args.experts, K, args.ep, args.ep * args.tokens_per_rank, args.zipf, args.replicas)
     out = []
     for m in measured:
         rows, ratio = ((predicted.replica_rows, predicted.replica_imbalance) if m["replicas"]
                        else (predicted.rows, predicted.imbalance))
-        out.append({"top_k": K, **m, "max_over_mean": planner.max_over_mean(m["rows_per_rank"]),
-                    "planner_rows_per_rank": list(rows), "planner_max_over_mean": ratio})
+        out.append({"top_k": K, **m, "max_over_mean": folding.max_over_mean(m["rows_per_rank"]),
+                    "predicted_rows_per_rank": list(rows), "predicted_max_over_mean": ratio})
     return out
 
 
@@ -146,20 +146,20 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = parser().parse_args()
-    ours, theirs = planner.popularity(args.experts, args.zipf), routing.popularity_E(args.experts, args.zipf).tolist()
-    assert all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(ours, theirs)), "the planner's popularity is routing's"
+    ours, theirs = folding.popularity(args.experts, args.zipf), routing.popularity_E(args.experts, args.zipf).tolist()
+    assert all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(ours, theirs)), "the search's popularity is routing's"
     t0 = time.perf_counter()
     rows = [r for K in args.top_k for r in results(args, K, measure(args, K))]
     elapsed = time.perf_counter() - t0
     print(f"E={args.experts} EP={args.ep} (CPU gloo), {args.tokens_per_rank} tokens a rank, skewed routing zipf "
           f"{args.zipf:g}, float64; {elapsed:.0f} s")
-    print("| top_k | replicas | batch (slots from) | rows per EP rank | max/mean measured | planner predicts "
+    print("| top_k | replicas | batch (slots from) | rows per EP rank | max/mean measured | predicted "
           "| max abs err out / grads |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         placed = "" if not r["replicas"] else " (own counts)" if r["batch"] == 0 else f" (batch {r['batch'] - 1})"
         print(f"| {r['top_k']} | {r['replicas']} | {r['batch']}{placed} | {r['rows_per_rank']} | "
-              f"{r['max_over_mean']:.3f} | {r['planner_max_over_mean']:.3f} | "
+              f"{r['max_over_mean']:.3f} | {r['predicted_max_over_mean']:.3f} | "
               f"{r['max_abs_err_out']:.1e} / {r['max_abs_err_grad']:.1e} |")
     parity = max(max(r["max_abs_err_out"], r["max_abs_err_grad"]) for r in rows)
     met = {f"top_k {K}": max(r["max_over_mean"] for r in rows if r["replicas"] and r["top_k"] == K) <= TARGET

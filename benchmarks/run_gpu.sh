@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU benchmark on the 2-GPU machine (torchtitan baseline, moe_layer.py, memory.py,
-# gpu_parity.py), results under $OUT:
+# The whole GPU benchmark on the 2-GPU machine (torchtitan baseline, moe_layer.py, memory.py), and the 2-GPU
+# check tests/gpu/gpu_parity.py, results under $OUT:
 #   bash benchmarks/run_gpu.sh
 # TITAN_EP1=1 adds the 1-GPU torchtitan runs (~30 s each; the "local" rows' baseline); MOE_LAYER_ARGS replaces moe_layer.py's
 # extra arguments (default: stop starting new layers after 240 s, so the whole run fits in 10 minutes).
@@ -24,5 +24,5 @@ done
 run 2 benchmarks/moe_layer.py --titan-log "$OUT/titan.log" --out "$OUT/moe_layer.json" ${MOE_LAYER_ARGS:---budget-s 240} 2>&1 | tee -a "$LOG" || echo "moe_layer.py failed" | tee -a "$LOG"
 # EP-only vs EDP-only peaks; the EP+EDP byte target needs 4 ranks and runs on CPU (see RESULTS.md).
 run 2 benchmarks/memory.py --out "$OUT/memory_gpu2.json" 2>&1 | tee -a "$LOG"
-run 2 scripts/gpu_parity.py > "$OUT/gpu_parity.txt" 2>&1 || echo "gpu_parity.py failed" | tee -a "$LOG"
+run 2 tests/gpu/gpu_parity.py > "$OUT/gpu_parity.txt" 2>&1 || echo "gpu_parity.py failed" | tee -a "$LOG"
 grep -v Warn "$OUT/gpu_parity.txt" | tail -n 8 | tee -a "$LOG"

@@ -3,11 +3,12 @@
 #   OUT=$OUT bash benchmarks/run_rounding.sh layer   # the layer: dropless vs round_tokens_to=128 (+ FP8), torchtitan
 #     (ROUNDS="0", "128" or "" runs one, the other or neither of our passes; TITAN=0 TITAN_LOG=file skips torchtitan, reading its log)
 #   OUT=$OUT bash benchmarks/run_rounding.sh train   # the 1-GPU job: quality over seeds, tokens/s per option
-#   OUT=$OUT bash benchmarks/run_rounding.sh gemms   # expert_gemms.py: every GEMM bf16 vs FP8, gate / up fused or
-#                                                    # per half (the table kernels/policy.py reads), then
-#                                                    # ragged_gemm_probe.py (64-row tail tiles), ~4 minutes
-#   OUT=$OUT bash benchmarks/run_rounding.sh wgrad   # wgrad_probe.py at DeepSeek-like and Mixtral-like: every way
-#                                                    # to add a weight gradient into .grad (the layer's largest term)
+#   OUT=$OUT bash benchmarks/run_rounding.sh gemms   # tools/tune/expert_gemms.py: every GEMM bf16 vs FP8, gate /
+#                                                    # up fused or per half (the table kernels/policy.py reads),
+#                                                    # then ragged_gemm_probe.py (64-row tail tiles), ~4 minutes
+#   OUT=$OUT bash benchmarks/run_rounding.sh wgrad   # tools/tune/wgrad_probe.py at DeepSeek-like and Mixtral-like:
+#                                                    # every way to add a weight gradient into .grad (the layer's
+#                                                    # largest term)
 # layer: torchtitan 0.3.0 EP=1 (titan_anchor.py) and our layer unparallelized (moe_layer.py --meshes local), fed the
 #   same per-token choices (topk: ragged counts; skewed: Zipf $ZIPF); ours once dropless and once with every
 #   expert's rows rounded to a multiple of 128 (bf16 and FP8). torchtitan's columns are its dropless run on the
@@ -21,12 +22,12 @@ OUT=${OUT:-/tmp/rounding_out}
 source "$(dirname "$0")/device_env.sh"
 RUN=(python3 -m torch.distributed.run --standalone --nproc-per-node 1)
 if [ "${1:-layer}" = gemms ]; then
-  timeout 300 python3 benchmarks/expert_gemms.py --out "$OUT/expert_gemms.json" 2>&1 | tee -a "$LOG"
+  timeout 300 python3 tools/tune/expert_gemms.py --out "$OUT/expert_gemms.json" 2>&1 | tee -a "$LOG"
   timeout 240 python3 benchmarks/ragged_gemm_probe.py --out "$OUT/ragged_gemm_probe.json" 2>&1 | tee -a "$LOG"
   exit 0
 fi
 if [ "${1:-layer}" = wgrad ]; then  # accumulating weight gradients, incl. cuBLAS baddbmm over padded rows, ~3 minutes
-  (cd benchmarks && timeout 400 python3 wgrad_probe.py --shapes ${WGRAD_SHAPES:-deepseek mixtral e64 qwen} --out "$OUT/wgrad_probe.json" \
+  (cd tools/tune && timeout 400 python3 wgrad_probe.py --shapes ${WGRAD_SHAPES:-deepseek mixtral e64 qwen} --out "$OUT/wgrad_probe.json" \
     --configs-out "$OUT/wgrad_configs.json") 2>&1 \
     | tee -a "$LOG"
   exit 0

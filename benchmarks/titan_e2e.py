@@ -1,6 +1,6 @@
 """torchtitan's Trainer end to end on one GPU, by torchtitan's own meter: torchtitan alone against our hook.
 
-Rows (each a torchtitan 0.3.0 Trainer run, its own torchrun of one rank over NCCL, through titan_torch211.py's
+Rows (each a torchtitan 0.3.0 Trainer run, its own torchrun of one rank over NCCL, through tests/gpu/titan_torch211.py's
 test-only shims while the GPU machine has torch 2.11):
   titan       torchtitan alone: its Trainer, its parallelize function and its MoE (EP 1);
   hook_titan  `--module dtensor_moe.titan --dtensor_moe.experts titan`: torchtitan's experts behind our dispatch;
@@ -38,8 +38,10 @@ from types import SimpleNamespace
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import titan_torch211  # noqa: E402  (the shims and the launcher; imports no torchtitan)
+import _checkout  # noqa: E402,F401  (this checkout on sys.path: tests/gpu/ holds the shims)
 from depths import project as depths_project  # noqa: E402
+
+from tests.gpu import titan_torch211  # noqa: E402  (the shims and the launcher; imports no torchtitan)
 
 # The models' real decoder depths, for the projection; deepseek_v3_debugmodel_cpu: the CPU smoke test's tiny model
 # (tests/test_benchmarks_smoke.py), 2 layers of which the first is dense.

@@ -8,7 +8,7 @@ chained over a module tree. The placement plan they follow:
 `plan_moe` (`WeightPlan`, `ShardStep`), `owned_box`, `ownership` (`Ownership`). Routing replay:
 `record_routing`, `replay_routing` (`RoutingReplay`). Raised to be caught: `RowCapExceeded`.
 Subpackages: `dtensor_moe.hf` (Hugging Face weights and models), `dtensor_moe.titan` (the torchtitan hook),
-`dtensor_moe.train` (the `dtensor-moe train` job), `dtensor_moe.tools.planner` (the planner).
+`dtensor_moe.train` (the `dtensor-moe train` job), `dtensor_moe.tools.folding` (the folding search).
 
 Exports resolve lazily (PEP 562) so torch-free tools (`dtensor-moe plan`) start fast.
 """

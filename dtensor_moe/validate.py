@@ -55,7 +55,7 @@ def _bound(obj, b):
 
 
 def _type_ok(kind, v) -> bool:
-    if type(v) is kind:  # the common case, without the abstract-class checks (the planner builds ~10^4 meshes)
+    if type(v) is kind:  # the common case, without the abstract-class checks (the folding search builds ~10^4 meshes)
         return kind is not float or math.isfinite(v)
     if kind is bool:
         return isinstance(v, bool)
@@ -85,7 +85,7 @@ _CHECKED: dict[type, tuple[frozenset[str], tuple[tuple[str, type], ...]]] = {}
 
 def _checked_fields(cls) -> tuple[frozenset[str], tuple[tuple[str, type], ...]]:
     """(every field name, (name, type) of the fields with a checked type) of a dataclass: read once per
-    class, since `fields()` costs more than the checks (the planner builds ~10^4 MoEParallelDims)."""
+    class, since `fields()` costs more than the checks (the folding search builds ~10^4 MoEParallelDims)."""
     if cls not in _CHECKED:
         fs = fields(cls)
         _CHECKED[cls] = frozenset(f.name for f in fs), tuple((f.name, f.type) for f in fs if f.type in _KIND)

@@ -1,6 +1,6 @@
 """The tour's settings family (issue 40, classes 1, 6 and 8): settings accepted and then ignored or degenerate
 (a row cap on a mesh without EP, a rounding multiple no expert can reach, more replica slots than experts, `plan`
-of an `hf_path` config, the replica planner's and `record_routing`'s bad arguments), disagreements one rank finds
+of an `hf_path` config, `place_replicas`' and `record_routing`'s bad arguments), disagreements one rank finds
 (a replay recording that differs on one rank, the torchtitan hook's row cap), and flows that must connect
 (replicas turned on at --resume, `plan --replicas` on one GPU).
 
@@ -50,7 +50,7 @@ def hook_refused(tour: Tour, tried: str, argv, fields, world: int = 1) -> Result
 
 
 def api_refused(tour: Tour, tried: str, fn, fields, exc: type = ValueError) -> Result:
-    """Want: fn() raises `exc` naming `fields` (in process: the planner and record_routing are torch-light)."""
+    """Want: fn() raises `exc` naming `fields` (in process: the folding search and record_routing are torch-light)."""
     r, t0 = Result(AREA, f"API: {tried}"), time.perf_counter()
     try:
         fn()

@@ -6,9 +6,11 @@ import pytest
 
 from .harness import close_all, idle_leaks
 
-# The benchmark scripts import their siblings (`_checkout`, `expert_gemms`) from their own folder, which is on
-# sys.path when one runs as a script; tests import them as modules, and the harness's rank processes inherit this.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+# The scripts of benchmarks/, tests/gpu/ and tools/tune/ import their siblings (`_checkout`, `routing`,
+# `titan_torch211`, `expert_gemms`) from their own folder, which is on sys.path when one runs as a script; tests
+# import them as modules, and the harness's rank processes inherit this. Each folder's `_checkout` puts this same
+# checkout on sys.path.
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / d) for d in ("benchmarks", "tests/gpu", "tools/tune")]
 
 _SHARED_SCOPES = ("class", "module", "package")  # session fixtures run once per test process anyway
 

@@ -9,7 +9,7 @@ LIMIT = 1.0  # gpt-oss's swiglu_limit: small enough that both clamps bind at the
 
 
 # Attention dims a GPU's SDPA kernels take: transformers' DeepSeek-V3 (MLA) at the dims below raised a CUDA
-# "misaligned address" inside scaled_dot_product_attention (torch 2.11, one H200); benchmarks/gpu_suite.py uses these.
+# "misaligned address" inside scaled_dot_product_attention (torch 2.11, one H200); tests/gpu/gpu_suite.py uses these.
 GPU_ATTENTION = {"deepseek_v3": dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16)}
 
 

@@ -64,7 +64,7 @@ class Case:
     nonfinite_value: float = float("nan")  # its value in the first dim: NaN, +Inf or -Inf
     compile: bool | str = False  # parallelize_moe(compile=...): True (inductor) or a backend name
     replay: bool = False  # the training forwards replay choices recorded by no-grad eval forwards of the same tokens
-    # Where both sides run: "cpu", or "cuda" (benchmarks/gpu_suite.py: ranks sharing the GPU over gloo).
+    # Where both sides run: "cpu", or "cuda" (tests/gpu/gpu_suite.py: ranks sharing the GPU over gloo).
     device: str = "cpu"
     # The parallel layer's dtype where it is not `dtype` (e.g. bfloat16 against a float32 reference): the
     # reference's weights and inputs are rounded through it, so only the arithmetic differs.

@@ -149,12 +149,12 @@ def _kept_by_mode(rank: int, world_size: int, replicas: int) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("replicas", [0, 1])
-def test_the_planner_prices_what_the_layer_keeps(replicas):
-    """What minimal saves over standard, per the planner (tools/planner/tokens.py expert_activations, elements a
+def test_the_folding_search_prices_what_the_layer_keeps(replicas):
+    """What minimal saves over standard, per the folding search (tools/folding/tokens.py expert_activations, elements a
     token) and as the layer keeps it (float32 bytes, EP2): equal within 5% without replicas (measured 0.2% and
-    0.4% on the two ranks), none with replicas, whose slots keep the standard path's tensors (a planner pricing
+    0.4% on the two ranks), none with replicas, whose slots keep the standard path's tensors (a cost model pricing
     them as minimal would price 2.6x fewer elements than are kept)."""
-    from dtensor_moe.tools.planner.tokens import distinct_ranks, expert_activations
+    from dtensor_moe.tools.folding.tokens import distinct_ranks, expert_activations
 
     dims = MoEParallelDims(2, ep=2)
     cfg = MoEConfig(dim=64, hidden_dim=32, num_experts=8, top_k=4)

@@ -186,9 +186,9 @@ def test_memory_smoke(tmp_path):
 
 def test_replica_balance_smoke():
     """benchmarks/replica_balance.py's ranks on 2 gloo ranks, tiny: rows per EP rank covering every pair, float64
-    parity with and without replicas, the planner's figure beside each row; the replicas even the rows out."""
+    parity with and without replicas, the folding search's figure beside each row; the replicas even the rows out."""
     from benchmarks import replica_balance as rb
-    from dtensor_moe.tools.planner import max_over_mean
+    from dtensor_moe.tools.folding import max_over_mean
 
     args = rb.parser().parse_args(["--experts", "8", "--ep", "2", "--top-k", "2", "--tokens-per-rank", "32",
                                    "--replicas", "1", "--batches", "2"])
@@ -197,10 +197,10 @@ def test_replica_balance_smoke():
     for r in rows:
         assert sum(r["rows_per_rank"]) == 2 * 32 * 2 and r["max_over_mean"] == max_over_mean(r["rows_per_rank"])
         assert max(r["max_abs_err_out"], r["max_abs_err_grad"]) <= rb.PARITY_TOL, r
-        assert r["planner_max_over_mean"] == max_over_mean(r["planner_rows_per_rank"]) >= 1
+        assert r["predicted_max_over_mean"] == max_over_mean(r["predicted_rows_per_rank"]) >= 1
     assert all(r["max_over_mean"] < w["max_over_mean"] for w, r in zip(rows[::2], rows[1::2]))
     print("\n" + "\n".join(f"r={r['replicas']} batch {r['batch']}: {r['rows_per_rank']} {r['max_over_mean']:.3f} "
-                           f"(planner {r['planner_max_over_mean']:.3f})" for r in rows))
+                           f"(predicted {r['predicted_max_over_mean']:.3f})" for r in rows))
 
 
 @pytest.mark.parametrize("E, N", [(5, 300), (5, 20), (5, 5000), (1, 700)])
@@ -250,7 +250,8 @@ def test_titan_e2e_smoke(tmp_path):
 
 
 def _imports_before_checkout(path: Path) -> list[str]:
-    """The module-level imports of this checkout's code (dtensor_moe, tests) that come before `import _checkout`."""
+    """The module-level imports of this checkout's code (dtensor_moe, tests, tools) that come before
+    `import _checkout`."""
     import ast
 
     early = []
@@ -259,17 +260,17 @@ def _imports_before_checkout(path: Path) -> list[str]:
             [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
         if "_checkout" in names:
             return early
-        early += [n for n in names if n.split(".")[0] in ("dtensor_moe", "tests")]
+        early += [n for n in names if n.split(".")[0] in ("dtensor_moe", "tests", "tools")]
     return early
 
 
-def test_benchmark_scripts_run_without_the_package_installed(tmp_path):
-    """`python benchmarks/<script>.py` from a clone where dtensor_moe is not installed (the GPU machine): every
-    script that imports this checkout's code does so after `_checkout` puts the checkout on sys.path, and
-    train_e2e.py runs (`--help`) under `python -S`, which leaves out the editable install's .pth, with only
-    torch's site-packages on PYTHONPATH."""
-    scripts = sorted((ROOT / "benchmarks").glob("*.py"))
-    late = {p.name: _imports_before_checkout(p) for p in scripts}
+def test_scripts_run_without_the_package_installed(tmp_path):
+    """`python benchmarks/<script>.py` (or tests/gpu/, tools/tune/) from a clone where dtensor_moe is not installed
+    (the GPU machine): every script that imports this checkout's code does so after its folder's `_checkout` puts the
+    checkout on sys.path, and train_e2e.py, the GPU suite and a tuner run (`--help`) under `python -S`, which leaves
+    out the editable install's .pth, with only torch's site-packages on PYTHONPATH."""
+    scripts = sorted(p for folder in ("benchmarks", "tests/gpu", "tools/tune") for p in (ROOT / folder).glob("*.py"))
+    late = {str(p.relative_to(ROOT)): _imports_before_checkout(p) for p in scripts}
     assert not {name: early for name, early in late.items() if early}, late
     site = str(Path(torch.__file__).parents[1])
     env = {**os.environ, "PYTHONPATH": site}
@@ -277,6 +278,7 @@ def test_benchmark_scripts_run_without_the_package_installed(tmp_path):
     probe = subprocess.run([sys.executable, "-S", "-c", find], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=60)
     assert probe.stdout.strip() == "None", probe  # the package is not importable there, so the next line proves it
-    run = subprocess.run([sys.executable, "-S", str(ROOT / "benchmarks" / "train_e2e.py"), "--help"], cwd=tmp_path,
-                         env=env, capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and "usage:" in run.stdout, run.stderr[-2000:]
+    for script in ("benchmarks/train_e2e.py", "tests/gpu/gpu_suite.py", "tools/tune/wgrad_probe.py"):
+        run = subprocess.run([sys.executable, "-S", str(ROOT / script), "--help"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and "usage:" in run.stdout, (script, run.stderr[-2000:])

@@ -21,7 +21,9 @@ from .harness import torchrun_on_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-NAMING_PAGES = [*PAGES, ROOT / "CONTRIBUTING.md"]
+# And the READMEs of the script folders, whose tables give each script's command.
+NAMING_PAGES = [*PAGES, ROOT / "CONTRIBUTING.md",
+                *(ROOT / folder / "README.md" for folder in ("benchmarks", "tests/gpu", "tools/tune"))]
 LANGS = ("python", "bash", "text", "toml")
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(\S.*?)\s*-->")
 TORCHRUN = re.compile(r"<!--\s*run:\s*torchrun\s+(\d+)\s*-->")
@@ -120,7 +122,7 @@ def test_readme_test_command_is_what_ci_runs():
 
 # A path under one of these folders (not preceded by a path character: "../benchmarks/..." is a link,
 # checked below), or a dotted name under dtensor_moe.
-PATH = re.compile(r"(?<![\w./-])((?:dtensor_moe|benchmarks|configs|docs|scripts|tests)/[\w./*-]*[\w/*])")
+PATH = re.compile(r"(?<![\w./-])((?:dtensor_moe|benchmarks|configs|docs|scripts|tests|tools)/[\w./*-]*[\w/*])")
 DOTTED = re.compile(r"(?<![\w./-])dtensor_moe(?:\.\w+)+")
 LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 
@@ -144,12 +146,18 @@ def _names_exist(name: str) -> bool:
     return True
 
 
+def _exists(path: str) -> bool:
+    return any(ROOT.glob(path)) if "*" in path else (ROOT / path).exists()
+
+
 def test_named_paths_and_modules_exist():
     missing = []
     for page in NAMING_PAGES:
         text, name = page.read_text(), page.relative_to(ROOT)
         for p in set(PATH.findall(text)):
-            if not (any(ROOT.glob(p)) if "*" in p else (ROOT / p).exists()):
+            # The pages name the package's folders from inside it (`kernels/`, `tools/folding/`): a `tools/...` path
+            # is the repository's tools/ or the package's.
+            if not any(_exists(q) for q in ([p, f"dtensor_moe/{p}"] if p.startswith("tools/") else [p])):
                 missing.append(f"{name}: {p}")
         for d in set(DOTTED.findall(text)):
             if not _names_exist(d):

@@ -45,7 +45,7 @@ class Toy(nn.Module):
         return self.head(h_BLD + self.moe(h_BLD))
 
 
-def _tp_plan(moe_style) -> dict:
+def _tp_styles(moe_style) -> dict:
     """Sequence parallelism between wo and head: each tp rank hands the MoE its own slice of every sequence."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -117,7 +117,7 @@ def _fullgraph_error(module: nn.Module, x) -> str:
     return "compiled"
 
 
-def tp_and_ep_plan(rank: int, world_size: int) -> dict:
+def tp_and_ep(rank: int, world_size: int) -> dict:
     """tp=2, ep=2 on 4 ranks (edp=2: the experts are an FSDP2 unit), one parallelize_module call on the TP
     mesh, then the user's fully_shard of the dense rest: eagerly, with the style's own units; compiled in
     torchtitan's order (the style with the experts gathered over EDP inside the graph, compile_moe, then
@@ -136,7 +136,7 @@ def tp_and_ep_plan(rank: int, world_size: int) -> dict:
         ("compiled", ExpertParallel(meshes=meshes, fully_shard=False, gather_in_forward=True), "aot_eager"),
     ):
         torch._dynamo.reset()
-        model = parallelize_module(ref.copy(perturb_moe=rank > 0), meshes.tp, _tp_plan(style))
+        model = parallelize_module(ref.copy(perturb_moe=rank > 0), meshes.tp, _tp_styles(style))
         if backend:
             compile_moe(model, backend)
             fully_shard_moe(model)
@@ -150,12 +150,12 @@ def tp_and_ep_plan(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_expert_parallel_in_a_tp_plan_matches_the_reference():
+def test_expert_parallel_among_tp_styles_matches_the_reference():
     """Every output and gradient of the toy under TP x EP x EDP equals the reference's (a wrong tp gradient
     scale is off by 2, a wrong src_data_rank by the MoE's perturbation), eagerly and with the MoE's forward
     compiled (compile_moe); then torch.compile(layer, fullgraph=True) of the
     eager one stops at the experts' FSDP2 unit with the error naming the supported route."""
-    for r in run_on_ranks(4, tp_and_ep_plan):
+    for r in run_on_ranks(4, tp_and_ep):
         for mode in ("eager", "compiled"):
             assert max(r[mode].values()) < TOL, (mode, r[mode])
             assert len(r[mode]) == 3 + 9, r[mode]  # wq, wo, head, router, shared w1/w2/w3, experts w13/w2
@@ -178,7 +178,7 @@ def fullgraph_compiles(rank: int, world_size: int) -> dict:
     dims = MoEParallelDims(world_size, tp=2, ep=2, etp=2)
     ref, meshes = Reference(dims), dims.build_meshes("cpu")
     torch._dynamo.reset()
-    model = parallelize_module(ref.copy(perturb_moe=False), meshes.tp, _tp_plan(ExpertParallel(dims)))
+    model = parallelize_module(ref.copy(perturb_moe=False), meshes.tp, _tp_styles(ExpertParallel(dims)))
     model.moe = torch.compile(model.moe, fullgraph=True, backend="aot_eager")
     fully_shard(model, mesh=dp_fsdp_mesh(meshes, dims))
     out["layer"] = ref.errors(model, dims, rank)

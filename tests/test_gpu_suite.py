@@ -1,14 +1,17 @@
-"""benchmarks/gpu_suite.py's CPU smoke: the suite's machinery (cases, the parity check on a device, Hugging Face
+"""tests/gpu/gpu_suite.py's CPU smoke: the suite's machinery (cases, the parity check on a device, Hugging Face
 training against transformers, the JSON) on gloo CPU ranks, so a broken suite shows before a GPU session."""
 
 import json
 import subprocess
 import sys
 
+import pytest
+import torch
+
 
 def test_gpu_suite_runs_its_cases_on_cpu(tmp_path):
     out = tmp_path / "suite.json"
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_suite.py", "--device", "cpu", "--only", "layer_ep2_bf16",
+    proc = subprocess.run([sys.executable, "tests/gpu/gpu_suite.py", "--device", "cpu", "--only", "layer_ep2_bf16",
                            "hf_mixtral_1rank", "--out", str(out), "--run-root", str(tmp_path / "runs")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -41,3 +44,14 @@ def test_calls_of_one_date_merge_into_one_report(tmp_path):
     out.write_text(json.dumps({**first, "date": "2000-01-01T00:00:00+00:00"}))
     assert gpu_suite._earlier(args) is None
     assert gpu_suite._earlier(SimpleNamespace(merge=False, out=str(out), device="cpu")) is None
+
+
+def test_check_scripts_run_in_a_process_of_their_own(tmp_path):
+    """The check_* cases' runner finds the script beside the suite and raises its failure with its output; here the
+    failure is the missing CUDA device (the cases themselves run on CUDA only)."""
+    import gpu_suite
+
+    if torch.cuda.is_available():
+        pytest.skip("the script would pass here")
+    with pytest.raises(RuntimeError, match="(?s)gpu_pad_check.py exited with status 1: .*CUDA"):
+        gpu_suite._check_script("gpu_pad_check.py", str(tmp_path / "pad.json"))

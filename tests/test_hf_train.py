@@ -47,7 +47,7 @@ def _train(model, tokens_BL, loss_fn):
 
 
 def train_on_ranks(rank, world_size, ckpt, out, ep, etp, tokens_BL, probe_BL, device="cpu"):
-    """Each rank's part of the test (also benchmarks/gpu_suite.py's, with device "cuda": ranks may share the GPU)."""
+    """Each rank's part of the test (also tests/gpu/gpu_suite.py's, with device "cuda": ranks may share the GPU)."""
     import torch.distributed as dist
 
     from dtensor_moe import MoE, MoEParallelDims

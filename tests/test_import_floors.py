@@ -11,7 +11,7 @@ MoE layer, no parallelism) has floors of its own, bottom to top:
     replay    replay      routing replay (hooks MoE layers)
     parallel  parallel/   meshes, the placement plan, dispatch, ExpertParallel, parallelize_moe
     hf        hf/         Hugging Face MoE layers <-> ours
-    tools     tools/      the planner and its model presets (torch-free)
+    tools     tools/      the folding search and its model presets (torch-free)
     train     train/      the main job: its model, dense parallelism, loop, checkpoints, exports
     titan     titan/, titan_data/  the torchtitan hook
     cli       cli/        the `dtensor-moe` commands

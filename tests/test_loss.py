@@ -132,7 +132,7 @@ def test_lm_loss_switches_the_model_to_hidden_states():
 
 def _vocab_sharded(rank: int, world_size: int) -> dict:
     """The head sharded by vocabulary rows over tp = 2 ranks (51 rows: 26 and 25), the hidden states sequence-
-    sharded as the main job's TP plan hands them over, against full logits on every rank."""
+    sharded as the main job's TP styles hand them over, against full logits on every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 

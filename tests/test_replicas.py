@@ -1,4 +1,4 @@
-"""Hot-expert replicas (MoERunOptions.expert_replicas): the placement plan alone, and the dispatched layer against the
+"""Hot-expert replicas (MoERunOptions.expert_replicas): their placement alone, and the dispatched layer against the
 single-process float64 reference (outputs, every gradient) with replicas on gloo CPU ranks; the row cap."""
 
 from dataclasses import replace
@@ -87,8 +87,8 @@ def _zipf_counts(E: int, ep: int, K: int, T: int, seed: int) -> list[list[int]]:
 
 
 def test_place_replicas_is_deterministic_and_balances():
-    """The plan is a function of the loads alone; each replica copies another rank's expert, at most once a rank;
-    planned on one batch's counts it keeps the next batches' rows per EP rank within 15% of the mean (the split
+    """The slots are a function of the loads alone; each replica copies another rank's expert, at most once a rank;
+    placed on one batch's counts they keep the next batches' rows per EP rank within 15% of the mean (the split
     follows each batch's own counts), from 3.7x without replicas."""
     from dtensor_moe.parallel.replicas import place_replicas, rows_per_rank, source_segments
 

@@ -16,9 +16,9 @@ MAX_BYTES = 200 * 1024
 # Data the package ships on purpose (the training corpora); still capped, so a bigger file is a decision.
 ALLOWED_PREFIXES = ("dtensor_moe/corpus/", "dtensor_moe/titan_data/")
 ALLOWED_MAX_BYTES = 2 * 1024 * 1024
-# benchmarks/results/ keeps small summary JSON files only (RESULTS.md sits beside it); raw per-run
-# logs, text captures and profiler traces stay on the machine that made them (see .gitignore).
-RESULTS_DIR = "benchmarks/results/"
+# benchmarks/results/ and tests/gpu/results/ keep small summary JSON files only (benchmarks/RESULTS.md cites them);
+# raw per-run logs, text captures and profiler traces stay on the machine that made them (see .gitignore).
+RESULTS_DIRS = ("benchmarks/results/", "tests/gpu/results/")
 RESULTS_MAX_BYTES = 20 * 1024
 
 
@@ -63,12 +63,12 @@ def test_benchmark_results_hold_only_small_summaries():
     sizes = _tracked_sizes()
     bad = {
         p: n for p, n in sizes.items()
-        if p.startswith(RESULTS_DIR) and (not p.endswith(".json") or n > RESULTS_MAX_BYTES)
+        if p.startswith(RESULTS_DIRS) and (not p.endswith(".json") or n > RESULTS_MAX_BYTES)
     }
     listing = "\n".join(f"  {_kib(n):>8}  {p}" for p, n in sorted(bad.items()))
     assert not bad, (
-        f"{RESULTS_DIR} tracks only summary .json files of at most {_kib(RESULTS_MAX_BYTES)}; raw per-run dumps "
-        f"(logs, text captures, traces, full benchmark dumps) stay untracked:\n{listing}"
+        f"{' and '.join(RESULTS_DIRS)} track only summary .json files of at most {_kib(RESULTS_MAX_BYTES)}; raw "
+        f"per-run dumps (logs, text captures, traces, full benchmark dumps) stay untracked:\n{listing}"
     )
 
 

@@ -5,8 +5,8 @@ device: no process group, no training.
   included, gets a placement from our plan whose shapes are its parameters' (what parallelize_titan checks
   before its first collective);
 - the configs of torchtitan's models build torchtitan's own model (same parameter names and shapes as the
-  model of torchtitan's config, or flavor, of that name), and the planner's preset of that name is what
-  `planner_spec` reads off it, with torchtitan's parameter count;
+  model of torchtitan's config, or flavor, of that name), and `dtensor-moe plan`'s preset of that name is what
+  `spec_from_titan_config` reads off it, with torchtitan's parameter count;
 - the real-size names parse through torchtitan's own ConfigManager with our degrees; a bad name is one line;
 - every MoE config torchtitan 0.3.0 registers is a config here or refused by wrap_config with a ValueError.
 """
@@ -28,10 +28,10 @@ from torchtitan.trainer import Trainer as TitanTrainer  # noqa: E402
 from dtensor_moe.parallel.mesh import MoEParallelDims  # noqa: E402
 from dtensor_moe.titan import config_registry as registry  # noqa: E402
 from dtensor_moe.titan import moonshot  # noqa: E402
-from dtensor_moe.titan.models import planner_spec  # noqa: E402
+from dtensor_moe.titan.models import spec_from_titan_config  # noqa: E402
 from dtensor_moe.titan.parallelize_titan import parallelize_titan, titan_plan  # noqa: E402
 from dtensor_moe.titan.trainer import Trainer  # noqa: E402
-from dtensor_moe.tools import planner as P  # noqa: E402
+from dtensor_moe.tools import folding as P  # noqa: E402
 from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS  # noqa: E402
 
 REAL_SIZE = ("deepseek_v3_16b", "deepseek_v3_236b", "deepseek_v3_671b", "qwen3_30b_a3b", "qwen3_235b_a22b",
@@ -86,9 +86,9 @@ def test_config_builds_through_the_hook(name):
     assert type(own.model) is type(config.model_spec.model) and own.flavor == config.model_spec.flavor
     titans = _build(own.model)
     assert _shapes(model) == _shapes(titans)
-    # The planner's preset of this name: torchtitan's sizes (its parameter count, multi-token prediction left out).
+    # The preset of this name: torchtitan's sizes (its parameter count, multi-token prediction left out).
     spec = PRESETS[name]
-    assert spec == planner_spec(config.model_spec.model, name)
+    assert spec == spec_from_titan_config(config.model_spec.model, name)
     mtp = sum(p.numel() for n, p in titans.named_parameters() if n.startswith("mtp_layers."))
     one = MoEParallelDims(1)
     assert P.held_numel(P.fsdp_units(spec, one), one, 0) == sum(p.numel() for p in titans.parameters()) - mtp

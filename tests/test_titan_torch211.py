@@ -1,4 +1,4 @@
-"""benchmarks/titan_torch211.py: its shims and its failure parser (no run: its CLI takes ~20 s of torchrun).
+"""tests/gpu/titan_torch211.py: its shims and its failure parser (no run: its CLI takes ~20 s of torchrun).
 
 Its CLI was run on 2 CPU gloo ranks (EP2, 4 steps, from one seed checkpoint written under torch 2.13): torch 2.13.0+cpu
 (no shim needed but set_timeout) and torch 2.11.0 with every shim logged losses 5.96939 5.91158 5.81545 5.72692 and
@@ -10,7 +10,7 @@ without any shim, at torchtitan's import of DataParallelMeshDims. Those are the 
 
 import pytest
 
-from benchmarks import titan_torch211 as t211
+from tests.gpu import titan_torch211 as t211
 
 IMPORT_FAILURE = """\
 titan_torch211 shims: none needed

@@ -51,7 +51,7 @@ def test_tiny_cpu_run_falls_and_matches_one_process(tmp_path, capsys, monkeypatc
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["mesh"]["edp"] == 2 and summary["mesh"]["ep"] == 2 and summary["mesh"]["etp"] == 2
     assert {wp["name"] for wp in summary["placement_plan"]} >= {"experts.w13", "experts.w2"}
-    for got, want in zip(summary["state_bytes_per_rank"], summary["planner_state_bytes_per_rank"], strict=True):
+    for got, want in zip(summary["state_bytes_per_rank"], summary["predicted_state_bytes_per_rank"], strict=True):
         assert all(abs(got[k] - want[k]) <= 0.05 * got[k] for k in ("params", "grads", "optimizer")), (got, want)
     parity = json.loads((run_dir / "parity.json").read_text())
     assert parity["steps"] == 8 and parity["max_abs_delta"] <= 1e-4

@@ -5,7 +5,7 @@ Text: per weight its placement on each mesh axis, its local shape, and the ranks
 order) once per weight, each rank coloured by the slice it holds; ranks of one colour hold copies.
 One more panel draws the dense mesh over the same ranks (rows: dp_replicate x dp_shard, columns:
 cp x tp), coloured by the sequences a rank reads: CP and TP ranks of one row split those sequences.
-Under tp > 1 the text also lists the dense TP plan (which modules split how) and the TP groups.
+Under tp > 1 the text also lists the dense TP styles (which modules split how) and the TP groups.
 Under pp > 1 (outermost) the tables and grids are one pipeline stage's (stage-local ranks; every
 stage places its own layers the same way); the text lists the stages and the pipeline groups, and a
 last panel draws the stages (rows) over their ranks.

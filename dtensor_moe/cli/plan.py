@@ -1,4 +1,4 @@
-"""`dtensor-moe plan`: rank the foldings of a model over a cluster (dtensor_moe.tools.planner).
+"""`dtensor-moe plan`: rank the foldings of a model over a cluster (dtensor_moe.tools.folding).
 
 `--model` is a preset (tools/presets.py: published models, and the torchtitan hook's `--config` names of
 torchtitan's models), a training config TOML or its name under `configs/`.
@@ -11,9 +11,9 @@ from pathlib import Path
 from dtensor_moe.config import MoERunOptions
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims, divisors
 from dtensor_moe.parallel.placement import check_pipeline
-from dtensor_moe.tools.planner.report import candidate_dict, explain_choice, table
-from dtensor_moe.tools.planner.search import TP_NOTE, pipeline_degrees, plan
-from dtensor_moe.tools.planner.workload import COMPUTE_BYTES, OPTIMIZER_MOMENTS, RECOMPUTE, Hardware, Workload
+from dtensor_moe.tools.folding.report import candidate_dict, explain_choice, table
+from dtensor_moe.tools.folding.search import TP_NOTE, pipeline_degrees, rank_foldings
+from dtensor_moe.tools.folding.workload import COMPUTE_BYTES, OPTIMIZER_MOMENTS, RECOMPUTE, Hardware, Workload
 from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, ModelSpec, spec_from_hf_config, spec_from_model_config
 from dtensor_moe.validate import check_int, check_positive
 
@@ -145,7 +145,7 @@ def run(args) -> int:
     except ValueError as e:
         print(f"dtensor-moe plan: {e}", file=sys.stderr)
         return 2
-    cands = plan(spec, work, hw, args.pp or None)
+    cands = rank_foldings(spec, work, hw, args.pp or None)
     replicas = run.expert_replicas
     if replicas and not cands:
         # The search skips ep 1 with replicas, so no folding of this world was left to rank.

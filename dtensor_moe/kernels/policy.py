@@ -67,7 +67,7 @@ def weight_grad_accumulation(x_ND: torch.Tensor, half_shape, grouped: bool, host
     Returns `method(out_shape) -> "per_expert" | "triton"`. One cuBLAS addmm_ per expert (needs the
     counts on the host) only where it measured fastest on 2xH200: per-expert GEMMs large enough to
     outlast their launches, in an orientation cuBLAS runs well; elsewhere on CUDA one Triton launch
-    per weight (kernels/wgrad.py; benchmarks/wgrad_probe.py, RESULTS.md)."""
+    per weight (kernels/wgrad.py; tools/tune/wgrad_probe.py, RESULTS.md)."""
     E, F_, D = half_shape  # one of gate / up: [E, F, D]
     rows = x_ND.shape[0]
     if any(gemm_precision(precision, "wgrad_acc", x_ND, E, I, O) == "fp8" for I, O in ((D, F_), (F_, D))):
@@ -88,7 +88,7 @@ def weight_grad_accumulation(x_ND: torch.Tensor, half_shape, grouped: bool, host
 
 
 # The Triton weight-gradient kernel's tile config per measured (O, I, rows per expert): another than
-# wgrad.CONFIG only where benchmarks/wgrad_probe.py saw it >= 4% faster in every run (at least two) on
+# wgrad.CONFIG only where tools/tune/wgrad_probe.py saw it >= 4% faster in every run (at least two) on
 # one H200 (benchmarks/RESULTS.md; the spread between runs is about 4%).
 WGRAD_CONFIGS = os.path.join(os.path.dirname(__file__), "wgrad_configs.json")
 
@@ -119,7 +119,7 @@ def _nearest(records: list[dict], rows_per_expert: float) -> dict:
     return min(records, key=lambda r: abs(math.log2(r["rows_per_expert"] / rows)))
 
 
-# Measured bf16 and FP8 rates of each expert GEMM (benchmarks/expert_gemms.py on one H200: CUDA-event
+# Measured bf16 and FP8 rates of each expert GEMM (tools/tune/expert_gemms.py on one H200: CUDA-event
 # medians, FP8 including the fused quantization of its activation operands; how and when is in the file).
 FP8_RATES = os.path.join(os.path.dirname(__file__), "fp8_rates.json")
 
@@ -159,7 +159,7 @@ def gemm_precision(precision: str, gemm: str, x: torch.Tensor, E: int, I: int, O
 def gate_up_fused(precision: str, gemm: str, x: torch.Tensor, E: int, I: int, O: int) -> bool:
     """Whether the experts' gate and up run as one bf16 GEMM over w13's [E, 2F, D] rather than one per half (I, O:
     one half's, as gemm_precision takes them), each half in the precision gemm_precision picks for it. One GEMM
-    unless the table measured the two halves faster in that precision (benchmarks/expert_gemms.py times both). On
+    unless the table measured the two halves faster in that precision (tools/tune/expert_gemms.py times both). On
     one H200 the fused input gradient ran faster than the two halves at every shape measured, the forward and the
     weight gradient even, and the DeepSeek-like layer went 50.12 -> 49.31 ms (benchmarks/RESULTS.md). Where the
     table has no fused row: one GEMM in bf16 and the halves where FP8 runs them. Off CUDA the halves wherever FP8
@@ -172,7 +172,7 @@ def gate_up_fused(precision: str, gemm: str, x: torch.Tensor, E: int, I: int, O:
 
 def fused_measured_faster(gemm: str, I: int, O: int, rows_per_expert: float, half: str = "bf16") -> bool:
     """Whether the table's bf16 gate / up GEMM over 2F ran at most as long as two over F in `half` precision at this
-    GEMM and half (I, O) (benchmarks/expert_gemms.py writes both); where either is unmeasured, True for bf16 halves
+    GEMM and half (I, O) (tools/tune/expert_gemms.py writes both); where either is unmeasured, True for bf16 halves
     and False for FP8 ones (which their own rows measured faster than bf16)."""
     fused = _measured(gemm, 2 * I, O, rows_per_expert) if gemm == "dgrad" else _measured(gemm, I, 2 * O,
                                                                                            rows_per_expert)

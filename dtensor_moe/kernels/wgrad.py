@@ -18,7 +18,7 @@ Triton's warp specialization of the K loop) are recorded in benchmarks/RESULTS.m
 Launched by the `dtensor_moe::add_weight_grad_` op (grouped_mm.py) where policy.weight_grad_accumulation
 chooses it, with the tile config policy.wgrad_config picks for the shape; tests run it on CPU under
 TRITON_INTERPRET=1 (the interpreter has no tensor reductions: there `tma` runs the atomic epilogue;
-benchmarks/gpu_ops_check.py checks it on the GPU).
+tests/gpu/gpu_ops_check.py checks it on the GPU).
 """
 
 from typing import NamedTuple

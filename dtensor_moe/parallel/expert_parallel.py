@@ -379,7 +379,7 @@ def parallelize_moe(
     torchtitan's chain for the MoE layers: ep (the `ExpertParallel` style over the whole tree, by
     `parallelize_module(..., src_data_rank=None)`) -> compile (`compile_moe`, with `compile`) -> fsdp
     (`fully_shard_moe`). Each rank slices its own copy of the weights (no broadcast: every rank must hold the
-    same weights, e.g. from the same seed). A dense TP plan of yours goes before it (its own
+    same weights, e.g. from the same seed). Your dense TP styles go before it (their own
     `parallelize_module` call), activation checkpointing per block around it (`parallelize_blocks` does both
     for a decoder), and the dense rest's `fully_shard` (on `dims.build_meshes(...).dp`) after it, as in
     torchtitan's parallelize functions. Must run on every rank (it builds the meshes: a collective).
@@ -398,7 +398,7 @@ def parallelize_moe(
             Default False.
         tp_grads (str): with `dims.tp > 1`, how the tp ranks' gradients combine (`ExpertParallel`'s
             `tp_grads`): "sum" (default, as every entry point's) sums them as DTensor sums a TP-sharded weight's,
-            for the loss of a tp group replicated over its ranks (your dense TP plan's); "mean" averages them like
+            for the loss of a tp group replicated over its ranks (your dense TP styles'); "mean" averages them like
             over every data-parallel rank, for tp ranks that each compute their own loss.
 
     Returns:

@@ -182,7 +182,7 @@ def plan_moe(config: MoEConfig, dims: MoEParallelDims) -> tuple[WeightPlan, ...]
     """The placement plan of one `MoE` layer: which rank holds which slice of each of its parameters.
 
     The single source of truth for placements: `parallelize_moe` / `ExpertParallel` shard by it, and the
-    checkpoints, the planner and `dtensor-moe explain` read it. Expert weights split E over EP, F over
+    checkpoints, the folding search and `dtensor-moe explain` read it. Expert weights split E over EP, F over
     ETP, then FSDP2 splits the local slice over EDP along a dim that needs no padding where one exists,
     replicated over dp_replicate (HSDP); the router and shared experts are FSDP-sharded over every rank
     with its own tokens (`MoEParallelDims.moe_dp_axis`). Plain data: no torch, no collective.

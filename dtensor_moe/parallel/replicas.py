@@ -1,7 +1,7 @@
 """Hot-expert replicas (MoERunOptions.expert_replicas): where copies of the hottest experts go, and how each replicated
 expert's rows split between its owner and its replicas. Plain, deterministic integer arithmetic, torch-free: the
 dispatcher runs it on the counts every rank of an EP x ETP group all-gathered (so every rank computes the same
-plan), and `dtensor-moe plan` can run it on predicted counts.
+slots), and `dtensor-moe plan` can run it on predicted counts.
 
 EP rank q owns experts q * E_local .. (q + 1) * E_local - 1 and has `r` replica slots; `slots[q][j]` is the expert
 slot j holds (-1: empty), never one q owns and never twice on one rank. A rank's virtual slots are its owned
@@ -67,7 +67,7 @@ def shares(load_E: Sequence[int], ep: int, slots: Sequence[Sequence[int]]) -> tu
 
 
 def rows_per_rank(load_E: Sequence[int], ep: int, slots: Sequence[Sequence[int]]) -> list[int]:
-    """The rows each EP rank computes under `slots` (the planner's prediction; the dispatcher's split)."""
+    """The rows each EP rank computes under `slots` (the folding search's prediction; the dispatcher's split)."""
     return shares(load_E, ep, slots)[1]
 
 
@@ -81,8 +81,8 @@ def place_replicas(load_E: Sequence[int], ep: int, r: int, candidates: int = 4) 
     Judged by the resulting split rather than by a rule such as "the hottest rank's largest share to the least
     loaded rank": that rule spends the slots of the loaded ranks (which cannot shed rows by taking copies) and
     stalls above the mean when top_k > 2 spreads the hot rows over several experts. Each trial re-fills only its
-    expert (O(holders)), so a plan costs O(ep * r * candidates^3 + ep * r * E)."""
-    _check_plan_args(load_E, ep, r, candidates)
+    expert (O(holders)), so a placement costs O(ep * r * candidates^3 + ep * r * E)."""
+    _check_place_args(load_E, ep, r, candidates)
     E = len(load_E)
     if E % ep:
         raise ValueError(f"place_replicas: the experts ({E}) must split evenly over ep ({ep})")
@@ -133,7 +133,7 @@ def check_replica_mesh(replicas: int, num_experts: int, dims, name: str = "exper
                          f"{ep} 1; valid: {name} 0, or {other}")
 
 
-def _check_plan_args(load_E, ep, r, candidates) -> None:
+def _check_place_args(load_E, ep, r, candidates) -> None:
     """place_replicas's arguments by name: a NaN, infinite or negative load would place copies by garbage (NaN
     compares false both ways), a negative slot count would place none without saying so."""
     for name, value, low in (("ep", ep, 1), ("r", r, 0), ("candidates", candidates, 1)):

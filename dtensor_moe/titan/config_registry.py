@@ -3,7 +3,7 @@ which makes any torchtitan config (a user's own included) one for this hook.
 
 Each is torchtitan's own config through `wrap_config`: our parallelize function and our Trainer (its
 `dtensor_moe` section holds the expert degrees). torchtitan 0.3.0's MoE configs, under torchtitan's names, at
-their own sizes (`TITAN_MODELS`; the planner prices each under the same name, `dtensor-moe plan --model NAME`):
+their own sizes (`TITAN_MODELS`; `dtensor-moe plan` prices each under the same name, `dtensor-moe plan --model NAME`):
 
   deepseek_v3_16b                     torchtitan's, as it is (tokenizer ./assets/hf/deepseek-moe-16b-base, c4)
   deepseek_v3_671b                    torchtitan's, as it is (./assets/hf/DeepSeek-V3.1-Base, c4)
@@ -348,7 +348,7 @@ def qwen3_moe_debug_cpu() -> Trainer.Config:
 
 # ---- the names -----------------------------------------------------------------------------------------
 
-# TITAN_MODELS (torchtitan's own models at their own sizes) are the planner's presets of the same names, which
+# TITAN_MODELS (torchtitan's own models at their own sizes) are `dtensor-moe plan`'s presets of the same names, which
 # tests/test_titan_configs.py checks equal to what these configs build.
 CPU_MODELS = ("deepseek_v3_debugmodel_cpu", "deepseek_v3_hf_cpu", "qwen3_moe_tiny_cpu", "qwen3_moe_debug_cpu",
               "gpt_oss_tiny_cpu", "deepseek_v3_debugmodel_cpu_titan_ep")

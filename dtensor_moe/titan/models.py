@@ -1,5 +1,5 @@
-"""Tiny torchtitan MoE models for CPU ranks (torchtitan's own debug flavors need a GPU), and the planner's
-view of any torchtitan MoE decoder (`planner_spec`).
+"""Tiny torchtitan MoE models for CPU ranks (torchtitan's own debug flavors need a GPU), and the folding
+search's view of any torchtitan MoE decoder (`spec_from_titan_config`).
 
 `deepseek_v3_tiny`: the architecture of torchtitan's `deepseek_v3` "debugmodel" (MLA attention, one
 dense layer then MoE layers with shared experts, softmax top-k routing, YaRN RoPE), built with
@@ -162,10 +162,10 @@ def gpt_oss_tiny(vocab_size: int, max_seq_len: int = 256, window: int = 8) -> Gp
     return config
 
 
-def planner_spec(model_config, name: str) -> ModelSpec:
-    """The planner's `ModelSpec` (dtensor_moe/tools/presets.py) of the torchtitan decoder `model_config` builds,
+def spec_from_titan_config(model_config, name: str) -> ModelSpec:
+    """The folding search's `ModelSpec` (dtensor_moe/tools/presets.py) of the torchtitan decoder `model_config` builds,
     read off that model on the meta device: torchtitan's own sizes. Multi-token-prediction layers are left
-    out, as the planner's presets leave DeepSeek-V3's out. The planner prices one attention and one MoE shape
+    out, as the presets leave DeepSeek-V3's out. The folding search prices one attention and one MoE shape
     for every layer, with the dense-FFN layers first: a model that differs raises ValueError."""
     with torch.device("meta"):
         model = model_config.build()
@@ -173,16 +173,16 @@ def planner_spec(model_config, name: str) -> ModelSpec:
     moes = [b.moe for b in blocks if getattr(b, "moe_enabled", False)]
     n_dense = len(blocks) - len(moes)
     if not moes or any(getattr(b, "moe_enabled", False) for b in blocks[:n_dense]):
-        raise ValueError(f"{name}: the planner needs MoE layers after the dense-FFN ones; got MoE layers "
+        raise ValueError(f"{name}: `dtensor-moe plan` needs MoE layers after the dense-FFN ones; got MoE layers "
                          f"{[i for i, b in enumerate(blocks) if getattr(b, 'moe_enabled', False)]} of {len(blocks)}")
     config = _moe_config(moes[0])
     attention = tuple((f"attention.{n}", tuple(p.shape)) for n, p in blocks[0].attention.named_parameters())
     for i, block in enumerate(blocks):
         if tuple((f"attention.{n}", tuple(p.shape)) for n, p in block.attention.named_parameters()) != attention:
-            raise ValueError(f"{name}: layers[{i}].attention differs from layers[0].attention; the planner prices "
-                             "one attention shape for every layer")
+            raise ValueError(f"{name}: layers[{i}].attention differs from layers[0].attention; "
+                             "`dtensor-moe plan` prices one attention shape for every layer")
     if any(_moe_config(m) != config for m in moes):
-        raise ValueError(f"{name}: its MoE layers differ; the planner prices one MoE shape for every layer")
+        raise ValueError(f"{name}: its MoE layers differ; `dtensor-moe plan` prices one MoE shape for every layer")
     vocab_size, dim = model.tok_embeddings.weight.shape
     return ModelSpec(
         name=name,
@@ -198,7 +198,7 @@ def planner_spec(model_config, name: str) -> ModelSpec:
 
 
 def _moe_config(moe) -> MoEConfig:
-    """The hook's MoEConfig of a torchtitan MoE plus its routing groups (which set the planner's dispatch rows)."""
+    """The hook's MoEConfig of a torchtitan MoE plus its routing groups (which set the search's dispatch rows)."""
     router = moe.router
     return replace(moe_config(moe), num_expert_groups=router.num_expert_groups or 1,
                    num_limited_groups=router.num_limited_groups or 1)
@@ -210,5 +210,5 @@ def _kv_width(attention, name: str) -> int:
         return attention.n_heads * (attention.qk_nope_head_dim + attention.qk_rope_head_dim + attention.v_head_dim)
     if hasattr(attention, "head_dim"):  # grouped-query attention
         return 2 * (attention.n_kv_heads or attention.n_heads) * attention.head_dim
-    raise ValueError(f"{name}: layers[0].attention is {type(attention).__qualname__}; the planner knows "
+    raise ValueError(f"{name}: layers[0].attention is {type(attention).__qualname__}; `dtensor-moe plan` knows "
                      "DeepSeek's MLA (qk_nope_head_dim) and grouped-query attention (head_dim)")

@@ -1,4 +1,4 @@
-"""Planning tools (`dtensor-moe plan` and `explain`): cost model, folding search, report, presets. Torch-free."""
+"""Behind `dtensor-moe plan` and `explain`: the folding search (cost model, search, report), presets. Torch-free."""
 
 # Nothing is re-exported here: the public modules, each imported by its own name.
-__all__ = ["planner", "presets"]
+__all__ = ["folding", "presets"]

@@ -1,4 +1,4 @@
-"""Model shapes the planner needs: published MoE models, torchtitan's MoE configs and the training configs
+"""Model shapes the folding search needs: published MoE models, torchtitan's MoE configs and the training configs
 (`configs/*.toml`).
 
 A `ModelSpec` lists the shapes of the weights *outside* the MoE modules (attention, norms, dense
@@ -7,8 +7,8 @@ always comes from `dtensor_moe.parallel.placement.plan_moe`. Published dims (the
 each model's released config.json (Hugging Face), with the main job's attention weights. The names with
 underscores are the torchtitan hook's `--config` names (dtensor_moe/titan/config_registry.py): torchtitan
 0.3.0's models as that hook trains them (torchtitan's fused wqkv, its routing), kept here so that the
-planner needs no torch; tests/test_titan_configs.py checks each equals what
-`dtensor_moe.titan.models.planner_spec` reads off torchtitan's own model. Multi-token-prediction layers
+folding search needs no torch; tests/test_titan_configs.py checks each equals what
+`dtensor_moe.titan.models.spec_from_titan_config` reads off torchtitan's own model. Multi-token-prediction layers
 are left out (671B counts the main model only).
 """
 
@@ -255,7 +255,7 @@ def spec_from_model_config(cfg, name: str = "config") -> ModelSpec:
 def spec_from_hf_config(hf: dict, moe: MoEConfig, name: str = "config") -> ModelSpec:
     """The shapes of a Hugging Face MoE checkpoint's model from its config.json (`hf`), its MoE layers `moe` (the
     family's MoEConfig with the training choices given beside hf_path). The dense layers (qwen3_moe's mlp_only_layers,
-    deepseek_v3's first_k_dense_replace) count as leading ones, the planner's one layout: the same weights and
+    deepseek_v3's first_k_dense_replace) count as leading ones, the folding search's one layout: the same weights and
     activations per layer."""
     from dtensor_moe.hf.families import family, getter
 

@@ -191,7 +191,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     states = [None] * world
     dist.all_gather_object(states, state)
     if writer:
-        from dtensor_moe.tools.planner import predicted_state_bytes
+        from dtensor_moe.tools.folding import predicted_state_bytes
 
         rows = writer.rows
         steady = [r["tokens_per_s"] for r in rows[3:]] or [r["tokens_per_s"] for r in rows]
@@ -214,10 +214,10 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
                 "median_tokens_per_s_per_rank": statistics.median(steady) / world if steady else None,
                 "peak_mem_per_rank_gib": max((r["peak_mem_per_rank_gib"] for r in rows), key=max, default=None),
                 "load": load_summary(rows),
-                # Measured local bytes after the last step vs the planner's prediction (dtensor-moe plan), which
+                # Measured local bytes after the last step vs the folding search's prediction (dtensor-moe plan), which
                 # models our own transformer (a Hugging Face model's attention is its family's).
                 "state_bytes_per_rank": states,
-                "planner_state_bytes_per_rank": None if cfg.model.hf_path else [
+                "predicted_state_bytes_per_rank": None if cfg.model.hf_path else [
                     predicted_state_bytes(cfg.model, dims, r, pp_schedule=p.pp_schedule) for r in range(world)
                 ],
                 "torch": torch.__version__,

@@ -1,4 +1,4 @@
-"""The main job's dense parallelism (TP plan, CP attention, pipeline) and `parallelize_model`, which chains them
+"""The main job's dense parallelism (TP styles, CP attention, pipeline) and `parallelize_model`, which chains them
 with the library's expert parallelism over `dtensor_moe.train.model.MoETransformer`."""
 
 # Nothing is re-exported here: the public modules, each imported by its own name.

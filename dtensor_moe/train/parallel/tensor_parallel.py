@@ -1,4 +1,4 @@
-"""Dense tensor parallelism with sequence parallelism: tp_styles.py's TP plan as DTensor parallel styles.
+"""Dense tensor parallelism with sequence parallelism: tp_styles.py's styles as DTensor parallel styles.
 
 Only `parallelize_module` styles move activations (no hand-written collectives). Sequence
 parallelism hands each TP rank its own slice of every sequence between blocks, so an MoE there is
@@ -30,7 +30,7 @@ _STYLES = {
 
 
 def check_tp_model(model: nn.Module, tp: int):
-    """What the TP plan needs from the model, checked before any collective."""
+    """What the TP styles need from the model, checked before any collective."""
     cfg = getattr(model, "config", None)
     check_tp_untied(getattr(cfg, "tie_embeddings", False), tp)
     # A pipeline stage has None for the ends another stage holds.

@@ -24,7 +24,7 @@ TP_BLOCK_STYLES = (
 )
 
 
-# The TP plan's needs from the model config, shared by train/config.py's Config (which names the
+# The TP styles' needs from the model config, shared by train/config.py's Config (which names the
 # field parallel.tp: prefix "parallel.") and tensor_parallel.check_tp_model (the tp argument: prefix "").
 def check_tp_heads(n_heads: int, tp: int, prefix: str = "") -> None:
     if n_heads % tp:

@@ -2,7 +2,7 @@
 sends, and the bubble.
 
 Pipeline parallelism is outermost. A pipeline rank's `StageShare` is the layers of its stages
-(`plan.rank_layers`), the embedding on the first, the norm and head on the last. The schedule
+(`placement.rank_layers`), the embedding on the first, the norm and head on the last. The schedule
 decides the activations in flight (gpipe: every microbatch, 1f1b: pp - rank on rank `rank`,
 interleaved: torch's warm-up count of chunks) and the bubble ((pp - 1) / v / (microbatches + (pp -
 1) / v) for v stages per rank), which stretches the step: time per token is the communication time
@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK
 from dtensor_moe.parallel.placement import rank_layers
-from dtensor_moe.tools.planner.workload import Workload
+from dtensor_moe.tools.folding.workload import Workload
 from dtensor_moe.tools.presets import ModelSpec
 
 

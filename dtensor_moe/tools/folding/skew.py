@@ -2,7 +2,7 @@
 hot-expert replicas (MoERunOptions.expert_replicas), and the straggler factor, max / mean rows per EP rank, by which
 the slowest EP rank stretches the step's routed rows (all-to-all, ETP gather, expert activations).
 
-The popularity is benchmarks/routing.py's skewed routing (tests/parity.py's `Case.zipf`), so the planner prices
+The popularity is benchmarks/routing.py's skewed routing (tests/parity.py's `Case.zipf`), so the search prices
 what the tests and benchmarks measure: expert weights 1 / rank ** skew, the ranks 1..E a permutation of the
 expert ids drawn as `torch.randperm(E)` from a generator seeded 0 (`popularity_order` draws the same one without
 torch: torch's CPU generator is MT19937 seeded as in `init_genrand`, its randperm a Fisher-Yates shuffle). The
@@ -13,7 +13,7 @@ torch.multinomial without replacement): an expert's expected rows are tokens x i
 at skew 1.2 and top_k 4: 0.78 rows a token, not 1.17).
 
 Rows per EP rank: the expected rows per expert (rounded) summed over each owner's block, and split over the
-replica slots that parallel/replicas.py's plan places (the dispatcher runs it on counts, `placement` on
+replica slots that parallel/replicas.py's `place_replicas` fills (the dispatcher runs it on counts, `placement` on
 expected ones) as the dispatcher splits each forward's rows (`rows_per_rank`).
 """
 
@@ -22,11 +22,11 @@ import random
 from typing import NamedTuple
 
 from dtensor_moe.parallel.replicas import place_replicas, rows_per_rank
-from dtensor_moe.tools.planner.cache import PlanCache
+from dtensor_moe.tools.folding.cache import CostCache
 
 POPULARITY_SEED = 0  # benchmarks/routing.py's
 # The dispatcher places replicas from counts summed over replica_replan_every forwards (100 by default); their
-# expected values at this many tokens leave no rounding in the plan, which then serves every folding of an ep.
+# expected values at this many tokens leave no rounding in the slots, which then serve every folding of an ep.
 PLACEMENT_TOKENS = 2**20
 _MT_N = 624
 
@@ -88,7 +88,7 @@ def inclusion(p: list[float], k: int) -> list[float]:
     return out
 
 
-def expert_rows(E: int, k: int, tokens: int, skew: float, cache: PlanCache | None = None) -> list[int]:
+def expert_rows(E: int, k: int, tokens: int, skew: float, cache: CostCache | None = None) -> list[int]:
     """Expected rows per expert (rounded) when `tokens` tokens each route to k distinct experts."""
 
     def make():
@@ -107,7 +107,7 @@ class Balance(NamedTuple):
 
     rows: tuple[int, ...]  # rows each EP rank computes without replicas
     replica_rows: tuple[int, ...]  # with the model's replica slots, placed by `slots` (rows, without any)
-    slots: tuple[tuple[int, ...], ...]  # parallel/replicas.py's plan: slots[q][j] the expert slot j holds, -1 empty
+    slots: tuple[tuple[int, ...], ...]  # place_replicas' slots: slots[q][j] the expert slot j holds, -1 empty
     copies: int  # weight copies the busiest EP rank sends or receives per forward (owners send to replica slots)
     hottest: int  # the expert with the largest weight
 
@@ -121,7 +121,7 @@ class Balance(NamedTuple):
 
 
 def placement(E: int, k: int, ep: int, skew: float, replicas: int,
-              cache: PlanCache | None = None) -> tuple[tuple[int, ...], ...]:
+              cache: CostCache | None = None) -> tuple[tuple[int, ...], ...]:
     """The replica slots parallel/replicas.py places from the expected rows of PLACEMENT_TOKENS tokens."""
 
     def make():
@@ -131,7 +131,7 @@ def placement(E: int, k: int, ep: int, skew: float, replicas: int,
 
 
 def balance(E: int, k: int, ep: int, tokens: int, skew: float, replicas: int,
-            cache: PlanCache | None = None) -> Balance:
+            cache: CostCache | None = None) -> Balance:
     """Rows per EP rank for `tokens` tokens of an EP x ETP group routed with `skew`, and `replicas` slots a rank."""
     load, E_local = expert_rows(E, k, tokens, skew, cache), E // ep
     slots = placement(E, k, ep, skew, replicas, cache)

@@ -1,13 +1,17 @@
 """The GPU suite: every way to use dtensor_moe run on the GPU, several ranks included, each against a
-one-process reference on the same GPU and inputs (outputs and every gradient, or every step's loss).
+one-process reference on the same GPU and inputs (outputs and every gradient, or every step's loss), and the
+one-GPU check scripts beside this file. The one command for every check that needs one GPU:
 
-    python benchmarks/gpu_suite.py                                  # the GPU machine: writes gpu_suite.json
-    python benchmarks/gpu_suite.py --only 'layer_ep2*' 'hf_*'       # some cases (fnmatch patterns)
-    python benchmarks/gpu_suite.py --device cpu --only layer_ep2_fp32 --out /tmp/s.json   # CPU smoke
+    python tests/gpu/gpu_suite.py                                  # the GPU machine: writes gpu_suite.json
+    python tests/gpu/gpu_suite.py --only 'layer_ep2*' 'hf_*'       # some cases (fnmatch patterns)
+    python tests/gpu/gpu_suite.py --device cpu --only layer_ep2_fp32 --out /tmp/s.json   # CPU smoke
 
 One GPU serves several ranks: they share it over gloo, which carries CUDA tensors through the host (NCCL
 refuses two ranks on one GPU); one-rank cases run over NCCL. Timings of shared-GPU runs mean nothing here,
 correctness does. What each case covers is its `covers` line; the groups:
+  check_*  the check scripts gpu_ops_check.py (every registered op through torch.library.opcheck, the Triton
+           kernels at ragged counts) and gpu_pad_check.py (pad_to_capacity: no host sync, compiled equal to
+           eager), each in a process of its own; CUDA only;
   layer_*  `parallelize_moe` over the parity draw's foldings (EP, ETP, EDP/FSDP2, HSDP, TP+SP, CP), fp32 and
            bf16, FP8 experts and payload, compile, replicas, token rounding, routing replay, capacity padding,
            in-GEMM gradient accumulation: tests/parity.py's check on the GPU (ownership of every slice, output,
@@ -17,9 +21,12 @@ correctness does. What each case covers is its `covers` line; the groups:
            by transformers' `from_pretrained`;
   hf_*     Hugging Face models trained directly (`parallelize_hf_model`, the four families), EP2 over gloo and
            one rank over NCCL, against transformers' own model trained in this process (tests/test_hf_train.py);
-  titan_*  the torchtitan hook (benchmarks/titan_torch211.py; its `titan_blocker` when it cannot run).
+  titan_*  the torchtitan hook (tests/gpu/titan_torch211.py; its `titan_blocker` when it cannot run).
 Writes {"date", "torch", "device", "seconds", "cases": [{"name", "covers", "ranks", "backend", "passed",
 "max_rel_err", "tol", "seconds", "error"?}], "titan_blocker"} and prints a line per case.
+
+Two GPUs, not run here: `torchrun --nproc-per-node 2 tests/gpu/gpu_parity.py` (parallelize_moe in bf16 over NCCL,
+one rank a GPU, against an fp32 reference; benchmarks/run_gpu.sh runs it too).
 """
 
 import argparse
@@ -39,6 +46,8 @@ from datetime import datetime, timezone
 import titan_torch211  # noqa: E402  (its traceback reader; imports no torchtitan)
 from _checkout import ROOT  # noqa: E402  (tests/, the references, and dtensor_moe from this checkout)
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
 os.environ.setdefault("DTENSOR_MOE_TEST_TIMEOUT", "240")  # a hung case fails in minutes, not the harness's 10
 os.environ.setdefault("DTENSOR_MOE_TEST_ERROR_GRACE", "30")
 
@@ -56,11 +65,36 @@ class SuiteCase:
     name: str
     covers: str
     ranks: int
-    backend: str  # "gloo" (ranks share the GPU) or "nccl" (one rank a GPU)
+    backend: str  # "gloo" (ranks share the GPU), "nccl" (one rank a GPU) or "none" (a check script's own process)
     run: object  # () -> {"max_rel_err", "tol", ...}
     # Runs in a process of its own (this script with --case): it uses the GPU in the calling process, where a
     # CUDA error would leave every later case a broken context.
     isolated: bool = False
+
+
+# --- the check scripts beside this file ---------------------------------------------------------------------------
+
+
+def check_cases(run_root: str) -> list[SuiteCase]:
+    return [
+        SuiteCase("check_gpu_ops", "gpu_ops_check.py: every registered op's CUDA implementation through "
+                  "torch.library.opcheck, the Triton paths against torch's, the weight-gradient kernel's configs at "
+                  "ragged counts, an empty expert, partial tiles and unaligned rows", 1, "none",
+                  lambda: _check_script("gpu_ops_check.py")),
+        SuiteCase("check_gpu_pad", "gpu_pad_check.py: pad_to_capacity against the unpadded layer, no host sync in its "
+                  "forward and backward, compiled equal to eager; the FP8 payload's pack / unpack", 1, "none",
+                  lambda: _check_script("gpu_pad_check.py", os.path.join(run_root, "gpu_pad_check.json"))),
+    ]
+
+
+def _check_script(script: str, out: str | None = None) -> dict:
+    """`script` in a process of its own (a CUDA error there leaves this one's context whole). It asserts its own
+    tolerances, so it passes on exit status 0; `out`: the JSON it writes (--out), kept in the row."""
+    proc = subprocess.run([sys.executable, os.path.join(HERE, script), *(["--out", out] if out else [])], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{script} exited with status {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}")
+    return {"max_rel_err": 0.0, "tol": 0.0, **({"result": json.load(open(out))} if out else {})}
 
 
 # --- layer: tests/parity.py's check on the GPU -------------------------------------------------------------------
@@ -314,7 +348,7 @@ def _hf(run_root: str, device: str, family: str, world: int) -> dict:
 def titan_cases(device: str, run_root: str) -> list[SuiteCase]:
     def titan(nproc, backend):
         return SuiteCase(f"titan_hook_{nproc}rank_{backend}", "torchtitan 0.3.0's Trainer with --module "
-                         f"dtensor_moe.titan on {nproc} rank(s) over {backend} (benchmarks/titan_torch211.py)", nproc,
+                         f"dtensor_moe.titan on {nproc} rank(s) over {backend} (tests/gpu/titan_torch211.py)", nproc,
                          backend,
                          lambda: _titan(run_root, nproc, backend))
 
@@ -335,7 +369,7 @@ def _titan(run_root: str, nproc: int, backend: str) -> dict:
 def _titan_run(run_root: str, nproc: int, backend: str, name: str, *flags: str) -> dict:
     out = os.path.join(run_root, f"{name}.json")
     # FlexAttention compiled without max-autotune (other tiles, the same math), so a case takes minutes, not ten.
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "titan_torch211.py"), "--nproc", str(nproc),
+    proc = subprocess.run([sys.executable, titan_torch211.__file__, "--nproc", str(nproc),
                            "--backend", backend, "--out", out, "--steps", "4", "--no-flex-autotune", *flags,
                            "--timeout", os.environ.get("GPU_SUITE_TITAN_TIMEOUT_S", "240")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -415,7 +449,7 @@ def main() -> int:
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--only", nargs="+", default=["*"], help="fnmatch patterns of case names")
     ap.add_argument("--budget-s", type=float, default=540, help="start no case after this many seconds")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "gpu_suite.json"))
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "gpu_suite.json"))
     ap.add_argument("--run-root", default=None, help="the cases' run directories (default: a temporary one)")
     ap.add_argument("--merge", action="store_true", help="keep the cases of --out's run of the same date (UTC) and "
                     "device that this call does not run: one file from several calls")
@@ -435,8 +469,8 @@ def main() -> int:
 
     transformers.utils.logging.disable_progress_bar()  # its load and save bars, a few per case
     patterns = [args.case] if args.case else args.only
-    every = (*layer_cases(args.device), *main_cases(args.device, run_root), *hf_cases(args.device, run_root),
-             *titan_cases(args.device, run_root))
+    every = (*(check_cases(run_root) if args.device == "cuda" else ()), *layer_cases(args.device),
+             *main_cases(args.device, run_root), *hf_cases(args.device, run_root), *titan_cases(args.device, run_root))
     # In the order of the patterns that name them (the suite's order within one pattern).
     cases = [c for p in patterns for c in every if fnmatch.fnmatch(c.name, p)]
     cases = list({c.name: c for c in cases}.values())

@@ -1,7 +1,7 @@
 """`dtensor-moe plan`: choose the folding (pp; dp_replicate, dp_shard, cp, tp; edp, ep, etp) from memory and traffic.
 
 The cost model, one concept a module (each imports only those above it):
-- `cache`: `PlanCache`, the memo tables a search owns (filled by `units` and `tokens`).
+- `cache`: `CostCache`, the memo tables a search owns (filled by `units` and `tokens`).
 - `workload`: the inputs besides the model (`Workload`, `Hardware`), byte sizes, tokens per rank.
 - `skew`: skewed routing (`Workload.skew`): Zipf popularity, rows per EP rank without and with hot-expert
   replicas (`Balance`), the straggler factor.
@@ -11,24 +11,24 @@ The cost model, one concept a module (each imports only those above it):
 - `units`: FSDP units from the placement plan and rank 0's `Footprint` of them.
 - `tokens`: what a folding's tokens cost per unit of a rank's share (`Rates`, `distinct_ranks`).
 - `memory`: bytes per rank (state, gathered working set, activations) and `predicted_state_bytes`
-  (the training loop's check of the planner against measured bytes).
+  (the training loop's check of the cost model against measured bytes).
 - `traffic`: bytes sent per step split intra-/inter-node (`token_traffic`, the weights' `Held`), seconds.
 Then `search`: enumerate the foldings (pp the schedule runs, stages of whole nodes; dense tp within a
-node), evaluate each (`Candidate`: the worst pipeline rank), rank them (`plan`); and `report`: the
+node), evaluate each (`Candidate`: the worst pipeline rank), rank them (`rank_foldings`); and `report`: the
 table, the top choice in plain words, JSON rows (the CLI is `dtensor_moe.cli.plan`).
 
-Torch-free: planning a preset imports neither torch nor the training code.
+Torch-free: `dtensor-moe plan` of a preset imports neither torch nor the training code.
 """
 
-from dtensor_moe.tools.planner.cache import Memo, PlanCache
-from dtensor_moe.tools.planner.geometry import (
+from dtensor_moe.tools.folding.cache import CostCache, Memo
+from dtensor_moe.tools.folding.geometry import (
     chain_inter_fraction,
     mesh_geometry,
     node_span,
     pairwise_intra_fraction,
     ring_inter_fraction,
 )
-from dtensor_moe.tools.planner.memory import (
+from dtensor_moe.tools.folding.memory import (
     Memory,
     activation_bytes,
     memory_of,
@@ -37,7 +37,7 @@ from dtensor_moe.tools.planner.memory import (
     rank_memory,
     state_bytes,
 )
-from dtensor_moe.tools.planner.pipeline import (
+from dtensor_moe.tools.folding.pipeline import (
     PipelineRank,
     StageShare,
     bubble_fraction,
@@ -45,18 +45,18 @@ from dtensor_moe.tools.planner.pipeline import (
     pipeline_ranks,
     stage_share,
 )
-from dtensor_moe.tools.planner.report import candidate_dict, explain_choice, table
-from dtensor_moe.tools.planner.search import (
+from dtensor_moe.tools.folding.report import candidate_dict, explain_choice, table
+from dtensor_moe.tools.folding.search import (
     TP_NOTE,
     Candidate,
     evaluate,
     foldings,
     footprint_key,
     pipeline_degrees,
-    plan,
+    rank_foldings,
     rates_key,
 )
-from dtensor_moe.tools.planner.skew import (
+from dtensor_moe.tools.folding.skew import (
     Balance,
     balance,
     expert_rows,
@@ -65,8 +65,8 @@ from dtensor_moe.tools.planner.skew import (
     popularity,
     popularity_order,
 )
-from dtensor_moe.tools.planner.tokens import Rates, distinct_ranks, rates
-from dtensor_moe.tools.planner.traffic import (
+from dtensor_moe.tools.folding.tokens import Rates, distinct_ranks, rates
+from dtensor_moe.tools.folding.traffic import (
     Held,
     Traffic,
     comm_bytes,
@@ -77,7 +77,7 @@ from dtensor_moe.tools.planner.traffic import (
     token_traffic,
     traffic_of,
 )
-from dtensor_moe.tools.planner.units import (
+from dtensor_moe.tools.folding.units import (
     Footprint,
     Unit,
     UnitPart,
@@ -89,7 +89,7 @@ from dtensor_moe.tools.planner.units import (
     share_parts,
     unit_part,
 )
-from dtensor_moe.tools.planner.workload import (
+from dtensor_moe.tools.folding.workload import (
     COMPUTE_BYTES,
     MASTER_BYTES,
     OPTIMIZER_MOMENTS,
@@ -105,13 +105,13 @@ from dtensor_moe.tools.planner.workload import (
 
 __all__ = [
     "COMPUTE_BYTES", "MASTER_BYTES", "OPTIMIZER_MOMENTS", "RECOMPUTE", "REDUCE_BYTES", "STEP_BYTES", "TP_NOTE",
-    "Balance", "Candidate", "Footprint", "GiB", "Hardware", "Held", "Memo", "Memory", "PipelineRank", "PlanCache",
+    "Balance", "Candidate", "CostCache", "Footprint", "GiB", "Hardware", "Held", "Memo", "Memory", "PipelineRank",
     "Rates", "StageShare", "Traffic", "Unit", "UnitPart", "Workload", "activation_bytes", "balance", "bubble_fraction",
     "candidate_dict", "chain_inter_fraction", "combine", "comm_bytes", "comm_time", "distinct_ranks", "evaluate",
     "expert_rows", "explain_choice", "foldings", "footprint", "footprint_key", "fsdp_units", "held_costs", "held_numel",
     "in_flight", "inclusion", "max_over_mean", "memory_of", "mesh_geometry", "node_span", "pairwise_intra_fraction",
-    "pipeline_degrees", "pipeline_ranks", "plan", "popularity", "popularity_order", "predicted_state_bytes",
-    "rank_activations", "rank_memory", "ranks_held_costs", "rates", "rates_key", "ring_inter_fraction", "seconds",
+    "pipeline_degrees", "pipeline_ranks", "popularity", "popularity_order", "predicted_state_bytes", "rank_activations",
+    "rank_foldings", "rank_memory", "ranks_held_costs", "rates", "rates_key", "ring_inter_fraction", "seconds",
     "share_footprint", "share_parts", "stage_share", "state_bytes", "step_tokens_per_rank", "table", "token_traffic",
     "tokens_per_rank", "traffic_of", "unit_part",
 ]

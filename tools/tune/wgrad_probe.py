@@ -1,6 +1,6 @@
 """Weight-gradient accumulation into .grad, every way we have, at the layer's expert shapes (one GPU):
 
-    python benchmarks/wgrad_probe.py --out wgrad.json [--configs-out wgrad_configs.json]
+    python tools/tune/wgrad_probe.py --out wgrad.json [--configs-out wgrad_configs.json]
 
   fresh:       `torch._grouped_mm` into a new gradient (no accumulation: the rate the issue quotes);
   fresh bmm+pad: cuBLAS's batched `bmm` over every expert's rows zero-padded to the largest count, a new gradient;
@@ -17,14 +17,14 @@ with --configs-out per (O, I, rows per expert) the fastest correct Triton config
 wgrad.CONFIG by at least 4% (else CONFIG): the form of kernels/wgrad_configs.json, which
 kernels/policy.wgrad_config reads. The committed table asks for that margin in every run, at least two:
 
-    python benchmarks/wgrad_probe.py --merge run1/wgrad.json run2/wgrad.json --out wgrad_configs.json
+    python tools/tune/wgrad_probe.py --merge run1/wgrad.json run2/wgrad.json --out wgrad_configs.json
 """
 
 import json
 
 import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
 import torch
-from expert_gemms import cuda_ms, probe_cli, rel  # run from benchmarks/ or as benchmarks/wgrad_probe.py
+from expert_gemms import cuda_ms, probe_cli, rel  # run from tools/tune/ or as tools/tune/wgrad_probe.py
 
 from dtensor_moe.kernels import wgrad as wgrad_kernel
 from dtensor_moe.kernels.grouped_mm import add_weight_grad_, grouped_weight_grad
@@ -148,7 +148,7 @@ def main():
                                              "help": "no GPU work: --out is the table of these runs' --out files"}))
     if args.merge:
         write_configs(args.out, [timed_of(p) for p in args.merge],
-                      f"benchmarks/wgrad_probe.py --merge of {len(args.merge)} runs: a config other than "
+                      f"tools/tune/wgrad_probe.py --merge of {len(args.merge)} runs: a config other than "
                       f"kernels/wgrad.CONFIG only where it ran <= {MARGIN} of its time in every run")
         return
     rows, timed = [], {}
@@ -169,7 +169,7 @@ def main():
         )
     write_json(args.out, {"torch": torch.__version__, "rows": rows})
     if args.configs_out:
-        write_configs(args.configs_out, [timed], "benchmarks/wgrad_probe.py, one run (the committed table asks for "
+        write_configs(args.configs_out, [timed], "tools/tune/wgrad_probe.py, one run (the committed table asks for "
                       "two: --merge)")
 
 

@@ -16,12 +16,12 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.tools.planner.geometry import mesh_geometry, ring_inter_fraction
-from dtensor_moe.tools.planner.memory import held_memory
-from dtensor_moe.tools.planner.pipeline import PipelineRank, whole_model
-from dtensor_moe.tools.planner.tokens import Rates, rates
-from dtensor_moe.tools.planner.units import Footprint
-from dtensor_moe.tools.planner.workload import REDUCE_BYTES, Hardware, Workload
+from dtensor_moe.tools.folding.geometry import mesh_geometry, ring_inter_fraction
+from dtensor_moe.tools.folding.memory import held_memory
+from dtensor_moe.tools.folding.pipeline import PipelineRank, whole_model
+from dtensor_moe.tools.folding.tokens import Rates, rates
+from dtensor_moe.tools.folding.units import Footprint
+from dtensor_moe.tools.folding.workload import REDUCE_BYTES, Hardware, Workload
 from dtensor_moe.tools.presets import ModelSpec
 
 

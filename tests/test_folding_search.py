@@ -17,7 +17,7 @@ from dtensor_moe.cli.plan import resolve
 from dtensor_moe.config import MoERunOptions
 from dtensor_moe.parallel.mesh import EXPERT_AXES, PP_STAGES_PER_RANK, MoEParallelDims
 from dtensor_moe.parallel.placement import plan_moe, rank_coords
-from dtensor_moe.tools import planner as P
+from dtensor_moe.tools import folding as P
 from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, ModelSpec, spec_from_model_config
 
 from .harness import run_on_ranks
@@ -204,7 +204,7 @@ def test_rates_node_fractions_follow_the_mesh_geometry():
 
 def test_footprint_key_covers_what_the_plan_reads():
     """Foldings that share a footprint key get the same footprint from a fresh plan (the memo is sound):
-    no PlanCache, so every folding's weights are planned anew."""
+    no CostCache, so every folding's weights are planned anew."""
     spec = _spec("qwen3-30b-a3b")
     seen = {}
     for dims in P.foldings(256, spec, P.Workload(seq_len=64)):
@@ -213,10 +213,10 @@ def test_footprint_key_covers_what_the_plan_reads():
     assert len(seen) > 20
 
 
-def test_plan_ranks_fitting_candidates_and_explains():
+def test_rank_foldings_puts_fitting_candidates_first_and_explains():
     spec, work = _spec("mixtral-8x7b"), P.Workload(seq_len=4096)
     hw = P.Hardware(gpus=64, gpus_per_node=8, gpu_mem_gib=80)
-    cands = P.plan(spec, work, hw)
+    cands = P.rank_foldings(spec, work, hw)
     fits = [c for c in cands if c.fits]
     assert fits and len(fits) < len(cands)
     assert all(c.memory.total <= 80 * P.GiB for c in fits)
@@ -232,7 +232,7 @@ def test_plan_ranks_fitting_candidates_and_explains():
     text = P.explain_choice(spec, best, fits[1], hw)
     assert f"ep={best.dims.ep}, etp={best.dims.etp}, edp={best.dims.edp}" in text
     # More memory per GPU never removes a fitting candidate.
-    more = P.plan(spec, work, P.Hardware(gpus=64, gpus_per_node=8, gpu_mem_gib=141))
+    more = P.rank_foldings(spec, work, P.Hardware(gpus=64, gpus_per_node=8, gpu_mem_gib=141))
     assert sum(c.fits for c in more) >= len(fits)
 
 
@@ -369,7 +369,7 @@ def test_plan_cli_gpus_flag():
     assert rc == 0 and len(rows) == 1
 
 
-def test_planner_package_layout_and_torch_free():
+def test_folding_package_layout_and_torch_free():
     """The cost model is one module per concept, each importing only those before it (no cycles);
     the package re-exports their names; planning a preset from the CLI, a torchtitan config's too, imports
     neither torch nor the training code (with skewed routing and replicas too)."""
@@ -377,7 +377,7 @@ def test_planner_package_layout_and_torch_free():
     import importlib
 
     from dtensor_moe.cli import SUBCOMMANDS
-    from dtensor_moe.tools.planner import (
+    from dtensor_moe.tools.folding import (
         cache,
         geometry,
         memory,
@@ -393,26 +393,27 @@ def test_planner_package_layout_and_torch_free():
     )
 
     assert predicted_state_bytes is memory.predicted_state_bytes
-    assert P.plan is search.plan and P.explain_choice is report.explain_choice and P.Workload is workload.Workload
-    assert P.Hardware is workload.Hardware and P.mesh_geometry is geometry.mesh_geometry
+    assert P.rank_foldings is search.rank_foldings and P.explain_choice is report.explain_choice
+    assert P.Workload is workload.Workload and P.Hardware is workload.Hardware
+    assert P.mesh_geometry is geometry.mesh_geometry
     assert P.pipeline_ranks is pipeline.pipeline_ranks and P.Footprint is units.Footprint
     assert P.Rates is tokens.Rates and P.distinct_ranks is tokens.distinct_ranks
-    assert P.Memory is memory.Memory and P.Traffic is traffic.Traffic and P.PlanCache is cache.PlanCache
+    assert P.Memory is memory.Memory and P.Traffic is traffic.Traffic and P.CostCache is cache.CostCache
     assert P.balance is skew.balance and P.Balance is skew.Balance
     assert all(getattr(P, name) is not None for name in P.__all__)
     order = ["cache", "workload", "skew", "geometry", "pipeline", "units", "tokens", "memory", "traffic", "search",
              "report"]
-    pkg = ROOT / "dtensor_moe" / "tools" / "planner"
+    pkg = ROOT / "dtensor_moe" / "tools" / "folding"
     assert sorted(order + ["__init__"]) == sorted(p.stem for p in pkg.glob("*.py"))
     for i, name in enumerate(order):
         tree = ast.parse((pkg / f"{name}.py").read_text())
         modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        planner = {m.rsplit(".", 1)[-1] for m in modules if m.startswith("dtensor_moe.tools.planner.")}
-        assert planner <= set(order[:i]), (name, planner - set(order[:i]))
-        # Memo tables are a PlanCache's, made per search: no functools caches at module level.
+        siblings = {m.rsplit(".", 1)[-1] for m in modules if m.startswith("dtensor_moe.tools.folding.")}
+        assert siblings <= set(order[:i]), (name, siblings - set(order[:i]))
+        # Memo tables are a CostCache's, made per search: no functools caches at module level.
         assert "functools" not in modules and "lru_cache" not in (pkg / f"{name}.py").read_text(), name
-        importlib.import_module(f"dtensor_moe.tools.planner.{name}")
+        importlib.import_module(f"dtensor_moe.tools.folding.{name}")
     mod = __import__(SUBCOMMANDS["plan"][0], fromlist=["run"])
     assert callable(mod.add_arguments) and callable(mod.run)
     code = ("import sys, io, contextlib; from dtensor_moe.cli import main\n"
@@ -465,7 +466,7 @@ def _fake_pg_main(rank: int):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     spec, work = _spec("deepseek-v3-671b"), P.Workload()
     hw = P.Hardware(world, 8, 141)
-    best = next(c for c in P.plan(spec, work, hw) if c.fits).dims
+    best = next(c for c in P.rank_foldings(spec, work, hw) if c.fits).dims
     report = {}
     for dims in (best, MoEParallelDims(world, dp_replicate=4, cp=2, ep=64, etp=4)):
         t0 = time.perf_counter()
@@ -474,7 +475,7 @@ def _fake_pg_main(rank: int):
         assert tuple(meshes.expert.shape) == dims.expert_shape and tuple(meshes.dense.shape) == dims.dense_shape
         assert tuple(meshes.expert.get_coordinate()) == tuple(dims.expert_coords(rank).values())
         geo = P.mesh_geometry(dims)
-        for axis in ("dp_replicate", "edp", "ep", "etp"):  # the planner's groups are the real process groups
+        for axis in ("dp_replicate", "edp", "ep", "etp"):  # the search's groups are the real process groups
             size, stride = geo[axis]
             base = rank - dims.expert_coords(rank)[axis] * stride
             group = dist.get_process_group_ranks(meshes.expert.get_group(axis))
@@ -492,7 +493,7 @@ def _fake_pg_main(rank: int):
 
 def test_fake_process_group_16k():
     code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
-            "from tests.test_planner import _fake_pg_main; _fake_pg_main(12345)")
+            "from tests.test_folding_search import _fake_pg_main; _fake_pg_main(12345)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
@@ -501,7 +502,7 @@ def test_fake_process_group_16k():
 
 
 def test_plan_cli_16k():
-    """The CLI at 16,384 GPUs: its table and choice (its time is benchmarks/planner_speed.py's)."""
+    """The CLI at 16,384 GPUs: its table and choice (its time is benchmarks/folding_search_speed.py's)."""
     cmd = [sys.executable, "-m", "dtensor_moe.cli", "plan", "--model", "deepseek-v3-671b", "--gpus", "16384",
            "--gpus-per-node", "8", "--gpu-mem", "141"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
@@ -532,10 +533,10 @@ def test_plan_json():
 
 
 def test_distinct_ranks_matches_sampled_routing():
-    """The dispatch's rows per token (the planner's all-to-all volume) against uniform top-k draws."""
+    """The dispatch's rows per token (the search's all-to-all volume) against uniform top-k draws."""
     import torch
 
-    from dtensor_moe.tools.planner import distinct_ranks
+    from dtensor_moe.tools.folding import distinct_ranks
 
     g = torch.Generator().manual_seed(0)
     for E, K, ep in [(16, 4, 4), (256, 8, 2), (8, 2, 2), (6, 6, 3)]:
@@ -637,12 +638,12 @@ def test_pipeline_traffic_and_memory_by_hand():
     assert sends == P.Traffic(M * T * D * b, 0)
 
 
-PLANS = P.PlanCache()  # the weight plans of _exhaustive's foldings, across its searches
+PLANS = P.CostCache()  # the weight plans of _exhaustive's foldings, across its searches
 
 
 def _exhaustive(spec, dims, work, hw):
     """The candidate from every pipeline rank (range(pp), none skipped as dominated), each rank's footprint
-    summed from its units' weight plans: what plan's memos (share_parts, footprint_key, rates_key), Rates/Held
+    summed from its units' weight plans: what rank_foldings' memos (share_parts, footprint_key, rates_key), Rates/Held
     split and rank pruning must reproduce exactly. The plans themselves are memoized on what they read
     (test_footprint_key_covers_what_the_plan_reads plans every folding afresh)."""
     worst_mem = worst_comm = None
@@ -672,7 +673,7 @@ def test_pipeline_search():
     assert P.pipeline_degrees(8, spec, _work("gpipe", 1), 8) == [1, 2, 4, 8]  # inside one node any pp
     assert P.pipeline_degrees(64, spec, _work("gpipe", 1), 16) == [1, 2, 4]  # stages of whole 16-GPU nodes
     spec, work = _spec("qwen3-30b-a3b"), _work("1f1b", 8, seq_len=1024)
-    cands = P.plan(spec, work, P.Hardware(64, 8, 80))
+    cands = P.rank_foldings(spec, work, P.Hardware(64, 8, 80))
     assert {c.dims.pp for c in cands} == {1, 2, 4, 8}
     for c in cands[:50] + [c for c in cands if c.dims.pp == 8][:5]:
         assert c.tokens == 8 * 1024 / (c.dims.cp * c.dims.tp * c.dims.pp)
@@ -683,7 +684,7 @@ def test_pipeline_search():
         for r in P.pipeline_ranks(spec, c.dims.pp, work):
             want = P.footprint(P.fsdp_units(spec, c.dims, r.share, 8), c.dims)
             assert P.share_footprint(parts, r.share) == want
-    assert P.plan(spec, work, P.Hardware(64, 8, 80), pp=4) == [c for c in cands if c.dims.pp == 4]
+    assert P.rank_foldings(spec, work, P.Hardware(64, 8, 80), pp=4) == [c for c in cands if c.dims.pp == 4]
 
 
 @pytest.mark.parametrize("model,gpus,schedule,microbatches,top", [
@@ -691,13 +692,13 @@ def test_pipeline_search():
     ("mixtral-8x7b", 32, "interleaved_1f1b", 8, None),
     ("deepseek-v3-671b", 16384, "1f1b", 16, 12),  # the 16k search's top rows
 ])
-def test_plan_equals_exhaustive_search(model, gpus, schedule, microbatches, top):
-    """Every candidate plan returns (memoized footprints and weight costs, per-folding rates, dominated
+def test_rank_foldings_equals_exhaustive_search(model, gpus, schedule, microbatches, top):
+    """Every candidate rank_foldings returns (memoized footprints and weight costs, per-folding rates, dominated
     pipeline ranks skipped) equals the one built from every pipeline rank and fresh plans, in the same
     order: the ranked table cannot change."""
     spec, work = _spec(model), _work(schedule, microbatches, seq_len=1024 if top is None else 4096)
     hw = P.Hardware(gpus, 8, 80 if top is None else 141)
-    cands = P.plan(spec, work, hw)
+    cands = P.rank_foldings(spec, work, hw)
     assert len({c.dims.pp for c in cands}) > 2
     for c in cands[:top]:
         assert c == _exhaustive(spec, c.dims, work, hw), c.dims
@@ -736,7 +737,7 @@ DSV3_16B = _spec("deepseek_v3_16b")  # 64 experts, top-6
 
 
 def test_skew_popularity_is_the_benchmarks():
-    """The planner's Zipf popularity, drawn without torch, is benchmarks/routing.py's (tests/parity.py's Case.zipf):
+    """The search's Zipf popularity, drawn without torch, is benchmarks/routing.py's (tests/parity.py's Case.zipf):
     the same seeded shuffle of the expert ids, the same weights."""
     import torch
 
@@ -838,8 +839,8 @@ def test_skewed_search_is_never_faster():
     """Every folding's step under skew takes at least its balanced time (equal where ep = 1); the foldings and
     their weights' costs do not change."""
     spec, work, hw = _spec("qwen3-30b-a3b"), P.Workload(seq_len=1024), P.Hardware(64, 8, 80)
-    flat = {c.dims: c for c in P.plan(spec, work, hw)}
-    skewed = P.plan(spec, replace(work, skew=1.2), hw)
+    flat = {c.dims: c for c in P.rank_foldings(spec, work, hw)}
+    skewed = P.rank_foldings(spec, replace(work, skew=1.2), hw)
     assert len(skewed) == len(flat)
     for c in skewed:
         f = flat[c.dims]
@@ -852,8 +853,8 @@ def test_search_with_replicas_skips_foldings_without_ep():
     them (the placement plan, the architecture's, accepts ep 1 either way), the same ones as without replicas."""
     spec, hw = _spec("mixtral-8x7b"), P.Hardware(8, 8, 80)
     work = P.Workload(seq_len=1024)
-    plain = P.plan(spec, work, hw)
-    with_r = P.plan(spec, replace(work, moe_run=MoERunOptions(expert_replicas=1)), hw)
+    plain = P.rank_foldings(spec, work, hw)
+    with_r = P.rank_foldings(spec, replace(work, moe_run=MoERunOptions(expert_replicas=1)), hw)
     assert any(c.dims.ep == 1 for c in plain) and with_r and all(c.dims.ep > 1 for c in with_r)
     assert {c.dims for c in with_r} == {c.dims for c in plain if c.dims.ep > 1}
     with pytest.raises(ValueError, match=r"Workload\.moe_run must be a dtensor_moe\.MoERunOptions, got dict"):

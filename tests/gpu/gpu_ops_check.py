@@ -1,7 +1,7 @@
 """On the GPU: every registered op's CUDA implementation through torch.library.opcheck (schema,
 fake, autograd registration, compile), and the Triton paths against the torch ones.
 
-    python benchmarks/gpu_ops_check.py
+    python tests/gpu/gpu_ops_check.py
 """
 
 import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)

@@ -8,7 +8,7 @@ every mesh; this checks what CPU cannot: device syncs and Triton/inductor paths)
 - the padded layer compiled (inductor, fullgraph) against eager;
 - kernels/fp8.py's pack_rows / unpack_rows round trip on CUDA against quantize_rows, a zero row included.
 
-    python benchmarks/gpu_pad_check.py [--out results.json]
+    python tests/gpu/gpu_pad_check.py [--out results.json]
 """
 
 import argparse

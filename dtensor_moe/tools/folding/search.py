@@ -1,4 +1,4 @@
-"""The planner's search: enumerate the foldings, cost each with the cost model, rank them.
+"""The folding search: enumerate the foldings, cost each with the cost model, rank them.
 
 Pipeline parallelism is outermost: pp > 1 only where the schedule runs it (`check_pipeline`: layers
 per stage, microbatches) and, beyond one node, with each stage on whole nodes (PP's sends cross
@@ -15,14 +15,14 @@ from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import MoEParallelDims, divisors
 from dtensor_moe.parallel.placement import check_pipeline
-from dtensor_moe.tools.planner.cache import PlanCache
-from dtensor_moe.tools.planner.memory import Memory, rank_activations
-from dtensor_moe.tools.planner.pipeline import PipelineRank, StageShare, bubble_fraction, pipeline_ranks
-from dtensor_moe.tools.planner.skew import Balance
-from dtensor_moe.tools.planner.tokens import rates
-from dtensor_moe.tools.planner.traffic import Held, Traffic, comm_time, ranks_held_costs, seconds, token_traffic
-from dtensor_moe.tools.planner.units import UnitPart, share_footprint, share_parts
-from dtensor_moe.tools.planner.workload import GiB, Hardware, Workload, step_tokens_per_rank
+from dtensor_moe.tools.folding.cache import CostCache
+from dtensor_moe.tools.folding.memory import Memory, rank_activations
+from dtensor_moe.tools.folding.pipeline import PipelineRank, StageShare, bubble_fraction, pipeline_ranks
+from dtensor_moe.tools.folding.skew import Balance
+from dtensor_moe.tools.folding.tokens import rates
+from dtensor_moe.tools.folding.traffic import Held, Traffic, comm_time, ranks_held_costs, seconds, token_traffic
+from dtensor_moe.tools.folding.units import UnitPart, share_footprint, share_parts
+from dtensor_moe.tools.folding.workload import GiB, Hardware, Workload, step_tokens_per_rank
 from dtensor_moe.tools.presets import ModelSpec
 
 TP_NOTE = "dense tp (sequence-parallel) with its cp x tp group inside a node; the experts' tensor parallelism is etp"
@@ -99,7 +99,7 @@ def _stage_foldings(world: int, pp: int, spec: ModelSpec, work: Workload, gpus_p
 def _with_experts(dense: MoEParallelDims, ep: int, etp: int) -> MoEParallelDims:
     """replace(dense, ep=ep, etp=etp) without re-running MoEParallelDims' checks per folding (a large
     share of a big search's function calls): `dense` passed them, and all that ep and etp add is
-    that ep * etp divides dp_shard * cp * tp, which the loops above ensure (tests/test_planner.py
+    that ep * etp divides dp_shard * cp * tp, which the loops above ensure (tests/test_folding_search.py
     rebuilds every folding of a search through the constructor)."""
     dims = object.__new__(MoEParallelDims)
     dims.__dict__.update(dense.__dict__, ep=ep, etp=etp)
@@ -108,7 +108,7 @@ def _with_experts(dense: MoEParallelDims, ep: int, etp: int) -> MoEParallelDims:
 
 def footprint_key(dims: MoEParallelDims) -> tuple:
     """What rank 0's footprint depends on: the sizes of the axes the plan shards over (dp_shard*cp,
-    tp, ep, etp and so edp) and whether the dense axis is dp_shard or dp_shard_cp. tests/test_planner.py
+    tp, ep, etp and so edp) and whether the dense axis is dp_shard or dp_shard_cp. tests/test_folding_search.py
     checks this against a fresh plan for every folding of a smaller world."""
     return dims.dp_shard * dims.cp, dims.cp > 1, dims.tp, dims.ep, dims.etp
 
@@ -148,10 +148,10 @@ class _Tokens(NamedTuple):
 
 
 def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware,
-             held: tuple[Held, ...] | None = None, cache: PlanCache | None = None) -> Candidate:
+             held: tuple[Held, ...] | None = None, cache: CostCache | None = None) -> Candidate:
     """Every pipeline rank that can be the worst (`pipeline_ranks`, with what its weights cost): the
     most memory, the slowest traffic."""
-    cache = PlanCache() if cache is None else cache
+    cache = CostCache() if cache is None else cache
     if held is None:
         held = _held(spec, dims, work, hw, pipeline_ranks(spec, dims.pp, work), {}, cache)
     ranks = tuple(h.rank for h in held)
@@ -159,7 +159,7 @@ def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardwar
 
 
 def _held(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware, ranks: tuple[PipelineRank, ...],
-          parts: dict, cache: PlanCache) -> tuple[Held, ...]:
+          parts: dict, cache: CostCache) -> tuple[Held, ...]:
     """What each rank's weights cost; the units' parts memoized in `parts` on footprint_key and
     whether pp is 1 (the root's all-gathers per step differ), across pp and dp_replicate."""
     key = footprint_key(dims), dims.pp == 1
@@ -174,7 +174,7 @@ def _weights(held: tuple[Held, ...], hw: Hardware) -> tuple[_Weights, ...]:
 
 
 def _tokens(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware,
-            ranks: tuple[PipelineRank, ...], cache: PlanCache) -> _Tokens:
+            ranks: tuple[PipelineRank, ...], cache: CostCache) -> _Tokens:
     r, out = rates(spec, dims, work, hw.gpus_per_node, cache), []
     for rank in ranks:
         traffic = token_traffic(r, rank)
@@ -185,7 +185,7 @@ def _tokens(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware
 def _candidate(dims: MoEParallelDims, hw: Hardware, weights: tuple[_Weights, ...], tokens: _Tokens
                ) -> tuple[Candidate, tuple]:
     """The rank with the most memory and the slowest rank (its time added up as comm_time adds its
-    traffic: the tokens' collectives, then the weights'); ties go to the earlier rank. With plan's
+    traffic: the tokens' collectives, then the weights'); ties go to the earlier rank. With rank_foldings'
     sort key: those that fit first, by time per token; then the rest by memory."""
     worst_mem = worst_comm = None
     for w, t in zip(weights, tokens.ranks):
@@ -206,11 +206,11 @@ def _candidate(dims: MoEParallelDims, hw: Hardware, weights: tuple[_Weights, ...
 _UNSEEN = object()
 
 
-def plan(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None, cache: PlanCache | None = None
+def rank_foldings(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None, cache: CostCache | None = None
          ) -> list[Candidate]:
     """All valid candidates (with `pp`, or every pp the search tries), sorted by `_candidate`'s key.
-    The cost model's memo tables are `cache`'s, a fresh PlanCache unless given one."""
-    cache = PlanCache() if cache is None else cache
+    The cost model's memo tables are `cache`'s, a fresh CostCache unless given one."""
+    cache = CostCache() if cache is None else cache
     # What a pipeline rank's weights cost depends on the folding only through footprint_key and pp,
     # what its tokens cost only through rates_key: each computed once, shared by the foldings. These
     # tables are keyed without spec, work and hw, which one search fixes, so they live only here.

@@ -1,6 +1,6 @@
 """2-GPU NCCL check: parallelize_moe in bf16 against an fp32 single-process reference.
 
-torchrun --nproc-per-node 2 scripts/gpu_parity.py
+torchrun --nproc-per-node 2 tests/gpu/gpu_parity.py
 For EP=2, ETP=2 and EDP=2 it compares the output and every parameter gradient (relative
 Frobenius error), checks the CUDA grouped GEMM against the exact per-expert loop and the Triton
 combine kernels (weighted gather-sum, with empty slots as the expert-side combine has) against
@@ -11,6 +11,7 @@ import copy
 import sys
 from unittest import mock
 
+import _checkout  # noqa: F401  (this checkout's dtensor_moe on sys.path)
 import torch
 import torch.distributed as dist
 

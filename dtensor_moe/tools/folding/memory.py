@@ -18,10 +18,10 @@ folding's `Rates` times the rank's share.
 from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.tools.planner.pipeline import PipelineRank, stage_share, whole_model
-from dtensor_moe.tools.planner.tokens import Rates, rates
-from dtensor_moe.tools.planner.units import Footprint, fsdp_units, held_numel
-from dtensor_moe.tools.planner.workload import MASTER_BYTES, OPTIMIZER_MOMENTS, REDUCE_BYTES, STEP_BYTES, Workload
+from dtensor_moe.tools.folding.pipeline import PipelineRank, stage_share, whole_model
+from dtensor_moe.tools.folding.tokens import Rates, rates
+from dtensor_moe.tools.folding.units import Footprint, fsdp_units, held_numel
+from dtensor_moe.tools.folding.workload import MASTER_BYTES, OPTIMIZER_MOMENTS, REDUCE_BYTES, STEP_BYTES, Workload
 from dtensor_moe.tools.presets import ModelSpec, spec_from_model_config
 
 
@@ -97,7 +97,7 @@ def memory_of(r: Rates, held) -> Memory:
 
 def predicted_state_bytes(model_cfg, dims: MoEParallelDims, rank: int, optimizer: str = "adamw",
                           pp_schedule: str = "1f1b") -> dict[str, int]:
-    """Params, grads and optimizer-state bytes the planner predicts for `rank` of a training run of
+    """Params, grads and optimizer-state bytes the cost model predicts for `rank` of a training run of
     `dtensor_moe.train.model.ModelConfig` (sharded state is fp32 whatever the compute dtype): the
     layers of its pipeline stages, sharded over its stage's ranks."""
     spec = spec_from_model_config(model_cfg)

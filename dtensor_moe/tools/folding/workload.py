@@ -1,4 +1,4 @@
-"""The planner's inputs besides the model: what a step runs (`Workload`), on what (`Hardware`), and
+"""The folding search's inputs besides the model: what a step runs (`Workload`), on what (`Hardware`), and
 the byte sizes both imply.
 
 A step is `microbatches` microbatches of `micro_batch` sequences per data-parallel rank. Between

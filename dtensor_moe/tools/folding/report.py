@@ -1,8 +1,8 @@
-"""The planner's output: the ranked table, the top choice in plain words, JSON rows."""
+"""The folding search's output: the ranked table, the top choice in plain words, JSON rows."""
 
-from dtensor_moe.tools.planner.geometry import mesh_geometry, node_span
-from dtensor_moe.tools.planner.search import Candidate
-from dtensor_moe.tools.planner.workload import Hardware, Workload
+from dtensor_moe.tools.folding.geometry import mesh_geometry, node_span
+from dtensor_moe.tools.folding.search import Candidate
+from dtensor_moe.tools.folding.workload import Hardware, Workload
 from dtensor_moe.tools.presets import ModelSpec
 
 

@@ -1,6 +1,6 @@
 """CPU time of `dtensor-moe plan` searches (torch-free, any machine): DeepSeek-V3 at 16,384 GPUs with the
 default search (pp 1) and with the pipeline search (--microbatches 16: pp 1..16). Each search runs in a fresh
-process (nothing memoized across runs), timed by time.process_time() around plan(); prints a table of
+process (nothing memoized across runs), timed by time.process_time() around rank_foldings(); prints a table of
 medians and writes JSON (--out). Quote the load average with the numbers: the machine is often shared."""
 
 import argparse
@@ -27,7 +27,7 @@ work = report.Workload(args.seq_len, args.micro_batch, args.dtype, args.optimize
                        args.pp_schedule)
 hw = report.Hardware(args.gpus, args.gpus_per_node, args.gpu_mem, args.intra_bw * 1e9, args.inter_bw * 1e9)
 t0 = time.process_time()
-cands = report.plan(spec, work, hw, args.pp or None)
+cands = report.rank_foldings(spec, work, hw, args.pp or None)
 print(json.dumps({"cpu_s": time.process_time() - t0, "candidates": len(cands)}))
 """
 
@@ -47,7 +47,7 @@ def main() -> int:
         results.append({"search": name, "candidates": runs[0]["candidates"], "cpu_s": cpu,
                         "median_cpu_s": statistics.median(cpu)})
     load = os.getloadavg()[0]
-    print(f"| search | foldings | plan() CPU s, median of {a.repeats} | runs |   (load {load:.1f})")
+    print(f"| search | foldings | rank_foldings() CPU s, median of {a.repeats} | runs |   (load {load:.1f})")
     print("|---|---|---|---|")
     for r in results:
         print(f"| {r['search']} | {r['candidates']} | {r['median_cpu_s']:.2f} | "

@@ -5,7 +5,7 @@ Every number comes from the placement plan: MoE weights from `plan_moe`, the oth
 what `parallelize_model` does to them (under tp every 2-D weight split over tp -- attention by heads,
 embedding and head by vocabulary -- and 1-D ones replicated; then FSDP2 Shard(0) over the dense
 data-parallel axis, dp_shard or dp_shard_cp). Plans read only a few sizes of the folding, so a
-search memoizes them in its `PlanCache` on those sizes and the model.
+search memoizes them in its `CostCache` on those sizes and the model.
 """
 
 import math
@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.parallel.placement import ShardStep, WeightPlan, axis_sizes, owned_box, plan_moe
-from dtensor_moe.tools.planner.cache import PlanCache
-from dtensor_moe.tools.planner.pipeline import StageShare
+from dtensor_moe.tools.folding.cache import CostCache
+from dtensor_moe.tools.folding.pipeline import StageShare
 from dtensor_moe.tools.presets import ModelSpec
 
 
@@ -30,7 +30,7 @@ class Unit:
 
 
 class Footprint(NamedTuple):  # a tuple: one per pipeline rank of every (footprint_key, pp) of a search
-    """Rank 0's share of every FSDP unit: all the planner needs of the weights."""
+    """Rank 0's share of every FSDP unit: all the cost model needs of the weights."""
 
     sharded: tuple[tuple[str, int, int], ...]  # (FSDP axis, all-gathers per step, elements held)
     tensors: int  # parameter tensors (AdamW keeps a step counter per tensor)
@@ -75,7 +75,7 @@ def _dense_axis(dims: MoEParallelDims) -> tuple[str, int]:
     return ("dp_shard_cp", dims.dp_shard * dims.cp) if dims.cp > 1 else ("dp_shard", dims.dp_shard)
 
 
-def _outer_plans(spec: ModelSpec, tp: int, axis: str, size: int, cache: PlanCache):
+def _outer_plans(spec: ModelSpec, tp: int, axis: str, size: int, cache: CostCache):
     """Plans of the non-MoE weights (root, dense block, MoE block). They read only tp and their FSDP
     axis, so they are planned once per (tp, axis, its size), on the smallest stage with those."""
 
@@ -92,7 +92,7 @@ def _outer_plans(spec: ModelSpec, tp: int, axis: str, size: int, cache: PlanCach
     return cache.outer_plans.get_or_make((spec, tp, axis, size), make)
 
 
-def _moe_plans(spec: ModelSpec, dims: MoEParallelDims, cache: PlanCache) -> tuple[WeightPlan, ...]:
+def _moe_plans(spec: ModelSpec, dims: MoEParallelDims, cache: CostCache) -> tuple[WeightPlan, ...]:
     # What plan_moe reads: the sizes of the axes it shards over.
     key = spec, dims.ep, dims.etp, dims.edp, dims.moe_dp_axis, dims.dp_shard * dims.cp * dims.tp
     return cache.moe_plans.get_or_make(key, lambda: tuple(plan_moe(spec.moe, dims)))
@@ -108,9 +108,9 @@ def _gathers(dims: MoEParallelDims, microbatches: int) -> tuple[int, int]:
 
 
 def fsdp_units(spec: ModelSpec, dims: MoEParallelDims, share: StageShare | None = None, microbatches: int = 1,
-               cache: PlanCache | None = None) -> tuple[Unit, ...]:
+               cache: CostCache | None = None) -> tuple[Unit, ...]:
     """The FSDP units of `share` (default: the whole model) with their all-gathers per step."""
-    cache = PlanCache() if cache is None else cache
+    cache = CostCache() if cache is None else cache
     share = share or StageShare(spec.n_dense_layers, spec.n_moe_layers, True, True)
     moe_plans = _moe_plans(spec, dims, cache)
     root, dense_block, moe_block = _outer_plans(spec, dims.tp, *_dense_axis(dims), cache)
@@ -166,12 +166,12 @@ def footprint(units, dims: MoEParallelDims) -> Footprint:
     return combine((u.name == "root", u.count, unit_part(u, dims)) for u in units)
 
 
-def share_parts(spec: ModelSpec, dims: MoEParallelDims, microbatches: int = 1, cache: PlanCache | None = None
+def share_parts(spec: ModelSpec, dims: MoEParallelDims, microbatches: int = 1, cache: CostCache | None = None
                 ) -> dict[str, UnitPart]:
     """One copy of each unit a pipeline rank can hold, the root split into the embedding and the head
     (the search combines them per share instead of re-reading the plans), from parts memoized on what
     the plans read."""
-    cache = PlanCache() if cache is None else cache
+    cache = CostCache() if cache is None else cache
     root_gathers, block_gathers = _gathers(dims, microbatches)
     embedding, head, dense_block, attention = _outer_parts(spec, dims.tp, *_dense_axis(dims), root_gathers,
                                                            block_gathers, cache)
@@ -180,7 +180,7 @@ def share_parts(spec: ModelSpec, dims: MoEParallelDims, microbatches: int = 1, c
 
 
 def _outer_parts(spec: ModelSpec, tp: int, axis: str, size: int, root_gathers: int, block_gathers: int,
-                 cache: PlanCache):
+                 cache: CostCache):
     """share_parts of the weights outside the MoE: the embedding, the head, a dense block, a MoE
     block's attention."""
 
@@ -199,7 +199,7 @@ def _outer_parts(spec: ModelSpec, tp: int, axis: str, size: int, root_gathers: i
     return cache.outer_parts.get_or_make((spec, tp, axis, size, root_gathers, block_gathers), make)
 
 
-def _moe_part(spec: ModelSpec, dims: MoEParallelDims, gathers: int, cache: PlanCache) -> UnitPart:
+def _moe_part(spec: ModelSpec, dims: MoEParallelDims, gathers: int, cache: CostCache) -> UnitPart:
     """unit_part of one MoE block's MoE weights. plan_moe reads their dense axis (moe_dp_axis, every
     rank of a replica with its own tokens: ep * etp * edp of them) for its name and size only, so the
     part is planned once per (ep, etp, edp), on the stage where that axis is dp_shard, and renamed."""

@@ -1,6 +1,6 @@
 """The experts' GEMMs alone, bf16 against FP8 (kernels/fp8.py), and the FP8 ops' checks on the GPU.
 
-    python benchmarks/expert_gemms.py --out expert_gemms.json   # one H200, ~1 min
+    python tools/tune/expert_gemms.py --out expert_gemms.json   # one H200, ~1 min
 
 Per shape (moe_layer.py's four, plus configs/gpu_2x.toml's layer on one GPU) and GEMM, TFLOP/s from
 CUDA-event medians (10 after 3 warm-ups) on random routing (uneven expert blocks, as in training):
@@ -222,7 +222,7 @@ def probe_cli(doc: str, shapes: dict, *extra: tuple[tuple, dict]) -> tuple[argpa
 
 def main():
     args, dev, res = probe_cli(__doc__, SHAPES)
-    res["measured"] += (" by benchmarks/expert_gemms.py: CUDA-event medians of 10, random routing, FP8 including "
+    res["measured"] += (" by tools/tune/expert_gemms.py: CUDA-event medians of 10, random routing, FP8 including "
                         "activation quantization")
     res.update(checks={}, gemms=[], weight_quant=[])
     try:

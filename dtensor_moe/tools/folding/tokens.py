@@ -16,10 +16,10 @@ from typing import NamedTuple
 
 from dtensor_moe.config import effective_activation_memory
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.tools.planner.cache import PlanCache
-from dtensor_moe.tools.planner.geometry import chain_inter_fraction, pairwise_intra_fraction, ring_inter_fraction
-from dtensor_moe.tools.planner.skew import Balance, balance
-from dtensor_moe.tools.planner.workload import Workload, tokens_per_rank
+from dtensor_moe.tools.folding.cache import CostCache
+from dtensor_moe.tools.folding.geometry import chain_inter_fraction, pairwise_intra_fraction, ring_inter_fraction
+from dtensor_moe.tools.folding.skew import Balance, balance
+from dtensor_moe.tools.folding.workload import Workload, tokens_per_rank
 from dtensor_moe.tools.presets import ModelSpec
 
 __all__ = ["Rates", "rates", "distinct_ranks"]
@@ -92,7 +92,7 @@ def expert_activations(moe, options, dims: MoEParallelDims, ranks_per_token: flo
 
 
 def rates(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node: int = 8,
-          cache: PlanCache | None = None) -> Rates:
+          cache: CostCache | None = None) -> Rates:
     G, b, M, moe = gpus_per_node, work.compute_bytes, work.microbatches, spec.moe
     T, D, k, F = tokens_per_rank(work, dims), spec.dim, moe.top_k, moe.hidden_dim
     recompute = work.recompute == "full"

@@ -47,7 +47,7 @@ values); torchtitan's metric and token-count reductions (distributed/utils.py _d
 all_reduce, not functional collectives, which segfault on a gloo group with CUDA tensors on torch 2.11
 (docs/parallelism.md). On CPU ranks these three change no logged digit. `--device cpu`: CPU ranks (use_cpu).
 
-CLI: `python benchmarks/titan_torch211.py --nproc N --backend nccl|gloo --out CASE.json [--steps 4] [--ep E]
+CLI: `python tests/gpu/titan_torch211.py --nproc N --backend nccl|gloo --out CASE.json [--steps 4] [--ep E]
 [--device cuda|cpu] [--config NAME] [--seed DIR] [--ref OTHER.json] [--shims all|names|none] [--no-flex-autotune]
 [-- TITAN FLAGS]`
 runs torchrun with this file as every rank's entry (shims, then torchtitan.train.main) and writes {"name", "ranks",
@@ -76,7 +76,7 @@ import time
 from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(HERE))
 GPU_CONFIG = "deepseek_v3_debugmodel"  # torchtitan's DeepSeek-V3 debug model (FlexAttention), our shipped data
 CPU_CONFIG = "deepseek_v3_debugmodel_cpu"
 LOSS_ATOL = 0.02  # bf16 runs from one seed: |dloss| at every step of a short run

@@ -1,11 +1,11 @@
-"""The planner's memo tables, in one object a search owns.
+"""The cost model's memo tables, in one object a search owns.
 
 A search costs tens of thousands of foldings that share a few hundred placements, so the costly
 steps (planning weights, summing them into per-unit parts, the routing statistics) are memoized on
-what they read. The tables live in a `PlanCache` rather than in module globals: `plan` makes one
-per search unless the caller passes one, so a search starts cold and leaves nothing behind, and a
-caller that keeps one (a benchmark, a test) can `clear()` it. Keys name everything a result
-depends on, the `ModelSpec` included, so one cache may serve several models and workloads.
+what they read. The tables live in a `CostCache` rather than in module globals: `rank_foldings`
+makes one per search unless the caller passes one, so a search starts cold and leaves nothing
+behind, and a caller that keeps one (a benchmark, a test) can `clear()` it. Keys name everything a
+result depends on, the `ModelSpec` included, so one cache may serve several models and workloads.
 Functions that take `cache=None` memoize nothing without one.
 """
 
@@ -32,8 +32,8 @@ class Memo(dict):
             return value
 
 
-class PlanCache:
-    """The planner's memo tables, by what they hold (units.py and tokens.py name their keys)."""
+class CostCache:
+    """The cost model's memo tables, by what they hold (units.py and tokens.py name their keys)."""
 
     __slots__ = ("outer_plans", "outer_parts", "moe_plans", "moe_parts", "distinct_ranks", "inclusion", "placement")
 
