@@ -200,3 +200,46 @@ def test_expert_gate_and_bias_ops_pass_opcheck():
     torch.library.opcheck(segment_sum, (a, offs_E))
     torch.autograd.gradcheck(lambda a: segment_sum(a, offs_E), (a,))
     torch.testing.assert_close(segment_sum(a, offs_E), torch.stack([a[:2].sum(0), a[:0].sum(0), a[2:].sum(0)]))
+
+
+def test_empty_rank_launch_grid_is_guarded_where_torch_divides_by_zero():
+    """inductor_grid: torch 2.11's 2D launch grid divides by zero when ynumel is 0 (an EP rank with no token); the
+    guard makes that grid empty and leaves every other grid as it was; a torch that guards it itself is left alone."""
+    from torch._inductor.runtime.triton_heuristics import Grid2DWithYZOverflow, get_max_y_grid
+
+    from dtensor_moe.parallel import inductor_grid
+
+    class Unguarded(Grid2DWithYZOverflow):  # the torch 2.11 form of generate
+        def generate(self, meta, is_lazy=False):
+            self.x_grid = self.ceildiv("xnumel", meta.get("XBLOCK"))
+            self.prefix.extend([self.assign_tmp("y_grid_raw_", self.ceildiv("ynumel", meta.get("YBLOCK"))),
+                                self.assign_tmp("y_grid_div_", self.ceildiv("y_grid_raw_", get_max_y_grid()))])
+            self.y_grid = self.ceildiv("y_grid_raw_", "y_grid_div_")
+            self.z_grid = "y_grid_div_"
+
+    def grid(cls, ynumel):
+        g = cls(inductor_meta={}, mode="python")
+        g.generate({"XBLOCK": 8, "YBLOCK": 4})
+        scope = {"xnumel": 100, "ynumel": ynumel}
+        exec("\n".join([*g.prefix, f"grid = ({g.x_grid}, {g.y_grid}, {g.z_grid})"]), scope)
+        return scope["grid"]
+
+    assert inductor_grid._divides_by_zero(Unguarded)
+    with pytest.raises(ZeroDivisionError):
+        grid(Unguarded, 0)
+    Guarded = type("Guarded", (Unguarded,), {"generate": inductor_grid.with_empty_y_guard(Unguarded.generate)})
+    assert not inductor_grid._divides_by_zero(Guarded)
+    assert grid(Guarded, 0) == (13, 0, 0)  # nothing launched
+    for ynumel in (1, 4, 5, 4 * 65535, 4 * 65535 + 1, 10**7):
+        assert grid(Guarded, ynumel) == grid(Unguarded, ynumel), ynumel
+    g = Guarded(inductor_meta={}, mode="cpp")
+    g.generate({"XBLOCK": 8, "YBLOCK": 4})
+    assert g.y_grid.startswith("(y_grid_div_ == 0 ? 0 : ")
+    # The patch itself: inductor's class given the unguarded form is patched once, then left alone.
+    with mock.patch.object(Grid2DWithYZOverflow, "generate", Unguarded.generate):
+        assert inductor_grid.guard_empty_y_grid()
+        assert grid(Grid2DWithYZOverflow, 0) == (13, 0, 0)
+        assert not inductor_grid.guard_empty_y_grid()
+    # This torch (2.13) generates the guard itself: nothing to patch.
+    generate = Grid2DWithYZOverflow.generate
+    assert not inductor_grid.guard_empty_y_grid() and Grid2DWithYZOverflow.generate is generate

@@ -14,6 +14,7 @@ from dtensor_moe.kernels import recompute
 
 # The modes live in a torch-free module: train/config.py checks them before torch is imported.
 from dtensor_moe.parallel.activation_checkpoint import check_activation_checkpoint
+from dtensor_moe.parallel.inductor_grid import guard_empty_y_grid
 
 # Selective checkpointing keeps the outputs of our ops that declare it (kernels/recompute.py: the expert-parallel
 # exchange, the expert GEMMs) and of torch's own: the statistics' all-reduce (so recomputation repeats no
@@ -57,6 +58,8 @@ def apply_compile(module: nn.Module, compile: bool | str = True, fullgraph: bool
     allowed: around FSDP hooks inside it); a string `compile` names the torch.compile backend
     (e.g. "aot_eager": the same tracing, no codegen)."""
     backend = compile if isinstance(compile, str) else "inductor"
+    if backend == "inductor":
+        guard_empty_y_grid()  # torch 2.11: an EP rank that receives no token would crash the launch
     compiled = torch.compile(module.forward, fullgraph=fullgraph, backend=backend)
     # The dispatcher's ops (exchange_tables; ep_move's backward) make data-dependent row counts, which dynamo
     # captures under fullgraph but, without it, breaks the graph at (and falls back to eager for the
