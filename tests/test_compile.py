@@ -209,8 +209,8 @@ def test_empty_rank_launch_grid_is_guarded_where_torch_divides_by_zero():
 
     from dtensor_moe.parallel import inductor_grid
 
-    class Unguarded(Grid2DWithYZOverflow):  # the torch 2.11 form of generate
-        def generate(self, meta, is_lazy=False):
+    class Unguarded(Grid2DWithYZOverflow):  # torch 2.11's generate (meta alone)
+        def generate(self, meta):
             self.x_grid = self.ceildiv("xnumel", meta.get("XBLOCK"))
             self.prefix.extend([self.assign_tmp("y_grid_raw_", self.ceildiv("ynumel", meta.get("YBLOCK"))),
                                 self.assign_tmp("y_grid_div_", self.ceildiv("y_grid_raw_", get_max_y_grid()))])

@@ -30,8 +30,8 @@ def with_empty_y_guard(generate):
     launches nothing, as for any empty grid."""
 
     @functools.wraps(generate)
-    def guarded(self, meta, is_lazy=False):
-        generate(self, meta, is_lazy)
+    def guarded(self, meta, *args, **kwargs):  # torch 2.11 passes meta alone; later ones add is_lazy
+        generate(self, meta, *args, **kwargs)
         if self.mode == "python":
             self.y_grid = f"(0 if y_grid_div_ == 0 else {self.y_grid})"
         else:
