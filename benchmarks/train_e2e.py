@@ -42,7 +42,7 @@ every model before the next, compilation last; the table and the JSON list them 
 Balance losses are off on both sides, so the losses compare: transformers' configs say output_router_logits=False
 (its models add no router loss), ours keep from_hf_block's load_balance ("none"; DeepSeek's "aux_free_bias",
 whose bias nothing here updates, as nothing updates transformers' e_score_correction_bias) and no sequence-wise
-or z-loss, so the `moe_aux_loss` every step adds is 0.
+or z-loss, so the `balance_loss` every step adds is 0.
 
 A step: forward with labels (transformers' shifted cross-entropy; chunked_loss: the same targets, chunked), backward,
 optimizer step, zero_grad; timed
@@ -247,14 +247,14 @@ def train(model, optimizer, tokens_NBL: torch.Tensor, dev: torch.device, chunk_t
           ) -> tuple[list[float], list[float], list[float]]:
     """One training step per batch (`chunk_tokens`: lm_loss's); returns (losses, seconds, optimizer seconds) per
     step."""
-    from dtensor_moe.hf.model import moe_aux_loss
+    from dtensor_moe import balance_loss
 
     losses, seconds, optimizer_s = [], [], []
     for tokens_BL in tokens_NBL:
         sync(dev)
         t0 = time.perf_counter()
         # 0 for transformers' model (no MoE of ours) and while our balance losses are off (module docstring).
-        loss = lm_loss(model, tokens_BL, chunk_tokens) + moe_aux_loss(model)
+        loss = lm_loss(model, tokens_BL, chunk_tokens) + balance_loss(model)
         loss.backward()
         sync(dev)  # the optimizer's own time: one more sync a step, both impls alike
         t1 = time.perf_counter()

@@ -22,6 +22,7 @@ _EXPORTS = {
     "GroupedExperts": "experts",
     "grouped_swiglu": "kernels.expert_autograd",
     "MoE": "moe",
+    "balance_loss": "moe",
     "MoEConfig": "config",
     "MoERunOptions": "config",
     "MoEMeshes": "parallel.mesh",

@@ -19,7 +19,7 @@ from dtensor_moe.routing.router import TopKRouter, combine_weights_TE
 from dtensor_moe.routing.tables import PaddedCopies, TokenCopies, expert_major
 from dtensor_moe.routing.token_rounding import check_rounding_reachable, round_tokens_compiled
 
-__all__ = ["MoE"]
+__all__ = ["MoE", "balance_loss", "named_moes"]
 
 
 class LocalStats:
@@ -254,6 +254,25 @@ def _warn_unreachable_rounding(cfg: MoEConfig, run: MoERunOptions, tokens: int) 
                                  "this forward's", "MoERunOptions.round_tokens_to")
     except ValueError as e:
         warnings.warn(str(e))  # one location: Python's default filter shows it once
+
+
+def balance_loss(module: nn.Module) -> torch.Tensor | float:
+    """The balance losses (aux, sequence-wise, z: `MoE.losses()`) of every `MoE` in `module` from its last forward,
+    summed: what a training step adds to its loss.
+
+    Args:
+        module (nn.Module): a model, a pipeline stage (its own layers) or one MoE.
+
+    Returns:
+        torch.Tensor | float: the sum, or 0.0 when no layer has a balance loss enabled.
+
+    Example:
+        >>> moe = MoE(MoEConfig(dim=8, hidden_dim=8, num_experts=4, top_k=2, load_balance="aux_loss"))
+        >>> y_BLD = moe(torch.randn(2, 3, 8))
+        >>> bool(balance_loss(moe) > 0)
+        True
+    """
+    return sum(t for m in module.modules() if isinstance(m, MoE) for t in m.losses()) or 0.0
 
 
 def named_moes(module: nn.Module, root: str = "") -> dict[str, MoE]:

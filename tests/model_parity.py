@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dtensor_moe import MoEParallelDims
+from dtensor_moe import MoEParallelDims, balance_loss
 from dtensor_moe.train.config import ModelConfig
 from dtensor_moe.train.model import MoETransformer
 from dtensor_moe.train.optim import clip_grad_norm_
@@ -34,7 +34,7 @@ class ModelCase:
 
 def _loss(model, inputs_BL, targets_BL):
     logits_BLV = model(inputs_BL)
-    return F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL.flatten()), model.aux_loss()
+    return F.cross_entropy(logits_BLV.flatten(0, 1), targets_BL.flatten()), balance_loss(model)
 
 
 def check_model_parity(rank: int, world_size: int, case: ModelCase) -> dict:

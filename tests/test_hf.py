@@ -51,7 +51,7 @@ def test_from_hf_block_matches_transformers(model_type, top_k):
 
 
 def test_from_hf_block_takes_run_options_apart_from_training_options():
-    """How the block runs is `options` (MoERunOptions); `training_options` are the MoEConfig fields its config does
+    """How the block runs is `options` (MoERunOptions); `balance_fields` are the MoEConfig fields its config does
     not fix. A run option given as a training option is refused, naming where it goes."""
     from dtensor_moe import MoERunOptions
     from dtensor_moe.hf import from_hf_block, swap_moe_blocks

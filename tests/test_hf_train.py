@@ -50,8 +50,8 @@ def train_on_ranks(rank, world_size, ckpt, out, ep, etp, tokens_BL, probe_BL, de
     """Each rank's part of the test (also tests/gpu/gpu_suite.py's, with device "cuda": ranks may share the GPU)."""
     import torch.distributed as dist
 
-    from dtensor_moe import MoE, MoEParallelDims
-    from dtensor_moe.hf import moe_aux_loss, parallelize_hf_model, save_hf
+    from dtensor_moe import MoE, MoEParallelDims, balance_loss
+    from dtensor_moe.hf import parallelize_hf_model, save_hf
 
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -63,7 +63,7 @@ def train_on_ranks(rank, world_size, ckpt, out, ep, etp, tokens_BL, probe_BL, de
 
     def loss_fn(m, t_BL):
         # Each rank the mean over its equal share of the batch; FSDP averages the gradients over the ranks.
-        return m(input_ids=t_BL, labels=t_BL).loss + moe_aux_loss(m)
+        return m(input_ids=t_BL, labels=t_BL).loss + balance_loss(m)
 
     losses = _train(model, tokens_BL[rank * n:(rank + 1) * n], loss_fn)
     for loss in losses:

@@ -162,8 +162,8 @@ def _hf_recipe(rank: int, world_size: int, model_type: str) -> dict:
     gradient (and transformers' `labels=` loss, which it computes in float32)."""
     import copy
 
-    from dtensor_moe import MoEParallelDims
-    from dtensor_moe.hf import moe_aux_loss, parallelize_hf_model
+    from dtensor_moe import MoEParallelDims, balance_loss
+    from dtensor_moe.hf import parallelize_hf_model
 
     from .hf_models import hf_model
 
@@ -174,10 +174,10 @@ def _hf_recipe(rank: int, world_size: int, model_type: str) -> dict:
     tokens_BL = torch.randint(0, 32, (2, 7), generator=torch.Generator().manual_seed(rank))
     ref = theirs(input_ids=tokens_BL, labels=tokens_BL)
     want = F.cross_entropy(ref.logits[:, :-1].flatten(0, 1), tokens_BL[:, 1:].flatten())
-    (want + moe_aux_loss(theirs)).backward()
+    (want + balance_loss(theirs)).backward()
 
     loss = hf_lm_loss(model, tokens_BL, chunk_tokens=3)
-    (loss + moe_aux_loss(model)).backward()
+    (loss + balance_loss(model)).backward()
     grads = dict(theirs.named_parameters())
     err = {n: (p.grad.full_tensor() - grads[n].grad.full_tensor()).abs().max().item()
            for n, p in model.named_parameters()}

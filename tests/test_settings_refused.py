@@ -97,7 +97,7 @@ def test_plan_of_an_hf_path_config_plans_the_checkpoint(model_type, want, tmp_pa
     got = (spec.dim, spec.moe.num_experts, spec.moe.top_k, spec.moe.hidden_dim, spec.vocab_size, spec.n_layers,
            spec.n_dense_layers, spec.dense_hidden_dim)
     assert got == want
-    assert spec.moe.aux_loss_coeff == 0.01  # [model]'s training choices kept
+    assert spec.moe.aux_loss_coeff == 0.01  # [model]'s balance fields kept
     if model_type == "qwen3_moe":  # 2 heads of 4, 1 KV head
         assert dict(spec.attention)["attention.wq.weight"] == (8, 8)
         assert dict(spec.attention)["attention.wk.weight"] == (4, 8)

@@ -27,7 +27,7 @@ def _config_dirs() -> list[Path]:
 def load_config(path: Path) -> tuple[ModelSpec, MoERunOptions]:
     """The model a training config trains and how its MoE layers run: the built-in model of its [model] fields, or
     with `hf_path` the checkpoint's own architecture (its config.json, read as the main job reads it; [model] adds
-    training choices), and its [moe_run] section."""
+    balance fields), and its [moe_run] section."""
     from dtensor_moe.train.config import ModelConfig, read_toml
 
     data = read_toml(str(path))  # a malformed file is named, with tomllib's line

@@ -12,9 +12,9 @@ layouts), families.py (key names, configs), convert.py (both directions, keys an
 from dtensor_moe.hf.block import from_hf_block
 from dtensor_moe.hf.convert import layer_prefix, load_hf_moe, to_hf
 from dtensor_moe.hf.families import FAMILIES, family, moe_config_from_hf
-from dtensor_moe.hf.model import hf_state_dict, moe_aux_loss, parallelize_hf_model, save_hf, swap_moe_blocks
+from dtensor_moe.hf.model import hf_state_dict, parallelize_hf_model, save_hf, swap_moe_blocks
 from dtensor_moe.hf.reader import SafetensorsReader, StateDictReader
 
 __all__ = ["FAMILIES", "SafetensorsReader", "StateDictReader", "family", "from_hf_block", "hf_state_dict",
-           "layer_prefix", "load_hf_moe", "moe_aux_loss", "moe_config_from_hf", "parallelize_hf_model", "save_hf",
+           "layer_prefix", "load_hf_moe", "moe_config_from_hf", "parallelize_hf_model", "save_hf",
            "swap_moe_blocks", "to_hf"]

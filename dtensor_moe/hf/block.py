@@ -4,7 +4,7 @@ import torch
 
 from dtensor_moe.config import MoEConfig, MoERunOptions
 from dtensor_moe.hf.convert import load_hf_moe
-from dtensor_moe.hf.families import family, with_training_options
+from dtensor_moe.hf.families import family, with_balance_fields
 from dtensor_moe.hf.reader import StateDictReader
 from dtensor_moe.moe import MoE
 
@@ -36,13 +36,13 @@ def _config(block) -> tuple[str, MoEConfig]:
     raise ValueError(f"from_hf_block takes one of {SPARSE_BLOCKS}, got {name}")
 
 
-def from_hf_block(block: torch.nn.Module, options: MoERunOptions | None = None, **training_options) -> MoE:
+def from_hf_block(block: torch.nn.Module, options: MoERunOptions | None = None, **balance_fields) -> MoE:
     """Our `MoE` equal to `block` (its dtype, device, weights, e_score_correction_bias as expert_bias,
     routing configuration); parallelize it like any other `MoE`. `options`: how the run computes it (None: the
-    defaults). `training_options`: `MoEConfig` fields the Hugging Face config does not fix (aux_loss_coeff,
+    defaults). `balance_fields`: `MoEConfig` fields the Hugging Face config does not fix (aux_loss_coeff,
     z_loss_coeff, ..., and load_balance where the family stores no routing bias: "none" or "aux_loss")."""
     model_type, config = _config(block)
-    config = with_training_options(family(model_type), config, training_options)
+    config = with_balance_fields(family(model_type), config, balance_fields)
     p = next(block.parameters())
     moe = MoE(config, options).to(device=p.device, dtype=p.dtype)
     return load_hf_moe(moe, StateDictReader(block.state_dict()), family(model_type), "")

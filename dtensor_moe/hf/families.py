@@ -247,8 +247,9 @@ def moe_config_from_hf(hf_config) -> MoEConfig:
         message = _renamed(message, fam)
         where = "" if "config.json" in message else " config.json"
         raise ValueError(f"{fam.model_type}{where}: {message}") from None
-# What a layer computes; the balancing fields (aux loss, bias update rate) are training choices.
-ARCHITECTURE = ("dim", "hidden_dim", "num_experts", "top_k", "score_func", "route_norm", "route_scale",
+# What a Hugging Face config fixes; the other MoEConfig fields, the balance fields (load_balance and the loss
+# coefficients), are the training run's.
+HF_FIXED_FIELDS = ("dim", "hidden_dim", "num_experts", "top_k", "score_func", "route_norm", "route_scale",
                         "num_shared_experts", "num_expert_groups", "num_limited_groups", "router_bias",
                         "expert_biases", "activation", "swiglu_alpha", "swiglu_limit")
 
@@ -271,7 +272,7 @@ def _written(fam: Family, config: MoEConfig, layers: list[int], num_hidden_layer
     get = getter(fields)
     back = fam.config(get)
     diff = [f"{n}={getattr(config, n)!r} (as {fam.model_type}: {getattr(back, n)!r})"
-            for n in ARCHITECTURE if getattr(config, n) != getattr(back, n)]
+            for n in HF_FIXED_FIELDS if getattr(config, n) != getattr(back, n)]
     # Aux-free balancing is a tensor as well (our expert_bias, DeepSeek-V3's e_score_correction_bias), which
     # the family stores always or never.
     if (config.load_balance == "aux_free_bias") != (back.load_balance == "aux_free_bias"):
@@ -288,19 +289,19 @@ def _expresses(fam: Family, config: MoEConfig, layers: list[int], num_hidden_lay
         return False
 
 
-def with_training_options(fam: Family, config: MoEConfig, options: dict) -> MoEConfig:
-    """`config` (read from a Hugging Face config) with the training choices in `options`; a ValueError names an
-    option that would change what the checkpoint fixes (ARCHITECTURE, and load_balance where the family holds an
+def with_balance_fields(fam: Family, config: MoEConfig, fields: dict) -> MoEConfig:
+    """`config` (read from a Hugging Face config) with the balance fields in `fields`; a ValueError names a
+    field that would change what the checkpoint fixes (HF_FIXED_FIELDS, and load_balance where the family holds an
     aux-free routing bias or cannot hold one)."""
-    run = sorted(set(options) & set(MoERunOptions.__dataclass_fields__))
+    run = sorted(set(fields) & set(MoERunOptions.__dataclass_fields__))
     if run:
         raise ValueError(f"{fam.model_type}: {run} are run options, not MoEConfig fields; valid: pass them as "
                          f"options=MoERunOptions({', '.join(f'{n}=...' for n in run)})")
-    fixed = sorted(set(options) & set(ARCHITECTURE))
+    fixed = sorted(set(fields) & set(HF_FIXED_FIELDS))
     if fixed:
-        raise ValueError(f"{fam.model_type}: {fixed} are fixed by the Hugging Face config; valid options: the training "
-                         f"choices {sorted(n for n in MoEConfig.__dataclass_fields__ if n not in ARCHITECTURE)}")
-    new = replace(config, **options)
+        raise ValueError(f"{fam.model_type}: {fixed} are fixed by the Hugging Face config; valid: the balance "
+                         f"fields {sorted(n for n in MoEConfig.__dataclass_fields__ if n not in HF_FIXED_FIELDS)}")
+    new = replace(config, **fields)
     if (new.load_balance == "aux_free_bias") != (config.load_balance == "aux_free_bias"):
         valid = ["aux_free_bias"] if config.load_balance == "aux_free_bias" else ["none", "aux_loss"]
         raise ValueError(f"{fam.model_type}: load_balance={new.load_balance!r} cannot be saved back (the family "
@@ -309,6 +310,6 @@ def with_training_options(fam: Family, config: MoEConfig, options: dict) -> MoEC
     return new
 
 
-def training_options(config: MoEConfig) -> dict:
-    """The fields of `config` a Hugging Face config does not fix (its training choices)."""
-    return {n: getattr(config, n) for n in MoEConfig.__dataclass_fields__ if n not in ARCHITECTURE}
+def balance_fields(config: MoEConfig) -> dict:
+    """The fields of `config` a Hugging Face config does not fix: load_balance and the loss coefficients."""
+    return {n: getattr(config, n) for n in MoEConfig.__dataclass_fields__ if n not in HF_FIXED_FIELDS}

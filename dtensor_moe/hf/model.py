@@ -4,7 +4,7 @@ parallelized (EP / ETP / EDP for the experts, FSDP2 / HSDP for the rest) and sav
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     parallelize_hf_model(model, MoEParallelDims(world, ep=2), device_type="cuda")
-    ...  # train: loss = model(input_ids, labels=labels).loss + moe_aux_loss(model)
+    ...  # train: loss = model(input_ids, labels=labels).loss + balance_loss(model)
     save_hf(model, out_dir)  # every rank calls it; rank 0 writes
 
 Decoder layers are `model.model.layers` in every family we map (Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss).
@@ -41,26 +41,21 @@ class TupleMoE(MoE):
         return super().forward(x_BLD), None
 
 
-def swap_moe_blocks(model: nn.Module, options: MoERunOptions | None = None, **training_options) -> dict[str, MoE]:
+def swap_moe_blocks(model: nn.Module, options: MoERunOptions | None = None, **balance_fields) -> dict[str, MoE]:
     """Replaces every sparse-MoE block of a transformers model (Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock,
     DeepseekV3MoE, GptOssMLP) by our `MoE` with the same weights and routing (`from_hf_block`), in place, run with
-    `options`; `training_options` are the `MoEConfig` fields the Hugging Face config does not fix (aux_loss_coeff,
+    `options`; `balance_fields` are the `MoEConfig` fields the Hugging Face config does not fix (aux_loss_coeff,
     ...; see `from_hf_block`). Returns the swapped layers by qualified name."""
     swapped = {}
     for name, block in list(model.named_modules()):
         if type(block).__name__ in SPARSE_BLOCKS:
-            moe = from_hf_block(block, options, **training_options)
+            moe = from_hf_block(block, options, **balance_fields)
             if type(block).__name__ == "GptOssMLP":
                 moe.__class__ = TupleMoE
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent), attr, moe)
             swapped[name] = moe
     return swapped
-
-
-def moe_aux_loss(model: nn.Module) -> torch.Tensor | float:
-    """The enabled balance losses (aux, sequence-wise, z) of every `MoE` in `model` from its last forward."""
-    return sum(t for m in model.modules() if isinstance(m, MoE) for t in m.losses()) or 0.0
 
 
 def parallelize_hf_model(
@@ -72,10 +67,10 @@ def parallelize_hf_model(
     reshard_after_forward: bool = True,
     activation_checkpoint: str = "none",
     options: MoERunOptions | None = None,
-    **training_options,
+    **balance_fields,
 ) -> nn.Module:
     """A transformers MoE causal LM (every rank holding the same weights) trained by this library: its sparse
-    blocks swapped for our `MoE` run with `options` (`swap_moe_blocks`; `training_options`: the `MoEConfig` fields
+    blocks swapped for our `MoE` run with `options` (`swap_moe_blocks`; `balance_fields`: the `MoEConfig` fields
     its Hugging Face config does not fix, e.g. aux_loss_coeff), the experts sharded by the placement
     plan (EP, ETP, FSDP2 over EDP / HSDP), each decoder layer and the root one FSDP2 / HSDP unit on the
     data-parallel ranks (`parallelize_blocks`, activation checkpointing per layer). Dense tensor, context and
@@ -89,7 +84,7 @@ def parallelize_hf_model(
         from dtensor_moe.train.loss import hf_lm_loss
 
         loss = hf_lm_loss(model, tokens_BL, chunk_tokens=2048)
-        (loss + moe_aux_loss(model)).backward()  # loss: model(input_ids=tokens_BL, labels=tokens_BL).loss's
+        (loss + balance_loss(model)).backward()  # loss: model(input_ids=tokens_BL, labels=tokens_BL).loss's
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize_hf_model takes a transformers causal LM (an nn.Module), got "
@@ -106,7 +101,7 @@ def parallelize_hf_model(
     if layers is None:
         raise ValueError(f"parallelize_hf_model takes a transformers causal LM with its decoder layers at "
                          f"model.model.layers, got {type(model).__name__}")
-    swap_moe_blocks(model, options, **training_options)
+    swap_moe_blocks(model, options, **balance_fields)
     if not any(isinstance(m, MoE) for m in model.modules()):
         raise ValueError(f"{type(model).__name__} has no sparse-MoE block we map; valid blocks: {SPARSE_BLOCKS}")
     return parallelize_blocks(model, layers, dims, device_type=device_type, mp_policy=mp_policy,

@@ -254,7 +254,7 @@ def spec_from_model_config(cfg, name: str = "config") -> ModelSpec:
 
 def spec_from_hf_config(hf: dict, moe: MoEConfig, name: str = "config") -> ModelSpec:
     """The shapes of a Hugging Face MoE checkpoint's model from its config.json (`hf`), its MoE layers `moe` (the
-    family's MoEConfig with the training choices given beside hf_path). The dense layers (qwen3_moe's mlp_only_layers,
+    family's MoEConfig with the balance fields given beside hf_path). The dense layers (qwen3_moe's mlp_only_layers,
     deepseek_v3's first_k_dense_replace) count as leading ones, the folding search's one layout: the same weights and
     activations per layer."""
     from dtensor_moe.hf.families import family, getter

@@ -1,7 +1,8 @@
 """`[model] hf_path`: the main job's model fields read from a Hugging Face MoE checkpoint's config.json.
 
 The checkpoint fixes the architecture (sizes, layers, heads, vocabulary, routing); [model] may add only the
-training choices of the MoE (balance losses, capacity, FP8, ...). Torch is imported only when hf_path is set.
+balance fields of the MoE (load_balance and the loss coefficients; how it runs is [moe_run]). Torch is imported
+only when hf_path is set.
 """
 
 import importlib.util
@@ -28,7 +29,7 @@ def _read_config(path: str) -> tuple[dict, str]:
 
 def hf_model_fields(values: dict) -> dict:
     """[model]'s `values` (with hf_path) completed from the checkpoint's config.json: a ValueError names a given
-    field the checkpoint fixes otherwise, or a training choice the family cannot save back."""
+    field the checkpoint fixes otherwise, or a balance field the family cannot save back."""
     path = values["hf_path"]
     missing = [m for m in ("transformers", "safetensors") if importlib.util.find_spec(m) is None]
     if missing:  # checked before dtensor_moe.hf, which imports them, is
@@ -36,7 +37,7 @@ def hf_model_fields(values: dict) -> dict:
                          "here: pip install 'dtensor_moe[hf]'")
     from dtensor_moe.config import MoEConfig
     from dtensor_moe.hf.checkpoint import check_hf_checkpoint
-    from dtensor_moe.hf.families import ARCHITECTURE, family, getter, moe_config_from_hf, with_training_options
+    from dtensor_moe.hf.families import HF_FIXED_FIELDS, family, getter, moe_config_from_hf, with_balance_fields
 
     hf, text = _read_config(path)
     try:
@@ -46,7 +47,7 @@ def hf_model_fields(values: dict) -> dict:
         check_hf_checkpoint(path, hf)
     except (ValueError, TypeError) as e:
         raise ValueError(f"model.hf_path {path!r}: {e}") from None
-    arch = [*ARCHITECTURE, *(("load_balance",) if moe.load_balance == "aux_free_bias" else ())]
+    arch = [*HF_FIXED_FIELDS, *(("load_balance",) if moe.load_balance == "aux_free_bias" else ())]
     fixed.update({n: getattr(moe, n) for n in arch})
     fixed["hf_config"] = text
     conflicts = [f"model.{k} = {values[k]!r} (the checkpoint's: {v!r})" for k, v in fixed.items()
@@ -55,11 +56,11 @@ def hf_model_fields(values: dict) -> dict:
         conflicts.append(f"model.hf_config differs from {path}/config.json (it is filled in from there)")
     if conflicts:
         raise ValueError(f"model.hf_path {path!r} fixes the architecture; {'; '.join(conflicts)}: drop these keys "
-                         "from [model] (only the MoE's training choices may be given), or start from another "
+                         "from [model] (only the MoE's balance fields may be given), or start from another "
                          "checkpoint")
     options = {k: v for k, v in values.items() if k in MoEConfig.__dataclass_fields__}
     try:
-        with_training_options(family(get("model_type")), moe, {k: v for k, v in options.items() if k not in arch})
+        with_balance_fields(family(get("model_type")), moe, {k: v for k, v in options.items() if k not in arch})
     except ValueError as e:
         raise ValueError(f"model.hf_path {path!r}: {e}") from None
     return {**values, **fixed}

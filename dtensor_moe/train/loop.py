@@ -288,15 +288,17 @@ def _divergence(losses, grad_norm: float) -> str | None:
 
 def _accumulating(model, microbatches: int, loss_fn):
     """Forward and backward of every microbatch in turn (gradient accumulation), the objective of
-    the pipeline schedules: mean over microbatches of (loss + the MoE layers' aux loss)."""
+    the pipeline schedules: mean over microbatches of (loss + the MoE layers' balance losses)."""
 
     import torch
+
+    from dtensor_moe.moe import balance_loss
 
     def forward_backward(inputs_BL, targets_BL) -> tuple[float, float]:
         ce_sum = aux_sum = 0.0
         for x_BL, y_BL in zip(inputs_BL.tensor_split(microbatches), targets_BL.tensor_split(microbatches)):
             ce = loss_fn(model(x_BL), y_BL)
-            aux = model.aux_loss()
+            aux = balance_loss(model)
             ((ce + aux) / microbatches).backward()
             ce_sum, aux_sum = ce_sum + ce.item(), aux_sum + float(torch.as_tensor(aux).detach())
         return ce_sum / microbatches, aux_sum / microbatches

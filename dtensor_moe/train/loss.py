@@ -189,12 +189,12 @@ def hf_lm_loss(model, tokens_BL: torch.Tensor, chunk_tokens: int = 2048, **forwa
         forward_kwargs: more arguments for the model's forward (e.g. use_cache=False).
 
     Returns:
-        Tensor: the scalar mean cross-entropy; add `moe_aux_loss(model)` for the balance losses.
+        Tensor: the scalar mean cross-entropy; add `dtensor_moe.balance_loss(model)` for the balance losses.
 
     Example::
 
         loss = hf_lm_loss(model, tokens_BL)
-        (loss + moe_aux_loss(model)).backward()
+        (loss + balance_loss(model)).backward()
     """
     out = model(input_ids=tokens_BL, output_hidden_states=True, logits_to_keep=1, **forward_kwargs)
     targets_BL = F.pad(tokens_BL[:, 1:], (0, 1), value=IGNORE_INDEX)

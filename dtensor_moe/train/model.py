@@ -83,10 +83,6 @@ class MoEModel(nn.Module):
     def moe_layers(self) -> dict[int, MoE]:
         raise NotImplementedError
 
-    def aux_loss(self) -> torch.Tensor | float:
-        """Sum of the MoE layers' balance losses (aux, sequence-wise, z) from the last forward (0 when disabled)."""
-        return sum(t for moe in self.moe_layers().values() for t in moe.losses()) or 0.0
-
     def update_expert_bias(self):
         for moe in self.moe_layers().values():
             moe.update_expert_bias()
@@ -155,7 +151,7 @@ class HFCausalLM(MoEModel):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
-        from dtensor_moe.hf.families import training_options
+        from dtensor_moe.hf.families import balance_fields
         from dtensor_moe.hf.model import swap_moe_blocks
 
         hf_logging.disable_progress_bar()  # one bar per rank per load would bury the run's own
@@ -163,7 +159,7 @@ class HFCausalLM(MoEModel):
             if json.load(f) != json.loads(cfg.hf_config):
                 raise ValueError(f"{cfg.hf_path}/config.json changed since this run was configured; start it again")
         hf = AutoModelForCausalLM.from_pretrained(cfg.hf_path, dtype=torch.float32)
-        swap_moe_blocks(hf, options, **training_options(cfg.moe_config()))
+        swap_moe_blocks(hf, options, **balance_fields(cfg.moe_config()))
         return cls(hf, cfg)
 
     @property
