@@ -1,4 +1,5 @@
-"""Hot-expert replicas in the dropless dispatch (MoERunOptions.expert_replicas; the placement itself: replicas.py).
+"""Hot-expert replicas (MoERunOptions.expert_replicas) over the unpadded dispatch, TokenDispatch or PairDispatch
+(the placement itself: replicas.py).
 
 Each forward: the EP x ETP group all-gathers its per-expert pair counts (one more host sync), every rank computes
 the same split of each replicated expert's pairs between owner and replicas (`source_segments`), and the pairs are

@@ -262,9 +262,10 @@ _LAYER_NAMES: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDicti
 def dispatch_options(moe: MoE) -> dict:
     """An MoE's `make_dispatcher` options from its run options: padding, replica slots and the row cap, named for
     errors."""
-    run = moe.options
-    return dict(padded=run.pad_to_capacity, replicas=run.expert_replicas, replan_every=run.replica_replan_every,
-                max_rows_per_rank=run.max_rows_per_rank, layer=f"MoE layer {_LAYER_NAMES.get(moe, '')!r}")
+    options = moe.options
+    return dict(padded=options.pad_to_capacity, replicas=options.expert_replicas,
+                replan_every=options.replica_replan_every, max_rows_per_rank=options.max_rows_per_rank,
+                layer=f"MoE layer {_LAYER_NAMES.get(moe, '')!r}")
 
 
 def fsdp_kwargs(mp_policy, reshard_after_forward: bool) -> dict:

@@ -73,7 +73,7 @@ from dtensor_moe.tools.presets import TITAN_MODELS
 from . import moonshot
 from .models import deepseek_v3_tiny, gpt_oss_tiny, qwen3_moe_tiny
 from .parallelize_titan import parallelize_titan, sum_reductions
-from .trainer import ExpertParallelConfig, Trainer, _refuse
+from .trainer import HookConfig, Trainer, _refuse
 
 DATA = Path(__file__).resolve().parent.parent / "titan_data"
 TINY_VOCAB = 384  # >= the shipped tokenizer's 382 entries
@@ -151,7 +151,7 @@ def _refuse_bad_flags(argv: list[str]) -> None:
     """An unknown `--dtensor_moe.*` flag, or `--dtensor_moe.run.*` values MoERunOptions refuses, in one line from
     rank 0 while torchtitan loads the config function (every config function here comes through `_as`), before
     its own parser prints an error box on every rank."""
-    known = {f.name for f in fields(ExpertParallelConfig) if f.name != "run"}
+    known = {f.name for f in fields(HookConfig) if f.name != "run"}
     run_types = {f.name: f.type for f in fields(MoERunOptions)}
     known |= {f"run.{name}" for name in run_types}
     run = {}

@@ -2,7 +2,7 @@
 
 torchtitan's router, its load-balancing count (`tokens_per_expert_E`, which moves the aux-loss-free bias) and its
 shared experts stay torchtitan's. From the router's choice to the combined output it is ours: the choices become our
-routing tables (`TokenCopies`), the dropless dispatch moves each token once per EP x ETP rank that holds one of its
+routing tables (`TokenCopies`), `TokenDispatch` moves each token once per EP x ETP rank that holds one of its
 experts, and our grouped SwiGLU kernels run the experts (`activation_memory` "minimal" by default, FP8 experts and
 payload, the Triton weight-gradient kernels where kernels/policy.py picks them).
 
@@ -76,13 +76,13 @@ def _swap_class(module: nn.Module, ours: type) -> None:
     module.__class__ = cls
 
 
-def adopt(moe: nn.Module, config: MoEConfig, run: MoERunOptions) -> None:
-    """torchtitan MoE `moe`'s routed experts computed by ours, with `run`'s expert_precision and activation_memory
-    and `config`'s (gpt-oss) clamped gate. Before the placement: `shard_moe_layer` then hooks the dropless dispatch
+def adopt(moe: nn.Module, config: MoEConfig, options: MoERunOptions) -> None:
+    """torchtitan MoE `moe`'s routed experts computed by ours, with `options`' expert_precision and activation_memory
+    and `config`'s (gpt-oss) clamped gate. Before the placement: `shard_moe_layer` then hooks `TokenDispatch`
     on them."""
     routed = moe.routed_experts
     experts = routed.inner_experts
     _swap_class(experts, _GptOssSwiGLU if is_gpt_oss(experts) else _TitanSwiGLU)
-    experts.precision, experts.activation_memory = run.expert_precision, effective_activation_memory(run)
+    experts.precision, experts.activation_memory = options.expert_precision, effective_activation_memory(options)
     experts.clamp = (config.swiglu_alpha, config.swiglu_limit) if config.activation == "clamped_swiglu" else None
     _swap_class(routed, _OurRouting)

@@ -7,14 +7,14 @@ gathered over cp (context_parallel.py); torchtitan shards the batches, so each c
 its own part of the sequence. Dense TP with sequence parallelism is torchtitan's own
 (`Module.parallelize`, its sharding configs for attention, dense FFN, embeddings, norms and head)
 with the MoEs left out: every torchtitan `MoE` gets dtensor_moe's placement plan instead. Expert
-weights become DTensors on our expert mesh (EP splits experts, ETP splits F), the expert-order dispatch
+weights become DTensors on our expert mesh (EP splits experts, ETP splits F), `PairDispatch`
 moves tokens around torchtitan's grouped-GEMM experts, and FSDP2 shards the experts over EDP and the
 router/shared experts over every rank with its own tokens (dp_shard * cp * tp: under sequence
 parallelism each TP rank hands its MoE its own slice of the sequence), each with the plan's shard
 dim. The dense rest gets torchtitan's own FSDP2/HSDP (over dp_shard * cp, torchtitan's "fsdp" mesh).
 With `--dtensor_moe.experts ours` (the default) our routed experts compute inside torchtitan's MoE (experts.py):
-the dropless dispatch and our kernels on torchtitan's own expert parameters; `titan` keeps torchtitan's
-experts behind our expert-order dispatch.
+`TokenDispatch` and our kernels on torchtitan's own expert parameters; `titan` keeps torchtitan's
+experts behind our `PairDispatch`.
 Under pipeline parallelism torchtitan calls this once per stage's model part and our meshes are that
 stage's. Parameters keep torchtitan's names, so its checkpointer and Hugging Face state-dict
 adapters see the usual keys.
@@ -140,23 +140,23 @@ def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_co
     )
     reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward, parallel_dims.pp_enabled)
     names = {m: n for n, m in model.named_modules()}
-    options = parallel_dims.options
-    run = MoERunOptions() if options is None else options.run
-    ours = options is None or options.experts == "ours"
+    hook = parallel_dims.hook_config
+    options = MoERunOptions() if hook is None else hook.run
+    ours = hook is None or hook.experts == "ours"
     for moe, moe_plans in zip(moes, plans):
         config = moe_config(moe)
-        if run.round_tokens_to:  # --dtensor_moe.run.round_tokens_to (titan/token_rounding.py)
-            round_titan_tokens(moe, config, run.round_tokens_to, dims.ep * dims.etp > 1)
+        if options.round_tokens_to:  # --dtensor_moe.run.round_tokens_to (titan/token_rounding.py)
+            round_titan_tokens(moe, config, options.round_tokens_to, dims.ep * dims.etp > 1)
         if ours:  # --dtensor_moe.experts ours (titan/experts.py)
-            adopt(moe, config, run)
+            adopt(moe, config, options)
         # torchtitan's loss is a global sum and its FSDP reductions sum (divide factor 1): expert
         # weight gradients must stay sums too (fsdp_sums: no EP*ETP division in the dispatcher), and the tp
         # ranks' copies sum like torchtitan's TP weights' (tp_grads="sum", by those reductions themselves).
         fsdp_kwargs = {"mp_policy": mp_policy, "reshard_after_forward": reshard}
         # Replicas and the row cap (titan/replicas.py): --dtensor_moe.run.expert_replicas, max_rows_per_rank.
         shard_moe_layer(moe, moe_plans, dims, meshes, fsdp_kwargs, tp_grads="sum", fsdp_sums=True,
-                        dispatch_precision=run.dispatch_precision,
-                        dispatch_options=dispatch_options(run, f"MoE layer {names[moe]!r}", dims.etp))
+                        dispatch_precision=options.dispatch_precision,
+                        dispatch_options=dispatch_options(options, f"MoE layer {names[moe]!r}", dims.etp))
         if not ours and is_gpt_oss(moe.routed_experts.inner_experts):
             finish_rows(moe.routed_experts.inner_experts, dims.etp)
 

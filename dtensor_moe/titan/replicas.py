@@ -30,8 +30,8 @@ def replica_forward(experts: nn.Module, x_RD, counts_E, weights: dict, etp: int)
         experts._parameters.update(saved)
 
 
-def dispatch_options(run, layer: str, etp: int) -> dict:
+def dispatch_options(options, layer: str, etp: int) -> dict:
     """`make_dispatcher`'s replica and row-cap arguments from the hook's `--dtensor_moe.run` (MoERunOptions)."""
-    return dict(replicas=run.expert_replicas, replan_every=run.replica_replan_every,
-                max_rows_per_rank=run.max_rows_per_rank, layer=layer,
+    return dict(replicas=options.expert_replicas, replan_every=options.replica_replan_every,
+                max_rows_per_rank=options.max_rows_per_rank, layer=layer,
                 replica_forward=partial(replica_forward, etp=etp))

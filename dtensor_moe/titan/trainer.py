@@ -39,7 +39,7 @@ compat.install()  # process-wide, so also for torchtitan's own Trainer under thi
 
 
 @dataclass(kw_only=True, slots=True)
-class ExpertParallelConfig:
+class HookConfig:
     ep: int = 1
     """Expert parallel degree: ranks that split the experts (dim 0 of the expert weights)."""
     etp: int = 1
@@ -50,8 +50,8 @@ class ExpertParallelConfig:
     """Every MoE layer's load_balance_coeff (torchtitan's aux-loss-free routing bias, expert_bias_E, moved by
     this much a step): 0 trains no bias; unset keeps the model config's (the hook's Qwen3 configs train none)."""
     experts: str = "ours"
-    """Who computes the routed experts (titan/experts.py): "ours" (dtensor_moe's dropless dispatch and kernels on
-    torchtitan's own expert parameters) or "titan" (torchtitan's experts behind our expert-order dispatch). The
+    """Who computes the routed experts (titan/experts.py): "ours" (dtensor_moe's `TokenDispatch` and kernels on
+    torchtitan's own expert parameters) or "titan" (torchtitan's experts behind our `PairDispatch`). The
     state dict is the same under both: a checkpoint of one resumes under the other."""
     run: MoERunOptions = field(default_factory=MoERunOptions)
     """How our MoE layers run, the main job's `[moe_run]` (`dtensor_moe.MoERunOptions`), as
@@ -67,7 +67,7 @@ class ExpertMeshParallelDims(ParallelDims):
 
     moe: MoEParallelDims | None = None
     # The hook's `dtensor_moe` section, for what parallelize applies besides the degrees (replicas, row cap).
-    options: ExpertParallelConfig | None = None
+    hook_config: HookConfig | None = None
 
     @property
     def ep_enabled(self) -> bool:
@@ -86,7 +86,7 @@ def _only(name: str, value, allowed, hint: str):
 class Trainer(TitanTrainer):
     @dataclass(kw_only=True, slots=True)
     class Config(TitanTrainer.Config):
-        dtensor_moe: ExpertParallelConfig = field(default_factory=ExpertParallelConfig)
+        dtensor_moe: HookConfig = field(default_factory=HookConfig)
 
         def __post_init__(self):
             TitanTrainer.Config.__post_init__(self)
@@ -105,7 +105,7 @@ class Trainer(TitanTrainer):
         dense = super().init_distributed()
         moe = check_degrees(self.config, dense.world_size)  # checked while parsing: the same dims, no error
         init = {f.name: getattr(dense, f.name) for f in fields(ParallelDims) if not f.name.startswith("_")}
-        return ExpertMeshParallelDims(**init, moe=moe, options=self.config.dtensor_moe)
+        return ExpertMeshParallelDims(**init, moe=moe, hook_config=self.config.dtensor_moe)
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -328,7 +328,7 @@ def _check_experts(config: Trainer.Config) -> None:
         raise ValueError(f"--dtensor_moe.experts {ours.experts!r} is not one of {list(EXPERTS)}")
     default = MoERunOptions()
     for name in ("capacity_factor", "drop_policy", "pad_to_capacity"):
-        # torchtitan's router and our dropless dispatch keep every pair: no capacity to drop or pad to.
+        # torchtitan's router and our TokenDispatch and PairDispatch keep every pair: no capacity to drop or pad to.
         if getattr(run, name) != getattr(default, name):
             raise ValueError(f"--dtensor_moe.run.{name} {getattr(run, name)!r} is not supported with --module "
                              f"dtensor_moe.titan (the hook's dispatch is dropless); valid: "
