@@ -38,7 +38,7 @@ REAL_SIZE = ("deepseek_v3_16b", "deepseek_v3_236b", "deepseek_v3_671b", "qwen3_3
              "gpt_oss_20b", "gpt_oss_120b", "moonlight_16b_a3b", "kimi_k2")
 # Moonshot's decoders: torchtitan has them in kimi_k2_7, which needs torchvision; test_moonshot_decoders_are_hf_s
 # checks them against transformers' DeepseekV3 with the Hugging Face configs' values instead.
-MOONSHOT = {"moonlight_16b_a3b": "moonlight_16b_a3b", "kimi_k2": "kimi_k2"}
+MOONSHOT = {"moonlight_16b_a3b": "moonlight_16b_a3b_spec", "kimi_k2": "kimi_k2_spec"}
 DIMS = MoEParallelDims(16, ep=4, etp=2)  # divides every config's experts and expert hidden dim
 
 

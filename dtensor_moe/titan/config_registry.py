@@ -249,14 +249,14 @@ def qwen3_235b_a22b() -> Trainer.Config:
 
 def moonlight_16b_a3b() -> Trainer.Config:
     """Moonlight-16B-A3B with deepseek_v3_16b's settings."""
-    config = _with_model(titan_deepseek_v3.deepseek_v3_16b(), moonshot.moonlight_16b_a3b(),
+    config = _with_model(titan_deepseek_v3.deepseek_v3_16b(), moonshot.moonlight_16b_a3b_spec(),
                          "./assets/hf/Moonlight-16B-A3B")
     return wrap_config(config)
 
 
 def kimi_k2() -> Trainer.Config:
     """Kimi K2's text tower with deepseek_v3_671b's settings."""
-    config = _with_model(titan_deepseek_v3.deepseek_v3_671b(), moonshot.kimi_k2(), "./assets/hf/Kimi-K2-Base")
+    config = _with_model(titan_deepseek_v3.deepseek_v3_671b(), moonshot.kimi_k2_spec(), "./assets/hf/Kimi-K2-Base")
     return wrap_config(config)
 
 

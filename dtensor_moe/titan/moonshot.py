@@ -42,14 +42,14 @@ def _decoder(flavor: str, *, dim: int, n_layers: int, n_heads: int, q_lora_rank:
     return replace(base, flavor=flavor, model=model)
 
 
-def moonlight_16b_a3b() -> ModelSpec:
+def moonlight_16b_a3b_spec() -> ModelSpec:
     """Moonlight-16B-A3B (moonshotai/Moonlight-16B-A3B): 27 layers, 64 experts top-6, 2 shared, RoPE theta 5e4."""
     return _decoder("moonlight-16B-A3B", dim=2048, n_layers=27, n_heads=16, q_lora_rank=0, dense_hidden_dim=11264,
                     moe_hidden_dim=1408, num_experts=64, num_shared_experts=2, top_k=6, route_scale=2.446,
                     rope=ComplexRoPE.Config(dim=64, max_seq_len=8192, theta=50000.0))
 
 
-def kimi_k2() -> ModelSpec:
+def kimi_k2_spec() -> ModelSpec:
     """Kimi K2's text tower (moonshotai/Kimi-K2-Base; K2.5 and K2.6 share it): 61 layers, 384 experts top-8, 1
     shared, YaRN RoPE (factor 64 over 4096 positions)."""
     return _decoder("Kimi-K2", dim=7168, n_layers=61, n_heads=64, q_lora_rank=1536, dense_hidden_dim=18432,
