@@ -267,6 +267,8 @@ def balance_loss(module: nn.Module) -> torch.Tensor | float:
         torch.Tensor | float: the sum, or 0.0 when no layer has a balance loss enabled.
 
     Example:
+        >>> import torch
+        >>> from dtensor_moe import MoE, MoEConfig, balance_loss
         >>> moe = MoE(MoEConfig(dim=8, hidden_dim=8, num_experts=4, top_k=2, load_balance="aux_loss"))
         >>> y_BLD = moe(torch.randn(2, 3, 8))
         >>> bool(balance_loss(moe) > 0)

@@ -126,6 +126,28 @@ def checkpoint_files(directory) -> dict[str, Entry]:
 
 
 class SafetensorsReader:
+    """Lazy reads of a Hugging Face safetensors checkpoint directory: every file's header is read and checked at
+    construction (`checkpoint_files`), each shard is opened at its first read, and `read` reads only the box asked
+    for, so a rank loads its own slices and never the whole checkpoint. `elements_read` counts the elements read.
+
+    Args:
+        directory (str | Path): the checkpoint directory: model.safetensors.index.json and its shards, or
+            *.safetensors files.
+
+    Raises:
+        ValueError: no such directory, no safetensors weights in it, or a damaged file or index (naming it).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from safetensors.torch import save_file
+        >>> from dtensor_moe.hf import SafetensorsReader
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     save_file({"w": torch.arange(12.0).reshape(3, 4)}, f"{d}/model.safetensors")
+        ...     reader = SafetensorsReader(d)
+        ...     reader.shape("w"), reader.read("w", (slice(1, 2), slice(0, 4))).tolist(), reader.elements_read
+        ((3, 4), [[4.0, 5.0, 6.0, 7.0]], 4)
+    """
+
     def __init__(self, directory):
         self.directory = Path(directory)
         self._entries = checkpoint_files(self.directory)
@@ -153,7 +175,19 @@ class SafetensorsReader:
 
 
 class StateDictReader:
-    """The same reads over tensors in memory (a transformers module's state dict)."""
+    """`SafetensorsReader`'s reads (keys, shape, read of a key or of a box of it) over tensors in memory, such as a
+    transformers module's state dict; `elements_read` counts the elements read.
+
+    Args:
+        tensors (dict[str, torch.Tensor]): key -> tensor; reads return detached views, not copies.
+
+    Example:
+        >>> import torch
+        >>> from dtensor_moe.hf import StateDictReader
+        >>> reader = StateDictReader({"w": torch.arange(12.0).reshape(3, 4)})
+        >>> reader.shape("w"), reader.read("w", (slice(0, 3), slice(2, 3))).flatten().tolist(), reader.elements_read
+        ((3, 4), [2.0, 6.0, 10.0], 3)
+    """
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self._tensors = tensors

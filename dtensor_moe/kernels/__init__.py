@@ -7,4 +7,7 @@ directly. `policy.py` alone decides which implementation runs.
 
 # Nothing is re-exported here: the public modules, each imported by its own name.
 # wgrad_triton holds wgrad's Triton kernels and imports Triton: wgrad loads it where it runs.
-__all__ = ["fp8", "gather_sum", "grouped_mm", "policy", "recompute", "segment_sum", "swiglu", "wgrad"]
+__all__ = [
+    "counters", "expert_autograd", "fp8", "gather_sum", "grouped_mm", "policy", "recompute", "segment_sum", "swiglu",
+    "wgrad",
+]

@@ -13,6 +13,12 @@ import torch
 
 from dtensor_moe.kernels import counters, wgrad
 
+__all__ = [
+    "count_host_syncs", "fp8_measured_faster", "fused_measured_faster", "gate_up_fused", "gemm_precision",
+    "grouped_mm_supported", "host_list", "host_synced", "rounding_backend", "runs_triton", "weight_grad_accumulation",
+    "wgrad_config",
+]
+
 
 @functools.cache
 def triton_available() -> bool:

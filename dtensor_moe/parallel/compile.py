@@ -16,6 +16,8 @@ from dtensor_moe.kernels import recompute
 from dtensor_moe.parallel.activation_checkpoint import check_activation_checkpoint
 from dtensor_moe.parallel.inductor_grid import guard_empty_y_grid
 
+__all__ = ["apply_activation_checkpointing", "apply_compile", "check_compile"]
+
 # Selective checkpointing keeps the outputs of our ops that declare it (kernels/recompute.py: the expert-parallel
 # exchange, the expert GEMMs) and of torch's own: the statistics' all-reduce (so recomputation repeats no
 # communication) and the dense matmuls.

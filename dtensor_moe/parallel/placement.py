@@ -157,6 +157,23 @@ def axis_sizes(dims: MoEParallelDims) -> dict[str, int]:
 
 
 def rank_coords(dims: MoEParallelDims, rank: int) -> dict[str, int]:
+    """A rank's coordinate on every mesh axis a placement step can name: the dense mesh's, the expert mesh's
+    and the flattened data-parallel axes (dp_shard_cp, dp_shard_tp, dp_shard_cp_tp).
+
+    Args:
+        dims (MoEParallelDims): the degrees.
+        rank (int): a global rank; with pp > 1 its coordinates inside its pipeline stage.
+
+    Returns:
+        dict[str, int]: axis name -> the rank's index along that axis (the keys of `axis_sizes`).
+
+    Example:
+        >>> from dtensor_moe import MoEParallelDims
+        >>> from dtensor_moe.parallel.placement import rank_coords
+        >>> c = rank_coords(MoEParallelDims(world_size=8, tp=2, ep=2), rank=5)
+        >>> c["dp_shard"], c["tp"], c["edp"], c["ep"], c["dp_shard_tp"]
+        (2, 1, 2, 1, 5)
+    """
     c = {**dims.dense_coords(rank), **dims.expert_coords(rank)}
     c["dp_shard_cp"] = c["dp_shard"] * dims.cp + c["cp"]
     c["dp_shard_tp"] = c["dp_shard"] * dims.tp + c["tp"]

@@ -13,6 +13,8 @@ import math
 
 import torch
 
+__all__ = ["capacity", "kept_pairs"]
+
 
 def capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     return math.ceil(num_tokens * top_k / num_experts * capacity_factor)

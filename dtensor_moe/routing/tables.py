@@ -11,6 +11,8 @@ import torch
 
 from dtensor_moe.kernels.gather_sum import gather_sum
 
+__all__ = ["PaddedCopies", "PairRows", "TokenCopies", "expert_major", "gather_rows", "inverse_permutation"]
+
 
 @torch.library.custom_op("dtensor_moe::gather_rows", mutates_args=())
 def gather_rows(x: torch.Tensor, idx: torch.Tensor, readers_RK: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,8 @@ import torch
 from dtensor_moe.kernels import policy
 from dtensor_moe.routing.capacity import capacity
 
+__all__ = ["CANDIDATES", "ROUNDS", "check_rounding_reachable", "round_tokens", "round_tokens_compiled"]
+
 # Matching rounds of step 3, measured on uniform routing at M=128: at T=4096, E=64, K=6, 29 of the 30 experts of U
 # round up after 4 rounds (25 after 3, still 29 after 8); at T=16384, E=256, K=8, 129 of 139 (132 after 8). Each
 # round is a few gathers and cumsums over [T, CANDIDATES].

@@ -105,6 +105,11 @@ AUTO_BACKEND = {"cpu": "gloo", "cuda": "nccl"}  # what auto means on each parall
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """The `[parallel]` section: how many ranks the launcher starts, on which device and backend, and how they fold
+    into the dense mesh (dp_replicate, dp_shard, cp, tp), the expert mesh (ep, etp) and pipeline stages (pp, its
+    schedule and microbatches). dp_shard is not set here: it takes the rest of nproc (`MoEParallelDims`). `timeout_s`
+    is the watchdog's: a rank with no step done for that long stops the job."""
+
     nproc: int = 1
     device: str = "cpu"  # cpu | cuda
     # The process groups' backend (BACKENDS): auto is nccl on cuda, gloo on cpu. gloo on cuda lets several ranks
@@ -149,6 +154,11 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class TrainingConfig:
+    """The `[training]` section: the optimizer steps and their batch (global_batch sequences of seq_len tokens per
+    step), AdamW's learning rate with its warmup and cosine decay to lr * min_lr_ratio, weight decay and gradient
+    clipping, the compute dtype and seed, and what the step runs (torch.compile, activation checkpointing, routing
+    replay, the chunked loss); parity_tolerance is the loss difference `dtensor-moe train --parity` accepts."""
+
     steps: int = 50
     seq_len: int = 64
     global_batch: int = 16
@@ -246,6 +256,12 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """A whole training run, one field per TOML section: `[model]` (ModelConfig, what a checkpoint holds),
+    `[moe_run]` (MoERunOptions, how the run computes the MoE layers), `[parallel]` (ParallelConfig), `[training]`
+    (TrainingConfig) and `[data]` (DataConfig). `load_config` builds it from a file and `section.key=value`
+    overrides; construction checks what spans sections (e.g. training.seq_len against model.max_seq_len and
+    parallel.cp * tp, model.vocab_size against the data's tokenizer)."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     # How the run computes the MoE layers (token dropping and rounding, precisions, replicas, the row cap): not in
     # checkpoints, so a resume may change them.

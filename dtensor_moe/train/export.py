@@ -94,6 +94,17 @@ def _weights_path(path) -> Path:
 
 
 def read_config(path) -> dict:
+    """The model config an export carries: the config.json written next to its model.safetensors.
+
+    Args:
+        path (str | Path): the exported model.safetensors, or the directory holding it.
+
+    Returns:
+        dict: the ModelConfig's fields (`ModelConfig.from_dict` builds the model's config from it).
+
+    Raises:
+        ValueError: no safetensors file there, no config.json next to it, or a config.json that is not valid JSON.
+    """
     weights = _weights_path(path)
     if not weights.is_file():
         raise ValueError(

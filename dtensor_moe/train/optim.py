@@ -37,6 +37,26 @@ def build_optimizer(model, lr: float, weight_decay: float, betas=(0.9, 0.95)) ->
 
 
 def build_scheduler(optimizer, warmup_steps: int, total_steps: int, min_ratio: float):
+    """Linear warmup, then cosine decay of every group's learning rate to `min_ratio` of it.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the optimizer whose groups' lr is the peak.
+        warmup_steps (int): steps of linear warmup, the lr at step s being (s + 1) / warmup_steps of the peak; 0: none.
+        total_steps (int): the run's steps; the cosine reaches min_ratio at step total_steps and stays there.
+        min_ratio (float): the final lr as a fraction of the peak.
+
+    Returns:
+        torch.optim.lr_scheduler.LambdaLR: stepped once per optimizer step.
+
+    Example:
+        >>> import torch
+        >>> from dtensor_moe.train.optim import build_scheduler
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        >>> sched = build_scheduler(opt, warmup_steps=2, total_steps=6, min_ratio=0.1)
+        >>> [round(sched.lr_lambdas[0](s), 3) for s in range(7)]
+        [0.5, 1.0, 1.0, 0.868, 0.55, 0.232, 0.1]
+    """
+
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps

@@ -31,7 +31,6 @@ from dtensor_moe.tools.folding.geometry import (
 from dtensor_moe.tools.folding.memory import (
     Memory,
     activation_bytes,
-    memory_of,
     predicted_state_bytes,
     rank_activations,
     rank_memory,
@@ -109,7 +108,7 @@ __all__ = [
     "Rates", "StageShare", "Traffic", "Unit", "UnitPart", "Workload", "activation_bytes", "balance", "bubble_fraction",
     "candidate_dict", "chain_inter_fraction", "combine", "comm_bytes", "comm_time", "distinct_ranks", "evaluate",
     "expert_rows", "explain_choice", "foldings", "footprint", "footprint_key", "fsdp_units", "held_costs", "held_numel",
-    "in_flight", "inclusion", "max_over_mean", "memory_of", "mesh_geometry", "node_span", "pairwise_intra_fraction",
+    "in_flight", "inclusion", "max_over_mean", "mesh_geometry", "node_span", "pairwise_intra_fraction",
     "pipeline_degrees", "pipeline_ranks", "popularity", "popularity_order", "predicted_state_bytes", "rank_activations",
     "rank_foldings", "rank_memory", "ranks_held_costs", "rates", "rates_key", "ring_inter_fraction", "seconds",
     "share_footprint", "share_parts", "stage_share", "state_bytes", "step_tokens_per_rank", "table", "token_traffic",

@@ -26,6 +26,16 @@ from dtensor_moe.tools.presets import ModelSpec, spec_from_model_config
 
 
 class Memory(NamedTuple):  # a tuple, like Traffic: built for every pipeline rank of every folding
+    """Bytes one rank holds at its peak in a training step, by part (`rank_memory`).
+
+    Attributes:
+        params (float): its sharded fp32 parameters.
+        grads (float): its sharded fp32 gradients.
+        optimizer (float): its optimizer state (AdamW: two fp32 moments and a step counter per tensor).
+        gathered (float): the FSDP working set: unsharded parameters and gradients while they are in use.
+        activations (float): saved activations, an estimate (`rank_activations`).
+    """
+
     params: float
     grads: float
     optimizer: float
@@ -62,6 +72,10 @@ def held_memory(work: Workload, pp: int, fp: Footprint) -> tuple[int, int, int, 
 
 
 def rank_activations(r: Rates, rank: PipelineRank) -> float:
+    """Saved activation bytes of pipeline rank `rank` under its folding's `Rates` `r` (an estimate): per
+    microbatch in flight, its layers' saved activations (only their block inputs when recomputing) and, on the
+    last stage, the logits; once, one layer's activations while it is recomputed, the logits' gradient (last
+    stage) and, with hot-expert replicas, one MoE layer's replica weights' gradient."""
     s = rank.share
     logits, logits_grad = (r.logits, r.logits_grad) if s.last else (0, 0)
     if r.recompute:  # block inputs, plus one block's activations while it is recomputed
@@ -87,12 +101,10 @@ def activation_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, ran
 
 def rank_memory(spec: ModelSpec, dims: MoEParallelDims, work: Workload, fp: Footprint,
                 rank: PipelineRank | None = None) -> Memory:
+    """Bytes of one rank of folding `dims`: its weights' state and working set from its footprint `fp` (the units
+    it holds, `units.footprint`), its activations (`activation_bytes`) running `work`. `rank`: the pipeline rank
+    it is (default: the one rank of pp == 1, the whole model)."""
     return Memory(*held_memory(work, dims.pp, fp), activation_bytes(spec, dims, work, rank))
-
-
-def memory_of(r: Rates, held) -> Memory:
-    """A rank's memory from its folding's Rates and its weights' costs (`traffic.Held`)."""
-    return Memory(*held.memory, rank_activations(r, held.rank))
 
 
 def predicted_state_bytes(model_cfg, dims: MoEParallelDims, rank: int, optimizer: str = "adamw",

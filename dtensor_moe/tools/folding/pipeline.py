@@ -32,12 +32,24 @@ class StageShare(NamedTuple):
 
 
 def stage_share(spec: ModelSpec, pp: int, schedule: str, pp_rank: int) -> StageShare:
+    """What pipeline rank `pp_rank` of `pp` holds of `spec` under `schedule` ("gpipe", "1f1b",
+    "interleaved_1f1b"): the dense and MoE layers of its stages (`placement.rank_layers`; the dense
+    layers lead the model), the embedding on rank 0, the final norm and head on rank pp - 1.
+
+    Example:
+        >>> from dtensor_moe.tools.presets import PRESETS
+        >>> stage_share(PRESETS["deepseek-v3-671b"], 16, "1f1b", 0)  # 61 layers, the first 3 dense
+        StageShare(dense_layers=3, moe_layers=1, first=True, last=False)
+    """
     layers = rank_layers(spec.n_layers, pp, schedule, pp_rank)
     dense = sum(i < spec.n_dense_layers for i in layers)  # the dense layers lead
     return StageShare(dense, len(layers) - dense, pp_rank == 0, pp_rank == pp - 1)
 
 
 class PipelineRank(NamedTuple):
+    """A pipeline rank as the cost model prices it: what it holds, the microbatches whose activations it
+    keeps at its peak, and its stage-boundary sends (`pipeline_ranks`; `whole_model` for pp == 1)."""
+
     share: StageShare
     in_flight: float  # microbatches whose saved activations (of all its layers) it holds at peak
     sends: int  # stage-boundary sends per microbatch: hidden states forward, their gradients backward

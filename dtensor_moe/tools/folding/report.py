@@ -43,6 +43,11 @@ def table(cands: list[Candidate]) -> str:
 
 def explain_choice(spec: ModelSpec, best: Candidate, runner_up: Candidate | None, hw: Hardware,
                    work: Workload = Workload()) -> str:
+    """The top choice in plain words (`dtensor-moe plan`'s closing lines): its degrees, how the experts are
+    split and sharded, dense TP and PP where used, how many nodes an EP group spans, memory per rank and its
+    largest part, the traffic per step, the rows per EP rank under skewed routing, and the runner-up's cost
+    relative to it. `best`, `runner_up` (or None): the first two fitting candidates of `rank_foldings`; `spec`,
+    `hw` and `work` what they were searched for (`work` names the schedule, microbatches and skew)."""
     d, m, G, s = best.dims, best.memory, hw.gpus_per_node, best.share
     E = spec.moe.num_experts
     ep_nodes = node_span(*mesh_geometry(d)["ep"], G)
@@ -95,6 +100,10 @@ def explain_choice(spec: ModelSpec, best: Candidate, runner_up: Candidate | None
 
 
 def candidate_dict(c: Candidate) -> dict:
+    """Candidate `c` as a JSON row (`dtensor-moe plan --json`): its degrees, the bubble, the stage of the rank with
+    the most memory, memory bytes by part with their total, traffic bytes per collective ({"intra", "inter"}),
+    the communication time, tokens per rank and whether it fits; under skewed routing also "ep_rows", the rows
+    per EP rank without and with replica slots."""
     d, b = c.dims, c.balance
     return {
         "pp": d.pp, "dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "cp": d.cp, "tp": d.tp,

@@ -29,6 +29,10 @@ TP_NOTE = "dense tp (sequence-parallel) with its cp x tp group inside a node; th
 
 
 class Candidate(NamedTuple):  # a tuple: one per folding, tens of thousands per search
+    """One folding as the cost model prices it (`evaluate`, `rank_foldings`): the memory of its pipeline rank
+    with the most and the traffic of its slowest, per step. `time_per_token` (communication time stretched by
+    the bubble, per token) ranks the foldings that fit; `intra` and `inter` sum the traffic's bytes."""
+
     dims: MoEParallelDims
     memory: Memory  # the pipeline rank with the most
     comm: dict[str, Traffic]  # the slowest pipeline rank's

@@ -99,6 +99,12 @@ def expert_rows(E: int, k: int, tokens: int, skew: float, cache: CostCache | Non
 
 
 def max_over_mean(rows) -> float:
+    """The straggler factor of `rows` (rows per EP rank): the largest over their mean, 1.0 when balanced.
+
+    Example:
+        >>> max_over_mean([3, 1, 2, 2])
+        1.5
+    """
     return max(rows) * len(rows) / sum(rows)
 
 

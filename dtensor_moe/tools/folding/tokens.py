@@ -93,6 +93,10 @@ def expert_activations(moe, options, dims: MoEParallelDims, ranks_per_token: flo
 
 def rates(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node: int = 8,
           cache: CostCache | None = None) -> Rates:
+    """The `Rates` of folding `dims` of `spec` running `work`: activation bytes per layer and microbatch,
+    traffic bytes per layer and per stage-boundary send with the share crossing nodes (`gpus_per_node` GPUs a
+    node), and the rows per EP rank under skewed routing. `cache`: a search's memo tables (routing statistics,
+    replica placement); None computes them afresh."""
     G, b, M, moe = gpus_per_node, work.compute_bytes, work.microbatches, spec.moe
     T, D, k, F = tokens_per_rank(work, dims), spec.dim, moe.top_k, moe.hidden_dim
     recompute = work.recompute == "full"

@@ -26,6 +26,9 @@ from dtensor_moe.tools.presets import ModelSpec
 
 
 class Traffic(NamedTuple):  # a tuple: built a dozen times per folding, tens of thousands of foldings
+    """Bytes one rank sends per step in one kind of collective: `intra` inside its node, `inter` across nodes
+    (`seconds` prices them)."""
+
     intra: float
     inter: float
 
@@ -49,6 +52,8 @@ class Held(NamedTuple):
 
 def held_costs(dims: MoEParallelDims, work: Workload, gpus_per_node: int, fp: Footprint, rank: PipelineRank
                ) -> Held:
+    """What pipeline rank `rank` of folding `dims` costs through the weights it holds (footprint `fp`): its
+    `Held`, from `ranks_held_costs` of that one rank."""
     return ranks_held_costs(dims, work, gpus_per_node, ((rank, fp),))[0]
 
 
@@ -97,6 +102,8 @@ def token_traffic(r: Rates, rank: PipelineRank) -> dict[str, Traffic]:
 
 
 def traffic_of(r: Rates, held: Held) -> dict[str, Traffic]:
+    """A pipeline rank's traffic per step, per collective kind: its tokens' under the folding's `Rates` `r`
+    (`token_traffic`), then its weights' (`held.traffic`)."""
     return {**token_traffic(r, held.rank), **held.traffic}
 
 

@@ -138,6 +138,9 @@ def held_numel(units, dims: MoEParallelDims, rank: int) -> int:
 
 
 def unit_part(u: Unit, dims: MoEParallelDims) -> UnitPart:
+    """One copy of unit `u` on rank 0 of `dims`: its plans' local elements summed per (FSDP axis, all-gathers per
+    step), its tensors, and the elements its all-gathers materialize (rank 0's slice, the largest, times its FSDP
+    axis's size)."""
     sizes, sharded, gathered = axis_sizes(dims), {}, 0
     for wp in u.plans:
         axis, n = wp.steps[-1].axis, math.prod(wp.local_shape)
@@ -163,6 +166,8 @@ def combine(parts) -> Footprint:
 
 
 def footprint(units, dims: MoEParallelDims) -> Footprint:
+    """Rank 0's `Footprint` of `units` (`fsdp_units` of a share of the model) under folding `dims`: their
+    `unit_part`s combined, the root unit's apart."""
     return combine((u.name == "root", u.count, unit_part(u, dims)) for u in units)
 
 

@@ -24,6 +24,22 @@ STEP_BYTES = 4  # AdamW's per-tensor step counter (a float32 scalar)
 
 @dataclass(frozen=True)
 class Workload:
+    """What a training step runs, the folding search's input besides the model and the hardware; checked at
+    construction (ValueError naming the field).
+
+    Attributes:
+        seq_len (int): tokens per sequence. Default 4096.
+        micro_batch (int): sequences per data-parallel rank per microbatch. Default 1.
+        dtype (str): the compute dtype, "bf16" (default) or "fp32"; sharded state is fp32 under either.
+        optimizer (str): "adamw" (default: two fp32 moments and a step counter per tensor) or "sgd" (no state).
+        recompute (str): "full" (default: each block's activations recomputed in backward) or "none".
+        microbatches (int): per step: pipeline microbatches, or gradient accumulation without pp. Default 1.
+        pp_schedule (str): "gpipe", "1f1b" (default) or "interleaved_1f1b".
+        skew (float): routing skew, expert popularity 1 / rank ** skew (skew.py); 0 (default): balanced.
+        moe_run (MoERunOptions): how the MoE layers run (replica slots, activation memory), the main job's
+            `[moe_run]`.
+    """
+
     seq_len: int = 4096
     micro_batch: int = 1  # sequences per data-parallel rank per microbatch
     dtype: str = "bf16"
@@ -53,6 +69,16 @@ class Workload:
 
 @dataclass(frozen=True)
 class Hardware:
+    """The machines the folding search plans for; checked at construction (ValueError naming the field).
+
+    Attributes:
+        gpus (int): GPUs in all: at most gpus_per_node, or a multiple of it.
+        gpus_per_node (int): GPUs per node. Default 8.
+        gpu_mem_gib (float): memory per GPU in GiB. Default 80.
+        intra_bw (float): bytes/s per GPU one direction inside a node (NVLink). Default 450e9.
+        inter_bw (float): bytes/s per GPU across nodes (one 400 Gb/s NIC each). Default 50e9.
+    """
+
     gpus: int
     gpus_per_node: int = 8
     gpu_mem_gib: float = 80.0
