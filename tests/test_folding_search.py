@@ -18,7 +18,7 @@ from dtensor_moe.config import MoERunOptions
 from dtensor_moe.parallel.mesh import EXPERT_AXES, PP_STAGES_PER_RANK, MoEParallelDims
 from dtensor_moe.parallel.placement import plan_moe, rank_coords
 from dtensor_moe.tools import folding as P
-from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, ModelSpec, spec_from_model_config
+from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, ModelShape, shape_from_model_config
 
 from .harness import run_on_ranks
 
@@ -29,8 +29,8 @@ TINY = dict(vocab_size=250, dim=24, n_layers=2, n_heads=4, num_experts=4, top_k=
 FP32 = P.Workload(seq_len=8, micro_batch=2, dtype="fp32")
 
 
-def _spec(model: str) -> ModelSpec:
-    """A preset's ModelSpec (`resolve` also gives how the MoE layers run: a preset runs the defaults)."""
+def _spec(model: str) -> ModelShape:
+    """A preset's ModelShape (`resolve` also gives how the MoE layers run: a preset runs the defaults)."""
     spec, run = resolve(model)
     assert run == MoERunOptions(), (model, run)
     return spec
@@ -117,7 +117,7 @@ def test_state_memory_matches_measured(world, dims_kwargs):
 
     measured = run_on_ranks(world, _measure_states, TINY, dims_kwargs)
     dims = MoEParallelDims(world, **dims_kwargs)
-    spec = spec_from_model_config(ModelConfig(**TINY))
+    spec = shape_from_model_config(ModelConfig(**TINY))
     units = P.fsdp_units(spec, dims)
     tensors = sum(u.count * len(u.plans) for u in units)
     worst = 0.0
@@ -144,7 +144,7 @@ def test_spec_matches_model_parameters():
         cfg = ModelConfig(**kw)
         with torch.device("meta"):
             model = MoETransformer(cfg)
-        units = P.fsdp_units(spec_from_model_config(cfg), MoEParallelDims(1))
+        units = P.fsdp_units(shape_from_model_config(cfg), MoEParallelDims(1))
         assert P.held_numel(units, MoEParallelDims(1), 0) == sum(p.numel() for p in model.parameters())
         assert sum(u.count * len(u.plans) for u in units) == len(list(model.parameters()))
 
@@ -281,22 +281,22 @@ NAN, INF = float("nan"), float("inf")
     (lambda: P.Workload(recompute=True), "Workload.recompute", "one of ['full', 'none'], got True"),
     (lambda: P.Workload(skew=-0.5), "Workload.skew", ">= 0, got -0.5"),
     (lambda: P.Workload(skew=INF), "Workload.skew", "a finite number >= 0, got inf"),
-    (lambda: replace(MIXTRAL, n_layers=0), "ModelSpec.n_layers", "an int >= 1, got 0"),
-    (lambda: replace(MIXTRAL, n_layers=32.0), "ModelSpec.n_layers", "an int >= 1, got 32.0"),
-    (lambda: replace(MIXTRAL, vocab_size=True), "ModelSpec.vocab_size", "an int >= 1, got True"),
-    (lambda: replace(MIXTRAL, moe=None), "ModelSpec.moe", "a dtensor_moe.config.MoEConfig, got None"),
+    (lambda: replace(MIXTRAL, n_layers=0), "ModelShape.n_layers", "an int >= 1, got 0"),
+    (lambda: replace(MIXTRAL, n_layers=32.0), "ModelShape.n_layers", "an int >= 1, got 32.0"),
+    (lambda: replace(MIXTRAL, vocab_size=True), "ModelShape.vocab_size", "an int >= 1, got True"),
+    (lambda: replace(MIXTRAL, moe=None), "ModelShape.moe", "a dtensor_moe.config.MoEConfig, got None"),
     # The MoE fields are MoEConfig's, checked by it alone.
     (lambda: replace(MIXTRAL, moe=replace(MIXTRAL.moe, dim=4096.0)), "MoEConfig.dim", "an int >= 1, got 4096.0"),
     (lambda: replace(MIXTRAL, moe=replace(MIXTRAL.moe, num_shared_experts=-1)), "MoEConfig.num_shared_experts",
      ">= 0, got -1"),
-    (lambda: replace(MIXTRAL, n_dense_layers=33), "ModelSpec.n_dense_layers", "an int in 0..32, got 33"),
-    (lambda: replace(MIXTRAL, n_dense_layers=1), "ModelSpec.dense_hidden_dim", "an int >= 1, got 0"),
-    (lambda: replace(MIXTRAL, kv_width=0), "ModelSpec.kv_width", "an int >= 1, got 0"),
-    (lambda: replace(MIXTRAL, tie_embeddings=1), "ModelSpec.tie_embeddings", "a bool, got 1"),
-    (lambda: replace(MIXTRAL, name=""), "ModelSpec.name", "a non-empty string, got ''"),
-    (lambda: replace(MIXTRAL, attention=list(MIXTRAL.attention)), "ModelSpec.attention",
+    (lambda: replace(MIXTRAL, n_dense_layers=33), "ModelShape.n_dense_layers", "an int in 0..32, got 33"),
+    (lambda: replace(MIXTRAL, n_dense_layers=1), "ModelShape.dense_hidden_dim", "an int >= 1, got 0"),
+    (lambda: replace(MIXTRAL, kv_width=0), "ModelShape.kv_width", "an int >= 1, got 0"),
+    (lambda: replace(MIXTRAL, tie_embeddings=1), "ModelShape.tie_embeddings", "a bool, got 1"),
+    (lambda: replace(MIXTRAL, name=""), "ModelShape.name", "a non-empty string, got ''"),
+    (lambda: replace(MIXTRAL, attention=list(MIXTRAL.attention)), "ModelShape.attention",
      "a tuple of (weight name, shape)"),
-    (lambda: replace(MIXTRAL, attention=(("wq", (0, 8)),)), "ModelSpec.attention", "got entry ('wq', (0, 8))"),
+    (lambda: replace(MIXTRAL, attention=(("wq", (0, 8)),)), "ModelShape.attention", "got entry ('wq', (0, 8))"),
 ])
 def test_input_dataclasses_name_the_field_and_range(make, field, valid):
     """Types and ranges are checked at construction; booleans are not ints, floats not ints."""
@@ -601,7 +601,7 @@ def test_pipeline_stages_schedules_and_bubble_by_hand():
 def test_pipeline_traffic_and_memory_by_hand():
     from dtensor_moe.train.config import ModelConfig
 
-    spec = spec_from_model_config(ModelConfig(**{**TINY, "n_layers": 4}))
+    spec = shape_from_model_config(ModelConfig(**{**TINY, "n_layers": 4}))
     T, D, V, b, M = 2 * 64, 24, 250, 2, 4
     work = _work("1f1b", M, seq_len=64, micro_batch=2)
     dims = MoEParallelDims(32, pp=4, ep=2)  # a stage of 8 ranks per node of 8: every stage boundary crosses nodes

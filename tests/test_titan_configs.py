@@ -6,7 +6,7 @@ device: no process group, no training.
   before its first collective);
 - the configs of torchtitan's models build torchtitan's own model (same parameter names and shapes as the
   model of torchtitan's config, or flavor, of that name), and `dtensor-moe plan`'s preset of that name is what
-  `spec_from_titan_config` reads off it, with torchtitan's parameter count;
+  `shape_from_titan_config` reads off it, with torchtitan's parameter count;
 - the real-size names parse through torchtitan's own ConfigManager with our degrees; a bad name is one line;
 - every MoE config torchtitan 0.3.0 registers is a config here or refused by wrap_config with a ValueError.
 """
@@ -28,7 +28,7 @@ from torchtitan.trainer import Trainer as TitanTrainer  # noqa: E402
 from dtensor_moe.parallel.mesh import MoEParallelDims  # noqa: E402
 from dtensor_moe.titan import config_registry as registry  # noqa: E402
 from dtensor_moe.titan import moonshot  # noqa: E402
-from dtensor_moe.titan.models import spec_from_titan_config  # noqa: E402
+from dtensor_moe.titan.models import shape_from_titan_config  # noqa: E402
 from dtensor_moe.titan.parallelize_titan import parallelize_titan, titan_plan  # noqa: E402
 from dtensor_moe.titan.trainer import Trainer  # noqa: E402
 from dtensor_moe.tools import folding as P  # noqa: E402
@@ -88,7 +88,7 @@ def test_config_builds_through_the_hook(name):
     assert _shapes(model) == _shapes(titans)
     # The preset of this name: torchtitan's sizes (its parameter count, multi-token prediction left out).
     spec = PRESETS[name]
-    assert spec == spec_from_titan_config(config.model_spec.model, name)
+    assert spec == shape_from_titan_config(config.model_spec.model, name)
     mtp = sum(p.numel() for n, p in titans.named_parameters() if n.startswith("mtp_layers."))
     one = MoEParallelDims(1)
     assert P.held_numel(P.fsdp_units(spec, one), one, 0) == sum(p.numel() for p in titans.parameters()) - mtp

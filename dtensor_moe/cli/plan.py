@@ -14,7 +14,7 @@ from dtensor_moe.parallel.placement import check_pipeline
 from dtensor_moe.tools.folding.report import candidate_dict, explain_choice, table
 from dtensor_moe.tools.folding.search import TP_NOTE, pipeline_degrees, rank_foldings
 from dtensor_moe.tools.folding.workload import COMPUTE_BYTES, OPTIMIZER_MOMENTS, RECOMPUTE, Hardware, Workload
-from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, ModelSpec, spec_from_hf_config, spec_from_model_config
+from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, ModelShape, shape_from_hf_config, shape_from_model_config
 from dtensor_moe.validate import check_int, check_positive
 
 PUBLISHED = sorted(set(PRESETS) - set(TITAN_MODELS))  # the other presets: published models
@@ -24,7 +24,7 @@ def _config_dirs() -> list[Path]:
     return [Path.cwd() / "configs", Path(__file__).resolve().parents[2] / "configs"]  # the checkout's, when editable
 
 
-def load_config(path: Path) -> tuple[ModelSpec, MoERunOptions]:
+def load_config(path: Path) -> tuple[ModelShape, MoERunOptions]:
     """The model a training config trains and how its MoE layers run: the built-in model of its [model] fields, or
     with `hf_path` the checkpoint's own architecture (its config.json, read as the main job reads it; [model] adds
     balance fields), and its [moe_run] section."""
@@ -46,13 +46,13 @@ def load_config(path: Path) -> tuple[ModelSpec, MoERunOptions]:
 
         try:
             cfg = ModelConfig.from_dict(hf_model_fields(data["model"]))
-            return spec_from_hf_config(json.loads(cfg.hf_config), cfg.moe_config(), name=path.stem), run
+            return shape_from_hf_config(json.loads(cfg.hf_config), cfg.moe_config(), name=path.stem), run
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
-    return spec_from_model_config(ModelConfig.from_dict(data["model"]), name=path.stem), run
+    return shape_from_model_config(ModelConfig.from_dict(data["model"]), name=path.stem), run
 
 
-def resolve(model: str) -> tuple[ModelSpec, MoERunOptions]:
+def resolve(model: str) -> tuple[ModelShape, MoERunOptions]:
     """A preset name (run with the default options), a path to a training config TOML, or the stem of one in a
     `configs/` folder."""
     if model in PRESETS:
@@ -111,7 +111,7 @@ def _check_flags(args):
                          f"valid --pp: {divisors(args.gpus)} (or 0: try each)")
 
 
-def _with_replicas(args, spec: ModelSpec, run: MoERunOptions) -> MoERunOptions:
+def _with_replicas(args, spec: ModelShape, run: MoERunOptions) -> MoERunOptions:
     """`run` with --replicas slots per EP rank, in MoERunOptions.expert_replicas' range."""
     if args.replicas is None:
         return run
@@ -122,7 +122,7 @@ def _with_replicas(args, spec: ModelSpec, run: MoERunOptions) -> MoERunOptions:
     return replace(run, expert_replicas=args.replicas)
 
 
-def _check_pipeline_flags(args, spec: ModelSpec):
+def _check_pipeline_flags(args, spec: ModelShape):
     if args.pp > 1:
         check_pipeline(MoEParallelDims(args.gpus, pp=args.pp), args.pp_schedule, args.microbatches, spec.n_layers,
                        spec.tie_embeddings, prefix="--")

@@ -1,5 +1,5 @@
 """Tiny torchtitan MoE models for CPU ranks (torchtitan's own debug flavors need a GPU), and the folding
-search's view of any torchtitan MoE decoder (`spec_from_titan_config`).
+search's view of any torchtitan MoE decoder (`shape_from_titan_config`).
 
 `deepseek_v3_tiny`: the architecture of torchtitan's `deepseek_v3` "debugmodel" (MLA attention, one
 dense layer then MoE layers with shared experts, softmax top-k routing, YaRN RoPE), built with
@@ -27,7 +27,7 @@ from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_moe_layers
 from torchtitan.protocols.module import Module
 
 from dtensor_moe.config import MoEConfig
-from dtensor_moe.tools.presets import ModelSpec
+from dtensor_moe.tools.presets import ModelShape
 
 from .parallelize_titan import moe_config
 
@@ -162,8 +162,8 @@ def gpt_oss_tiny(vocab_size: int, max_seq_len: int = 256, window: int = 8) -> Gp
     return config
 
 
-def spec_from_titan_config(model_config, name: str) -> ModelSpec:
-    """The folding search's `ModelSpec` (dtensor_moe/tools/presets.py) of the torchtitan decoder `model_config` builds,
+def shape_from_titan_config(model_config, name: str) -> ModelShape:
+    """The folding search's `ModelShape` (dtensor_moe/tools/presets.py) of the torchtitan decoder `model_config` builds,
     read off that model on the meta device: torchtitan's own sizes. Multi-token-prediction layers are left
     out, as the presets leave DeepSeek-V3's out. The folding search prices one attention and one MoE shape
     for every layer, with the dense-FFN layers first: a model that differs raises ValueError."""
@@ -184,7 +184,7 @@ def spec_from_titan_config(model_config, name: str) -> ModelSpec:
     if any(_moe_config(m) != config for m in moes):
         raise ValueError(f"{name}: its MoE layers differ; `dtensor-moe plan` prices one MoE shape for every layer")
     vocab_size, dim = model.tok_embeddings.weight.shape
-    return ModelSpec(
+    return ModelShape(
         name=name,
         vocab_size=vocab_size,
         n_layers=len(blocks),

@@ -1,14 +1,14 @@
 """Model shapes the folding search needs: published MoE models, torchtitan's MoE configs and the training configs
 (`configs/*.toml`).
 
-A `ModelSpec` lists the shapes of the weights *outside* the MoE modules (attention, norms, dense
+A `ModelShape` lists the shapes of the weights *outside* the MoE modules (attention, norms, dense
 FFN layers, embeddings) and the `MoEConfig` of the MoE layers; the placement of the MoE weights
 always comes from `dtensor_moe.parallel.placement.plan_moe`. Published dims (the hyphenated names) are from
 each model's released config.json (Hugging Face), with the main job's attention weights. The names with
 underscores are the torchtitan hook's `--config` names (dtensor_moe/titan/config_registry.py): torchtitan
 0.3.0's models as that hook trains them (torchtitan's fused wqkv, its routing), kept here so that the
 folding search needs no torch; tests/test_titan_configs.py checks each equals what
-`dtensor_moe.titan.models.spec_from_titan_config` reads off torchtitan's own model. Multi-token-prediction layers
+`dtensor_moe.titan.models.shape_from_titan_config` reads off torchtitan's own model. Multi-token-prediction layers
 are left out (671B counts the main model only).
 """
 
@@ -21,7 +21,7 @@ Shape = tuple[int, ...]
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelShape:
     name: str
     vocab_size: int
     n_layers: int
@@ -34,20 +34,20 @@ class ModelSpec:
 
     def __post_init__(self):
         if not (isinstance(self.name, str) and self.name):
-            raise ValueError(f"ModelSpec.name must be a non-empty string, got {self.name!r}")
+            raise ValueError(f"ModelShape.name must be a non-empty string, got {self.name!r}")
         for field in ("vocab_size", "n_layers", "kv_width"):
-            check_int(f"ModelSpec.{field}", getattr(self, field))
-        check_type("ModelSpec.moe", self.moe, MoEConfig, "a dtensor_moe.config.MoEConfig")
-        check_int("ModelSpec.n_dense_layers", self.n_dense_layers, 0, self.n_layers)
-        check_int("ModelSpec.dense_hidden_dim", self.dense_hidden_dim, 1 if self.n_dense_layers else 0)
-        check_type("ModelSpec.tie_embeddings", self.tie_embeddings, bool, "a bool")
+            check_int(f"ModelShape.{field}", getattr(self, field))
+        check_type("ModelShape.moe", self.moe, MoEConfig, "a dtensor_moe.config.MoEConfig")
+        check_int("ModelShape.n_dense_layers", self.n_dense_layers, 0, self.n_layers)
+        check_int("ModelShape.dense_hidden_dim", self.dense_hidden_dim, 1 if self.n_dense_layers else 0)
+        check_type("ModelShape.tie_embeddings", self.tie_embeddings, bool, "a bool")
         what = "a tuple of (weight name, shape) pairs, each shape a tuple of integers >= 1"
-        check_type("ModelSpec.attention", self.attention, tuple, what)
+        check_type("ModelShape.attention", self.attention, tuple, what)
         for entry in self.attention:
             if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)
                     and isinstance(entry[1], tuple) and entry[1]
                     and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in entry[1])):
-                raise ValueError(f"ModelSpec.attention must be {what}, got entry {entry!r}")
+                raise ValueError(f"ModelShape.attention must be {what}, got entry {entry!r}")
 
     @property
     def dim(self) -> int:
@@ -120,12 +120,12 @@ def _mla(D: int, n_heads: int, q_lora: int, kv_lora: int = 512, nope: int = 128,
     return w, n_heads * (nope + rope + v)
 
 
-def _preset(name, *, attention, **kw) -> ModelSpec:
+def _preset(name, *, attention, **kw) -> ModelShape:
     weights, kv_width = attention
-    return ModelSpec(name=name, attention=weights, kv_width=kv_width, **kw)
+    return ModelShape(name=name, attention=weights, kv_width=kv_width, **kw)
 
 
-PRESETS: dict[str, ModelSpec] = {
+PRESETS: dict[str, ModelShape] = {
     s.name: s
     for s in (
         _preset(
@@ -237,11 +237,11 @@ TITAN_MODELS = ("deepseek_v3_16b", "deepseek_v3_236b", "deepseek_v3_671b", "qwen
                 "qwen3_moe_debug", "qwen3_debugmodel_moe_param_groups", "gpt_oss_debugmodel", "gpt_oss_debugmodel_flex")
 
 
-def spec_from_model_config(cfg, name: str = "config") -> ModelSpec:
+def shape_from_model_config(cfg, name: str = "config") -> ModelShape:
     """The shapes of `dtensor_moe.train.model.MoETransformer(cfg)` (wq, wk, wv, wo; every layer an MoE).
     `cfg` is the main job's ModelConfig, read through its own `moe_config()` (tools do not import train)."""
     D = cfg.dim
-    return ModelSpec(
+    return ModelShape(
         name=name,
         vocab_size=cfg.vocab_size,
         n_layers=cfg.n_layers,
@@ -252,7 +252,7 @@ def spec_from_model_config(cfg, name: str = "config") -> ModelSpec:
     )
 
 
-def spec_from_hf_config(hf: dict, moe: MoEConfig, name: str = "config") -> ModelSpec:
+def shape_from_hf_config(hf: dict, moe: MoEConfig, name: str = "config") -> ModelShape:
     """The shapes of a Hugging Face MoE checkpoint's model from its config.json (`hf`), its MoE layers `moe` (the
     family's MoEConfig with the balance fields given beside hf_path). The dense layers (qwen3_moe's mlp_only_layers,
     deepseek_v3's first_k_dense_replace) count as leading ones, the folding search's one layout: the same weights and

@@ -5,7 +5,7 @@ steps (planning weights, summing them into per-unit parts, the routing statistic
 what they read. The tables live in a `CostCache` rather than in module globals: `rank_foldings`
 makes one per search unless the caller passes one, so a search starts cold and leaves nothing
 behind, and a caller that keeps one (a benchmark, a test) can `clear()` it. Keys name everything a
-result depends on, the `ModelSpec` included, so one cache may serve several models and workloads.
+result depends on, the `ModelShape` included, so one cache may serve several models and workloads.
 Functions that take `cache=None` memoize nothing without one.
 """
 

@@ -22,7 +22,7 @@ from dtensor_moe.tools.folding.pipeline import PipelineRank, stage_share, whole_
 from dtensor_moe.tools.folding.tokens import Rates, rates
 from dtensor_moe.tools.folding.units import Footprint, fsdp_units, held_numel
 from dtensor_moe.tools.folding.workload import MASTER_BYTES, OPTIMIZER_MOMENTS, REDUCE_BYTES, STEP_BYTES, Workload
-from dtensor_moe.tools.presets import ModelSpec, spec_from_model_config
+from dtensor_moe.tools.presets import ModelShape, shape_from_model_config
 
 
 class Memory(NamedTuple):  # a tuple, like Traffic: built for every pipeline rank of every folding
@@ -87,7 +87,7 @@ def rank_activations(r: Rates, rank: PipelineRank) -> float:
     return rank.in_flight * (saved + logits) + recomputed + logits_grad + replica_grads
 
 
-def activation_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, rank: PipelineRank | None = None
+def activation_bytes(spec: ModelShape, dims: MoEParallelDims, work: Workload, rank: PipelineRank | None = None
                      ) -> float:
     """Saved activations of a (pipeline) rank (estimate): inputs and outputs of every linear, routed
     copies, logits, for each microbatch in flight; one block's more while it is recomputed.
@@ -99,7 +99,7 @@ def activation_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, ran
     return rank_activations(rates(spec, dims, work), rank or whole_model(spec))
 
 
-def rank_memory(spec: ModelSpec, dims: MoEParallelDims, work: Workload, fp: Footprint,
+def rank_memory(spec: ModelShape, dims: MoEParallelDims, work: Workload, fp: Footprint,
                 rank: PipelineRank | None = None) -> Memory:
     """Bytes of one rank of folding `dims`: its weights' state and working set from its footprint `fp` (the units
     it holds, `units.footprint`), its activations (`activation_bytes`) running `work`. `rank`: the pipeline rank
@@ -112,7 +112,7 @@ def predicted_state_bytes(model_cfg, dims: MoEParallelDims, rank: int, optimizer
     """Params, grads and optimizer-state bytes the cost model predicts for `rank` of a training run of
     `dtensor_moe.train.model.ModelConfig` (sharded state is fp32 whatever the compute dtype): the
     layers of its pipeline stages, sharded over its stage's ranks."""
-    spec = spec_from_model_config(model_cfg)
+    spec = shape_from_model_config(model_cfg)
     units = fsdp_units(spec, dims, stage_share(spec, dims.pp, pp_schedule, dims.pp_coord(rank)))
     tensors = sum(u.count * len(u.plans) for u in units)
     work = Workload(dtype="fp32", optimizer=optimizer)

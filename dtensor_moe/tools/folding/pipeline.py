@@ -15,7 +15,7 @@ from typing import NamedTuple
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK
 from dtensor_moe.parallel.placement import rank_layers
 from dtensor_moe.tools.folding.workload import Workload
-from dtensor_moe.tools.presets import ModelSpec
+from dtensor_moe.tools.presets import ModelShape
 
 
 class StageShare(NamedTuple):
@@ -31,7 +31,7 @@ class StageShare(NamedTuple):
         return self.dense_layers + self.moe_layers
 
 
-def stage_share(spec: ModelSpec, pp: int, schedule: str, pp_rank: int) -> StageShare:
+def stage_share(spec: ModelShape, pp: int, schedule: str, pp_rank: int) -> StageShare:
     """What pipeline rank `pp_rank` of `pp` holds of `spec` under `schedule` ("gpipe", "1f1b",
     "interleaved_1f1b"): the dense and MoE layers of its stages (`placement.rank_layers`; the dense
     layers lead the model), the embedding on rank 0, the final norm and head on rank pp - 1.
@@ -55,7 +55,7 @@ class PipelineRank(NamedTuple):
     sends: int  # stage-boundary sends per microbatch: hidden states forward, their gradients backward
 
 
-def whole_model(spec: ModelSpec) -> PipelineRank:
+def whole_model(spec: ModelShape) -> PipelineRank:
     """The one rank of pp == 1: every layer, one microbatch at a time, nothing sent to a stage."""
     return PipelineRank(StageShare(spec.n_dense_layers, spec.n_moe_layers, True, True), 1, 0)
 
@@ -81,7 +81,7 @@ def bubble_fraction(pp: int, work: Workload) -> float:
     return idle / (work.microbatches + idle)
 
 
-def pipeline_ranks(spec: ModelSpec, pp: int, work: Workload) -> tuple[PipelineRank, ...]:
+def pipeline_ranks(spec: ModelShape, pp: int, work: Workload) -> tuple[PipelineRank, ...]:
     """The pipeline ranks that can be the worst, one per distinct share (the most in flight, the most
     sends): memory and traffic only grow with those. A rank that an earlier one dominates (a share
     holding no more units, no more in flight, no more sends) is left out: every cost is a sum of

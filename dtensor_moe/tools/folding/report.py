@@ -3,7 +3,7 @@
 from dtensor_moe.tools.folding.geometry import mesh_geometry, node_span
 from dtensor_moe.tools.folding.search import Candidate
 from dtensor_moe.tools.folding.workload import Hardware, Workload
-from dtensor_moe.tools.presets import ModelSpec
+from dtensor_moe.tools.presets import ModelShape
 
 
 def _size(x: float, base: int) -> str:
@@ -41,7 +41,7 @@ def table(cands: list[Candidate]) -> str:
     )
 
 
-def explain_choice(spec: ModelSpec, best: Candidate, runner_up: Candidate | None, hw: Hardware,
+def explain_choice(spec: ModelShape, best: Candidate, runner_up: Candidate | None, hw: Hardware,
                    work: Workload = Workload()) -> str:
     """The top choice in plain words (`dtensor-moe plan`'s closing lines): its degrees, how the experts are
     split and sharded, dense TP and PP where used, how many nodes an EP group spans, memory per rank and its

@@ -23,7 +23,7 @@ from dtensor_moe.tools.folding.tokens import rates
 from dtensor_moe.tools.folding.traffic import Held, Traffic, comm_time, ranks_held_costs, seconds, token_traffic
 from dtensor_moe.tools.folding.units import UnitPart, share_footprint, share_parts
 from dtensor_moe.tools.folding.workload import GiB, Hardware, Workload, step_tokens_per_rank
-from dtensor_moe.tools.presets import ModelSpec
+from dtensor_moe.tools.presets import ModelShape
 
 TP_NOTE = "dense tp (sequence-parallel) with its cp x tp group inside a node; the experts' tensor parallelism is etp"
 
@@ -56,7 +56,7 @@ class Candidate(NamedTuple):  # a tuple: one per folding, tens of thousands per 
         return sum(t.inter for t in self.comm.values())
 
 
-def pipeline_degrees(world: int, spec: ModelSpec, work: Workload, gpus_per_node: int = 8) -> list[int]:
+def pipeline_degrees(world: int, spec: ModelShape, work: Workload, gpus_per_node: int = 8) -> list[int]:
     """The pp the search tries: those the schedule runs, with whole nodes per stage beyond one node."""
     out = []
     for pp in divisors(world):
@@ -70,7 +70,7 @@ def pipeline_degrees(world: int, spec: ModelSpec, work: Workload, gpus_per_node:
     return out
 
 
-def foldings(world: int, spec: ModelSpec, work: Workload, gpus_per_node: int = 8, pp: int | None = None):
+def foldings(world: int, spec: ModelShape, work: Workload, gpus_per_node: int = 8, pp: int | None = None):
     """Every MoEParallelDims that could be valid, with `pp` or each of `pipeline_degrees`. The
     divisibility filters only prune the search (cp and tp must split the sequence, a CP x TP group with
     tp > 1 stays in a node); plan_moe remains the judge of validity."""
@@ -78,7 +78,7 @@ def foldings(world: int, spec: ModelSpec, work: Workload, gpus_per_node: int = 8
         yield from _stage_foldings(world, p, spec, work, gpus_per_node)
 
 
-def _stage_foldings(world: int, pp: int, spec: ModelSpec, work: Workload, gpus_per_node: int):
+def _stage_foldings(world: int, pp: int, spec: ModelShape, work: Workload, gpus_per_node: int):
     moe = spec.moe
     stage = world // pp
     stage_divs = divisors(stage)
@@ -151,7 +151,7 @@ class _Tokens(NamedTuple):
     balance: Balance | None
 
 
-def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware,
+def evaluate(spec: ModelShape, dims: MoEParallelDims, work: Workload, hw: Hardware,
              held: tuple[Held, ...] | None = None, cache: CostCache | None = None) -> Candidate:
     """Every pipeline rank that can be the worst (`pipeline_ranks`, with what its weights cost): the
     most memory, the slowest traffic."""
@@ -162,7 +162,7 @@ def evaluate(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardwar
     return _candidate(dims, hw, _weights(held, hw), _tokens(spec, dims, work, hw, ranks, cache))[0]
 
 
-def _held(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware, ranks: tuple[PipelineRank, ...],
+def _held(spec: ModelShape, dims: MoEParallelDims, work: Workload, hw: Hardware, ranks: tuple[PipelineRank, ...],
           parts: dict, cache: CostCache) -> tuple[Held, ...]:
     """What each rank's weights cost; the units' parts memoized in `parts` on footprint_key and
     whether pp is 1 (the root's all-gathers per step differ), across pp and dp_replicate."""
@@ -177,7 +177,7 @@ def _weights(held: tuple[Held, ...], hw: Hardware) -> tuple[_Weights, ...]:
                            tuple([seconds(c, hw) for c in h.traffic.values()])) for h in held])
 
 
-def _tokens(spec: ModelSpec, dims: MoEParallelDims, work: Workload, hw: Hardware,
+def _tokens(spec: ModelShape, dims: MoEParallelDims, work: Workload, hw: Hardware,
             ranks: tuple[PipelineRank, ...], cache: CostCache) -> _Tokens:
     r, out = rates(spec, dims, work, hw.gpus_per_node, cache), []
     for rank in ranks:
@@ -210,7 +210,7 @@ def _candidate(dims: MoEParallelDims, hw: Hardware, weights: tuple[_Weights, ...
 _UNSEEN = object()
 
 
-def rank_foldings(spec: ModelSpec, work: Workload, hw: Hardware, pp: int | None = None, cache: CostCache | None = None
+def rank_foldings(spec: ModelShape, work: Workload, hw: Hardware, pp: int | None = None, cache: CostCache | None = None
          ) -> list[Candidate]:
     """All valid candidates (with `pp`, or every pp the search tries), sorted by `_candidate`'s key.
     The cost model's memo tables are `cache`'s, a fresh CostCache unless given one."""

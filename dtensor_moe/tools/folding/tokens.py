@@ -20,7 +20,7 @@ from dtensor_moe.tools.folding.cache import CostCache
 from dtensor_moe.tools.folding.geometry import chain_inter_fraction, pairwise_intra_fraction, ring_inter_fraction
 from dtensor_moe.tools.folding.skew import Balance, balance
 from dtensor_moe.tools.folding.workload import Workload, tokens_per_rank
-from dtensor_moe.tools.presets import ModelSpec
+from dtensor_moe.tools.presets import ModelShape
 
 __all__ = ["Rates", "rates", "distinct_ranks"]
 
@@ -91,7 +91,7 @@ def expert_activations(moe, options, dims: MoEParallelDims, ranks_per_token: flo
     return k * (2 * dims.etp * D + 3 * F)
 
 
-def rates(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node: int = 8,
+def rates(spec: ModelShape, dims: MoEParallelDims, work: Workload, gpus_per_node: int = 8,
           cache: CostCache | None = None) -> Rates:
     """The `Rates` of folding `dims` of `spec` running `work`: activation bytes per layer and microbatch,
     traffic bytes per layer and per stage-boundary send with the share crossing nodes (`gpus_per_node` GPUs a

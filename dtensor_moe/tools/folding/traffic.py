@@ -22,7 +22,7 @@ from dtensor_moe.tools.folding.pipeline import PipelineRank, whole_model
 from dtensor_moe.tools.folding.tokens import Rates, rates
 from dtensor_moe.tools.folding.units import Footprint
 from dtensor_moe.tools.folding.workload import REDUCE_BYTES, Hardware, Workload
-from dtensor_moe.tools.presets import ModelSpec
+from dtensor_moe.tools.presets import ModelShape
 
 
 class Traffic(NamedTuple):  # a tuple: built a dozen times per folding, tens of thousands of foldings
@@ -107,7 +107,7 @@ def traffic_of(r: Rates, held: Held) -> dict[str, Traffic]:
     return {**token_traffic(r, held.rank), **held.traffic}
 
 
-def comm_bytes(spec: ModelSpec, dims: MoEParallelDims, work: Workload, gpus_per_node: int, fp: Footprint,
+def comm_bytes(spec: ModelShape, dims: MoEParallelDims, work: Workload, gpus_per_node: int, fp: Footprint,
                rank: PipelineRank | None = None) -> dict[str, Traffic]:
     """Bytes one (pipeline) rank sends per step, per collective kind, split intra-/inter-node."""
     held = held_costs(dims, work, gpus_per_node, fp, rank or whole_model(spec))

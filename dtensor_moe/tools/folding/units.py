@@ -16,7 +16,7 @@ from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.parallel.placement import ShardStep, WeightPlan, axis_sizes, owned_box, plan_moe
 from dtensor_moe.tools.folding.cache import CostCache
 from dtensor_moe.tools.folding.pipeline import StageShare
-from dtensor_moe.tools.presets import ModelSpec
+from dtensor_moe.tools.presets import ModelShape
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def _dense_axis(dims: MoEParallelDims) -> tuple[str, int]:
     return ("dp_shard_cp", dims.dp_shard * dims.cp) if dims.cp > 1 else ("dp_shard", dims.dp_shard)
 
 
-def _outer_plans(spec: ModelSpec, tp: int, axis: str, size: int, cache: CostCache):
+def _outer_plans(spec: ModelShape, tp: int, axis: str, size: int, cache: CostCache):
     """Plans of the non-MoE weights (root, dense block, MoE block). They read only tp and their FSDP
     axis, so they are planned once per (tp, axis, its size), on the smallest stage with those."""
 
@@ -92,7 +92,7 @@ def _outer_plans(spec: ModelSpec, tp: int, axis: str, size: int, cache: CostCach
     return cache.outer_plans.get_or_make((spec, tp, axis, size), make)
 
 
-def _moe_plans(spec: ModelSpec, dims: MoEParallelDims, cache: CostCache) -> tuple[WeightPlan, ...]:
+def _moe_plans(spec: ModelShape, dims: MoEParallelDims, cache: CostCache) -> tuple[WeightPlan, ...]:
     # What plan_moe reads: the sizes of the axes it shards over.
     key = spec, dims.ep, dims.etp, dims.edp, dims.moe_dp_axis, dims.dp_shard * dims.cp * dims.tp
     return cache.moe_plans.get_or_make(key, lambda: tuple(plan_moe(spec.moe, dims)))
@@ -107,7 +107,7 @@ def _gathers(dims: MoEParallelDims, microbatches: int) -> tuple[int, int]:
 # ---- units -----------------------------------------------------------------------------------
 
 
-def fsdp_units(spec: ModelSpec, dims: MoEParallelDims, share: StageShare | None = None, microbatches: int = 1,
+def fsdp_units(spec: ModelShape, dims: MoEParallelDims, share: StageShare | None = None, microbatches: int = 1,
                cache: CostCache | None = None) -> tuple[Unit, ...]:
     """The FSDP units of `share` (default: the whole model) with their all-gathers per step."""
     cache = CostCache() if cache is None else cache
@@ -171,7 +171,7 @@ def footprint(units, dims: MoEParallelDims) -> Footprint:
     return combine((u.name == "root", u.count, unit_part(u, dims)) for u in units)
 
 
-def share_parts(spec: ModelSpec, dims: MoEParallelDims, microbatches: int = 1, cache: CostCache | None = None
+def share_parts(spec: ModelShape, dims: MoEParallelDims, microbatches: int = 1, cache: CostCache | None = None
                 ) -> dict[str, UnitPart]:
     """One copy of each unit a pipeline rank can hold, the root split into the embedding and the head
     (the search combines them per share instead of re-reading the plans), from parts memoized on what
@@ -184,7 +184,7 @@ def share_parts(spec: ModelSpec, dims: MoEParallelDims, microbatches: int = 1, c
             "moe block": _join(attention, _moe_part(spec, dims, block_gathers, cache))}
 
 
-def _outer_parts(spec: ModelSpec, tp: int, axis: str, size: int, root_gathers: int, block_gathers: int,
+def _outer_parts(spec: ModelShape, tp: int, axis: str, size: int, root_gathers: int, block_gathers: int,
                  cache: CostCache):
     """share_parts of the weights outside the MoE: the embedding, the head, a dense block, a MoE
     block's attention."""
@@ -204,7 +204,7 @@ def _outer_parts(spec: ModelSpec, tp: int, axis: str, size: int, root_gathers: i
     return cache.outer_parts.get_or_make((spec, tp, axis, size, root_gathers, block_gathers), make)
 
 
-def _moe_part(spec: ModelSpec, dims: MoEParallelDims, gathers: int, cache: CostCache) -> UnitPart:
+def _moe_part(spec: ModelShape, dims: MoEParallelDims, gathers: int, cache: CostCache) -> UnitPart:
     """unit_part of one MoE block's MoE weights. plan_moe reads their dense axis (moe_dp_axis, every
     rank of a replica with its own tokens: ep * etp * edp of them) for its name and size only, so the
     part is planned once per (ep, etp, edp), on the stage where that axis is dp_shard, and renamed."""
