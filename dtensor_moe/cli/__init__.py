@@ -15,7 +15,7 @@ __all__ = ["main", "SUBCOMMANDS"]
 
 SUBCOMMANDS = {
     "train": ("dtensor_moe.cli.train", "train a small MoE language model on CPU ranks or GPUs"),
-    "plan": ("dtensor_moe.cli.plan", "choose EP x EDP x ETP from memory and traffic"),
+    "plan": ("dtensor_moe.cli.plan", "rank the foldings (pp, dp, cp, tp; EDP, EP, ETP) by memory and traffic"),
     "explain": ("dtensor_moe.cli.explain", "show which rank owns which slice of every weight"),
     "export": ("dtensor_moe.cli.export", "write a checkpoint's weights as safetensors"),
     "import": ("dtensor_moe.cli.export", "read safetensors weights back into a checkpoint"),

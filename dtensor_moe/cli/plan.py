@@ -37,7 +37,7 @@ def load_config(path: Path) -> tuple[ModelShape, MoERunOptions]:
         raise ValueError(f"{path}: [moe_run]: {e}") from None
     if "model" not in data:
         raise ValueError(
-            f"{path}: a training config needs a [model] table (fields of dtensor_moe.train.model.ModelConfig)"
+            f"{path}: a training config needs a [model] table (fields of dtensor_moe.train.config.ModelConfig)"
         )
     if data["model"].get("hf_path"):
         import json

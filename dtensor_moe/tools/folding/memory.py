@@ -110,7 +110,7 @@ def rank_memory(spec: ModelShape, dims: MoEParallelDims, work: Workload, fp: Foo
 def predicted_state_bytes(model_cfg, dims: MoEParallelDims, rank: int, optimizer: str = "adamw",
                           pp_schedule: str = "1f1b") -> dict[str, int]:
     """Params, grads and optimizer-state bytes the cost model predicts for `rank` of a training run of
-    `dtensor_moe.train.model.ModelConfig` (sharded state is fp32 whatever the compute dtype): the
+    `dtensor_moe.train.config.ModelConfig` (sharded state is fp32 whatever the compute dtype): the
     layers of its pipeline stages, sharded over its stage's ranks."""
     spec = shape_from_model_config(model_cfg)
     units = fsdp_units(spec, dims, stage_share(spec, dims.pp, pp_schedule, dims.pp_coord(rank)))
