@@ -14,6 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils.hooks import RemovableHandle
 
+from dtensor_moe.config import MoERunOptions
 from dtensor_moe.experts import SwiGLUExperts
 from dtensor_moe.grad_scale import ScaleGrad
 from dtensor_moe.moe import LocalStats, MoE
@@ -126,8 +127,9 @@ def shard_moe_layer(
     tp_grads: str = DEFAULT_TP_GRADS,
     fsdp_sums: bool = False,
     gather_in_forward: bool = False,
-    dispatch_precision: str = "bf16",
-    dispatch_options: dict | None = None,
+    options: MoERunOptions | None = None,
+    layer: str = "an MoE layer",
+    replica_forward=None,
 ):
     """Apply `plans` (names relative to `moe`) to one MoE layer of any model family.
 
@@ -142,9 +144,9 @@ def shard_moe_layer(
     `gather_in_forward` (compiled layers): no FSDP unit for our experts; under EDP / HSDP their weights are
     DTensors on the whole expert mesh, gathered over EDP in the forward and their gradients reduce-scattered
     back, both DTensor redistributions inside the graph (kernels/expert_autograd.py, gather_for_compute).
-    `dispatch_precision`: MoERunOptions.dispatch_precision, the EP/ETP token payload's. `dispatch_options`:
-    `make_dispatcher`'s strategy, replica and row-cap arguments (`dispatch_options(moe)`; replicas run with our
-    experts, or others given a `replica_forward`).
+    `options` (MoERunOptions; None: the defaults): the dispatch's padding, token payload, replicas and row cap, the
+    layer named `layer` in the row cap's errors; replicas run with our experts, or others given a `replica_forward`
+    (experts, rows, counts, weights) -> rows.
     """
     check_tp_grads(tp_grads, "shard_moe_layer: ")
     if fsdp_sums and tp_grads != "sum" and dims.tp > 1:
@@ -153,8 +155,8 @@ def shard_moe_layer(
     experts = _experts(moe, plans)
     ep_etp = meshes.expert["ep", "etp"]
     ours = isinstance(experts, SwiGLUExperts)  # takes ExpertInput and the weight-gradient scale
-    options = dispatch_options or {}
-    if not ours and options.get("replicas") and options.get("replica_forward") is None:
+    options = MoERunOptions() if options is None else options
+    if not ours and options.expert_replicas and replica_forward is None:
         raise ValueError(f"expert_replicas needs dtensor_moe's experts (SwiGLUExperts: they run the replicas' rows) or "
                          f"a replica_forward for {type(experts).__name__} (the torchtitan hook's); valid: "
                          f"expert_replicas 0")
@@ -172,8 +174,8 @@ def shard_moe_layer(
     if dims.ep * dims.etp > 1:
         # Averaging reductions cover EDP x dp_replicate only: the EP*ETP peers' share is divided here.
         divisor = 1.0 if fsdp_sums else dims.ep * dims.etp
-        group = DispatchGroup(ep_etp.get_group("ep"), ep_etp.get_group("etp"), divisor, dispatch_precision)
-        d, load = make_dispatcher(group, ours, **options), RowLoad()
+        group = DispatchGroup(ep_etp.get_group("ep"), ep_etp.get_group("etp"), divisor, options.dispatch_precision)
+        d, load = make_dispatcher(group, ours, options, layer, replica_forward), RowLoad()
         pre, post = dispatch_hooks(d, load, ours)
         experts.expert_parallel = ExpertParallelHooks(
             d, load, experts.register_forward_pre_hook(pre), experts.register_forward_hook(post))
@@ -183,19 +185,20 @@ def shard_moe_layer(
         scale_moe_gradients(moe, dims.tp)
 
 
-def make_dispatcher(group: DispatchGroup, ours: bool, *, padded: bool = False, replicas: int = 0,
-                    replan_every: int = 100, max_rows_per_rank: int = 0, layer: str = "an MoE layer",
+def make_dispatcher(group: DispatchGroup, ours: bool, options: MoERunOptions, layer: str = "an MoE layer",
                     replica_forward=None):
-    """The dispatch strategy for one layer (dispatch.py): SlotDispatch for pad_to_capacity, TokenDispatch for our
-    experts, PairDispatch for others; hot-expert replicas (`replicas` slots per EP rank, re-placed every `replan_every`
-    training forwards) wrap the last two; `max_rows_per_rank` / `layer`: the row cap (RowCap)."""
-    if padded:
+    """The dispatch strategy for one layer (dispatch.py) as `options` (MoERunOptions) ask: SlotDispatch for
+    pad_to_capacity, TokenDispatch for our experts, PairDispatch for others; hot-expert replicas (expert_replicas
+    slots per EP rank, re-placed every replica_replan_every training forwards) wrap the last two; max_rows_per_rank
+    and `layer`: the row cap (RowCap)."""
+    if options.pad_to_capacity:
         return SlotDispatch(group)
-    cap = RowCap(max_rows_per_rank, layer)
+    cap = RowCap(options.max_rows_per_rank, layer)
     inner = TokenDispatch(group, cap) if ours else PairDispatch(group, cap)
-    if not replicas:
+    if not options.expert_replicas:
         return inner
-    return ReplicaDispatch(inner, Replicas(replicas, replan_every, group.ep_group, group.etp_group), replica_forward)
+    replicas = Replicas(options.expert_replicas, options.replica_replan_every, group.ep_group, group.etp_group)
+    return ReplicaDispatch(inner, replicas, replica_forward)
 
 
 def _experts(moe: nn.Module, plans: tuple[WeightPlan, ...]) -> nn.Module:
@@ -242,7 +245,7 @@ def experts_fsdp_sharded(dims: MoEParallelDims) -> bool:
 def moe_placement_plans(module: nn.Module, dims: MoEParallelDims, caller: str = "parallelize_moe"):
     """Every MoE in `module` with its placement plan (`plan_moe`), after every check before the first collective
     (and before any module changes), so a bad config never hangs a rank or leaves a half-parallelized model.
-    Remembers each layer's path in `module` for the dispatcher's errors (`dispatch_options`)."""
+    Remembers each layer's path in `module` for the dispatcher's errors (`place_moe`)."""
     moes = [m for m in module.modules() if isinstance(m, MoE)]
     plans = [plan_moe(m.config, dims) for m in moes]
     for m in moes:
@@ -257,15 +260,6 @@ def moe_placement_plans(module: nn.Module, dims: MoEParallelDims, caller: str = 
 
 # Each MoE's path in the module it was parallelized from, for the dispatcher's errors.
 _LAYER_NAMES: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
-
-
-def dispatch_options(moe: MoE) -> dict:
-    """An MoE's `make_dispatcher` options from its run options: padding, replica slots and the row cap, named for
-    errors."""
-    options = moe.options
-    return dict(padded=options.pad_to_capacity, replicas=options.expert_replicas,
-                replan_every=options.replica_replan_every, max_rows_per_rank=options.max_rows_per_rank,
-                layer=f"MoE layer {_LAYER_NAMES.get(moe, '')!r}")
 
 
 def fsdp_kwargs(mp_policy, reshard_after_forward: bool) -> dict:
@@ -290,7 +284,7 @@ def place_moe(moe: MoE, plans: tuple[WeightPlan, ...], dims: MoEParallelDims, me
     dispatcher hooks, `tp_grads`: TP_GRADS), its statistics over the data-parallel ranks, and its `placement`
     (MoEPlacement) for `fully_shard_layer` and compile_moe. ExpertParallel and parallelize_blocks both call it."""
     shard_moe_layer(moe, plans, dims, meshes, None, tp_grads=tp_grads, gather_in_forward=gather_in_forward,
-                    dispatch_precision=moe.options.dispatch_precision, dispatch_options=dispatch_options(moe))
+                    options=moe.options, layer=f"MoE layer {_LAYER_NAMES.get(moe, '')!r}")
     moe.stats = DataParallelStats(meshes, dims)
     moe.placement = MoEPlacement(dims, meshes, plans, gather_in_forward)
 

@@ -21,6 +21,7 @@ adapters see the usual keys.
 """
 
 from dataclasses import replace
+from functools import partial
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -41,7 +42,7 @@ from dtensor_moe.parallel.shard import shard_moe_layer
 from .cp_sdpa import apply_cp
 from .experts import adopt
 from .gpt_oss import expert_dims, finish_rows, gpt_oss_plans, is_gpt_oss, moe_fields
-from .replicas import dispatch_options
+from .replicas import replica_forward
 from .token_rounding import round_titan_tokens
 from .trainer import ExpertMeshParallelDims
 
@@ -155,8 +156,8 @@ def parallelize_titan(model, *, parallel_dims, training, parallelism, compile_co
         fsdp_kwargs = {"mp_policy": mp_policy, "reshard_after_forward": reshard}
         # Replicas and the row cap (titan/replicas.py): --dtensor_moe.run.expert_replicas, max_rows_per_rank.
         shard_moe_layer(moe, moe_plans, dims, meshes, fsdp_kwargs, tp_grads="sum", fsdp_sums=True,
-                        dispatch_precision=options.dispatch_precision,
-                        dispatch_options=dispatch_options(options, f"MoE layer {names[moe]!r}", dims.etp))
+                        options=options, layer=f"MoE layer {names[moe]!r}",
+                        replica_forward=partial(replica_forward, etp=dims.etp))
         if not ours and is_gpt_oss(moe.routed_experts.inner_experts):
             finish_rows(moe.routed_experts.inner_experts, dims.etp)
 

@@ -10,7 +10,6 @@ gradients go back to the owners through autograd (parallel/replica_dispatch.py);
 state dict, DCP checkpoints and Hugging Face adapters see the owners only.
 """
 
-from functools import partial
 
 from torch import nn
 
@@ -28,10 +27,3 @@ def replica_forward(experts: nn.Module, x_RD, counts_E, weights: dict, etp: int)
         return finish(experts, x_RD, counts_E, out_RD, etp) if is_gpt_oss(experts) else out_RD
     finally:
         experts._parameters.update(saved)
-
-
-def dispatch_options(options, layer: str, etp: int) -> dict:
-    """`make_dispatcher`'s replica and row-cap arguments from the hook's `--dtensor_moe.run` (MoERunOptions)."""
-    return dict(replicas=options.expert_replicas, replan_every=options.replica_replan_every,
-                max_rows_per_rank=options.max_rows_per_rank, layer=layer,
-                replica_forward=partial(replica_forward, etp=etp))
