@@ -69,7 +69,7 @@ def check_hf_checkpoint(directory, hf_config: dict | None = None) -> dict[str, E
     have = {k: e.shape for k, e in files.items()}
     shapes = moe_shapes(moe)
     theirs, ours = [], []  # the MoE blocks' prefixes: on disk (Mixtral's may say block_sparse_moe), in the model
-    for i in fam.moe_layers(get):
+    for i in fam.moe_layer_ids(get):
         prefix = layer_prefix(set(have), fam, i)
         check_hf_layer(have, fam, prefix, shapes)
         theirs.append(prefix)

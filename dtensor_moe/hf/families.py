@@ -22,9 +22,9 @@ class Family:
     direct: dict  # our MoE name -> their key, for tensors that map one-to-one (boxes pass through)
     per_expert: tuple[str, str, str] | None  # (gate, up, down) names of the per-expert layout, if it has one
     config: Callable[[Callable], MoEConfig]  # get(field, default) of their config -> ours
-    moe_layers: Callable[[Callable], list[int]]
+    moe_layer_ids: Callable[[Callable], list[int]]
     fields: Callable[[MoEConfig], dict]  # ours -> their config's MoE fields (the inverse of `config`)
-    # (MoE layers, num_hidden_layers) -> their config's fields that `moe_layers` reads (its inverse)
+    # (MoE layers, num_hidden_layers) -> their config's fields that `moe_layer_ids` reads (its inverse)
     layer_fields: Callable[[list[int], int], dict]
 
     def layout(self, keys: set[str], prefix: str, num_hidden: int):
@@ -256,7 +256,7 @@ HF_FIXED_FIELDS = ("dim", "hidden_dim", "num_experts", "top_k", "score_func", "r
 
 def hf_fields(fam: Family, config: MoEConfig, layers: list[int], num_hidden_layers: int) -> dict:
     """Their config's fields for our `config` in MoE layers `layers` of `num_hidden_layers`: what
-    `moe_config_from_hf` and `moe_layers` read back as these; a ValueError naming every field the family
+    `moe_config_from_hf` and `moe_layer_ids` read back as these; a ValueError naming every field the family
     cannot express (e.g. sigmoid scores as Qwen3-MoE, shared experts as Mixtral, a dense layer as gpt-oss)."""
     fields, diff = _written(fam, config, layers, num_hidden_layers)
     if diff:
@@ -277,8 +277,8 @@ def _written(fam: Family, config: MoEConfig, layers: list[int], num_hidden_layer
     # the family stores always or never.
     if (config.load_balance == "aux_free_bias") != (back.load_balance == "aux_free_bias"):
         diff.append(f"load_balance={config.load_balance!r} (as {fam.model_type}: {back.load_balance!r})")
-    if fam.moe_layers(get) != layers:
-        diff.append(f"MoE layers {layers} of {num_hidden_layers} (as {fam.model_type}: {fam.moe_layers(get)})")
+    if fam.moe_layer_ids(get) != layers:
+        diff.append(f"MoE layers {layers} of {num_hidden_layers} (as {fam.model_type}: {fam.moe_layer_ids(get)})")
     return fields, diff
 
 

@@ -271,7 +271,7 @@ def shape_from_hf_config(hf: dict, moe: MoEConfig, name: str = "config") -> Mode
         attention = _gpt_oss_attention(D, heads, kv_heads, head_dim)
     else:  # qwen3_moe (its q/k norms), mixtral
         attention = _gqa(D, heads, kv_heads, head_dim, qk_norm=kind == "qwen3_moe")
-    n_dense = n_layers - len(family(kind).moe_layers(get))
+    n_dense = n_layers - len(family(kind).moe_layer_ids(get))
     return _preset(name, vocab_size=get("vocab_size"), n_layers=n_layers, n_dense_layers=n_dense,
                    dense_hidden_dim=get("intermediate_size") if n_dense else 0, moe=moe, attention=attention,
                    tie_embeddings=bool(get("tie_word_embeddings", False)))

@@ -69,7 +69,7 @@ def import_hf(hf_dir, out_dir, force: bool = False) -> Path:
     config = moe_config_from_hf(hf_config)
     reader = SafetensorsReader(hf_dir)
     shapes = moe_shapes(config)
-    layers = fam.moe_layers(get)
+    layers = fam.moe_layer_ids(get)
     tensors = {}
     for i in layers:
         layer = read_hf_moe(reader, fam, layer_prefix(reader.keys(), fam, i), shapes)

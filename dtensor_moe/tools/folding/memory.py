@@ -80,10 +80,10 @@ def rank_activations(r: Rates, rank: PipelineRank) -> float:
     logits, logits_grad = (r.logits, r.logits_grad) if s.last else (0, 0)
     if r.recompute:  # block inputs, plus one block's activations while it is recomputed
         saved = s.layers * r.block_input
-        recomputed = max(r.moe_layer if s.moe_layers else 0, r.dense_layer if s.dense_layers else 0)
+        recomputed = max(r.moe_layer if s.n_moe_layers else 0, r.dense_layer if s.n_dense_layers else 0)
     else:
-        saved, recomputed = s.moe_layers * r.moe_layer + s.dense_layers * r.dense_layer, 0
-    replica_grads = r.replica_copies if s.moe_layers else 0  # one MoE layer's, while its backward runs
+        saved, recomputed = s.n_moe_layers * r.moe_layer + s.n_dense_layers * r.dense_layer, 0
+    replica_grads = r.replica_copies if s.n_moe_layers else 0  # one MoE layer's, while its backward runs
     return rank.in_flight * (saved + logits) + recomputed + logits_grad + replica_grads
 
 

@@ -21,14 +21,14 @@ from dtensor_moe.tools.presets import ModelShape
 class StageShare(NamedTuple):
     """What one pipeline rank holds (with pp == 1, the whole model)."""
 
-    dense_layers: int
-    moe_layers: int
+    n_dense_layers: int
+    n_moe_layers: int
     first: bool  # the embedding
     last: bool  # the final norm and the head
 
     @property
     def layers(self) -> int:
-        return self.dense_layers + self.moe_layers
+        return self.n_dense_layers + self.n_moe_layers
 
 
 def stage_share(spec: ModelShape, pp: int, schedule: str, pp_rank: int) -> StageShare:
@@ -39,7 +39,7 @@ def stage_share(spec: ModelShape, pp: int, schedule: str, pp_rank: int) -> Stage
     Example:
         >>> from dtensor_moe.tools.presets import PRESETS
         >>> stage_share(PRESETS["deepseek-v3-671b"], 16, "1f1b", 0)  # 61 layers, the first 3 dense
-        StageShare(dense_layers=3, moe_layers=1, first=True, last=False)
+        StageShare(n_dense_layers=3, n_moe_layers=1, first=True, last=False)
     """
     layers = rank_layers(spec.n_layers, pp, schedule, pp_rank)
     dense = sum(i < spec.n_dense_layers for i in layers)  # the dense layers lead

@@ -90,14 +90,14 @@ def ranks_held_costs(dims: MoEParallelDims, work: Workload, gpus_per_node: int,
 
 def token_traffic(r: Rates, rank: PipelineRank) -> dict[str, Traffic]:
     """What a pipeline rank's tokens send: its traffic but the weights' (`Held.traffic`)."""
-    s, routed = rank.share, r.routed * rank.share.moe_layers
+    s, routed = rank.share, r.routed * rank.share.n_moe_layers
     return {
         "pp_send_recv": _part(rank.sends * r.send, r.send_inter),
         "ep_all_to_all": _part(routed * (r.ep - 1) / r.ep, r.ep_inter),
         "etp_gather_scatter": _part(routed * (r.etp - 1), r.etp_inter),
         "tp_sequence": _part((r.seq_per_layer * s.layers + 2 * (s.first + s.last)) * r.seq, r.tp_inter),
         "cp_ring_kv": _part(s.layers * r.kv, r.cp_inter),
-        **({"replica_weights": _part(r.replica_sent * s.moe_layers, r.ep_inter)} if r.replica_copies else {}),
+        **({"replica_weights": _part(r.replica_sent * s.n_moe_layers, r.ep_inter)} if r.replica_copies else {}),
     }
 
 

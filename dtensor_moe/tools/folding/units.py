@@ -121,10 +121,10 @@ def fsdp_units(spec: ModelShape, dims: MoEParallelDims, share: StageShare | None
     units = []
     if root:
         units.append(Unit("root", 1, root, root_gathers))
-    if share.dense_layers:
-        units.append(Unit("dense block", share.dense_layers, dense_block, block_gathers))
-    if share.moe_layers:
-        units.append(Unit("moe block", share.moe_layers, (*moe_block, *moe_plans), block_gathers))
+    if share.n_dense_layers:
+        units.append(Unit("dense block", share.n_dense_layers, dense_block, block_gathers))
+    if share.n_moe_layers:
+        units.append(Unit("moe block", share.n_moe_layers, (*moe_block, *moe_plans), block_gathers))
     return tuple(units)
 
 
@@ -231,5 +231,5 @@ def _join(a: UnitPart, b: UnitPart) -> UnitPart:
 def share_footprint(parts: dict[str, UnitPart], share: StageShare) -> Footprint:
     """footprint(fsdp_units(spec, dims, share, microbatches), dims) from `share_parts`."""
     return combine(((True, 1, parts["embedding"]),) * share.first + ((True, 1, parts["head"]),) * share.last
-                   + ((False, share.dense_layers, parts["dense block"]),) * (share.dense_layers > 0)
-                   + ((False, share.moe_layers, parts["moe block"]),) * (share.moe_layers > 0))
+                   + ((False, share.n_dense_layers, parts["dense block"]),) * (share.n_dense_layers > 0)
+                   + ((False, share.n_moe_layers, parts["moe block"]),) * (share.n_moe_layers > 0))
