@@ -10,7 +10,7 @@ q/k norms, every layer MoE, softmax top-k renormalized), shrunk the same way. At
 causal SDPA in both because FlexAttention has no CPU backward (documents packed into one sequence
 attend across boundaries). `gpt_oss_tiny`: torchtitan's gpt_oss "debugmodel" architecture (GQA with
 biases and attention sinks, sliding-window layers alternating with full ones, biased router and experts
-with the clamped SwiGLU) at those sizes; its attention is `CausalAttention`, which hands the sinks their
+with the clamped SwiGLU) at those sizes; its attention is `SinkWindowAttention`, which hands the sinks their
 log-sum-exp as torchtitan's Flex and varlen backends do (those need a GPU).
 """
 
@@ -116,7 +116,7 @@ def qwen3_moe_tiny(vocab_size: int, max_seq_len: int = 256) -> Qwen3Model.Config
     return Qwen3Model.Config(**_decoder(vocab_size, dim, layers, embedding_std=0.02, eps=1e-6))
 
 
-class CausalAttention(Module):
+class SinkWindowAttention(Module):
     """Causal attention in plain torch ops (CPU: backward everywhere), within the last `window_size` positions
     when set (the query's own included, as torchtitan's sliding-window mask). Like torchtitan's Flex and varlen
     backends it hands the model's `out_transform` (gpt-oss's sinks) the log-sum-exp of each query's scores."""
@@ -129,19 +129,19 @@ class CausalAttention(Module):
         super().__init__()
         self.window_size = config.window_size
 
-    def forward(self, q_BLNH, k_BLNH, v_BLNH, *, scale=None, enable_gqa=False, out_transform=None, **kwargs):
-        q_BNLK, k_BNLK, v_BNLK = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+    def forward(self, q_BLHK, k_BLHK, v_BLHK, *, scale=None, enable_gqa=False, out_transform=None, **kwargs):
+        q_BHLK, k_BHLK, v_BHLK = (t.transpose(1, 2) for t in (q_BLHK, k_BLHK, v_BLHK))
         if enable_gqa:  # query head h reads key head h // (n_heads / n_kv_heads), as SDPA's enable_gqa
-            k_BNLK, v_BNLK = (t.repeat_interleave(q_BNLK.shape[1] // t.shape[1], dim=1) for t in (k_BNLK, v_BNLK))
-        L = q_BNLK.shape[2]
+            k_BHLK, v_BHLK = (t.repeat_interleave(q_BHLK.shape[1] // t.shape[1], dim=1) for t in (k_BHLK, v_BHLK))
+        L = q_BHLK.shape[2]
         back_LL = torch.arange(L)[:, None] - torch.arange(L)[None, :]
         keep_LL = (back_LL >= 0) & (back_LL < (self.window_size or L))
-        scores_BNLL = (q_BNLK @ k_BNLK.transpose(-2, -1)) * (scale or q_BNLK.shape[-1] ** -0.5)
-        scores_BNLL = scores_BNLL.masked_fill(~keep_LL.to(scores_BNLL.device), float("-inf"))
-        out_BLNH = (torch.softmax(scores_BNLL, dim=-1) @ v_BNLK).transpose(1, 2)
+        scores_BHLL = (q_BHLK @ k_BHLK.transpose(-2, -1)) * (scale or q_BHLK.shape[-1] ** -0.5)
+        scores_BHLL = scores_BHLL.masked_fill(~keep_LL.to(scores_BHLL.device), float("-inf"))
+        out_BLHK = (torch.softmax(scores_BHLL, dim=-1) @ v_BHLK).transpose(1, 2)
         if out_transform is None:
-            return out_BLNH
-        return out_transform(out_BLNH, torch.logsumexp(scores_BNLL, dim=-1).transpose(1, 2))
+            return out_BLHK
+        return out_transform(out_BLHK, torch.logsumexp(scores_BHLL, dim=-1).transpose(1, 2))
 
 
 def gpt_oss_tiny(vocab_size: int, max_seq_len: int = 256, window: int = 8) -> GptOssModel.Config:
@@ -158,7 +158,7 @@ def gpt_oss_tiny(vocab_size: int, max_seq_len: int = 256, window: int = 8) -> Gp
     # eps: torchtitan's RMSNorm default, as its gpt-oss layers' norms have it.
     config = GptOssModel.Config(**_decoder(vocab_size, dim, layers, embedding_std=0.02, eps=1e-5))
     for layer in layers:
-        layer.attention.inner_attention = CausalAttention.Config(window_size=layer.attention.sliding_window_size)
+        layer.attention.inner_attention = SinkWindowAttention.Config(window_size=layer.attention.sliding_window_size)
     return config
 
 
