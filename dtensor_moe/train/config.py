@@ -16,7 +16,7 @@ __all__ = [
     "read_toml", "check_row_cap",
 ]
 
-BYTE_VOCAB = 256  # corpus, synthetic and the byte tokenizer (dtensor_moe.train.data.VOCAB_SIZE)
+BYTE_VOCAB = 256  # corpus, synthetic (train/data.py) and the byte tokenizer (train/tokenizer.py)
 OVERRIDE = re.compile(r"^([A-Za-z_]\w*)\.([A-Za-z_]\w*)=(.*)$", re.DOTALL)
 
 

@@ -15,7 +15,8 @@ from importlib import resources
 
 import torch
 
-VOCAB_SIZE = 256  # byte-level tokenizer
+from dtensor_moe.train.config import BYTE_VOCAB
+
 EPOCH_SEED = 0x5EED_E90C  # epoch permutations draw from other seeds than the random windows' steps
 
 
@@ -31,7 +32,7 @@ def corpus_tokens() -> torch.Tensor:
 def synthetic_tokens(n: int = 1 << 20, seed: int = 0) -> torch.Tensor:
     """A low-entropy Markov chain over bytes: learnable, so the loss visibly falls."""
     g = torch.Generator().manual_seed(seed)
-    next_VC = torch.randint(0, VOCAB_SIZE, (VOCAB_SIZE, 4), generator=g).tolist()
+    next_VC = torch.randint(0, BYTE_VOCAB, (BYTE_VOCAB, 4), generator=g).tolist()
     choice = torch.randint(0, 4, (n,), generator=g).tolist()
     out, tok = [0] * n, 0
     for i in range(1, n):

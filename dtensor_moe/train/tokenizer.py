@@ -9,6 +9,8 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from dtensor_moe.train.config import BYTE_VOCAB
+
 BYTE = "byte"
 # The files that decide how a Hugging Face tokenizer encodes (not the model's weights or config.json).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -71,7 +73,7 @@ def load_tokenizer(spec: str, hf_path: str = "") -> Tokenizer:
     """'byte' (documents joined by byte 0, which text does not contain), or a Hugging Face tokenizer directory
     (joined by its end-of-text token), loaded from local files only."""
     if spec == BYTE:
-        return Tokenizer("byte", 256, 0)
+        return Tokenizer("byte", BYTE_VOCAB, 0)
     tokenizer_files(spec, hf_path)
     what = _describe(spec, hf_path)
     if importlib.util.find_spec("transformers") is None:
