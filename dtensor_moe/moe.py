@@ -174,7 +174,7 @@ class MoE(nn.Module):
         else:
             copies = TokenCopies.build(order_N, sorted_N, weights_TK)
         # The dispatcher sits around this call. Unplaced, the experts run every routed copy here (GroupedExperts.forward
-        # takes x, counts and copies). Placed (parallel/shard.py's place_moe), the experts module carries the
+        # takes x, counts and copies). Placed (parallel/shard.py's place_layer), the experts module carries the
         # dispatch strategy's hooks (parallel/dispatch.py's dispatch_hooks): the pre-hook moves the copies to the
         # ranks of their experts and hands the module an ExpertInput of this rank's rows; the post-hook combines
         # their outputs back into x's tokens. This module never knows which.

@@ -106,7 +106,7 @@ def api_cases(tour: Tour, ckpt_ready):
     from dtensor_moe import MoE, MoEConfig, MoEParallelDims, MoERunOptions, parallelize_moe, plan_moe
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
-    from dtensor_moe.train.parallel.parallelize_model import parallelize_model
+    from dtensor_moe.train.parallel.parallelize_transformer import parallelize_transformer
 
     def moe_cfg(**kw):
         return MoEConfig(**{"dim": 16, "hidden_dim": 8, "num_experts": 8, "top_k": 2, **kw})
@@ -146,11 +146,11 @@ def api_cases(tour: Tour, ckpt_ready):
         api(tour, P, "parallelize_moe(MoEParallelDims(2)) on a 1-process group",
             lambda: parallelize_moe(MoE(moe_cfg()), MoEParallelDims(2), device_type="cpu"), ["world_size"])
         model = MoETransformer(ModelConfig(num_experts=4, hidden_dim=8, dim=16, n_heads=2, max_seq_len=16))
-        api(tour, P, "parallelize_model(activation_checkpoint='some')",
-            lambda: parallelize_model(model, MoEParallelDims(1), device_type="cpu", activation_checkpoint="some"),
+        api(tour, P, "parallelize_transformer(activation_checkpoint='some')",
+            lambda: parallelize_transformer(model, MoEParallelDims(1), device_type="cpu", activation_checkpoint="some"),
             ["activation_checkpoint", "selective"])
-        api(tour, P, "parallelize_model(compile=True, activation_checkpoint='full')",
-            lambda: parallelize_model(model, MoEParallelDims(1), device_type="cpu", compile=True,
+        api(tour, P, "parallelize_transformer(compile=True, activation_checkpoint='full')",
+            lambda: parallelize_transformer(model, MoEParallelDims(1), device_type="cpu", compile=True,
                                       activation_checkpoint="full"), ["activation_checkpoint", "compile"])
         moe = parallelize_moe(MoE(moe_cfg()), MoEParallelDims(1), device_type="cpu")
         before = {k: v.full_tensor().clone() for k, v in moe.state_dict().items()}

@@ -1,4 +1,4 @@
-"""Worker-side check: the main job's model under parallelize_model against one process.
+"""Worker-side check: the main job's model under parallelize_transformer against one process.
 
 Every rank builds the same float64 model and the same global batches; the reference trains on the
 whole batch, the parallel copy on this rank's part (its data-parallel group's sequences, its CP part
@@ -16,7 +16,7 @@ from dtensor_moe import MoEParallelDims, balance_loss
 from dtensor_moe.train.config import ModelConfig
 from dtensor_moe.train.model import MoETransformer
 from dtensor_moe.train.optim import clip_grad_norm_
-from dtensor_moe.train.parallel.parallelize_model import parallelize_model
+from dtensor_moe.train.parallel.parallelize_transformer import parallelize_transformer
 
 MODEL = dict(vocab_size=32, dim=16, n_layers=2, n_heads=4, num_experts=4, top_k=2, hidden_dim=8,
              num_shared_experts=1, load_balance="aux_loss", aux_loss_coeff=0.1, bias_update_rate=0.05)
@@ -43,7 +43,7 @@ def check_model_parity(rank: int, world_size: int, case: ModelCase) -> dict:
     ref = MoETransformer(cfg).double()
     model = copy.deepcopy(ref)
     dims = MoEParallelDims(world_size, **case.mesh)
-    parallelize_model(model, dims, device_type="cpu")
+    parallelize_transformer(model, dims, device_type="cpu")
     tokens = torch.randint(0, cfg.vocab_size, (case.steps, case.global_batch, case.seq_len + 1),
                            generator=torch.Generator().manual_seed(1))
     c = dims.dense_coords(rank)

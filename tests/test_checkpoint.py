@@ -20,7 +20,7 @@ from dtensor_moe import MoEParallelDims
 from dtensor_moe.train.checkpoint import latest, load, save, step_dir
 from dtensor_moe.train.config import ModelConfig
 from dtensor_moe.train.model import MoETransformer
-from dtensor_moe.train.parallel.parallelize_model import parallelize_model
+from dtensor_moe.train.parallel.parallelize_transformer import parallelize_transformer
 
 from .harness import _free_port, run_on_ranks
 
@@ -35,7 +35,7 @@ def build(world: int, dims: dict | None, seed: int, cfg: ModelConfig = CFG):
     torch.manual_seed(seed)
     model = MoETransformer(cfg)
     if dims is not None:
-        parallelize_model(model, MoEParallelDims(world, **dims), device_type="cpu")
+        parallelize_transformer(model, MoEParallelDims(world, **dims), device_type="cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
     return model, opt, sched

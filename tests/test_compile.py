@@ -58,17 +58,17 @@ GLOBAL_BATCH = 4  # sequences per step, split over the ranks: the same batches o
 
 
 def train_steps(rank, world_size, ep, compile, ac, steps=3, run=None):
-    """Loss per step of parallelize_model(compile, ac) on the same global batches at any world size, and
+    """Loss per step of parallelize_transformer(compile, ac) on the same global batches at any world size, and
     how many EP/ETP row movements each step ran. `run`: MoERunOptions fields of the MoE layers."""
     import torch.nn.functional as F
 
     from dtensor_moe import MoEParallelDims
     from dtensor_moe.parallel import exchange
-    from dtensor_moe.train.parallel.parallelize_model import parallelize_model
+    from dtensor_moe.train.parallel.parallelize_transformer import parallelize_transformer
 
     torch._dynamo.reset()
     model = _model(load_balance="aux_free_bias", run=run)
-    parallelize_model(model, MoEParallelDims(world_size, ep=ep), device_type="cpu", compile=compile,
+    parallelize_transformer(model, MoEParallelDims(world_size, ep=ep), device_type="cpu", compile=compile,
                       activation_checkpoint=ac)
     moved = mock.patch.object(exchange._Topology, "there", autospec=True, side_effect=exchange._Topology.there)
     losses, moves = [], []

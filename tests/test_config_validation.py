@@ -372,7 +372,7 @@ def _message(fn) -> str:
     ],
 )
 def test_tp_rules_read_the_same_from_the_config_and_the_model(model, tp, message):
-    """One rule, two entry points: the config names the field parallel.tp, parallelize_model's check the
+    """One rule, two entry points: the config names the field parallel.tp, parallelize_transformer's check the
     argument tp; the rest of the message is the same."""
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.parallel.tensor_parallel import check_tp_model
@@ -384,7 +384,7 @@ def test_tp_rules_read_the_same_from_the_config_and_the_model(model, tp, message
 
 @pytest.mark.parametrize("mode", ["some", 1, None])
 def test_activation_checkpoint_modes_read_the_same_everywhere(mode):
-    """The config, parallelize_model's check_compile and apply_activation_checkpointing share one check."""
+    """The config, parallelize_transformer's check_compile and apply_activation_checkpointing share one check."""
     from torch import nn
 
     from dtensor_moe.parallel.compile import apply_activation_checkpointing, check_compile

@@ -45,7 +45,7 @@ def _measure_states(rank, world, model_kwargs, dims_kwargs, schedule="1f1b"):
 
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
-    from dtensor_moe.train.parallel.parallelize_model import parallelize_model
+    from dtensor_moe.train.parallel.parallelize_transformer import parallelize_transformer
     from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
     torch.manual_seed(0)
@@ -54,11 +54,11 @@ def _measure_states(rank, world, model_kwargs, dims_kwargs, schedule="1f1b"):
     tokens = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(rank))
     if dims.pp > 1:
         pipe = Pipeline(MoETransformer(cfg), dims.build_meshes("cpu").pp, schedule, 2, 2, 8, 8, torch.float32,
-                        torch.device("cpu"), lambda m: parallelize_model(m, dims, device_type="cpu"))
+                        torch.device("cpu"), lambda m: parallelize_transformer(m, dims, device_type="cpu"))
         pipe.step(tokens[:, :-1], tokens[:, 1:])
         model = stage_view(pipe.parts)
     else:
-        model = parallelize_model(MoETransformer(cfg), dims, device_type="cpu")
+        model = parallelize_transformer(MoETransformer(cfg), dims, device_type="cpu")
         logits = model(tokens[:, :-1])
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

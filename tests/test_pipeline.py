@@ -21,7 +21,7 @@ def _train_pp_and_reference(rank: int, world_size: int, schedule: str, n_layers:
     from dtensor_moe.train.loss import cross_entropy
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.optim import clip_grad_norm_
-    from dtensor_moe.train.parallel.parallelize_model import parallelize_model
+    from dtensor_moe.train.parallel.parallelize_transformer import parallelize_transformer
     from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
     torch.manual_seed(0)
@@ -42,7 +42,7 @@ def _train_pp_and_reference(rank: int, world_size: int, schedule: str, n_layers:
         SEQ // tp,
         torch.float64,
         torch.device("cpu"),
-        lambda m: parallelize_model(m, dims, device_type="cpu"),
+        lambda m: parallelize_transformer(m, dims, device_type="cpu"),
         chunk,
     )
     model = stage_view(pipe.parts)
@@ -113,7 +113,7 @@ def _reshard_pp2_pp1_pp2(rank: int, world_size: int, root: str) -> dict:
     from dtensor_moe.train.config import ModelConfig
     from dtensor_moe.train.model import MoETransformer
     from dtensor_moe.train.optim import build_optimizer
-    from dtensor_moe.train.parallel.parallelize_model import parallelize_model
+    from dtensor_moe.train.parallel.parallelize_transformer import parallelize_transformer
     from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
     cfg = ModelConfig(vocab_size=32, dim=8, n_layers=4, n_heads=2, num_experts=4, top_k=2, hidden_dim=4,
@@ -125,9 +125,10 @@ def _reshard_pp2_pp1_pp2(rank: int, world_size: int, root: str) -> dict:
         torch.manual_seed(seed)
         model = MoETransformer(cfg).double()
         if dims.pp == 1:
-            return parallelize_model(model, dims, device_type="cpu"), None
+            return parallelize_transformer(model, dims, device_type="cpu"), None
         pipe = Pipeline(model, dims.build_meshes("cpu").pp, "interleaved_1f1b", 2, BATCH // dims.dp, SEQ, SEQ,
-                        torch.float64, torch.device("cpu"), lambda m: parallelize_model(m, dims, device_type="cpu"))
+                        torch.float64, torch.device("cpu"),
+                        lambda m: parallelize_transformer(m, dims, device_type="cpu"))
         return stage_view(pipe.parts), pipe
 
     def states(model, opt) -> dict:

@@ -336,7 +336,7 @@ def _replay_under_pipeline(rank: int, world_size: int, schedule: str, n_layers: 
     from dtensor_moe.train.loop import _accumulating
     from dtensor_moe.train.loss import cross_entropy
     from dtensor_moe.train.model import MoETransformer
-    from dtensor_moe.train.parallel.parallelize_model import parallelize_model
+    from dtensor_moe.train.parallel.parallelize_transformer import parallelize_transformer
     from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
     seq, batch, mbs = 4, 8, 2
@@ -347,7 +347,7 @@ def _replay_under_pipeline(rank: int, world_size: int, schedule: str, n_layers: 
     dims = MoEParallelDims(world_size, ep=2, pp=2)
     pp_mesh = dims.build_meshes("cpu").pp
     pipe = Pipeline(copy.deepcopy(ref), pp_mesh, schedule, mbs, batch // dims.dp, seq, seq, torch.float64,
-                    torch.device("cpu"), lambda m: parallelize_model(m, dims, device_type="cpu",
+                    torch.device("cpu"), lambda m: parallelize_transformer(m, dims, device_type="cpu",
                                                                      activation_checkpoint="full"))
     model = stage_view(pipe.parts)
     tokens = torch.randint(0, cfg.vocab_size, (500,), generator=torch.Generator().manual_seed(1))

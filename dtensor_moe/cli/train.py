@@ -261,7 +261,7 @@ def _check(cfg: Config, world: int):
     from dtensor_moe.parallel.placement import check_pipeline, plan_moe
     from dtensor_moe.parallel.replicas import check_replica_mesh
     from dtensor_moe.train.data import check_global_batch
-    from dtensor_moe.train.parallel.parallelize_model import check_model_parallel
+    from dtensor_moe.train.parallel.parallelize_transformer import check_model_parallel
 
     p, m = cfg.parallel, cfg.model  # types and ranges of every field were checked when the config was built
     dims = parallel_dims(cfg, world)

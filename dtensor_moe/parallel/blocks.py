@@ -17,7 +17,7 @@ from dtensor_moe.parallel.shard import (
     fsdp_kwargs,
     fully_shard_layer,
     moe_placement_plans,
-    place_moe,
+    place_layer,
 )
 
 __all__ = ["parallelize_blocks"]
@@ -36,7 +36,7 @@ def parallelize_blocks(
     dense: Callable[[MoEMeshes], None] | None = None,
     tp_grads: str = DEFAULT_TP_GRADS,
 ) -> nn.Module:
-    """Expert sharding of every `MoE` in `model` (EP, ETP: `place_moe`, as `ExpertParallel` places a layer), then
+    """Expert sharding of every `MoE` in `model` (EP, ETP: `place_layer`, as `ExpertParallel` places a layer), then
     `dense(meshes)` (the model's own TP / CP, if any), then per block activation checkpointing ("none" | "full" |
     "selective"), compile (each block one graph) and an FSDP2/HSDP unit, and one unit for the root (embeddings,
     head; tied embeddings stay there).
@@ -53,7 +53,7 @@ def parallelize_blocks(
     meshes = dims.build_meshes(device_type)
     unit_kwargs = fsdp_kwargs(mp_policy, reshard_after_forward)
     for m, moe_plans in layers:
-        place_moe(m, moe_plans, dims, meshes, tp_grads=tp_grads, gather_in_forward=bool(compile))
+        place_layer(m, moe_plans, dims, meshes, tp_grads=tp_grads, gather_in_forward=bool(compile))
     if dense is not None:
         dense(meshes)
     # Compiled experts are in no FSDP unit (eagerly the MoE's own units take care of them).

@@ -25,7 +25,7 @@ from dtensor_moe.parallel.shard import (
     fsdp_kwargs,
     fully_shard_layer,
     moe_placement_plans,
-    place_moe,
+    place_layer,
 )
 
 __all__ = ["ExpertParallel", "compile_moe", "fully_shard_moe", "parallelize_moe"]
@@ -143,7 +143,7 @@ class ExpertParallel(ParallelStyle):
             # First of the layer's pre-hooks: under compile, the tp gradient scale's autograd node taken on the
             # AsyncCollectiveTensor itself lost the MoE's input gradient (grad:x off by 0.6, torch 2.13).
             moe.register_forward_pre_hook(_plain_input)
-            place_moe(moe, plans, self.dims, meshes, tp_grads=self.tp_grads, gather_in_forward=self.gather_in_forward)
+            place_layer(moe, plans, self.dims, meshes, tp_grads=self.tp_grads, gather_in_forward=self.gather_in_forward)
         moes = [moe for moe, _ in layers]
         if self.fully_shard:
             _fully_shard_layers(moes, self.unit_kwargs)

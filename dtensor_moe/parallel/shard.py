@@ -1,8 +1,8 @@
 """The mechanics of applying the placement plan to one MoE layer, in place: expert weights as DTensors, the
 dispatcher's hooks, FSDP2 units, the data-parallel statistics, and the tp gradient convention (`TP_GRADS`).
-`ExpertParallel` and `fully_shard_moe` (expert_parallel.py) and the main job's `parallelize_model` place a layer of
-ours with `place_moe` and make its FSDP2 units with `fully_shard_layer`; the torchtitan hook does both at once
-with `shard_moe_layer`."""
+`ExpertParallel` and `fully_shard_moe` (expert_parallel.py) and the main job's `parallelize_transformer` place a
+layer of ours with `place_layer` and make its FSDP2 units with `fully_shard_layer`; the torchtitan hook does both
+at once with `shard_moe_layer`."""
 
 import weakref
 from dataclasses import dataclass
@@ -54,7 +54,7 @@ def check_tp_grads(tp_grads, prefix: str = "", name: str = "tp_grads") -> None:
 
 @dataclass(frozen=True)
 class MoEPlacement:
-    """Kept on a placed `MoE` as `placement` (`place_moe`): what its FSDP2 units and its compile read.
+    """Kept on a placed `MoE` as `placement` (`place_layer`): what its FSDP2 units and its compile read.
 
     Attributes:
         dims (MoEParallelDims): the degrees it was placed by.
@@ -245,7 +245,7 @@ def experts_fsdp_sharded(dims: MoEParallelDims) -> bool:
 def moe_placement_plans(module: nn.Module, dims: MoEParallelDims, caller: str = "parallelize_moe"):
     """Every MoE in `module` with its placement plan (`plan_moe`), after every check before the first collective
     (and before any module changes), so a bad config never hangs a rank or leaves a half-parallelized model.
-    Remembers each layer's path in `module` for the dispatcher's errors (`place_moe`)."""
+    Remembers each layer's path in `module` for the dispatcher's errors (`place_layer`)."""
     moes = [m for m in module.modules() if isinstance(m, MoE)]
     plans = [plan_moe(m.config, dims) for m in moes]
     for m in moes:
@@ -278,7 +278,7 @@ def scale_moe_gradients(moe: nn.Module, tp: int) -> None:
     moe.register_forward_hook(lambda _, args, out: ScaleGrad.apply(out, float(tp)))
 
 
-def place_moe(moe: MoE, plans: tuple[WeightPlan, ...], dims: MoEParallelDims, meshes: MoEMeshes, *,
+def place_layer(moe: MoE, plans: tuple[WeightPlan, ...], dims: MoEParallelDims, meshes: MoEMeshes, *,
               tp_grads: str, gather_in_forward: bool) -> None:
     """One `MoE` of this library placed by its plan, without FSDP2 units: `shard_moe_layer` (DTensor weights,
     dispatcher hooks, `tp_grads`: TP_GRADS), its statistics over the data-parallel ranks, and its `placement`
@@ -290,7 +290,7 @@ def place_moe(moe: MoE, plans: tuple[WeightPlan, ...], dims: MoEParallelDims, me
 
 
 def fully_shard_layer(moe: MoE, fsdp_kwargs: dict) -> None:
-    """A placed `MoE`'s FSDP2 units (`place_moe`; `fsdp_kwargs`: `fsdp_kwargs(...)`): its experts over EDP /
+    """A placed `MoE`'s FSDP2 units (`place_layer`; `fsdp_kwargs`: `fsdp_kwargs(...)`): its experts over EDP /
     HSDP unless they gather in the forward or have no such axis, its router and shared experts over every
     rank with its own tokens."""
     p = moe.placement

@@ -48,7 +48,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
     from dtensor_moe.train.metrics import ExpertLoad, RunWriter, load_summary, local_state_bytes, peak_memory_bytes
     from dtensor_moe.train.model import build_model
     from dtensor_moe.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
-    from dtensor_moe.train.parallel.parallelize_model import parallelize_model
+    from dtensor_moe.train.parallel.parallelize_transformer import parallelize_transformer
     from dtensor_moe.train.parallel.pipeline import Pipeline, stage_view
 
     # The grad-norm all-reduce over the 3-axis expert mesh is one scalar per axis; not worth a warning per rank.
@@ -87,7 +87,7 @@ def _train(cfg: Config, run_dir: str, args, label: str, supervision: RankSupervi
             parallelize_hf_model(module, dims, device_type=device.type, mp_policy=mp,
                                  activation_checkpoint=t.activation_checkpoint)
         else:
-            parallelize_model(module, dims, device_type=device.type, mp_policy=mp, compile=t.compile,
+            parallelize_transformer(module, dims, device_type=device.type, mp_policy=mp, compile=t.compile,
                               activation_checkpoint=t.activation_checkpoint)
 
     pp_group = None

@@ -1,6 +1,6 @@
 """The main job's models: a small decoder-only MoE language model (`MoETransformer`), or a Hugging Face MoE
 causal LM with our MoE layers in its sparse blocks' place (`HFCausalLM`, `[model] hf_path`). No parallel code:
-`parallelize_model` / `parallelize_hf_model` shard them."""
+`parallelize_transformer` / `parallelize_hf_model` shard them."""
 
 import json
 

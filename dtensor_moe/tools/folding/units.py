@@ -2,7 +2,7 @@
 rank 0's `Footprint` (rank 0 holds the largest slices).
 
 Every number comes from the placement plan: MoE weights from `plan_moe`, the other weights from
-what `parallelize_model` does to them (under tp every 2-D weight split over tp -- attention by heads,
+what `parallelize_transformer` does to them (under tp every 2-D weight split over tp -- attention by heads,
 embedding and head by vocabulary -- and 1-D ones replicated; then FSDP2 Shard(0) over the dense
 data-parallel axis, dp_shard or dp_shard_cp). Plans read only a few sizes of the folding, so a
 search memoizes them in its `CostCache` on those sizes and the model.
@@ -53,7 +53,7 @@ class UnitPart(NamedTuple):
 
 
 def _fsdp_plan(name: str, shape: tuple[int, ...], dims: MoEParallelDims, axis: str) -> WeightPlan:
-    """What parallelize_model does to a weight outside the MoE: under tp a 2-D weight is split over
+    """What parallelize_transformer does to a weight outside the MoE: under tp a 2-D weight is split over
     tp (1-D ones replicated), then `fully_shard` takes Shard(0) of the local slice over `axis`."""
     split = dims.tp > 1 and len(shape) == 2
     steps = (ShardStep("tp", 0),) * split + (ShardStep(axis, 0),)
@@ -70,7 +70,7 @@ def _dense_stage(tp: int, axis: str, size: int) -> MoEParallelDims:
 
 
 def _dense_axis(dims: MoEParallelDims) -> tuple[str, int]:
-    """parallelize_model's FSDP axis for the dense weights (MoEMeshes.dp) and its size; the MoE's own
+    """parallelize_transformer's FSDP axis for the dense weights (MoEMeshes.dp) and its size; the MoE's own
     axis includes tp."""
     return ("dp_shard_cp", dims.dp_shard * dims.cp) if dims.cp > 1 else ("dp_shard", dims.dp_shard)
 

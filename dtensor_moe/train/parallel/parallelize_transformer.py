@@ -8,11 +8,11 @@ from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.train.parallel.context_parallel import apply_cp, check_cp_model
 from dtensor_moe.train.parallel.tensor_parallel import apply_tp, check_tp_model
 
-__all__ = ["parallelize_model"]
+__all__ = ["parallelize_transformer"]
 
 
 def check_model_parallel(dims: MoEParallelDims, compile, prefix: str = ""):
-    """What dense TP, CP and PP need of parallelize_model's other options, checked before any collective."""
+    """What dense TP, CP and PP need of parallelize_transformer's other options, checked before any collective."""
     if compile and dims.pp > 1:
         raise ValueError(f"{prefix}compile is not supported with pp > 1 yet (each MoE's load-balancing loss is "
                          "attached to its output by a module hook); valid: compile=false, or pp=1")
@@ -23,7 +23,7 @@ def check_model_parallel(dims: MoEParallelDims, compile, prefix: str = ""):
                          "tp = cp = 1, or tp/cp without compile")
 
 
-def parallelize_model(
+def parallelize_transformer(
     model: nn.Module,
     dims: MoEParallelDims,
     *,
