@@ -384,14 +384,14 @@ def test_tp_rules_read_the_same_from_the_config_and_the_model(model, tp, message
 
 @pytest.mark.parametrize("mode", ["some", 1, None])
 def test_activation_checkpoint_modes_read_the_same_everywhere(mode):
-    """The config, parallelize_transformer's check_compile and apply_activation_checkpointing share one check."""
+    """The config, check_compile_with_ac and apply_activation_checkpointing share one check of the modes."""
     from torch import nn
 
-    from dtensor_moe.parallel.compile import apply_activation_checkpointing, check_compile
+    from dtensor_moe.parallel.compile import apply_activation_checkpointing, check_compile_with_ac
 
     message = f"activation_checkpoint must be one of ['none', 'full', 'selective'], got {mode!r}"
     assert _message(lambda: TrainingConfig(activation_checkpoint=mode)) == f"training.{message}"
-    assert _message(lambda: check_compile(mode, False, "training.")) == f"training.{message}"
+    assert _message(lambda: check_compile_with_ac(mode, False, "training.")) == f"training.{message}"
     assert _message(lambda: apply_activation_checkpointing(nn.Linear(2, 2), mode)) == message
 
 

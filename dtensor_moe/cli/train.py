@@ -257,18 +257,18 @@ def _resume_target(args, cfg: Config, run_dir: str):
 
 def _check(cfg: Config, world: int):
     """Every config error, raised before any process group or collective exists."""
-    from dtensor_moe.parallel.compile import check_compile
+    from dtensor_moe.parallel.compile import check_compile_with_ac
     from dtensor_moe.parallel.placement import check_pipeline, plan_moe
     from dtensor_moe.parallel.replicas import check_replica_mesh
     from dtensor_moe.train.data import check_global_batch
-    from dtensor_moe.train.parallel.parallelize_transformer import check_model_parallel
+    from dtensor_moe.train.parallel.parallelize_transformer import check_compile_with_dense_parallel
 
     p, m = cfg.parallel, cfg.model  # types and ranges of every field were checked when the config was built
     dims = parallel_dims(cfg, world)
     plan_moe(m.moe_config(), dims)
     check_replica_mesh(cfg.moe_run.expert_replicas, m.num_experts, dims, "moe_run.expert_replicas", "parallel.ep")
-    check_compile(cfg.training.activation_checkpoint, cfg.training.compile, "training.")
-    check_model_parallel(dims, cfg.training.compile, "training.")
+    check_compile_with_ac(cfg.training.activation_checkpoint, cfg.training.compile, "training.")
+    check_compile_with_dense_parallel(dims, cfg.training.compile, "training.")
     check_pipeline(dims, p.pp_schedule, p.num_microbatches, m.n_layers, m.tie_embeddings)
     # CP and TP ranks split each sequence; the other ranks read different sequences.
     check_global_batch(cfg.training.global_batch, dims.dp_replicate * dims.dp_shard, p.num_microbatches)

@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from dtensor_moe.moe import MoE
-from dtensor_moe.parallel.compile import apply_activation_checkpointing, apply_compile, check_compile
+from dtensor_moe.parallel.compile import apply_activation_checkpointing, apply_compile, check_compile_with_ac
 from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
 from dtensor_moe.parallel.shard import (
     DEFAULT_TP_GRADS,
@@ -47,7 +47,7 @@ def parallelize_blocks(
     weights inside it (`gather_in_forward`). `tp_grads` (dtensor_moe.parallel.shard.TP_GRADS): with
     `dims.tp > 1`, how the MoEs' gradients combine over the tp ranks; "sum" (default) matches the dense TP
     weights' (the loss of a tp group)."""
-    check_compile(activation_checkpoint, compile)
+    check_compile_with_ac(activation_checkpoint, compile)
     check_tp_grads(tp_grads)
     layers = moe_placement_plans(model, dims)
     meshes = dims.build_meshes(device_type)

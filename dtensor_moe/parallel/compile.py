@@ -16,7 +16,7 @@ from dtensor_moe.kernels import recompute
 from dtensor_moe.parallel.activation_checkpoint import check_activation_checkpoint
 from dtensor_moe.parallel.inductor_grid import guard_empty_y_grid
 
-__all__ = ["apply_activation_checkpointing", "apply_compile", "check_compile"]
+__all__ = ["apply_activation_checkpointing", "apply_compile", "check_compile_with_ac"]
 
 # Selective checkpointing keeps the outputs of our ops that declare it (kernels/recompute.py: the expert-parallel
 # exchange, the expert GEMMs) and of torch's own: the statistics' all-reduce (so recomputation repeats no
@@ -81,7 +81,7 @@ def apply_compile(module: nn.Module, compile: bool | str = True, fullgraph: bool
     return module
 
 
-def check_compile(activation_checkpoint: str, compile, prefix: str = ""):
+def check_compile_with_ac(activation_checkpoint: str, compile, prefix: str = ""):
     """What compile and activation checkpointing need, checked before any collective."""
     check_activation_checkpoint(activation_checkpoint, prefix)
     if not compile:

@@ -171,7 +171,7 @@ if hasattr(torch._dynamo.eval_frame, "skip_code"):
     torch._dynamo.eval_frame.skip_code(_plain_input.__code__)
 
 
-def check_compilable(layers, compile, prefix: str) -> None:
+def check_compile_with_replicas(layers, compile, prefix: str) -> None:
     """What a compiled layer needs of `layers` (moe_placement_plans'), checked before any collective."""
     if compile and any(m.options.expert_replicas for m, _ in layers):
         raise ValueError(f"{prefix}compile={compile!r} with expert_replicas > 0 is not supported (the replicas' "
@@ -190,7 +190,7 @@ def meshes_dims(meshes: MoEMeshes) -> MoEParallelDims:
     return MoEParallelDims(meshes.dense.size() * pp, dp_replicate, dp_shard, cp, tp, ep, etp, pp)
 
 
-def check_backend(compile, prefix: str = ""):
+def check_compile_backend(compile, prefix: str = ""):
     """ValueError unless `compile` is True, False or a torch.compile backend name."""
     if isinstance(compile, bool):
         return
@@ -350,7 +350,7 @@ def compile_moe(module: nn.Module, backend: str = "inductor") -> nn.Module:
         raise ValueError(f"compile_moe: backend must be a torch.compile backend name "
                          f"{torch.compiler.list_backends(exclude_tags=())}, got {backend!r}")
     moes = _placed(module, "compile_moe")
-    check_compilable([(m, None) for m in moes], backend, "compile_moe: ")
+    check_compile_with_replicas([(m, None) for m in moes], backend, "compile_moe: ")
     twice = [n for n, m in named_moes(module, type(module).__name__).items() if m.placement.compiled]
     if twice:
         raise ValueError(f"compile_moe: MoE layers {twice} are compiled already; valid: compile_moe once per model")
@@ -417,14 +417,14 @@ def parallelize_moe(
     if not isinstance(dims, MoEParallelDims):
         raise TypeError(f"parallelize_moe(module, dims): dims must be a MoEParallelDims (the degrees; it builds the "
                         f"meshes itself), got {type(dims).__name__}")
-    check_backend(compile, "parallelize_moe: ")
+    check_compile_backend(compile, "parallelize_moe: ")
     check_tp_grads(tp_grads, "parallelize_moe: ")
     check_mp_policy(mp_policy, "parallelize_moe")
     check_device_type(device_type)
     layers = moe_placement_plans(module, dims)
     if not layers:
         _refuse_no_moe(module, "parallelize_moe")
-    check_compilable(layers, compile, "parallelize_moe: ")
+    check_compile_with_replicas(layers, compile, "parallelize_moe: ")
     meshes = dims.build_meshes(device_type)
     style = ExpertParallel(dims, meshes=meshes, tp_grads=tp_grads, fully_shard=False, gather_in_forward=bool(compile))
     parallelize_module(module, meshes.tp, style, src_data_rank=None)

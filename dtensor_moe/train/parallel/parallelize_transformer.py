@@ -3,7 +3,7 @@
 from torch import nn
 
 from dtensor_moe.parallel.blocks import parallelize_blocks
-from dtensor_moe.parallel.compile import check_compile
+from dtensor_moe.parallel.compile import check_compile_with_ac
 from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.train.parallel.context_parallel import apply_cp, check_cp_model
 from dtensor_moe.train.parallel.tensor_parallel import apply_tp, check_tp_model
@@ -11,7 +11,7 @@ from dtensor_moe.train.parallel.tensor_parallel import apply_tp, check_tp_model
 __all__ = ["parallelize_transformer"]
 
 
-def check_model_parallel(dims: MoEParallelDims, compile, prefix: str = ""):
+def check_compile_with_dense_parallel(dims: MoEParallelDims, compile, prefix: str = ""):
     """What dense TP, CP and PP need of parallelize_transformer's other options, checked before any collective."""
     if compile and dims.pp > 1:
         raise ValueError(f"{prefix}compile is not supported with pp > 1 yet (each MoE's load-balancing loss is "
@@ -41,8 +41,8 @@ def parallelize_transformer(
     (2-D). `dims.cp > 1`: each rank holds a contiguous part of every sequence; attention gathers
     the keys and values over cp (context_parallel.py).
     """
-    check_compile(activation_checkpoint, compile)
-    check_model_parallel(dims, compile)
+    check_compile_with_ac(activation_checkpoint, compile)
+    check_compile_with_dense_parallel(dims, compile)
     if dims.tp > 1:
         check_tp_model(model, dims.tp)
     if dims.cp > 1:
