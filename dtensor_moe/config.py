@@ -9,7 +9,8 @@ from dtensor_moe.validate import Range, above, at_least, check_fields
 
 __all__ = [
     "MoEConfig", "MoERunOptions", "SCORE_FUNCS", "LOAD_BALANCE", "DROP_POLICIES", "ACTIVATIONS", "EXPERT_PRECISIONS",
-    "DISPATCH_PRECISIONS", "check_run_options", "effective_activation_memory",
+    "DISPATCH_PRECISIONS", "check_run_options", "check_replica_slots", "check_replica_mesh", "check_row_cap",
+    "effective_activation_memory",
 ]
 
 SCORE_FUNCS = ("softmax", "sigmoid", "topk_softmax")
@@ -270,6 +271,30 @@ def check_replica_slots(replicas: int, num_experts: int, name: str = "expert_rep
         raise ValueError(f"{name} ({replicas}) must be in 0..{experts} ({num_experts}): each slot holds a copy of "
                          f"one expert, and more slots than experts have nothing to hold; valid: {name} "
                          f"0..{num_experts}{valid}")
+
+
+def check_replica_mesh(replicas: int, num_experts: int, dims, name: str = "expert_replicas", ep: str = "ep") -> None:
+    """Replica slots need an EP mesh: a slot holds a copy of another EP rank's expert. `dims`: MoEParallelDims;
+    `name`, `ep`: the option and the EP degree as the caller's user wrote them (the main job's
+    `moe_run.expert_replicas` and `parallel.ep`, the hook's flags)."""
+    if replicas and dims.ep == 1:
+        n = dims.dp_shard * dims.cp * dims.tp
+        valid = [d for d in range(2, n + 1) if n % d == 0 and num_experts % d == 0]
+        other = (f"{ep} in {valid}" if valid
+                 else f"more ranks ({n} rank(s) fold no {ep} > 1 that divides {num_experts} experts)")
+        raise ValueError(f"{name} ({replicas}) needs {ep} > 1 (a replica holds another EP rank's expert), got "
+                         f"{ep} 1; valid: {name} 0, or {other}")
+
+
+def check_row_cap(max_rows: int, ep: int, etp: int, names=("max_rows_per_rank", "ep", "etp")):
+    """A row cap acts in the expert-parallel dispatch only: on a mesh without expert axes (ep * etp = 1) no
+    forward reads it, so it would be accepted and never enforced. `names`: the cap's, ep's and etp's as the user
+    wrote them (the main job's fields; the torchtitan hook's flags)."""
+    cap, ep_name, etp_name = names
+    if max_rows and ep * etp == 1:
+        raise ValueError(f"{cap} ({max_rows}) needs {ep_name} > 1 (or {etp_name} > 1): the cap is read in the "
+                         f"expert-parallel dispatch, which a mesh without expert axes does not run, so it would never "
+                         f"act; valid: {cap} 0 (no cap), or {ep_name} 2 or more")
 
 
 def effective_activation_memory(options: MoERunOptions) -> str:

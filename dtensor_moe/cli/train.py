@@ -15,7 +15,6 @@ from dtensor_moe.cli.launch import RunDirLock, Supervisor, clear_run_state
 from dtensor_moe.routing.token_rounding import check_rounding_reachable
 from dtensor_moe.train.config import (
     Config,
-    check_row_cap,
     is_override,
     load_config,
     parse_overrides,
@@ -257,9 +256,9 @@ def _resume_target(args, cfg: Config, run_dir: str):
 
 def _check(cfg: Config, world: int):
     """Every config error, raised before any process group or collective exists."""
+    from dtensor_moe.config import check_replica_mesh, check_row_cap
     from dtensor_moe.parallel.compile import check_compile_with_ac
     from dtensor_moe.parallel.placement import check_pipeline, plan_moe
-    from dtensor_moe.parallel.replicas import check_replica_mesh
     from dtensor_moe.train.data import check_global_batch
     from dtensor_moe.train.parallel.parallelize_transformer import check_compile_with_dense_parallel
 
@@ -272,7 +271,8 @@ def _check(cfg: Config, world: int):
     check_pipeline(dims, p.pp_schedule, p.num_microbatches, m.n_layers, m.tie_embeddings)
     # CP and TP ranks split each sequence; the other ranks read different sequences.
     check_global_batch(cfg.training.global_batch, dims.dp_replicate * dims.dp_shard, p.num_microbatches)
-    check_row_cap(cfg.moe_run.max_rows_per_rank, dims.ep, dims.etp)
+    check_row_cap(cfg.moe_run.max_rows_per_rank, dims.ep, dims.etp,
+                  ("moe_run.max_rows_per_rank", "parallel.ep", "parallel.etp"))
     dp = dims.dp_replicate * dims.dp_shard
     tokens = cfg.training.global_batch // (dp * p.num_microbatches) * (cfg.training.seq_len // (dims.cp * dims.tp))
     check_rounding_reachable(

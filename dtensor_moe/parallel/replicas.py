@@ -17,7 +17,7 @@ order of its pairs): the owner takes the first share, each replica the next, in 
 import math
 from collections.abc import Sequence
 
-__all__ = ["place_replicas", "rows_per_rank", "shares", "holders", "source_segments", "check_replica_mesh"]
+__all__ = ["place_replicas", "rows_per_rank", "shares", "holders", "source_segments"]
 
 
 def _water_fill(rows: int, levels: Sequence[int]) -> list[int]:
@@ -118,19 +118,6 @@ def place_replicas(load_E: Sequence[int], ep: int, r: int, candidates: int = 4) 
         e, q = best
         slots[q][slots[q].index(-1)] = e
     return tuple(tuple(row) for row in slots)
-
-
-def check_replica_mesh(replicas: int, num_experts: int, dims, name: str = "expert_replicas", ep: str = "ep") -> None:
-    """Replica slots need an EP mesh: a slot holds a copy of another EP rank's expert. `dims`: MoEParallelDims;
-    `name`, `ep`: the option and the EP degree as the caller's user wrote them (the main job's
-    `moe_run.expert_replicas` and `parallel.ep`, the hook's flags)."""
-    if replicas and dims.ep == 1:
-        n = dims.dp_shard * dims.cp * dims.tp
-        valid = [d for d in range(2, n + 1) if n % d == 0 and num_experts % d == 0]
-        other = (f"{ep} in {valid}" if valid
-                 else f"more ranks ({n} rank(s) fold no {ep} > 1 that divides {num_experts} experts)")
-        raise ValueError(f"{name} ({replicas}) needs {ep} > 1 (a replica holds another EP rank's expert), got "
-                         f"{ep} 1; valid: {name} 0, or {other}")
 
 
 def _check_place_args(load_E, ep, r, candidates) -> None:

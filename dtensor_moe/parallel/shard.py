@@ -14,7 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils.hooks import RemovableHandle
 
-from dtensor_moe.config import MoERunOptions
+from dtensor_moe.config import MoERunOptions, check_replica_mesh
 from dtensor_moe.experts import SwiGLUExperts
 from dtensor_moe.grad_scale import ScaleGrad
 from dtensor_moe.moe import LocalStats, MoE
@@ -30,7 +30,6 @@ from dtensor_moe.parallel.dispatch import (
 from dtensor_moe.parallel.mesh import MoEMeshes, MoEParallelDims
 from dtensor_moe.parallel.placement import WeightPlan, plan_moe
 from dtensor_moe.parallel.replica_dispatch import ReplicaDispatch, Replicas
-from dtensor_moe.parallel.replicas import check_replica_mesh
 
 # `tp_grads`: how the gradients of the tp ranks' copies of an MoE's weights combine under sequence parallelism
 # (dims.tp > 1: every tp rank hands the layer its own slice of each sequence, so each holds a copy of the router

@@ -23,12 +23,10 @@ from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.linear import ScaledBiasRowwiseLinear
 from torchtitan.trainer import Trainer as TitanTrainer
 
-from dtensor_moe.config import MoERunOptions, check_replica_slots
+from dtensor_moe.config import MoERunOptions, check_replica_mesh, check_replica_slots, check_row_cap
 from dtensor_moe.parallel.dispatch import RowCapExceeded
 from dtensor_moe.parallel.mesh import MoEParallelDims
-from dtensor_moe.parallel.replicas import check_replica_mesh
 from dtensor_moe.routing.token_rounding import check_rounding_reachable
-from dtensor_moe.train.config import check_row_cap
 from dtensor_moe.train.supervision import INTERRUPTED_RC, PREEMPTED_RC, ROW_CAP_RC, StopRequests
 
 from . import compat

@@ -13,7 +13,7 @@ from dtensor_moe.validate import Range, above, at_least, check_fields
 
 __all__ = [
     "Config", "ModelConfig", "ParallelConfig", "TrainingConfig", "DataConfig", "load_config", "parse_overrides",
-    "read_toml", "check_row_cap",
+    "read_toml",
 ]
 
 BYTE_VOCAB = 256  # corpus, synthetic (train/data.py) and the byte tokenizer (train/tokenizer.py)
@@ -310,17 +310,6 @@ class Config:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def check_row_cap(max_rows: int, ep: int, etp: int, names=("moe_run.max_rows_per_rank", "parallel.ep", "parallel.etp")):
-    """A row cap acts in the expert-parallel dispatch only: on a mesh without expert axes (ep * etp = 1) no
-    forward reads it, so it would be accepted and never enforced. `names`: the cap's, ep's and etp's as the user
-    wrote them (the main job's fields; the torchtitan hook's flags)."""
-    cap, ep_name, etp_name = names
-    if max_rows and ep * etp == 1:
-        raise ValueError(f"{cap} ({max_rows}) needs {ep_name} > 1 (or {etp_name} > 1): the cap is read in the "
-                         f"expert-parallel dispatch, which a mesh without expert axes does not run, so it would never "
-                         f"act; valid: {cap} 0 (no cap), or {ep_name} 2 or more")
 
 
 SECTIONS = {"model": ModelConfig, "moe_run": MoERunOptions, "parallel": ParallelConfig, "training": TrainingConfig,
