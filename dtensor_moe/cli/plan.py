@@ -24,7 +24,7 @@ def _config_dirs() -> list[Path]:
     return [Path.cwd() / "configs", Path(__file__).resolve().parents[2] / "configs"]  # the checkout's, when editable
 
 
-def load_config(path: Path) -> tuple[ModelShape, MoERunOptions]:
+def shape_from_training_config(path: Path) -> tuple[ModelShape, MoERunOptions]:
     """The model a training config trains and how its MoE layers run: the built-in model of its [model] fields, or
     with `hf_path` the checkpoint's own architecture (its config.json, read as the main job reads it; [model] adds
     balance fields), and its [moe_run] section."""
@@ -59,10 +59,10 @@ def resolve(model: str) -> tuple[ModelShape, MoERunOptions]:
         return PRESETS[model], MoERunOptions()
     path = Path(model)
     if path.is_file():
-        return load_config(path)
+        return shape_from_training_config(path)
     for d in _config_dirs():
         if (d / f"{model}.toml").is_file():
-            return load_config(d / f"{model}.toml")
+            return shape_from_training_config(d / f"{model}.toml")
     configs = sorted({p.stem for d in _config_dirs() if d.is_dir() for p in d.glob("*.toml")})
     raise ValueError(f"unknown model {model!r}; valid: presets {PUBLISHED}, torchtitan configs {list(TITAN_MODELS)} "
                      f"(--module dtensor_moe.titan --config), configs {configs}, or a path to a .toml")

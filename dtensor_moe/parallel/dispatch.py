@@ -1,4 +1,5 @@
-"""Expert-parallel dispatch: one class per communication strategy, each plan -> move -> (experts) -> combine.
+"""Expert-parallel dispatch: one class per communication strategy, each exchange tables -> move -> (experts) ->
+combine.
 
 A strategy moves a layer's tokens to the EP x ETP ranks that hold their experts' slices (`dispatch`, returning the
 rows this rank's experts compute as an `ExpertInput`) and the outputs back (`combine`), with the ops of
@@ -204,7 +205,7 @@ class TokenDispatch:
         return self.send(x, counts_E, Pairs.of(copies))
 
     def send(self, x: torch.Tensor, counts_E: torch.Tensor, pairs: Pairs) -> ExpertInput:
-        """plan, move: the rows of `pairs` (counts_E per expert id of theirs) at the ranks of their experts."""
+        """Exchange tables, then move: the rows of `pairs` (counts_E per expert id) at their experts' ranks."""
         g = self.group
         x_TD = x.reshape(-1, x.shape[-1])
         tables = exchange_tables(counts_E, pairs.expert_N, pairs.pair_N, x_TD.shape[0], pairs.top_k, *g.names)

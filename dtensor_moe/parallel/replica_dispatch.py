@@ -14,7 +14,7 @@ Other experts (torchtitan's, under the hook) get their rows one per pair in expe
 slot (`relabel_rows`, a stable permutation the combine undoes), and the replica rows run through the experts' own
 forward with the copies in place of their parameters (`run_foreign`), so they compute exactly as the owner's rows.
 
-`ReplicaDispatch` wraps the token or pair strategy (dispatch.py) with this: the relabel before its plan,
+`ReplicaDispatch` wraps the token or pair strategy (dispatch.py) with this: the relabel before its exchange tables,
 the replica rows' run after its move, their outputs back beside the owned rows' before its combine.
 
 Placement (which expert each slot holds) changes only every `replan_every` training forwards, from the counts

@@ -45,8 +45,9 @@ class HookConfig:
     dp_replicate: int = 1
     """HSDP replicate degree of dense and expert weights (sets parallelism.data_parallel_replicate_degree)."""
     load_balance_coeff: float | None = None
-    """Every MoE layer's load_balance_coeff (torchtitan's aux-loss-free routing bias, expert_bias_E, moved by
-    this much a step): 0 trains no bias; unset keeps the model config's (the hook's Qwen3 configs train none)."""
+    """Every MoE layer's load_balance_coeff, torchtitan's name for MoEConfig.bias_update_rate (the aux-loss-free
+    routing bias expert_bias_E moves by this much a step; not an aux-loss weight): 0 trains no bias; unset keeps
+    the model config's (the hook's Qwen3 configs train none)."""
     experts: str = "ours"
     """Who computes the routed experts (titan/experts.py): "ours" (dtensor_moe's `TokenDispatch` and kernels on
     torchtitan's own expert parameters) or "titan" (torchtitan's experts behind our `PairDispatch`). The
