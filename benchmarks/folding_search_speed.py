@@ -22,9 +22,9 @@ from dtensor_moe.cli import plan as report
 p = argparse.ArgumentParser()
 report.add_arguments(p)
 args = p.parse_args(sys.argv[1:])
-spec = report.resolve(args.model)
-work = report.Workload(args.seq_len, args.micro_batch, args.dtype, args.optimizer, args.recompute, args.microbatches,
-                       args.pp_schedule)
+spec, run = report.resolve(args.model)
+work = report.Workload(args.seq_len, args.micro_batch, args.dtype, args.optimizer, args.activation_checkpoint,
+                       args.microbatches, args.pp_schedule, moe_run=run)
 hw = report.Hardware(args.gpus, args.gpus_per_node, args.gpu_mem, args.intra_bw * 1e9, args.inter_bw * 1e9)
 t0 = time.process_time()
 cands = report.rank_foldings(spec, work, hw, args.pp or None)

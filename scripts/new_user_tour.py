@@ -288,9 +288,9 @@ def config_cases(tour: Tour, jobs):
             ["bad.toml", "line 3"],
         ),
         (
-            "plan --recompute some",
-            ["plan", "--model", "tiny_cpu", "--gpus", "8", "--recompute", "some"],
-            ["--recompute", "full"],
+            "plan --activation-checkpoint some",
+            ["plan", "--model", "tiny_cpu", "--gpus", "8", "--activation-checkpoint", "some"],
+            ["--activation-checkpoint", "full"],
         ),
         ("explain --world 8 --ep 3", ["explain", "--world", "8", "--ep", "3", "--experts", "4"], ["ep", "Valid ep"]),
         ("explain --experts 6 --ep 4", ["explain", "--world", "8", "--ep", "4", "--experts", "6"], ["ep", "experts"]),

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Odd vocab (250) and small dims so FSDP pads some shards and some ranks hold less than others.
 TINY = dict(vocab_size=250, dim=24, n_layers=2, n_heads=4, num_experts=4, top_k=2, hidden_dim=20,
             num_shared_experts=1)
-FP32 = P.Workload(seq_len=8, micro_batch=2, dtype="fp32")
+FP32 = P.Workload(seq_len=8, micro_batch=2, dtype="float32")
 
 
 def _spec(model: str) -> ModelShape:
@@ -276,9 +276,10 @@ NAN, INF = float("nan"), float("inf")
     (lambda: P.Workload(seq_len=4096.0), "Workload.seq_len", "an int >= 1, got 4096.0"),
     (lambda: P.Workload(seq_len=0), "Workload.seq_len", "an int >= 1, got 0"),
     (lambda: P.Workload(micro_batch=True), "Workload.micro_batch", "an int >= 1, got True"),
-    (lambda: P.Workload(dtype=None), "Workload.dtype", "one of ['bf16', 'fp32'], got None"),
+    (lambda: P.Workload(dtype=None), "Workload.dtype", "one of ['bf16', 'float32'], got None"),
     (lambda: P.Workload(optimizer="lion"), "Workload.optimizer", "one of ['adamw', 'sgd'], got 'lion'"),
-    (lambda: P.Workload(recompute=True), "Workload.recompute", "one of ['full', 'none'], got True"),
+    (lambda: P.Workload(activation_checkpoint=True), "Workload.activation_checkpoint",
+     "one of ['full', 'none'], got True"),
     (lambda: P.Workload(skew=-0.5), "Workload.skew", ">= 0, got -0.5"),
     (lambda: P.Workload(skew=INF), "Workload.skew", "a finite number >= 0, got inf"),
     (lambda: replace(MIXTRAL, n_layers=0), "ModelShape.n_layers", "an int >= 1, got 0"),
@@ -894,7 +895,7 @@ def test_minimal_activation_memory_prices_pre_activations_and_received_rows(ep, 
     pre-activation) plus, under EP x ETP, each received token row once (etp * D per EP rank it reaches), where
     "standard" keeps top_k * (2 etp D + 3F); everything else in the layer is unchanged."""
     spec = PRESETS["deepseek-v3-671b"]
-    minimal = P.Workload(seq_len=4096, recompute="none")  # the default
+    minimal = P.Workload(seq_len=4096, activation_checkpoint="none")  # the default
     assert minimal.moe_run.activation_memory == "minimal"
     work = replace(minimal, moe_run=MoERunOptions(activation_memory="standard"))
     dims = MoEParallelDims(64, ep=ep, etp=etp)

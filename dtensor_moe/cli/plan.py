@@ -13,7 +13,7 @@ from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims, divis
 from dtensor_moe.parallel.placement import check_pipeline
 from dtensor_moe.tools.folding.report import candidate_dict, explain_choice, table
 from dtensor_moe.tools.folding.search import TP_NOTE, pipeline_degrees, rank_foldings
-from dtensor_moe.tools.folding.workload import COMPUTE_BYTES, OPTIMIZER_MOMENTS, RECOMPUTE, Hardware, Workload
+from dtensor_moe.tools.folding.workload import COMPUTE_BYTES, OPTIMIZER_MOMENTS, PRICED_AC_MODES, Hardware, Workload
 from dtensor_moe.tools.presets import PRESETS, TITAN_MODELS, ModelShape, shape_from_hf_config, shape_from_model_config
 from dtensor_moe.validate import check_int, check_positive
 
@@ -81,7 +81,8 @@ def add_arguments(p):
     p.add_argument("--pp-schedule", choices=list(PP_STAGES_PER_RANK), default="1f1b")
     p.add_argument("--dtype", choices=sorted(COMPUTE_BYTES), default="bf16", help="compute dtype (master weights fp32)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZER_MOMENTS), default="adamw")
-    p.add_argument("--recompute", choices=RECOMPUTE, default="full", help="activation checkpointing per block")
+    p.add_argument("--activation-checkpoint", choices=PRICED_AC_MODES, default="full",
+                   help="activation checkpointing per block (training.activation_checkpoint's none or full)")
     p.add_argument("--intra-bw", type=float, default=450.0, help="GB/s per GPU inside a node")
     p.add_argument("--inter-bw", type=float, default=50.0, help="GB/s per GPU across nodes")
     p.add_argument("--skew", type=float, default=0.0,
@@ -139,8 +140,8 @@ def run(args) -> int:
         spec, run = resolve(args.model)
         run = _with_replicas(args, spec, run)
         _check_pipeline_flags(args, spec)
-        work = Workload(args.seq_len, args.micro_batch, args.dtype, args.optimizer, args.recompute, args.microbatches,
-                        args.pp_schedule, args.skew, run)
+        work = Workload(args.seq_len, args.micro_batch, args.dtype, args.optimizer, args.activation_checkpoint,
+                        args.microbatches, args.pp_schedule, args.skew, run)
         hw = Hardware(args.gpus, args.gpus_per_node, args.gpu_mem, args.intra_bw * 1e9, args.inter_bw * 1e9)
     except ValueError as e:
         print(f"dtensor-moe plan: {e}", file=sys.stderr)
@@ -168,7 +169,7 @@ def run(args) -> int:
         return 0
     print(f"{spec.name} on {hw.gpus} GPUs ({hw.gpus_per_node}/node, {hw.gpu_mem_gib:g} GiB), seq {work.seq_len} x "
           f"micro-batch {work.micro_batch} x {work.microbatches} microbatch(es), {work.dtype} compute / fp32 master, "
-          f"{work.optimizer}, recompute={work.recompute}, pp schedule {work.pp_schedule}"
+          f"{work.optimizer}, activation_checkpoint={work.activation_checkpoint}, pp schedule {work.pp_schedule}"
           + (f", routing skew {work.skew:g} (Zipf)" if work.skew else "")
           + (f", {replicas} replica slot(s) per EP rank" if replicas else ""))
     print(f"{len(cands)} foldings enumerated ({TP_NOTE}; {pp_note}); {len(fitting)} fit; planned in {elapsed:.2f} s")

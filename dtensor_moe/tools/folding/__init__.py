@@ -92,7 +92,7 @@ from dtensor_moe.tools.folding.workload import (
     COMPUTE_BYTES,
     MASTER_BYTES,
     OPTIMIZER_MOMENTS,
-    RECOMPUTE,
+    PRICED_AC_MODES,
     REDUCE_BYTES,
     STEP_BYTES,
     GiB,
@@ -103,7 +103,7 @@ from dtensor_moe.tools.folding.workload import (
 )
 
 __all__ = [
-    "COMPUTE_BYTES", "MASTER_BYTES", "OPTIMIZER_MOMENTS", "RECOMPUTE", "REDUCE_BYTES", "STEP_BYTES", "TP_NOTE",
+    "COMPUTE_BYTES", "MASTER_BYTES", "OPTIMIZER_MOMENTS", "PRICED_AC_MODES", "REDUCE_BYTES", "STEP_BYTES", "TP_NOTE",
     "Balance", "Candidate", "CostCache", "Footprint", "GiB", "Hardware", "Held", "Memo", "Memory", "PipelineRank",
     "Rates", "StageShare", "Traffic", "Unit", "UnitPart", "Workload", "activation_bytes", "balance", "bubble_fraction",
     "candidate_dict", "chain_inter_fraction", "combine", "comm_bytes", "comm_time", "distinct_ranks", "evaluate",

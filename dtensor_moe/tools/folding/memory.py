@@ -115,5 +115,5 @@ def predicted_state_bytes(model_cfg, dims: MoEParallelDims, rank: int, optimizer
     spec = shape_from_model_config(model_cfg)
     units = fsdp_units(spec, dims, stage_share(spec, dims.pp, pp_schedule, dims.pp_coord(rank)))
     tensors = sum(u.count * len(u.plans) for u in units)
-    work = Workload(dtype="fp32", optimizer=optimizer)
+    work = Workload(dtype="float32", optimizer=optimizer)
     return dict(zip(("params", "grads", "optimizer"), state_bytes(held_numel(units, dims, rank), tensors, work)))

@@ -99,7 +99,7 @@ def rates(spec: ModelShape, dims: MoEParallelDims, work: Workload, gpus_per_node
     replica placement); None computes them afresh."""
     G, b, M, moe = gpus_per_node, work.compute_bytes, work.microbatches, spec.moe
     T, D, k, F = tokens_per_rank(work, dims), spec.dim, moe.top_k, moe.hidden_dim
-    recompute = work.recompute == "full"
+    recompute = work.activation_checkpoint == "full"
     # Inputs plus outputs of one layer's attention linears per token: attention sees the whole CP
     # part of the sequence (tp times T tokens) with 1/tp of the heads.
     attention = sum(s[0] + s[-1] for _, s in spec.attention if len(s) == 2)

@@ -14,9 +14,10 @@ from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims
 from dtensor_moe.validate import at_least, check_choice, check_fields, check_int, check_positive
 
 GiB = 2**30
-COMPUTE_BYTES = {"bf16": 2, "fp32": 4}
+COMPUTE_BYTES = {"bf16": 2, "float32": 4}  # the main job's training.dtype values
 OPTIMIZER_MOMENTS = {"adamw": 2, "sgd": 0}
-RECOMPUTE = ("none", "full")
+# The activation_checkpoint modes (parallel/activation_checkpoint.AC_MODES) the cost model prices; not "selective".
+PRICED_AC_MODES = ("none", "full")
 MASTER_BYTES = 4  # sharded params, grads and optimizer state are fp32 under either dtype
 REDUCE_BYTES = 4  # gradients are reduced in fp32 (torchtitan's default reduce_dtype)
 STEP_BYTES = 4  # AdamW's per-tensor step counter (a float32 scalar)
@@ -30,9 +31,9 @@ class Workload:
     Attributes:
         seq_len (int): tokens per sequence. Default 4096.
         micro_batch (int): sequences per data-parallel rank per microbatch. Default 1.
-        dtype (str): the compute dtype, "bf16" (default) or "fp32"; sharded state is fp32 under either.
+        dtype (str): the compute dtype, "bf16" (default) or "float32"; sharded state is fp32 under either.
         optimizer (str): "adamw" (default: two fp32 moments and a step counter per tensor) or "sgd" (no state).
-        recompute (str): "full" (default: each block's activations recomputed in backward) or "none".
+        activation_checkpoint (str): "full" (default: each block's activations recomputed in backward) or "none".
         microbatches (int): per step: pipeline microbatches, or gradient accumulation without pp. Default 1.
         pp_schedule (str): "gpipe", "1f1b" (default) or "interleaved_1f1b".
         skew (float): routing skew, expert popularity 1 / rank ** skew (skew.py); 0 (default): balanced.
@@ -44,7 +45,7 @@ class Workload:
     micro_batch: int = 1  # sequences per data-parallel rank per microbatch
     dtype: str = "bf16"
     optimizer: str = "adamw"
-    recompute: str = "full"  # "full": each block's activations are recomputed in backward
+    activation_checkpoint: str = "full"  # "full": each block's activations are recomputed in backward
     microbatches: int = 1  # per step: pipeline microbatches, or gradient accumulation without pp
     pp_schedule: str = "1f1b"
     skew: float = 0.0  # expert popularity 1 / rank ** skew (skew.py); 0: every expert alike
@@ -57,7 +58,7 @@ class Workload:
         check_choice("Workload.pp_schedule", self.pp_schedule, PP_STAGES_PER_RANK)
         check_choice("Workload.dtype", self.dtype, COMPUTE_BYTES)
         check_choice("Workload.optimizer", self.optimizer, OPTIMIZER_MOMENTS)
-        check_choice("Workload.recompute", self.recompute, RECOMPUTE)
+        check_choice("Workload.activation_checkpoint", self.activation_checkpoint, PRICED_AC_MODES)
         check_fields(self, "Workload.", skew=at_least(0))
         if not isinstance(self.moe_run, MoERunOptions):
             raise ValueError(f"Workload.moe_run must be a dtensor_moe.MoERunOptions, got {type(self.moe_run).__name__}")
