@@ -117,7 +117,7 @@ def _bounded(out: str, ranks: list[int], max_lines: int = 200) -> str:
 
 
 def explain_cases(tour: Tour) -> list[Result]:
-    mesh = ["--ep", "2", "--etp", "2", "--tp", "2", "--pp", "2", "--experts", "4", "--shared-experts", "1"]
+    mesh = ["--ep", "2", "--etp", "2", "--tp", "2", "--pp", "2", "--num-experts", "4", "--shared-experts", "1"]
     stage = int(BIG) // 2
     return [
         explain_case(tour, f"--world {BIG} (PP2, TP2, EP2 x ETP2): the first ranks and the last, in seconds",
@@ -125,25 +125,25 @@ def explain_cases(tour: Tour) -> list[Result]:
         explain_case(tour, f"--world {BIG} --ranks 123456789,{stage - 1}: those ranks' rows and slices",
                      ["--world", BIG, *mesh, "--ranks", f"123456789,{stage - 1}"], 0,
                      check=lambda o: _bounded(o, [123456789, stage - 1])),
-        explain_case(tour, "--world 256: every rank listed, as before", ["--world", "256", "--ep", "2", "--experts",
+        explain_case(tour, "--world 256: every rank listed, as before", ["--world", "256", "--ep", "2", "--num-experts",
                                                                         "4"], 0,
                      check=lambda o: _bounded(o, list(range(256)), 2000)),
         explain_case(tour, "--world 514 --pp 2 (stages of 257 ranks: past the full listing): the first 8 and the last",
-                     ["--world", "514", "--pp", "2", "--experts", "4"], 0,
+                     ["--world", "514", "--pp", "2", "--num-experts", "4"], 0,
                      check=lambda o: _bounded(o, [*range(8), 256])),
         explain_case(tour, f"--world {BIG} --ranks {stage} (a rank of the next stage: ranks are stage-local)",
                      ["--world", BIG, *mesh, "--ranks", str(stage)], 2, ["--ranks", str(stage), f"0..{stage - 1}"]),
         explain_case(tour, "--world 4096 --ranks 0-300 (more ranks than the text lists)",
-                     ["--world", "4096", "--experts", "4", "--ranks", "0-300"], 2, ["--ranks", "0-300", "256"]),
+                     ["--world", "4096", "--num-experts", "4", "--ranks", "0-300"], 2, ["--ranks", "0-300", "256"]),
         explain_case(tour, "--world 8 --ranks 2-x (not a range)",
-                     ["--world", "8", "--experts", "4", "--ranks", "2-x"], 2, ["--ranks", "2-x", "0..7"]),
+                     ["--world", "8", "--num-experts", "4", "--ranks", "2-x"], 2, ["--ranks", "2-x", "0..7"]),
         explain_case(tour, "--world 1000000 --png grid.png (a cell per rank)",
-                     ["--world", "1000000", "--experts", "4", "--png", str(tour.scratch / "pa_grid.png")], 2,
+                     ["--world", "1000000", "--num-experts", "4", "--png", str(tour.scratch / "pa_grid.png")], 2,
                      ["--png", "4096", "1000000"]),
         explain_case(tour, f"--world {BIG} --ep 3 (does not divide the world)",
-                     ["--world", BIG, "--ep", "3", "--experts", "3"], 2, ["ep"]),
+                     ["--world", BIG, "--ep", "3", "--num-experts", "3"], 2, ["ep"]),
         explain_case(tour, f"--world {BIG} --pp 7 (does not divide the world)",
-                     ["--world", BIG, "--pp", "7", "--experts", "4"], 2, ["pp", "7"]),
+                     ["--world", BIG, "--pp", "7", "--num-experts", "4"], 2, ["pp", "7"]),
     ]
 
 

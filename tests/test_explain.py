@@ -15,7 +15,7 @@ from dtensor_moe.parallel.mesh import MoEParallelDims
 from dtensor_moe.parallel.placement import owned_box, plan_moe
 
 ROOT = Path(__file__).resolve().parents[1]
-README_ARGS = ["explain", "--world", "8", "--ep", "2", "--etp", "2", "--experts", "4", "--dim", "8", "--hidden-dim", "8", "--shared-experts", "1"]  # noqa: E501
+README_ARGS = ["explain", "--world", "8", "--ep", "2", "--etp", "2", "--num-experts", "4", "--dim", "8", "--hidden-dim", "8", "--shared-experts", "1"]  # noqa: E501
 README_CONFIG = MoEConfig(dim=8, hidden_dim=8, num_experts=4, top_k=1, num_shared_experts=1)
 CASES = [
     (README_CONFIG, MoEParallelDims(8, ep=2, etp=2)),  # EDP2 x EP2 x ETP2
@@ -133,12 +133,12 @@ def test_fmt_ranks():
 def test_cli_bad_folding_names_constraint():
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        assert main(["explain", "--world", "8", "--ep", "3", "--experts", "4"]) == 2
+        assert main(["explain", "--world", "8", "--ep", "3", "--num-experts", "4"]) == 2
     assert "Valid ep" in err.getvalue()
 
 
 @pytest.mark.parametrize("flag,value,valid", [
-    ("--experts", "0", "an int >= 1, got 0"),
+    ("--num-experts", "0", "an int >= 1, got 0"),
     ("--hidden-dim", "0", "an int >= 1, got 0"),
     ("--dim", "-8", "an int >= 1, got -8"),
     ("--world", "0", "an int >= 1, got 0"),
@@ -168,7 +168,7 @@ def test_png_is_written_at_the_path_reported(tmp_path):
     path = tmp_path / "grid"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["explain", "--world", "2", "--experts", "2", "--png", str(path)]) == 0
+        assert main(["explain", "--world", "2", "--num-experts", "2", "--png", str(path)]) == 0
     assert out.getvalue().endswith(f"rank grid written to {path}\n")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "grid.png").exists()
 
@@ -217,8 +217,8 @@ def test_huge_world_lists_a_few_ranks_quickly():
     ranks a stage the text lists the first ranks and the last, each with its own slices: bounded lines and time."""
     import time
 
-    argv = ["explain", "--world", "1000000000", "--pp", "2", "--tp", "2", "--ep", "2", "--etp", "2", "--experts", "4",
-            "--shared-experts", "1"]
+    argv = ["explain", "--world", "1000000000", "--pp", "2", "--tp", "2", "--ep", "2", "--etp", "2", "--num-experts",
+            "4", "--shared-experts", "1"]
     t0 = time.perf_counter()
     with contextlib.redirect_stdout(io.StringIO()) as out:
         assert main(argv) == 0

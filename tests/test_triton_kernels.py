@@ -178,18 +178,18 @@ def test_wgrad_config_follows_the_measured_table(tmp_path, monkeypatch):
     # The committed table: DeepSeek-like gradients (256 rows per expert) take BLOCK_K 32 with TMA's loads and
     # reduce-add, Mixtral-like w1/w3 ones ([F, D] = [14336, 4096], 2048 rows) BLOCK_K 16 in 6 stages, E64's w1/w3
     # the wide tile persistent; an unmeasured (O, I) the default; gate and up's [2F, D] its own row.
-    assert policy.wgrad_config((256, 2048, 7168), 65536) == wgrad.Config(128, 128, 32, 4, 4, True, True, 0, True)
-    assert policy.wgrad_config((8, 14336, 4096), 16384) == wgrad.Config(128, 128, 16, 4, 6, True, True)
-    assert policy.wgrad_config((64, 1536, 4096), 98304) == wgrad.Config(128, 256, 64, 8, 3, True, True, 1)
-    assert policy.wgrad_config((8, 14336, 2048), 16384) == wgrad.CONFIG
-    assert policy.wgrad_config((256, 4096, 7168), 65536) == wgrad.Config(128, 128, 32, 4, 4, True, True, 0, True)
+    assert policy.wgrad_config((256, 2048, 7168), 65536) == wgrad.TileConfig(128, 128, 32, 4, 4, True, True, 0, True)
+    assert policy.wgrad_config((8, 14336, 4096), 16384) == wgrad.TileConfig(128, 128, 16, 4, 6, True, True)
+    assert policy.wgrad_config((64, 1536, 4096), 98304) == wgrad.TileConfig(128, 256, 64, 8, 3, True, True, 1)
+    assert policy.wgrad_config((8, 14336, 2048), 16384) == wgrad.DEFAULT_TILES
+    assert policy.wgrad_config((256, 4096, 7168), 65536) == wgrad.TileConfig(128, 128, 32, 4, 4, True, True, 0, True)
     table = tmp_path / "wgrad.json"
     table.write_text('{"configs": [{"O": 64, "I": 32, "rows_per_expert": 100, "config": [16, 32, 16, 4, 2]},'
                      ' {"O": 64, "I": 32, "rows_per_expert": 1000, "config": [32, 16, 16, 4, 2]}]}')
     monkeypatch.setenv("DTENSOR_MOE_WGRAD_CONFIGS", str(table))
     # The nearest measured rows per expert on a log scale: 250 is nearer 100 than 1000, 400 nearer 1000.
-    assert policy.wgrad_config((4, 64, 32), 4 * 250) == wgrad.Config(16, 32, 16, 4, 2)
-    assert policy.wgrad_config((4, 64, 32), 4 * 400) == wgrad.Config(32, 16, 16, 4, 2)
-    assert policy.wgrad_config((4, 32, 64), 4 * 400) == wgrad.CONFIG
+    assert policy.wgrad_config((4, 64, 32), 4 * 250) == wgrad.TileConfig(16, 32, 16, 4, 2)
+    assert policy.wgrad_config((4, 64, 32), 4 * 400) == wgrad.TileConfig(32, 16, 16, 4, 2)
+    assert policy.wgrad_config((4, 32, 64), 4 * 400) == wgrad.DEFAULT_TILES
     # Gate and up's gradient together ([2F, D]) where only one half's was measured: the tiles measured for a half.
-    assert policy.wgrad_config((4, 128, 32), 4 * 100) == wgrad.Config(16, 32, 16, 4, 2)
+    assert policy.wgrad_config((4, 128, 32), 4 * 100) == wgrad.TileConfig(16, 32, 16, 4, 2)

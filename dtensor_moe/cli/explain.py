@@ -259,7 +259,7 @@ def add_arguments(p):
     p.add_argument("--cp", type=int, default=1)
     p.add_argument("--tp", type=int, default=1, help="dense tensor parallelism (sequence-parallel)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (outermost)")
-    p.add_argument("--experts", type=int, required=True)
+    p.add_argument("--num-experts", type=int, required=True)
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--hidden-dim", type=int, default=8, help="expert hidden dim F")
     p.add_argument("--shared-experts", type=int, default=0)
@@ -270,7 +270,7 @@ def add_arguments(p):
 
 
 def _check_flags(args):
-    """The flags by their own names (MoEConfig's messages would say num_experts for --experts)."""
+    """The flags by their own names, as the user typed them (MoEConfig's messages would name its fields)."""
     for flag in (
         "world",
         "ep",
@@ -279,7 +279,7 @@ def _check_flags(args):
         "cp",
         "tp",
         "pp",
-        "experts",
+        "num_experts",
         "dim",
         "hidden_dim",
         "shared_experts",
@@ -299,7 +299,7 @@ def _check_flags(args):
 def run(args) -> int:
     try:
         _check_flags(args)
-        config = MoEConfig(dim=args.dim, hidden_dim=args.hidden_dim, num_experts=args.experts, top_k=1,
+        config = MoEConfig(dim=args.dim, hidden_dim=args.hidden_dim, num_experts=args.num_experts, top_k=1,
                            num_shared_experts=args.shared_experts)
         dims = MoEParallelDims(
             args.world, dp_replicate=args.dp_replicate, cp=args.cp, tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp

@@ -94,7 +94,7 @@ def weight_grad_accumulation(x_ND: torch.Tensor, half_shape, grouped: bool, host
 
 
 # The Triton weight-gradient kernel's tile config per measured (O, I, rows per expert): another than
-# wgrad.CONFIG only where tools/tune/wgrad_probe.py saw it >= 4% faster in every run (at least two) on
+# wgrad.DEFAULT_TILES only where tools/tune/wgrad_probe.py saw it >= 4% faster in every run (at least two) on
 # one H200 (benchmarks/RESULTS.md; the spread between runs is about 4%).
 WGRAD_CONFIGS = os.path.join(os.path.dirname(__file__), "wgrad_configs.json")
 
@@ -105,18 +105,18 @@ def _wgrad_configs(path: str) -> tuple:
         return tuple(json.load(f)["configs"])
 
 
-def wgrad_config(out_shape, rows: int) -> wgrad.Config:
+def wgrad_config(out_shape, rows: int) -> wgrad.TileConfig:
     """kernels/wgrad.py's config for out_shape [E, O, I] over `rows` routed rows: the table's at this
     (O, I) nearest in rows per expert on a log scale; for the experts' gate and up gradient [E, 2F, D] unmeasured,
-    the one measured at [E, F, D] (the same tiles over twice the rows of output); wgrad.CONFIG for an unmeasured
+    the one measured at [E, F, D] (the same tiles over twice the rows of output); wgrad.DEFAULT_TILES for an unmeasured
     (O, I) (DTENSOR_MOE_WGRAD_CONFIGS overrides the table's path)."""
     E, O, I = out_shape
     table = _wgrad_configs(os.environ.get("DTENSOR_MOE_WGRAD_CONFIGS", WGRAD_CONFIGS))
     candidates = ([r for r in table if (r["O"], r["I"]) == (O, I)]
                   or [r for r in table if (2 * r["O"], r["I"]) == (O, I)])
     if not candidates:
-        return wgrad.CONFIG
-    return wgrad.Config(*_nearest(candidates, rows / max(E, 1))["config"])
+        return wgrad.DEFAULT_TILES
+    return wgrad.TileConfig(*_nearest(candidates, rows / max(E, 1))["config"])
 
 
 def _nearest(records: list[dict], rows_per_expert: float) -> dict:

@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 
-class Config(NamedTuple):
+class TileConfig(NamedTuple):
     """A tile of BLOCK_O x BLOCK_I outputs, BLOCK_K rows a step, its warps and pipeline stages;
     `atomic`: the epilogue adds the tile into the gradient with one bf16 atomic add per element
     (in L2, nothing for the program to wait on) instead of reading, adding in fp32 and writing it;
@@ -46,11 +46,11 @@ class Config(NamedTuple):
 
 # Where policy.wgrad_config has no measurement: the best measured at the DeepSeek-like shape (two
 # programs fit on an SM, so one's epilogue overlaps the other's loop), within 7% of the best at Qwen's.
-CONFIG = Config(128, 128, 64, 4, 3)
+DEFAULT_TILES = TileConfig(128, 128, 64, 4, 3)
 
 
 def accumulate(out_EOI: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tensor, ends_E: torch.Tensor,
-               alpha: float, config: Config = CONFIG) -> None:
+               alpha: float, config: TileConfig = DEFAULT_TILES) -> None:
     """out_EOI[e] += alpha * g^T x over rows ends_E[e-1]:ends_E[e] (ends_E: the grouped GEMMs' offsets)."""
     E, O, I = out_EOI.shape
     if E == 0 or g_NO.shape[0] == 0:
@@ -59,7 +59,7 @@ def accumulate(out_EOI: torch.Tensor, g_NO: torch.Tensor, x_NI: torch.Tensor, en
 
     from dtensor_moe.kernels import wgrad_triton  # imports Triton: only where a kernel runs
 
-    block_o, block_i, block_k, warps, stages, atomic, tma, per_sm, tma_loads = Config(*config)
+    block_o, block_i, block_k, warps, stages, atomic, tma, per_sm, tma_loads = TileConfig(*config)
     sm90 = out_EOI.is_cuda and torch.cuda.get_device_capability(out_EOI.device) >= (9, 0)
     if out_EOI.is_cuda and not sm90:
         atomic = False  # 16-bit float atomic adds are native from sm90 on: elsewhere read-add-write

@@ -40,7 +40,7 @@ from dtensor_moe.kernels.recompute import recomputing
 from dtensor_moe.parallel.exchange import ExchangeTables, all_gather, ep_move, exchange_tables, group_name, pair_move
 from dtensor_moe.routing.tables import PaddedCopies, PairRows, TokenCopies, gather_rows, inverse_permutation
 
-__all__ = ["DispatchGroup", "DispatchStrategy", "TokenDispatch", "PairDispatch", "SlotDispatch", "Pairs",
+__all__ = ["DispatchGroup", "DispatchStrategy", "TokenDispatch", "PairDispatch", "SlotDispatch", "SentPairs",
            "RowCap", "RowCapExceeded", "RowLoad", "dispatch_hooks"]
 
 
@@ -136,7 +136,7 @@ class RowLoad:
         return rows
 
 
-class Pairs(NamedTuple):
+class SentPairs(NamedTuple):
     """The (token, expert) pairs a dropless step sends, in expert-major order (`routing.TokenCopies`' or
     relabelled by replica slot): expert_N (E for a dropped pair, last), pair_N = t * top_k + k, weight_N."""
 
@@ -146,7 +146,7 @@ class Pairs(NamedTuple):
     top_k: int
 
     @classmethod
-    def of(cls, copies: TokenCopies) -> "Pairs":
+    def of(cls, copies: TokenCopies) -> "SentPairs":
         return cls(copies.expert_N, copies.pair_N, copies.weight_N, copies.weight_TK.shape[1])
 
 
@@ -202,9 +202,9 @@ class TokenDispatch:
     def dispatch(self, x: torch.Tensor, counts_E: torch.Tensor, copies: TokenCopies, experts=None) -> ExpertInput:
         """x [..., D]: the tokens; counts_E: pairs per global expert; copies: their routing (TokenCopies)."""
         _expect(copies, TokenCopies, self)
-        return self.send(x, counts_E, Pairs.of(copies))
+        return self.send(x, counts_E, SentPairs.of(copies))
 
-    def send(self, x: torch.Tensor, counts_E: torch.Tensor, pairs: Pairs) -> ExpertInput:
+    def send(self, x: torch.Tensor, counts_E: torch.Tensor, pairs: SentPairs) -> ExpertInput:
         """Exchange tables, then move: the rows of `pairs` (counts_E per expert id) at their experts' ranks."""
         g = self.group
         x_TD = x.reshape(-1, x.shape[-1])
@@ -224,7 +224,7 @@ class TokenDispatch:
         experts', then the replica slots'); nothing to undo at the combine."""
         _expect(copies, TokenCopies, self)
         counts, expert_N, pair_N, weight_N = replicas.relabel(copies, counts_E, training)
-        return self.send(x, counts, Pairs(expert_N, pair_N, weight_N, copies.weight_TK.shape[1])), None
+        return self.send(x, counts, SentPairs(expert_N, pair_N, weight_N, copies.weight_TK.shape[1])), None
 
     @staticmethod
     def run_replicas(replicas, experts, replica_forward, x_RD, counts_E, host_counts, scale, adds_output_bias):

@@ -52,10 +52,11 @@ def main():
         want = out0.float() + 0.5 * torch.stack([a.t().float() @ b.float() for a, b in zip(g.split(counts),
                                                                                                 x.split(counts))])
         ends = torch.tensor(counts, device=dev).cumsum(0).to(torch.int32)
-        for config in (W.CONFIG, W.Config(128, 128, 32, 4, 4, True), W.Config(128, 128, 32, 4, 4, True, True),
-                       W.Config(64, 128, 32, 4, 3, True, True, 1), W.Config(128, 64, 32, 4, 3, False, False, 2),
-                       W.Config(128, 128, 32, 4, 4, True, True, 0, True),
-                       W.Config(64, 128, 32, 4, 3, False, False, 1, True)):
+        for config in (W.DEFAULT_TILES, W.TileConfig(128, 128, 32, 4, 4, True),
+                       W.TileConfig(128, 128, 32, 4, 4, True, True), W.TileConfig(64, 128, 32, 4, 3, True, True, 1),
+                       W.TileConfig(128, 64, 32, 4, 3, False, False, 2),
+                       W.TileConfig(128, 128, 32, 4, 4, True, True, 0, True),
+                       W.TileConfig(64, 128, 32, 4, 3, False, False, 1, True)):
             out = out0.clone()
             W.accumulate(out, g, x, ends, 0.5, config)
             torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=0.5)

@@ -14,7 +14,7 @@ accumulates them) and w2 ([E, D, F] = dy^T h). Uniform random routing.
 Every method starts from the same random gradient and is checked against an fp32 reference
 (relative Frobenius error) before it is timed (CUDA-event medians). Prints a table; writes JSON, and
 with --configs-out per (O, I, rows per expert) the fastest correct Triton config where it beat
-wgrad.CONFIG by at least 4% (else CONFIG): the form of kernels/wgrad_configs.json, which
+wgrad.DEFAULT_TILES by at least 4% (else DEFAULT_TILES): the form of kernels/wgrad_configs.json, which
 kernels/policy.wgrad_config reads. The committed table asks for that margin in every run, at least two:
 
     python tools/tune/wgrad_probe.py --merge run1/wgrad.json run2/wgrad.json --out wgrad_configs.json
@@ -37,7 +37,7 @@ SHAPES = {  # D, F, experts, routed rows: moe_layer.py's local shapes, and DeepS
     "mixtral": (4096, 14336, 8, 8192 * 2),
     "e64": (4096, 1536, 64, 16384 * 6),
 }
-C = wgrad_kernel.Config
+C = wgrad_kernel.TileConfig
 CONFIGS = [C(128, 128, 64, 4, 3), C(128, 256, 64, 8, 3), C(128, 128, 64, 4, 3, True), C(128, 128, 32, 4, 4, True),
            C(128, 256, 64, 8, 3, True),
            # the sum as TMA's bulk reduce-add, per tile and persistent (per_sm programs per SM)
@@ -51,7 +51,7 @@ CONFIGS = [C(128, 128, 64, 4, 3), C(128, 256, 64, 8, 3), C(128, 128, 64, 4, 3, T
            C(128, 128, 32, 4, 4, True, True, 2, True), C(128, 256, 64, 8, 3, True, True, 1, True),
            C(128, 128, 64, 4, 3, False, False, 0, True), C(128, 256, 64, 8, 3, True, False, 0, True)]
 TOL = 1e-2  # bf16 gradient rounding is ~3e-3 relative
-MARGIN = 0.96  # another config replaces wgrad.CONFIG only when this much faster: run-to-run spread is ~4%
+MARGIN = 0.96  # another config replaces wgrad.DEFAULT_TILES only when this much faster: run-to-run spread is ~4%
 
 
 def measure(shape, orient, O, I, counts, ends, iters, timed) -> list[dict]:
@@ -110,19 +110,20 @@ def measure(shape, orient, O, I, counts, ends, iters, timed) -> list[dict]:
 
 
 def chosen(runs: list[dict]) -> list[dict]:
-    """Per (shape, O, I, rows per expert): the config with the lowest worst-run ratio to wgrad.CONFIG among those
-    every run measured, where that ratio is at most MARGIN (else CONFIG); `runs`: each run's {key: {config: ms}}."""
+    """Per (shape, O, I, rows per expert): the config with the lowest worst-run ratio to wgrad.DEFAULT_TILES among
+    those every run measured, where that ratio is at most MARGIN (else DEFAULT_TILES); `runs`: each run's
+    {key: {config: ms}}."""
     table = []
     for key in runs[0]:
         shape, O, I, rows = key
-        measured = [ms for ms in (run.get(key, {}) for run in runs) if wgrad_kernel.CONFIG in ms]
+        measured = [ms for ms in (run.get(key, {}) for run in runs) if wgrad_kernel.DEFAULT_TILES in ms]
         common = set.intersection(*(set(ms) for ms in measured)) if measured else set()
-        worst = {c: max(ms[c] / ms[wgrad_kernel.CONFIG] for ms in measured) for c in common}
-        best = min(worst, key=worst.get, default=wgrad_kernel.CONFIG)
-        pick = best if worst.get(best, 1) <= MARGIN else wgrad_kernel.CONFIG
+        worst = {c: max(ms[c] / ms[wgrad_kernel.DEFAULT_TILES] for ms in measured) for c in common}
+        best = min(worst, key=worst.get, default=wgrad_kernel.DEFAULT_TILES)
+        pick = best if worst.get(best, 1) <= MARGIN else wgrad_kernel.DEFAULT_TILES
         table.append({"shape": shape, "O": O, "I": I, "rows_per_expert": rows, "config": list(pick),
                       "ms": [ms[pick] for ms in measured],
-                      "default_ms": [ms[wgrad_kernel.CONFIG] for ms in measured]})
+                      "default_ms": [ms[wgrad_kernel.DEFAULT_TILES] for ms in measured]})
     return table
 
 
@@ -149,7 +150,7 @@ def main():
     if args.merge:
         write_configs(args.out, [timed_of(p) for p in args.merge],
                       f"tools/tune/wgrad_probe.py --merge of {len(args.merge)} runs: a config other than "
-                      f"kernels/wgrad.CONFIG only where it ran <= {MARGIN} of its time in every run")
+                      f"kernels/wgrad.DEFAULT_TILES only where it ran <= {MARGIN} of its time in every run")
         return
     rows, timed = [], {}
     for shape in args.shapes:
