@@ -443,8 +443,12 @@ def test_config_toml(tmp_path):
     with pytest.raises(ValueError, match="unknown \\[model\\] keys"):
         resolve(str(path))
     path.write_text("[model]\ntop_k = 2\n[moe_run]\nactivation_memory = \"least\"\n")
-    with pytest.raises(ValueError, match=r"tiny\.toml: \[moe_run\]: MoERunOptions\.activation_memory must be one of "
+    # The main job's reading of [moe_run] (train.config.build_section): its keys as the file names them.
+    with pytest.raises(ValueError, match=r"tiny\.toml: moe_run\.activation_memory must be one of "
                                          r"\['standard', 'minimal'\], got 'least'"):
+        resolve(str(path))
+    path.write_text("[model]\ntop_k = 2\n[moe_run]\nreplicas = 1\n")
+    with pytest.raises(ValueError, match=r"tiny\.toml: unknown \[moe_run\] keys \['replicas'\]; valid keys: \["):
         resolve(str(path))
 
 

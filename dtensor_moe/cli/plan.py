@@ -28,13 +28,13 @@ def shape_from_training_config(path: Path) -> tuple[ModelShape, MoERunOptions]:
     """The model a training config trains and how its MoE layers run: the built-in model of its [model] fields, or
     with `hf_path` the checkpoint's own architecture (its config.json, read as the main job reads it; [model] adds
     balance fields), and its [moe_run] section."""
-    from dtensor_moe.train.config import ModelConfig, read_toml
+    from dtensor_moe.train.config import ModelConfig, build_section, read_toml
 
     data = read_toml(str(path))  # a malformed file is named, with tomllib's line
     try:
-        run = MoERunOptions(**data.get("moe_run", {}))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{path}: [moe_run]: {e}") from None
+        run = build_section("moe_run", data.get("moe_run", {}))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     if "model" not in data:
         raise ValueError(
             f"{path}: a training config needs a [model] table (fields of dtensor_moe.train.config.ModelConfig)"

@@ -13,7 +13,7 @@ from dtensor_moe.validate import Range, above, at_least, check_fields
 
 __all__ = [
     "Config", "ModelConfig", "ParallelConfig", "TrainingConfig", "DataConfig", "load_config", "parse_overrides",
-    "read_toml",
+    "read_toml", "build_section",
 ]
 
 BYTE_VOCAB = 256  # corpus, synthetic (train/data.py) and the byte tokenizer (train/tokenizer.py)
@@ -76,11 +76,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown [model] keys {sorted(unknown)}; valid keys: {sorted(known)}")
-        return cls(**d)
+        """The `[model]` table `d` (a run's, or a checkpoint's model_config.json), checked as load_config checks it."""
+        return build_section("model", d)
 
     def moe_config(self) -> MoEConfig:
         return MoEConfig(**{f.name: getattr(self, f.name) for f in fields(MoEConfig)})
@@ -316,7 +313,24 @@ SECTIONS = {"model": ModelConfig, "moe_run": MoERunOptions, "parallel": Parallel
             "data": DataConfig}
 
 
-def _section(name: str, cls, values: dict):
+def build_section(name: str, values: dict):
+    """One table of the config, `SECTIONS[name]`, from its keys: an unknown key is refused naming the valid ones (and
+    a run option left under [model] naming [moe_run]), a bad value naming it as `name.key`.
+
+    Args:
+        name (str): the table, a key of SECTIONS.
+        values (dict): its keys and values.
+
+    Returns:
+        the section's dataclass.
+    """
+    cls = SECTIONS[name]
+    known = {f.name for f in fields(cls)}
+    bad = set(values) - known
+    if bad:
+        moved = sorted(bad & {f.name for f in fields(MoERunOptions)}) if name == "model" else []
+        hint = f"; {moved} are [moe_run] keys (how the run computes the MoE layers)" if moved else ""
+        raise ValueError(f"unknown [{name}] keys {sorted(bad)}{hint}; valid keys: {sorted(known)}")
     try:
         return cls(**values)
     except ValueError as e:
@@ -387,14 +401,4 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
         raw.setdefault(section, {})[name] = value
     if raw.get("model", {}).get("hf_path"):
         raw["model"] = hf_model_fields(raw["model"])
-    built = {}
-    for section, cls in SECTIONS.items():
-        values = raw.get(section, {})
-        known = {f.name for f in fields(cls)}
-        bad = set(values) - known
-        if bad:
-            moved = sorted(bad & {f.name for f in fields(MoERunOptions)}) if section == "model" else []
-            hint = f"; {moved} are [moe_run] keys (how the run computes the MoE layers)" if moved else ""
-            raise ValueError(f"unknown [{section}] keys {sorted(bad)}{hint}; valid keys: {sorted(known)}")
-        built[section] = _section(section, cls, values)
-    return Config(**built)
+    return Config(**{section: build_section(section, raw.get(section, {})) for section in SECTIONS})
