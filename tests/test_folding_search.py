@@ -862,7 +862,8 @@ def test_search_with_replicas_skips_foldings_without_ep():
     with_r = P.rank_foldings(spec, replace(work, moe_run=MoERunOptions(expert_replicas=1)), hw)
     assert any(c.dims.ep == 1 for c in plain) and with_r and all(c.dims.ep > 1 for c in with_r)
     assert {c.dims for c in with_r} == {c.dims for c in plain if c.dims.ep > 1}
-    with pytest.raises(ValueError, match=r"Workload\.moe_run must be a dtensor_moe\.MoERunOptions, got dict"):
+    with pytest.raises(ValueError,
+                       match=r"Workload\.moe_run must be a dtensor_moe\.MoERunOptions, got \{'expert_replicas': 1\}"):
         P.Workload(moe_run={"expert_replicas": 1})
 
 

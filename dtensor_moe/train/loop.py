@@ -390,9 +390,9 @@ def _checkpointing(args, run_dir: str, total_steps: int, data: dict | None = Non
 
 
 if __name__ == "__main__":  # the parity reference: python -m dtensor_moe.train.loop CONFIG_JSON RUN_DIR [DP SEQ]
-    from dtensor_moe.train.config import SECTIONS
+    from dtensor_moe.train.config import SECTIONS, build_section
 
     raw = json.loads(sys.argv[1])
-    ref = Config(**{name: cls(**raw[name]) for name, cls in SECTIONS.items()})
+    ref = Config(**{name: build_section(name, raw[name]) for name in SECTIONS})
     slices = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 3 else None
     train_ranks(ref, sys.argv[2], label="1-process reference", moe_slices=slices)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from dtensor_moe.config import MoERunOptions
 from dtensor_moe.parallel.mesh import PP_STAGES_PER_RANK, MoEParallelDims
-from dtensor_moe.validate import at_least, check_choice, check_fields, check_int, check_positive
+from dtensor_moe.validate import at_least, check_choice, check_fields, check_int, check_positive, check_type
 
 GiB = 2**30
 COMPUTE_BYTES = {"bf16": 2, "float32": 4}  # the main job's training.dtype values
@@ -60,8 +60,7 @@ class Workload:
         check_choice("Workload.optimizer", self.optimizer, OPTIMIZER_MOMENTS)
         check_choice("Workload.activation_checkpoint", self.activation_checkpoint, PRICED_AC_MODES)
         check_fields(self, "Workload.", skew=at_least(0))
-        if not isinstance(self.moe_run, MoERunOptions):
-            raise ValueError(f"Workload.moe_run must be a dtensor_moe.MoERunOptions, got {type(self.moe_run).__name__}")
+        check_type("Workload.moe_run", self.moe_run, MoERunOptions, "a dtensor_moe.MoERunOptions")
 
     @property
     def compute_bytes(self) -> int:
